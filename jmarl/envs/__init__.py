@@ -1,0 +1,23 @@
+"""Tasks as immutable-state multi-agent environments (see ENVIRONMENTS.md)."""
+
+from jmarl.envs.base import (
+    EVAL_SEED_START,
+    Env,
+    StepResult,
+    eval_seed,
+    is_eval_seed,
+    make,
+    registered,
+    train_seed,
+)
+
+__all__ = [
+    "EVAL_SEED_START",
+    "Env",
+    "StepResult",
+    "eval_seed",
+    "is_eval_seed",
+    "make",
+    "registered",
+    "train_seed",
+]

@@ -87,7 +87,17 @@ class Env(Protocol):
         ...
 
     def end_turn(self, state: Any) -> Any:
-        """Closes a turn once every agent in `turn_order` has acted (may mark it done)."""
+        """Closes a turn once every agent in `turn_order` has acted.
+
+        Advances the turn counter and marks the episode done at `max_turns`. The episode loop
+        is: for each turn, for each agent in `turn_order`: `observe` (the turn-start state if
+        `parallel`, else the running state), `step` on the running state; then `end_turn`;
+        stop once `done`.
+        """
+        ...
+
+    def done(self, state: Any) -> bool:
+        """Whether the episode in `state` has ended (solved, failed for good, or out of turns)."""
         ...
 
     def success(self, state: Any) -> bool:

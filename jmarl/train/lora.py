@@ -1,0 +1,81 @@
+"""LoRA adapters as a separate pytree over a frozen base: W' = W + (alpha / rank) * A @ B.
+
+Adapters live beside the base parameters, not inside them, so the base is the reference policy
+for free and only the adapters are trained (and stacked on a leading policy axis for
+per-agent LoRA). A kernel of shape [..., in, out] (leading axes such as a stacked-layer axis
+are kept) gets A [..., in, rank] (random normal / sqrt(in)) and B [..., rank, out] (zeros), so
+a fresh adapter leaves the model unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jmarl.errors import JmarlError
+
+Params = Any
+KERNEL_NAMES = ("kernel", "weight")
+
+
+def _path_names(path: tuple) -> tuple[str, ...]:
+    names = []
+    for p in path:
+        name = getattr(p, "key", None)
+        if name is None:
+            name = getattr(p, "name", None)
+        if name is None:
+            name = getattr(p, "idx", p)
+        names.append(str(name))
+    return tuple(names)
+
+
+def is_target(path: tuple, leaf: jax.Array, target_modules: Sequence[str]) -> bool:
+    """Whether the leaf at `path` is a projection kernel named in `target_modules`."""
+    names = _path_names(path)
+    if not names or names[-1] not in KERNEL_NAMES or getattr(leaf, "ndim", 0) < 2:
+        return False
+    return any(t in names[:-1] for t in target_modules)
+
+
+def init_lora(
+    params: Params, rng: jax.Array, *, rank: int, target_modules: Sequence[str]
+) -> Params:
+    """Adapters {'a', 'b'} for every targeted kernel, None elsewhere (same tree structure)."""
+    if rank < 1:
+        raise JmarlError(f"policies.lora.rank must be >= 1, got {rank}")
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(rng, max(len(leaves), 1))
+    out, found = [], 0
+    for (path, leaf), key in zip(leaves, keys):
+        if not is_target(path, leaf, target_modules):
+            out.append(None)
+            continue
+        found += 1
+        *lead, d_in, d_out = leaf.shape
+        a = jax.random.normal(key, (*lead, d_in, rank), jnp.float32) / jnp.sqrt(d_in)
+        out.append({"a": a, "b": jnp.zeros((*lead, rank, d_out), jnp.float32)})
+    if not found:
+        raise JmarlError(
+            f"policies.lora.target_modules {list(target_modules)} matched no kernel; "
+            "name projection modules such as q_proj, k_proj, v_proj, o_proj, gate_proj, "
+            "up_proj, down_proj"
+        )
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def merge_lora(base: Params, adapters: Params, *, rank: int, alpha: float) -> Params:
+    """W + (alpha / rank) * A @ B for every adapted kernel; other leaves pass through."""
+    scale = alpha / rank
+
+    def merge(w, ad):
+        if ad is None:
+            return w
+        delta = jnp.matmul(ad["a"], ad["b"]) * scale
+        return (w.astype(jnp.float32) + delta).astype(w.dtype)
+
+    # `base` sets the structure: each of its leaves meets the adapter subtree at the same path
+    # (None, or the {'a', 'b'} dict).
+    return jax.tree.map(merge, base, adapters)

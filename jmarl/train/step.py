@@ -1,0 +1,126 @@
+"""The jitted policy update: mini-batches, gradient accumulation, non-finite skip, policy vmap.
+
+A loss function has the signature `loss_fn(trainable, frozen, batch, minibatch_index) ->
+(loss, metrics)`: `trainable` is what the optimizer updates (full parameters, or LoRA
+adapters), `frozen` what it does not (None, or the LoRA base), `batch` a dict of arrays with a
+leading sample axis N, `minibatch_index` the int32 index m of the update within the step
+(HACPO's stepwise clipping reads it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jmarl.errors import JmarlError
+
+Params = Any
+Batch = dict[str, jax.Array]
+LossFn = Callable[[Params, Params, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@struct.dataclass
+class TrainState:
+    """What one policy's optimizer carries: trainable params, optax state, counters (int32[])."""
+
+    params: Params
+    opt_state: optax.OptState
+    step: jax.Array
+    skipped: jax.Array
+
+
+def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+    """A fresh state: optimizer initialised on `params`, counters at 0."""
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def _all_finite(tree: Params) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def split_minibatches(batch: Batch, num_minibatches: int, grad_accum: int) -> Batch:
+    """[N, ...] -> [num_minibatches, grad_accum, N / (num_minibatches * grad_accum), ...]."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    parts = num_minibatches * grad_accum
+    if n % parts:
+        raise JmarlError(
+            f"batch of {n} samples does not split into {num_minibatches} mini-batches x "
+            f"{grad_accum} accumulation steps; pad it to a multiple of {parts}"
+        )
+    return jax.tree.map(
+        lambda x: x.reshape(num_minibatches, grad_accum, n // parts, *x.shape[1:]), batch
+    )
+
+
+def make_update(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    num_minibatches: int = 1,
+    grad_accum: int = 1,
+) -> Callable[[TrainState, Params, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """A pure `update(state, frozen, batch) -> (state, metrics)` for one policy (not jitted).
+
+    The batch is cut into `num_minibatches` optimizer updates, each averaging the gradients of
+    `grad_accum` equal micro-batches. An update whose loss or gradient is not finite is
+    skipped: parameters and optimizer state stay as they were and `skipped` counts it.
+    Metrics are averaged over mini-batches; `grad_norm` is the global norm before clipping.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def update(state: TrainState, frozen: Params, batch: Batch):
+        def grads_of(params, micro_batch, index):
+            (loss, metrics), grads = grad_fn(params, frozen, micro_batch, index)
+            return grads, loss, metrics
+
+        def minibatch_update(state: TrainState, mb_and_index):
+            mb, index = mb_and_index
+            shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], mb), index)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+            def micro(acc, micro_batch):
+                return jax.tree.map(jnp.add, acc, grads_of(state.params, micro_batch, index)), None
+
+            summed, _ = jax.lax.scan(micro, zeros, mb)
+            grads, loss, metrics = jax.tree.map(lambda x: x / grad_accum, summed)
+
+            finite = jnp.isfinite(loss) & _all_finite(grads)
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_state = TrainState(
+                params=jax.tree.map(keep, new_params, state.params),
+                opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+                step=state.step + finite.astype(jnp.int32),
+                skipped=state.skipped + (~finite).astype(jnp.int32),
+            )
+            metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+            return new_state, metrics
+
+        mbs = split_minibatches(batch, num_minibatches, grad_accum)
+        indices = jnp.arange(num_minibatches, dtype=jnp.int32)
+        state, metrics = jax.lax.scan(minibatch_update, state, (mbs, indices))
+        return state, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+
+    return update
+
+
+def jit_update(update, *, stacked: bool = False, frozen_stacked: bool = False):
+    """Jits `update` with the state donated; with `stacked`, vmaps it over a leading policy axis.
+
+    `frozen_stacked` says whether the frozen tree (LoRA base) is per policy too or shared.
+    """
+    fn = update
+    if stacked:
+        fn = jax.vmap(update, in_axes=(0, 0 if frozen_stacked else None, 0))
+    return jax.jit(fn, donate_argnums=(0,))

@@ -104,7 +104,7 @@ def make_update(
                 step=state.step + finite.astype(jnp.int32),
                 skipped=state.skipped + (~finite).astype(jnp.int32),
             )
-            metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+            metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
             return new_state, metrics
 
         mbs = split_minibatches(batch, num_minibatches, grad_accum)

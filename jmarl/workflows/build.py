@@ -29,9 +29,9 @@ def build_rollouts(
     """N records -> `Rollouts` with tokens int32[N, T], T the bucketed longest sequence."""
     if not records:
         raise JmarlError("build_rollouts got no sample records; the plan produced no samples")
-    prompts = [np.asarray(r.completion.prompt_tokens, np.int32).reshape(-1) for r in records]
-    completions = [np.asarray(r.completion.completion_tokens, np.int32).reshape(-1) for r in records]
-    logprobs = [np.asarray(r.completion.logprobs, np.float32).reshape(-1) for r in records]
+    prompts = [_flat(r.completion.prompt_tokens, np.int32) for r in records]
+    completions = [_flat(r.completion.completion_tokens, np.int32) for r in records]
+    logprobs = [_flat(r.completion.logprobs, np.float32) for r in records]
     for i, (c, lp) in enumerate(zip(completions, logprobs)):
         if c.shape != lp.shape:
             raise JmarlError(
@@ -72,6 +72,11 @@ def build_rollouts(
         policy=field("policy", np.int32),
         source_policy=field("source_policy", np.int32),
     )
+
+
+def _flat(x, dtype) -> np.ndarray:
+    """x as a 1-D array of dtype."""
+    return np.asarray(x, dtype).reshape(-1)
 
 
 def _check_groups_within_one_policy(records: Sequence[SampleRecord]) -> None:

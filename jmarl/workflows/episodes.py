@@ -107,8 +107,10 @@ def run_episodes(
                 prompts = {(e, agent): env.observe(states[e], agent) for e in acting}
                 rng, key = split_key(rng)
                 completions = sample(prompts, key)
+            # every candidate is applied to the same immutable parent state: its own branch
             branches = [
-                [env.step(states[e], agent, c.text) for c in completions[(e, agent)]] for e in acting
+                [env.step(states[e], agent, c.text) for c in completions[(e, agent)]]
+                for e in acting
             ]
             scores = np.array([[score(res) for _, res in b] for b in branches], np.float64)
             rng, key = split_key(rng)

@@ -150,13 +150,15 @@ def sample_joint(
 
     zeros = tuple(0.0 for _ in env.agents)
     nodes = [
-        _Node(task=t, seed=int(s), turn=0, state=env.reset(int(s)), team_before=0.0, local_before=zeros)
+        _Node(task=t, seed=int(s), turn=0, state=env.reset(int(s)), team_before=0.0,
+              local_before=zeros)
         for t, s in enumerate(seeds)
     ]
     frontier = [i for i, n in enumerate(nodes) if not env.done(n.state)]
     while frontier:
         rng, key = split_key(rng)
-        _sample_frontier(env, [nodes[i] for i in frontier], acting, agent_policy, sampler, key, options)
+        live = [nodes[i] for i in frontier]
+        _sample_frontier(env, live, acting, agent_policy, sampler, key, options)
         next_frontier = []
         for i in frontier:
             for child in _expand(env, nodes[i], acting, options, max_turns):
@@ -189,7 +191,8 @@ def _sample_frontier(
             node.prompts[a] = env.observe(node.state, env.agents[a])
             requests.append((agent_policy[a], node.prompts[a]))
             slots.append((node, a))
-    for (node, a), completions in zip(slots, call_sampler(sampler, requests, options.num_samples, rng)):
+    answers = call_sampler(sampler, requests, options.num_samples, rng)
+    for (node, a), completions in zip(slots, answers):
         node.completions[a] = completions
 
 
@@ -282,7 +285,10 @@ def _records(
                         agent=a,
                         policy=agent_policy[a],
                         source_policy=agent_policy[a],
-                        info={"node": node_id, "immediate_reward": float(agg(node.rewards[rows, a]))},
+                        info={
+                            "node": node_id,
+                            "immediate_reward": float(agg(node.rewards[rows, a])),
+                        },
                     )
                 )
     return records

@@ -30,7 +30,8 @@ def make_options(name: str, **options: Any) -> Any:
     unknown = sorted(set(options) - known)
     if unknown:
         raise JmarlError(
-            f"unknown option(s) {unknown} for sampling plan {name!r}; its options are {sorted(known)}"
+            f"unknown option(s) {unknown} for sampling plan {name!r}; "
+            f"its options are {sorted(known)}"
         )
     return cls(**options)
 

@@ -35,6 +35,7 @@ from jmarl.workflows import (
     SampleRecord,
     TreeOptions,
     build_rollouts,
+    joint_sample_bound,
     run_plan,
     sample_independent,
     sample_joint,
@@ -467,6 +468,19 @@ def test_joint_matches_recursive_reference(mode, g, turns):
     for r in out.records:
         history = parse_prompt(r.prompt)[2]
         assert [h[0] for h in history] == [str(t) for t in range(r.turn) for _ in "ab"]
+
+
+@pytest.mark.parametrize("mode, g, turns", [("aligned", 2, 1), ("aligned", 3, 3), ("cross", 2, 2)])
+def test_joint_sample_count_formula(mode, g, turns):
+    env = CounterEnv(parallel=True, max_turns=turns)
+    seeds = [1000, 1001]  # unreachable targets: every branch runs all turns
+    out = sample_joint(env, seeds, (0, 1), ScriptedSampler(_hash_fn), KEY,
+                       JointOptions(num_samples=g, joint_mode=mode))
+    branching = g if mode == "aligned" else g**2
+    nodes = len(seeds) * sum(branching**t for t in range(turns))  # hand formula
+    assert len(out.records) == joint_sample_bound(len(seeds), 2, g, turns, mode) == 2 * g * nodes
+    assert out.num_groups == 2 * nodes
+    assert len(out.episodes) == len(seeds) * branching**turns
 
 
 # ---------------------------------------------------------------- build_rollouts

@@ -1,0 +1,326 @@
+"""`joint` (MAGRPO): G completions per agent per node, joint actions, a tree over turns.
+
+Used by MAGRPO (and its MAREINFORCE/MAReMax/MARLOO baselines, which differ only in the
+advantage). The agents of a turn act simultaneously (a Dec-POMDP): at a node every agent
+observes the node's state, so the env must be `parallel`.
+
+Node. For each task seed the root node holds `env.reset(seed)`. At a node each agent k samples
+G completions from its own prompt (one request with n=G: the G prompts are byte-identical).
+Joint actions: `aligned` (default) pairs the g-th completion of every agent (G joint actions);
+`cross` takes the Cartesian product (G**n joint actions). The env's joint reward is computed
+once per joint action, on a copy of the node state: the agents' actions are applied in
+`turn_order` (stopping early if the env is done), then `end_turn`; the reward of agent k is
+`(sum of the team rewards of those steps) + local_weight * (k's local reward)` (local_weight
+default 0: MAGRPO trains on the joint reward).
+
+Tree. Every joint action at turn t whose state is not done spawns a child node at turn t + 1
+whose prompts come from that state (the env's transition: the joint answer / feedback), up to
+`max_turns`. Optional early stop: a node whose mean reward (over joint actions and agents)
+reaches `early_stop_threshold` spawns no children. Return of joint action j at a node for
+agent k: `Q[j, k] = r[j, k] + gamma * mean_j' Q_child(j)[j', k]` (just `r[j, k]` without a
+child; gamma default 1.0). A completion's return is `Q` of its joint action (aligned), or the
+`sum` (default, as CoMLRL) or `mean` over every joint action it appears in (cross); that
+return is the sample's reward. The advantage is left to the algorithm.
+
+Groups. One group per (node, agent): the G sibling completions of one agent at one node.
+Episode stats: one `EpisodeStats` per leaf joint action (a root-to-leaf path).
+
+Sample count. E tasks, n agents, T turns, branching B = G (aligned) or G**n (cross), nothing
+stopping early: nodes = E * (1 + B + ... + B**(T-1)), samples = n * G * nodes, groups =
+n * nodes. E.g. aligned G=4, n=2, T=2: 40 samples per task; cross: 8 * 17 = 136. A plan whose
+upper bound exceeds `max_samples` raises before sampling.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jmarl.errors import JmarlError
+from jmarl.workflows.base import (
+    Completion,
+    EpisodeStats,
+    GroupIds,
+    PlanResult,
+    SampleRecord,
+    Sampler,
+    assert_identical_prompts,
+    call_sampler,
+    check_agent_policy,
+    check_choice,
+    resolve_max_turns,
+    split_key,
+)
+
+
+@dataclass(frozen=True)
+class JointOptions:
+    """Options of the `joint` plan (see the module docstring).
+
+    num_samples: G >= 1 completions per agent per node; joint_mode: "aligned" | "cross";
+    cross_aggregate: "sum" | "mean" (how a completion's return aggregates over its joint
+    actions in cross mode); gamma: discount of the children's mean return; local_weight:
+    weight of an agent's local reward in its reward; early_stop_threshold: a node whose mean
+    reward is >= it has no children (None: never); max_turns: cap (None: `env.max_turns`);
+    max_samples: refuse plans whose sample count could exceed it.
+    """
+
+    num_samples: int = 4
+    joint_mode: str = "aligned"
+    cross_aggregate: str = "sum"
+    gamma: float = 1.0
+    local_weight: float = 0.0
+    early_stop_threshold: float | None = None
+    max_turns: int | None = None
+    max_samples: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise JmarlError(f"joint: num_samples must be >= 1, got {self.num_samples}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise JmarlError(f"joint: max_turns must be >= 1 or None, got {self.max_turns}")
+        check_choice("joint.joint_mode", self.joint_mode, ("aligned", "cross"))
+        check_choice("joint.cross_aggregate", self.cross_aggregate, ("sum", "mean"))
+
+
+@dataclass
+class _Node:
+    """One node of the joint tree (host bookkeeping; filled in as the plan proceeds).
+
+    rewards/returns are f64[J, A] over joint actions and agent indices; children[j] is the node
+    id of joint action j's child or None; outcomes[j] is joint action j's (state after it, team
+    reward, local rewards per agent).
+    """
+
+    task: int
+    seed: int
+    turn: int
+    state: Any
+    team_before: float
+    local_before: tuple[float, ...]
+    prompts: dict[int, str] = field(default_factory=dict)
+    completions: dict[int, list[Completion]] = field(default_factory=dict)
+    joint: list[tuple[int, ...]] = field(default_factory=list)
+    rewards: np.ndarray | None = None
+    returns: np.ndarray | None = None
+    children: list[int | None] = field(default_factory=list)
+    outcomes: list[tuple[Any, float, list[float]]] = field(default_factory=list)
+
+
+def joint_sample_bound(
+    num_tasks: int, num_agents: int, num_samples: int, turns: int, joint_mode: str
+) -> int:
+    """Samples of a full joint tree: n * G * E * sum_{t<T} B**t with B = G or G**n."""
+    branching = num_samples if joint_mode == "aligned" else num_samples**num_agents
+    nodes_per_task = sum(branching**t for t in range(turns))
+    return num_tasks * num_agents * num_samples * nodes_per_task
+
+
+def sample_joint(
+    env: Any,
+    seeds: Sequence[int],
+    agent_policy: Sequence[int],
+    sampler: Sampler,
+    rng: jax.Array,
+    options: JointOptions = JointOptions(),
+) -> PlanResult:
+    """Joint-action tree per seed -> G records per (node, agent), reward = the return."""
+    agent_policy = check_agent_policy(env, agent_policy)
+    if not env.parallel:
+        raise JmarlError(
+            f"the joint plan needs an env whose agents act simultaneously, but env "
+            f"{env.name!r} is sequential (parallel=False); use the tree plan or a parallel "
+            "variant of the env"
+        )
+    max_turns = resolve_max_turns(env, options.max_turns)
+    acting = [env.agents.index(a) for a in env.turn_order]
+    bound = joint_sample_bound(
+        len(seeds), len(acting), options.num_samples, max_turns, options.joint_mode
+    )
+    if bound > options.max_samples:
+        raise JmarlError(
+            f"joint plan could produce {bound} samples (tasks={len(seeds)}, agents={len(acting)}, "
+            f"G={options.num_samples}, turns={max_turns}, joint_mode={options.joint_mode!r}), "
+            f"more than max_samples={options.max_samples}; lower G, turns or use aligned mode"
+        )
+
+    zeros = tuple(0.0 for _ in env.agents)
+    nodes = [
+        _Node(task=t, seed=int(s), turn=0, state=env.reset(int(s)), team_before=0.0,
+              local_before=zeros)
+        for t, s in enumerate(seeds)
+    ]
+    frontier = [i for i, n in enumerate(nodes) if not env.done(n.state)]
+    while frontier:
+        rng, key = split_key(rng)
+        live = [nodes[i] for i in frontier]
+        _sample_frontier(env, live, acting, agent_policy, sampler, key, options)
+        next_frontier = []
+        for i in frontier:
+            for child in _expand(env, nodes[i], acting, options, max_turns):
+                if child is None:
+                    nodes[i].children.append(None)
+                    continue
+                nodes.append(child)
+                nodes[i].children.append(len(nodes) - 1)
+                next_frontier.append(len(nodes) - 1)
+        frontier = next_frontier
+    _fill_returns(nodes, options.gamma)
+    records = _records(nodes, acting, agent_policy, options)
+    assert_identical_prompts(records)
+    return PlanResult(records=tuple(records), episodes=tuple(_leaf_stats(env, nodes)))
+
+
+def _sample_frontier(
+    env: Any,
+    frontier: list[_Node],
+    acting: list[int],
+    agent_policy: tuple[int, ...],
+    sampler: Sampler,
+    rng: jax.Array,
+    options: JointOptions,
+) -> None:
+    """One sampler call for every (node, agent) of the frontier; fills prompts and completions."""
+    requests, slots = [], []
+    for node in frontier:
+        for a in acting:
+            node.prompts[a] = env.observe(node.state, env.agents[a])
+            requests.append((agent_policy[a], node.prompts[a]))
+            slots.append((node, a))
+    answers = call_sampler(sampler, requests, options.num_samples, rng)
+    for (node, a), completions in zip(slots, answers):
+        node.completions[a] = completions
+
+
+def _expand(
+    env: Any, node: _Node, acting: list[int], options: JointOptions, max_turns: int
+) -> list[_Node | None]:
+    """Scores every joint action of `node` (fills joint/rewards) and returns its children.
+
+    One entry per joint action: the child node, or None where the branch ends (done, last
+    turn, or early stop). Every joint action starts from the node's own immutable state.
+    """
+    g = options.num_samples
+    if options.joint_mode == "aligned":
+        node.joint = [(j,) * len(acting) for j in range(g)]
+    else:
+        node.joint = list(itertools.product(range(g), repeat=len(acting)))
+    rewards = np.zeros((len(node.joint), len(env.agents)), np.float64)
+    outcomes = []
+    for j, picks in enumerate(node.joint):
+        state, team, local = node.state, 0.0, [0.0] * len(env.agents)
+        for a, pick in zip(acting, picks):
+            if env.done(state):
+                break
+            state, res = env.step(state, env.agents[a], node.completions[a][pick].text)
+            team += float(res.team_reward)
+            local[a] += float(res.local_reward)
+        if not env.done(state):
+            state = env.end_turn(state)
+        rewards[j] = team + options.local_weight * np.asarray(local)
+        outcomes.append((state, team, local))
+    node.rewards = rewards
+    stop = (
+        options.early_stop_threshold is not None
+        and float(rewards[:, acting].mean()) >= options.early_stop_threshold
+    )
+    children: list[_Node | None] = []
+    for state, team, local in outcomes:
+        if stop or env.done(state) or node.turn + 1 >= max_turns:
+            children.append(None)
+            continue
+        children.append(
+            _Node(
+                task=node.task,
+                seed=node.seed,
+                turn=node.turn + 1,
+                state=state,
+                team_before=node.team_before + team,
+                local_before=tuple(b + x for b, x in zip(node.local_before, local)),
+            )
+        )
+    node.outcomes = outcomes
+    return children
+
+
+def _fill_returns(nodes: list[_Node], gamma: float) -> None:
+    """Q[j, k] = r[j, k] + gamma * mean_j' Q_child(j)[j', k], children before parents."""
+    for node in reversed(nodes):
+        if node.rewards is None:  # a root that was done at reset: never sampled
+            continue
+        returns = node.rewards.copy()
+        for j, child in enumerate(node.children):
+            if child is not None:
+                returns[j] += gamma * nodes[child].returns.mean(axis=0)
+        node.returns = returns
+
+
+def _records(
+    nodes: list[_Node], acting: list[int], agent_policy: tuple[int, ...], options: JointOptions
+) -> list[SampleRecord]:
+    """G records per (node, agent); reward = the completion's (aggregated) return."""
+    groups = GroupIds()
+    # aligned: one joint action per completion, so sum and mean agree
+    agg = np.sum if options.cross_aggregate == "sum" else np.mean
+    records = []
+    for node_id, node in enumerate(nodes):
+        if node.rewards is None:
+            continue
+        for pos, a in enumerate(acting):
+            group = groups((node_id, a))
+            for g, completion in enumerate(node.completions[a]):
+                rows = [j for j, picks in enumerate(node.joint) if picks[pos] == g]
+                records.append(
+                    SampleRecord(
+                        prompt=node.prompts[a],
+                        completion=completion,
+                        reward=float(agg(node.returns[rows, a])),
+                        group=group,
+                        env=node.task,
+                        turn=node.turn,
+                        agent=a,
+                        policy=agent_policy[a],
+                        source_policy=agent_policy[a],
+                        info={
+                            "node": node_id,
+                            "immediate_reward": float(agg(node.rewards[rows, a])),
+                        },
+                    )
+                )
+    return records
+
+
+def _leaf_stats(env: Any, nodes: list[_Node]) -> list[EpisodeStats]:
+    """One `EpisodeStats` per joint action that has no child (the end of a root-to-leaf path)."""
+    stats = []
+    for node in nodes:
+        if node.rewards is None:
+            stats.append(
+                EpisodeStats(
+                    env=node.task,
+                    seed=node.seed,
+                    success=bool(env.success(node.state)),
+                    team_reward=0.0,
+                    agent_rewards=node.local_before,
+                    num_turns=0,
+                )
+            )
+            continue
+        for child, (state, team, local) in zip(node.children, node.outcomes):
+            if child is not None:
+                continue
+            stats.append(
+                EpisodeStats(
+                    env=node.task,
+                    seed=node.seed,
+                    success=bool(env.success(state)),
+                    team_reward=node.team_before + team,
+                    agent_rewards=tuple(b + x for b, x in zip(node.local_before, local)),
+                    num_turns=node.turn + 1,
+                )
+            )
+    return stats

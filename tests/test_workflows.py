@@ -1,0 +1,576 @@
+"""Sampling plans (independent, tree, joint) and build_rollouts on a toy env with scripted policies.
+
+`CounterEnv`: agents add the integer they write to a running total; the target is the seed.
+An agent's local reward is value / 10; the team reward is 1 when its step makes the total hit
+the target exactly, which solves (ends) the episode. The state records every action taken, in
+order, so a leaked branch shows up in the next prompt. Prompts are "agent|t<turn>|<history>",
+history entries "<turn><agent><value>".
+
+`ScriptedSampler`: deterministic policies. `fn(policy, agent, turn, history, index)` gives the
+text; index = occurrence * n + j for the j-th of n samples of the occurrence-th repeat of a
+request in one call (so repeated prompts get distinct samples). Tokens are char codes
+(+1000 * policy for the prompt, so routing is visible in the tokens); completions end with the
+stop token 1; the log-prob of completion token c is -0.1 * (c + 1) - policy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from jmarl import JmarlError
+from jmarl.envs.base import StepResult
+from jmarl.rollouts import bucket_length, select
+from jmarl.workflows import (
+    Completion,
+    IndependentOptions,
+    JointOptions,
+    SampleRecord,
+    TreeOptions,
+    build_rollouts,
+    joint_sample_bound,
+    run_plan,
+    sample_independent,
+    sample_joint,
+    sample_tree,
+    summarize,
+)
+from jmarl.workflows.base import assert_identical_prompts
+
+STOP = 1
+
+
+@dataclass(frozen=True)
+class CounterState:
+    seed: int
+    turn: int
+    total: int
+    history: tuple[str, ...]
+    solved: bool
+    out_of_turns: bool
+
+
+@dataclass(frozen=True)
+class CounterEnv:
+    parallel: bool = False
+    max_turns: int = 2
+    agents: tuple[str, ...] = ("a", "b")
+    turn_order: tuple[str, ...] = ("a", "b")
+    name: str = "counter"
+
+    def reset(self, seed: int) -> CounterState:
+        return CounterState(seed, 0, 0, (), False, False)
+
+    def observe(self, state: CounterState, agent: str) -> str:
+        return f"{agent}|t{state.turn}|{','.join(state.history)}"
+
+    def step(self, state: CounterState, agent: str, text: str) -> tuple[CounterState, StepResult]:
+        value = int(text) if text.strip().isdigit() and len(text) < 6 else 0
+        total = state.total + value
+        solved = total == state.seed
+        new = replace(
+            state,
+            total=total,
+            history=state.history + (f"{state.turn}{agent}{value}",),
+            solved=solved,
+        )
+        return new, StepResult(value / 10, 1.0 if solved else 0.0, solved)
+
+    def end_turn(self, state: CounterState) -> CounterState:
+        return replace(state, turn=state.turn + 1, out_of_turns=state.turn + 1 >= self.max_turns)
+
+    def done(self, state: CounterState) -> bool:
+        return state.solved or state.out_of_turns
+
+    def success(self, state: CounterState) -> bool:
+        return state.solved
+
+    def solution(self, seed: int):
+        return None
+
+    def expert_text(self, state: CounterState, agent: str) -> str:
+        return str(max(state.seed - state.total, 0))
+
+
+def parse_prompt(prompt: str) -> tuple[str, int, tuple[str, ...]]:
+    agent, turn, history = prompt.split("|")
+    return agent, int(turn[1:]), tuple(h for h in history.split(",") if h)
+
+
+def encode(text: str) -> np.ndarray:
+    return np.array([ord(c) for c in text], np.int32)
+
+
+TextFn = Callable[[int, str, int, tuple[str, ...], int], str]
+
+
+class ScriptedSampler:
+    def __init__(self, fn: TextFn):
+        self.fn = fn
+        self.calls: list[tuple[list[tuple[int, str]], int]] = []
+        self.keys: list[np.ndarray] = []
+
+    def sample(self, requests, n, rng):
+        self.calls.append((list(requests), n))
+        self.keys.append(np.asarray(jax.random.key_data(rng)))
+        seen: Counter = Counter()
+        out = []
+        for policy, prompt in requests:
+            occurrence = seen[(policy, prompt)]
+            seen[(policy, prompt)] += 1
+            agent, turn, history = parse_prompt(prompt)
+            row = []
+            for j in range(n):
+                text = self.fn(policy, agent, turn, history, occurrence * n + j)
+                completion = np.concatenate([encode(text), [STOP]]).astype(np.int32)
+                row.append(
+                    Completion(
+                        text=text,
+                        prompt_tokens=encode(prompt) + 1000 * policy,
+                        completion_tokens=completion,
+                        logprobs=logprobs(completion.size, policy),
+                    )
+                )
+            out.append(row)
+        return out
+
+
+def logprobs(size: int, policy: int) -> np.ndarray:
+    return (-0.1 * (np.arange(size) + 1) - policy).astype(np.float32)
+
+
+def table_fn(table: dict[tuple[str, int], list[int]]) -> TextFn:
+    """Text = table[(agent, turn)][index], cyclic: the same for every policy and history."""
+
+    def fn(policy, agent, turn, history, index):
+        row = table[(agent, turn)]
+        return str(row[index % len(row)])
+
+    return fn
+
+
+KEY = jax.random.key(0)
+
+# The tree test script (target 9, K=3), hand-worked in test_tree_sequential_hand_worked:
+# turn 0: a writes 1|3|2, b writes 4|1|0; turn 1: a writes 2|0|1, b writes 0|0|0.
+TREE_TABLE = {("a", 0): [1, 3, 2], ("b", 0): [4, 1, 0], ("a", 1): [2, 0, 1], ("b", 1): [0, 0, 0]}
+
+
+def by_group(records):
+    groups: dict[int, list[SampleRecord]] = {}
+    for r in records:
+        groups.setdefault(r.group, []).append(r)
+    return groups
+
+
+def rewards(records):
+    return [round(r.reward, 6) for r in records]
+
+
+# ---------------------------------------------------------------- tree (AT-GRPO)
+
+
+def test_tree_sequential_hand_worked():
+    sampler = ScriptedSampler(table_fn(TREE_TABLE))
+    out = sample_tree(CounterEnv(), [9], (0, 1), sampler, KEY, TreeOptions(num_candidates=3))
+    # turn 0 a: totals 1,3,2 -> scores .1,.3,.2 -> 3 continues (total 3)
+    # turn 0 b: totals 7,4,3 -> scores .4,.1,0 -> 4 continues (total 7); end of turn 0
+    # turn 1 a: totals 9,7,8 -> scores .2+1,0,.1 -> 2 solves; b does not act
+    assert len(out.records) == 9
+    assert [r.group for r in out.records] == [0] * 3 + [1] * 3 + [2] * 3
+    assert [(r.turn, r.agent) for r in out.records[::3]] == [(0, 0), (0, 1), (1, 0)]
+    assert rewards(out.records) == [0.1, 0.3, 0.2, 0.4, 0.1, 0.0, 1.2, 0.0, 0.1]
+    chosen = [k for k, r in enumerate(out.records) if r.info["chosen"]]
+    assert chosen == [1, 3, 6]
+    assert [r.prompt for r in out.records[::3]] == ["a|t0|", "b|t0|0a3", "a|t1|0a3,0b4"]
+    assert [r.policy for r in out.records] == [0] * 3 + [1] * 3 + [0] * 3
+    assert all(r.source_policy == r.policy for r in out.records)
+    assert all(int(r.completion.prompt_tokens[0]) // 1000 == r.policy for r in out.records)
+    # one sampler call per agent position (sequential), K samples of one request each
+    assert [(len(req), n) for req, n in sampler.calls] == [(1, 3), (1, 3), (1, 3)]
+    assert [req[0][0] for req, _ in sampler.calls] == [0, 1, 0]
+    (ep,) = out.episodes
+    assert ep.success and ep.num_turns == 2 and ep.team_reward == 1.0
+    assert ep.agent_rewards == pytest.approx((0.5, 0.4))
+
+
+def test_tree_parallel_turn_semantics():
+    sampler = ScriptedSampler(table_fn(TREE_TABLE))
+    opts = TreeOptions(num_candidates=3)
+    out = sample_tree(CounterEnv(parallel=True), [9], (0, 0), sampler, KEY, opts)
+    # both agents observe the turn-start state and are sampled in one call per turn
+    assert [[p for _, p in req] for req, _ in sampler.calls] == [
+        ["a|t0|", "b|t0|"],
+        ["a|t1|0a3,0b4", "b|t1|0a3,0b4"],
+    ]
+    # b's candidates are scored on their own branches of the state after a's chosen action
+    # (total 3): distinct rewards, not copies of one broadcast state
+    assert rewards(out.records) == [0.1, 0.3, 0.2, 0.4, 0.1, 0.0, 1.2, 0.0, 0.1]
+    assert [r.prompt for r in out.records[::3]] == ["a|t0|", "b|t0|", "a|t1|0a3,0b4"]
+    # a solved the task in turn 1: b's already-sampled turn-1 completions are discarded
+    assert [(r.turn, r.agent) for r in out.records[::3]] == [(0, 0), (0, 1), (1, 0)]
+    assert out.episodes[0].success
+    # target 7: only b's candidate 4 on top of a's chosen 3 solves (on the turn-start state,
+    # total 0, none would); the episode ends in turn 0
+    sampler = ScriptedSampler(table_fn(TREE_TABLE))
+    out = sample_tree(CounterEnv(parallel=True), [7], (0, 0), sampler, KEY, opts)
+    assert rewards(out.records) == [0.1, 0.3, 0.2, 1.4, 0.1, 0.0]
+    assert len(sampler.calls) == 1 and out.episodes[0].success and out.episodes[0].num_turns == 1
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        # path, gamma 1: node rewards + chosen later scores (.4 + 1.2 and 1.2)
+        (dict(), [1.7, 1.9, 1.8, 1.6, 1.3, 1.2, 1.2, 0.0, 0.1]),
+        # path, gamma .5: .4 (same turn) + .5 * 1.2 = 1.0; .5 * 1.2 = .6
+        (dict(gamma=0.5), [1.1, 1.3, 1.2, 1.0, 0.7, 0.6, 1.2, 0.0, 0.1]),
+        # agent scope: a gets its own turn-1 score 1.2, b has no later node
+        (dict(return_scope="agent"), [1.3, 1.5, 1.4, 0.4, 0.1, 0.0, 1.2, 0.0, 0.1]),
+    ],
+)
+def test_tree_return_to_go(options, expected):
+    opts = TreeOptions(num_candidates=3, reward_mode="return_to_go", **options)
+    out = sample_tree(CounterEnv(), [9], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY, opts)
+    assert rewards(out.records) == pytest.approx(expected)
+
+
+def test_tree_alpha_and_first_selection():
+    opts = TreeOptions(num_candidates=3, alpha=0.0, select="first")
+    out = sample_tree(CounterEnv(), [9], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY, opts)
+    # "first": a1, b4 (total 5), then a2 (7), b0 (7): 4 nodes; alpha 0: reward = local only
+    prompts = [r.prompt for r in out.records[::3]]
+    assert prompts == ["a|t0|", "b|t0|0a1", "a|t1|0a1,0b4", "b|t1|0a1,0b4,1a2"]
+    assert rewards(out.records[:3]) == [0.1, 0.3, 0.2]
+    assert not out.episodes[0].success and out.episodes[0].num_turns == 2
+
+
+def _hash_fn(policy, agent, turn, history, index):
+    # deterministic pseudo-random small values that depend on the whole prompt
+    h = sum(ord(c) * (i + 7) for i, c in enumerate(f"{agent}{turn}{history}{index}"))
+    return str(h % 5)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tree_best_continues_and_branches_do_not_leak(parallel):
+    env = CounterEnv(parallel=parallel, max_turns=3)
+    seeds = [30, 31, 32, 30]  # unreachable targets: 3 full turns; two tasks share a seed
+    opts = TreeOptions(num_candidates=4)
+    out = sample_tree(env, seeds, (0, 1), ScriptedSampler(_hash_fn), KEY, opts)
+    assert len(out.records) == len(seeds) * 3 * 2 * 4
+    groups = by_group(out.records)
+    assert sorted(groups) == list(range(len(seeds) * 3 * 2))
+    keys = {(g[0].env, g[0].turn, g[0].agent) for g in groups.values()}
+    assert len(keys) == len(groups)  # (task, turn, agent) <-> group, tasks 0 and 3 never merge
+    for task in range(len(seeds)):
+        nodes = [g for g in groups.values() if g[0].env == task]
+        nodes.sort(key=lambda g: (g[0].turn, g[0].agent))
+        assert [len(g) for g in nodes] == [4] * 6
+        history: list[str] = []
+        turn_start: list[str] = []
+        for g in nodes:
+            agent, turn, seen = parse_prompt(g[0].prompt)
+            assert len({r.prompt for r in g}) == 1
+            # the prompt holds exactly the chosen ancestors' actions (turn start if parallel)
+            assert list(seen) == (turn_start if parallel else history)
+            scores = [r.reward for r in g]
+            best = int(np.argmax(scores))
+            assert [r.info["chosen"] for r in g] == [k == best for k in range(4)]
+            for r in g:  # each candidate's reward is its own step on the shared parent
+                value = int(r.completion.text)
+                assert r.reward == pytest.approx(value / 10)
+            history.append(f"{turn}{'ab'[g[0].agent]}{g[best].completion.text}")
+            if g[0].agent == 1:
+                turn_start = list(history)
+    assert all(not e.success and e.num_turns == 3 for e in out.episodes)
+
+
+def test_tree_sampled_selection_follows_softmax():
+    env = CounterEnv(max_turns=1, agents=("a",), turn_order=("a",))
+    fn = table_fn({("a", 0): [0, 1]})  # local rewards 0 and .1
+    opts = TreeOptions(num_candidates=2, select="sampled", select_temperature=0.1 / np.log(3))
+    out = sample_tree(env, [50] * 400, (0,), ScriptedSampler(fn), KEY, opts)
+    chosen = np.array([r.info["chosen"] for r in out.records]).reshape(400, 2)
+    assert (chosen.sum(1) == 1).all()
+    # P(candidate 1) = softmax([0, .1] / T)[1] = 3 / 4
+    assert abs(chosen[:, 1].mean() - 0.75) < 0.07
+    again = sample_tree(env, [50] * 400, (0,), ScriptedSampler(fn), KEY, opts)
+    assert [r.info["chosen"] for r in again.records] == [r.info["chosen"] for r in out.records]
+
+
+# ---------------------------------------------------------------- independent
+
+
+IND_TABLE = {("a", 0): [3, 1], ("b", 0): [4], ("a", 1): [2], ("b", 1): [0]}
+
+
+def test_independent_hand_worked():
+    sampler = ScriptedSampler(table_fn(IND_TABLE))
+    opts = IndependentOptions(num_episodes=2)
+    out = sample_independent(CounterEnv(), [9], (0, 1), sampler, KEY, opts)
+    # episode 0: a3 b4 | a2 -> total 9 solved (team 1; a .3+.2, b .4)
+    # episode 1: a1 b4 | a2 b0 -> total 7 (team 0; a .1+.2, b .4+0)
+    assert [r.prompt for r in out.records] == [
+        "a|t0|", "b|t0|0a3", "a|t1|0a3,0b4",
+        "a|t0|", "b|t0|0a1", "a|t1|0a1,0b4", "b|t1|0a1,0b4,1a2",
+    ]
+    assert rewards(out.records) == [1.5, 1.4, 1.5, 0.3, 0.4, 0.3, 0.4]
+    assert [r.group for r in out.records] == [0, 1, 0, 0, 1, 0, 1]
+    assert [r.policy for r in out.records] == [0, 1, 0, 0, 1, 0, 1]
+    assert [(len(req), n) for req, n in sampler.calls] == [(2, 1), (2, 1), (2, 1), (1, 1)]
+    assert sampler.calls[0][0] == [(0, "a|t0|"), (0, "a|t0|")]  # G repeats at turn 0
+    e0, e1 = out.episodes
+    assert (e0.success, e0.team_reward, e0.num_turns) == (True, 1.0, 2)
+    assert (e1.success, e1.team_reward, e1.num_turns) == (False, 0.0, 2)
+    assert e1.agent_rewards == pytest.approx((0.3, 0.4))
+    assert summarize(out.episodes)["success_rate"] == 0.5
+
+
+def test_independent_options():
+    sampler = ScriptedSampler(table_fn(IND_TABLE))
+    opts = IndependentOptions(num_episodes=2, group_by="task_turn_agent", local_weight=0.0)
+    out = sample_independent(CounterEnv(), [9], (0, 0), sampler, KEY, opts)
+    assert [r.group for r in out.records] == [0, 1, 2, 0, 1, 2, 3]
+    assert rewards(out.records) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert all(r.policy == 0 for r in out.records)
+
+
+def test_independent_single_agent_grpo_groups():
+    env = CounterEnv(max_turns=1, agents=("a",), turn_order=("a",))
+    fn = table_fn({("a", 0): [2, 5, 1, 5]})
+    opts = IndependentOptions(num_episodes=4)
+    out = sample_independent(env, [5, 6], (0,), ScriptedSampler(fn), KEY, opts)
+    assert len(out.records) == 8
+    assert [r.group for r in out.records] == [0] * 4 + [1] * 4
+    assert_identical_prompts(out.records)  # one turn: every group shares one prompt
+    # target 5: hits for 5 (team 1 + .5); target 6: none
+    assert rewards(out.records) == [0.2, 1.5, 0.1, 1.5, 0.2, 0.5, 0.1, 0.5]
+
+
+# ---------------------------------------------------------------- joint (MAGRPO)
+
+JOINT_TABLE = {("a", 0): [1, 2], ("b", 0): [3, 4], ("a", 1): [5, 0], ("b", 1): [1, 2]}
+
+
+def test_joint_aligned_hand_worked():
+    env = CounterEnv(parallel=True)
+    sampler = ScriptedSampler(table_fn(JOINT_TABLE))
+    out = sample_joint(env, [6], (0, 1), sampler, KEY, JointOptions(num_samples=2))
+    # root: (a1, b3) total 4, r 0 -> child; (a2, b4) total 6 solved, r 1, leaf
+    # child (history 0a1,0b3): (a5, b1) total 10, r 0; (a0, b2) total 6 solved, r 1
+    # root returns: 0 + mean(0, 1) = .5 and 1
+    assert [(r.turn, r.agent, r.prompt) for r in out.records[::2]] == [
+        (0, 0, "a|t0|"), (0, 1, "b|t0|"), (1, 0, "a|t1|0a1,0b3"), (1, 1, "b|t1|0a1,0b3"),
+    ]
+    assert [r.completion.text for r in out.records] == ["1", "2", "3", "4", "5", "0", "1", "2"]
+    assert rewards(out.records) == [0.5, 1.0, 0.5, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert [r.group for r in out.records] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [r.policy for r in out.records] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [[p for _, p in req] for req, _ in sampler.calls] == [
+        ["a|t0|", "b|t0|"], ["a|t1|0a1,0b3", "b|t1|0a1,0b3"],
+    ]
+    # leaves: root's solved joint action, then the child's two
+    assert [(e.success, e.team_reward, e.num_turns) for e in out.episodes] == [
+        (True, 1.0, 1), (False, 0.0, 2), (True, 1.0, 2),
+    ]
+    agent_rewards = [e.agent_rewards for e in out.episodes]
+    np.testing.assert_allclose(agent_rewards, [(0.2, 0.4), (0.6, 0.4), (0.1, 0.5)])
+    gamma = sample_joint(env, [6], (0, 1), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
+                         JointOptions(num_samples=2, gamma=0.5))
+    assert rewards(gamma.records)[:4] == [0.25, 1.0, 0.25, 1.0]
+
+
+def test_joint_cross_hand_worked():
+    env = CounterEnv(parallel=True)
+    out = sample_joint(env, [6], (0, 0), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
+                       JointOptions(num_samples=2, joint_mode="cross"))
+    # root joint actions (a1,b3) 4, (a1,b4) 5, (a2,b3) 5, (a2,b4) 6 solved: r = 0, 0, 0, 1
+    # each of the 3 children has exactly one of its 4 joint actions solving: mean .25
+    # Q = [.25, .25, .25, 1]; a's "1" is in joints 0, 1 -> sum .5; a's "2" in 2, 3 -> 1.25
+    assert len(out.records) == 4 + 3 * 4
+    root = out.records[:4]
+    assert rewards(root) == [0.5, 1.25, 0.5, 1.25]
+    child_histories = sorted({r.prompt.split("|")[2] for r in out.records if r.turn == 1})
+    assert child_histories == ["0a1,0b3", "0a1,0b4", "0a2,0b3"]
+    first_child = [r for r in out.records if r.prompt.endswith("|0a1,0b3")]
+    # total 4: (a5,b1) 10, (a5,b2) 11, (a0,b1) 5, (a0,b2) 6 solved
+    assert rewards(first_child) == [0.0, 1.0, 0.0, 1.0]
+    mean = sample_joint(env, [6], (0, 0), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
+                        JointOptions(num_samples=2, joint_mode="cross", cross_aggregate="mean"))
+    assert rewards(mean.records[:4]) == [0.25, 0.625, 0.25, 0.625]
+    assert len(out.episodes) == 1 + 3 * 4
+
+
+def test_joint_early_stop_and_local_weight():
+    env = CounterEnv(parallel=True)
+    stop = sample_joint(env, [6], (0, 1), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
+                        JointOptions(num_samples=2, early_stop_threshold=0.5))
+    assert rewards(stop.records) == [0.0, 1.0, 0.0, 1.0]  # mean root reward .5: no children
+    local = sample_joint(env, [6], (0, 1), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
+                         JointOptions(num_samples=2, local_weight=1.0, max_turns=1))
+    assert rewards(local.records) == [0.1, 1.2, 0.3, 1.4]
+
+
+def _reference_joint(env, fn, state, turn, g, mode, gamma, max_turns):
+    """Recursive re-implementation: (samples [(turn, agent, prompt, text, return)], mean Q)."""
+    agents = env.turn_order
+    prompts = {a: env.observe(state, a) for a in agents}
+    texts = {a: [fn(0, a, turn, parse_prompt(prompts[a])[2], i) for i in range(g)] for a in agents}
+    joints = [(i,) * len(agents) for i in range(g)] if mode == "aligned" else list(
+        itertools.product(range(g), repeat=len(agents)))
+    samples, q = [], []
+    for picks in joints:
+        s, team = state, 0.0
+        for a, i in zip(agents, picks):
+            if env.done(s):
+                break
+            s, res = env.step(s, a, texts[a][i])
+            team += res.team_reward
+        if not env.done(s):
+            s = env.end_turn(s)
+        if not env.done(s) and turn + 1 < max_turns:
+            child_samples, child_q = _reference_joint(
+                env, fn, s, turn + 1, g, mode, gamma, max_turns
+            )
+            samples += child_samples
+            team += gamma * child_q
+        q.append(team)
+    for pos, a in enumerate(agents):
+        for i in range(g):
+            ret = sum(q[j] for j, picks in enumerate(joints) if picks[pos] == i)
+            samples.append((turn, a, prompts[a], texts[a][i], round(ret, 6)))
+    return samples, float(np.mean(q))
+
+
+@pytest.mark.parametrize("mode, g, turns", [("aligned", 3, 3), ("cross", 2, 3)])
+def test_joint_matches_recursive_reference(mode, g, turns):
+    env = CounterEnv(parallel=True, max_turns=turns)
+    sampler = ScriptedSampler(_hash_fn)
+    out = sample_joint(env, [7], (0, 1), sampler, KEY,
+                       JointOptions(num_samples=g, joint_mode=mode, gamma=0.9))
+    expected, _ = _reference_joint(env, _hash_fn, env.reset(7), 0, g, mode, 0.9, turns)
+    got = [
+        (r.turn, "ab"[r.agent], r.prompt, r.completion.text, round(r.reward, 6))
+        for r in out.records
+    ]
+    assert sorted(got) == sorted(expected)
+    assert len(sampler.calls) <= turns  # one call per turn (all nodes of the turn)
+    for group in by_group(out.records).values():
+        assert len(group) == g and len({(r.prompt, r.agent) for r in group}) == 1
+    # every child's history is its parent's history plus exactly one joint action
+    for r in out.records:
+        history = parse_prompt(r.prompt)[2]
+        assert [h[0] for h in history] == [str(t) for t in range(r.turn) for _ in "ab"]
+
+
+@pytest.mark.parametrize("mode, g, turns", [("aligned", 2, 1), ("aligned", 3, 3), ("cross", 2, 2)])
+def test_joint_sample_count_formula(mode, g, turns):
+    env = CounterEnv(parallel=True, max_turns=turns)
+    seeds = [1000, 1001]  # unreachable targets: every branch runs all turns
+    out = sample_joint(env, seeds, (0, 1), ScriptedSampler(_hash_fn), KEY,
+                       JointOptions(num_samples=g, joint_mode=mode))
+    branching = g if mode == "aligned" else g**2
+    nodes = len(seeds) * sum(branching**t for t in range(turns))  # hand formula
+    assert len(out.records) == joint_sample_bound(len(seeds), 2, g, turns, mode) == 2 * g * nodes
+    assert out.num_groups == 2 * nodes
+    assert len(out.episodes) == len(seeds) * branching**turns
+
+
+# ---------------------------------------------------------------- build_rollouts
+
+
+def test_build_rollouts_alignment_and_routing():
+    out = sample_tree(CounterEnv(), [9, 8], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY,
+                      TreeOptions(num_candidates=3))
+    recs = out.records
+    ro = build_rollouts(recs)
+    longest = max(
+        r.completion.prompt_tokens.size + r.completion.completion_tokens.size for r in recs
+    )
+    assert ro.tokens.shape == (len(recs), bucket_length(longest))
+    for i, r in enumerate(recs):
+        p, c = r.completion.prompt_tokens.size, r.completion.completion_tokens.size
+        np.testing.assert_array_equal(ro.tokens[i, :p], r.completion.prompt_tokens)
+        np.testing.assert_array_equal(ro.tokens[i, p : p + c], r.completion.completion_tokens)
+        assert ro.tokens[i, p + c - 1] == STOP
+        assert (ro.tokens[i, p + c :] == 0).all()
+        np.testing.assert_array_equal(np.flatnonzero(ro.loss_mask[i]), np.arange(p, p + c))
+        np.testing.assert_array_equal(np.flatnonzero(ro.attention_mask[i]), np.arange(p + c))
+        np.testing.assert_allclose(ro.behavior_logprobs[i, p : p + c], r.completion.logprobs)
+        assert (np.asarray(ro.behavior_logprobs[i])[~np.asarray(ro.loss_mask[i])] == 0).all()
+        assert ro.source_seq_logprob[i] == pytest.approx(r.completion.logprobs.mean())
+        assert (ro.reward[i], ro.group[i], ro.env[i], ro.turn[i], ro.agent[i], ro.policy[i]) == (
+            np.float32(r.reward), r.group, r.env, r.turn, r.agent, r.policy)
+    np.testing.assert_array_equal(np.unique(ro.group), np.arange(out.num_groups))
+    b_only = select(ro, np.asarray(ro.policy) == 1)
+    assert set(np.asarray(b_only.agent).tolist()) == {1}
+    assert b_only.num_samples == sum(r.agent == 1 for r in recs)
+    # a filtered record list is renumbered to contiguous groups
+    sub = build_rollouts([r for r in recs if r.policy == 1])
+    num_b_groups = len({r.group for r in recs if r.policy == 1})
+    np.testing.assert_array_equal(np.unique(sub.group), np.arange(num_b_groups))
+
+
+def test_build_rollouts_rejects_bad_records():
+    env = CounterEnv(max_turns=1, agents=("a",), turn_order=("a",))
+    sampler = ScriptedSampler(table_fn(TREE_TABLE))
+    (r,) = sample_tree(env, [9], (0,), sampler, KEY, TreeOptions(num_candidates=1)).records
+    c = r.completion
+    short = Completion(c.text, c.prompt_tokens, c.completion_tokens, np.zeros(1))
+    bad = SampleRecord(**{**r.__dict__, "completion": short})
+    with pytest.raises(JmarlError, match="log-probs"):
+        build_rollouts([bad])
+    other_policy = SampleRecord(**{**r.__dict__, "policy": 1})
+    with pytest.raises(JmarlError, match="one learner policy"):
+        build_rollouts([r, other_policy])
+    other_prompt = SampleRecord(**{**r.__dict__, "prompt": "a|t0|x"})
+    with pytest.raises(JmarlError, match="identical prompt"):
+        assert_identical_prompts([r, other_prompt])
+    with pytest.raises(JmarlError, match="no sample records"):
+        build_rollouts([])
+
+
+# ---------------------------------------------------------------- errors and plumbing
+
+
+def test_plan_errors():
+    sampler = ScriptedSampler(table_fn(TREE_TABLE))
+    with pytest.raises(JmarlError, match="agent_policy has 1 entries"):
+        sample_tree(CounterEnv(), [9], (0,), sampler, KEY)
+    with pytest.raises(JmarlError, match="tree.select"):
+        TreeOptions(select="greedy")
+    with pytest.raises(JmarlError, match="num_samples"):
+        JointOptions(num_samples=0)
+    with pytest.raises(JmarlError, match="sequential"):
+        sample_joint(CounterEnv(parallel=False), [9], (0, 0), sampler, KEY)
+    with pytest.raises(JmarlError, match="max_samples"):
+        sample_joint(CounterEnv(parallel=True, max_turns=4), [9], (0, 0), sampler, KEY,
+                     JointOptions(num_samples=4, joint_mode="cross", max_samples=1000))
+    with pytest.raises(JmarlError, match="unknown sampling plan"):
+        run_plan("beam", CounterEnv(), [9], (0, 0), sampler, KEY)
+    with pytest.raises(JmarlError, match="unknown option"):
+        run_plan("tree", CounterEnv(), [9], (0, 0), sampler, KEY, k=3)
+
+    class ShortSampler:
+        def sample(self, requests, n, rng):
+            return [[] for _ in requests]
+
+    with pytest.raises(JmarlError, match="sampler returned"):
+        sample_tree(CounterEnv(), [9], (0, 0), ShortSampler(), KEY)
+
+
+def test_run_plan_by_name_and_fresh_keys():
+    sampler = ScriptedSampler(table_fn(TREE_TABLE))
+    out = run_plan("tree", CounterEnv(), [9], (0, 1), sampler, KEY, num_candidates=3)
+    direct = sample_tree(CounterEnv(), [9], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY,
+                         TreeOptions(num_candidates=3))
+    assert rewards(out.records) == rewards(direct.records)
+    keys = [k.tobytes() for k in sampler.keys]
+    assert len(set(keys)) == len(keys) == 3  # every sampler call gets its own key

@@ -1,0 +1,561 @@
+"""The training loop behind `python -m jmarl.run --config X.yaml`.
+
+Per step (host layer, calling the device layer with fixed-shape batches):
+
+    seeds -> sampling plan (env + ModelSampler) -> records -> Rollouts
+          -> per policy group: old / reference log-probs [device] -> advantages [device]
+          -> jitted update over mini-batches (vmapped over stacked policies) [device]
+          -> metrics (JSONL, TensorBoard, progress bar), checkpoint, evaluation
+
+Everything that decides a step's data is a function of (config, step): task seeds are
+`train_seed(step * num_tasks + i)` and the step's key is `fold_in(key(seed), step)`, so a run
+resumed from a checkpoint continues exactly where the killed one would have gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmarl import algos, envs, models
+from jmarl.config import Config, algo_options, dump_yaml
+from jmarl.errors import JmarlError
+from jmarl.rollouts import Rollouts, select
+from jmarl.train.checkpoint import Checkpointer
+from jmarl.train.lora import init_lora, merge_lora
+from jmarl.train.metrics import MetricsLogger, write_summary
+from jmarl.train.optim import make_optimizer
+from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_tokenizer, resolve_agent_policy, stack
+from jmarl.train.progress import ProgressBar
+from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
+from jmarl.train.step import TrainState, init_train_state, jit_update, make_update
+from jmarl.workflows import build_rollouts, run_plan, summarize
+
+log = logging.getLogger(__name__)
+
+# the plan option that carries workflow.group_size
+GROUP_SIZE_OPTION = {"independent": "num_episodes", "tree": "num_candidates", "joint": "num_samples"}
+
+
+# ----------------------------------------------------------------------------------------------
+# building the run
+
+
+def build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool) -> PolicySet:
+    """The run's policies (see `jmarl.train.policies`), optimizer states initialised."""
+    pc = config.policies
+    names, agent_policy = resolve_agent_policy(pc.mode, agents, dict(pc.agent_to_policy))
+    ids = tuple(range(len(names)))
+    groups: list[PolicyGroup] = []
+    if pc.mode == "heterogeneous":
+        for pid, name in zip(ids, names):
+            entry = pc.models[name]
+            tok = build_tokenizer(entry.tokenizer or config.tokenizer, entry.model.path)
+            mcfg, params = build_model(entry.model, tok, jax.random.fold_in(rng, pid))
+            groups.append(_group(name, mcfg, tok, (pid,), params, optimizer, need_ref=need_ref))
+        return PolicySet(names, agent_policy, groups)
+
+    tok = build_tokenizer(config.tokenizer, config.model.path)
+    mcfg, params = build_model(config.model, tok, rng)
+    if pc.mode == "lora":
+        adapters = [
+            init_lora(params, jax.random.fold_in(rng, 1000 + p), rank=pc.lora.rank, target_modules=pc.lora.target_modules)
+            for p in ids
+        ]
+        stacked = len(ids) > 1
+        trainable = stack(adapters) if stacked else adapters[0]
+        group = PolicyGroup(
+            name="lora", model_config=mcfg, tokenizer=tok, policy_ids=ids, stacked=stacked,
+            lora_rank=pc.lora.rank, lora_alpha=pc.lora.alpha, base=params,
+            state=init_state(trainable, optimizer, stacked), ref=params if need_ref else None,
+        )
+        return PolicySet(names, agent_policy, [group])
+    # shared / per_agent: every policy starts from the same weights
+    return PolicySet(names, agent_policy, [_group(pc.mode, mcfg, tok, ids, params, optimizer, need_ref=need_ref)])
+
+
+def _group(name, mcfg, tok, ids, params, optimizer, *, need_ref: bool) -> PolicyGroup:
+    stacked = len(ids) > 1
+    trainable = stack([params] * len(ids)) if stacked else params
+    ref = jax.tree.map(jnp.copy, trainable) if need_ref else None
+    return PolicyGroup(
+        name=name, model_config=mcfg, tokenizer=tok, policy_ids=ids, stacked=stacked, lora_rank=None,
+        lora_alpha=0.0, base=None, state=init_state(trainable, optimizer, stacked), ref=ref,
+    )
+
+
+def init_state(trainable, optimizer, stacked: bool) -> TrainState:
+    """A fresh `TrainState`; with `stacked`, one per policy along the leading axis."""
+    if stacked:
+        return jax.vmap(lambda p: init_train_state(p, optimizer))(trainable)
+    return init_train_state(trainable, optimizer)
+
+
+def plan_options(config: Config, *, group_size: int | None = None, max_turns: int | None = None) -> dict[str, Any]:
+    """The sampling plan's keyword options: workflow.options + group size + turn limit."""
+    plan = config.workflow.plan
+    if plan not in GROUP_SIZE_OPTION:
+        raise JmarlError(
+            f"workflow.plan {plan!r} is not wired into the trainer yet; use one of {sorted(GROUP_SIZE_OPTION)}"
+        )
+    opts = dict(config.workflow.options)
+    opts[GROUP_SIZE_OPTION[plan]] = group_size or config.workflow.group_size
+    turns = max_turns or config.workflow.max_turns
+    if turns is not None:
+        opts["max_turns"] = turns
+    return opts
+
+
+# ----------------------------------------------------------------------------------------------
+# device functions of one policy group (built once, jitted once)
+
+
+@dataclass
+class GroupFns:
+    """The compiled functions of one `PolicyGroup`."""
+
+    update: Any
+    score: Any  # (trainable, frozen, tokens, mask) -> logprobs, vmapped when stacked
+    score_ref: Any  # (ref params, tokens, mask) -> logprobs
+    sft_update: Any
+
+
+def _merge(group: PolicyGroup):
+    if group.lora_rank is None:
+        return lambda trainable, frozen: trainable
+    return lambda trainable, frozen: merge_lora(frozen, trainable, rank=group.lora_rank, alpha=group.lora_alpha)
+
+
+def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimizer, *, temperature: float, minibatches: int, grad_accum: int) -> GroupFns:
+    """Update, scoring and warm-start functions for `group`, jitted (vmapped over stacked policies)."""
+    mcfg = group.model_config
+    merge = _merge(group)
+    is_hacpo = method is algos.hacpo
+
+    def logprobs_of(trainable, frozen, tokens, mask):
+        return models.token_logprobs(mcfg, merge(trainable, frozen), tokens, mask, temperature)
+
+    def loss_fn(trainable, frozen, batch, m):
+        lp = logprobs_of(trainable, frozen, batch["tokens"], batch["attention_mask"])
+        extras = {}
+        if is_hacpo:
+            extras = dict(
+                is_cross=batch["is_cross"], source_seq_logprob=batch["source_seq_logprob"],
+                discrepancy=batch["discrepancy"], minibatch_index=m,
+            )
+        return method.loss(
+            algo_cfg, lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+            ref_logprobs=batch.get("ref_logprobs"), **extras,
+        )
+
+    def sft_loss(trainable, frozen, batch, m):
+        lp = logprobs_of(trainable, frozen, batch["tokens"], batch["attention_mask"])
+        mask = batch["loss_mask"]
+        nll = -jnp.sum(lp * mask) / jnp.maximum(jnp.sum(mask), 1)
+        return nll, {"sft_nll": nll}
+
+    frozen_stacked = False  # the LoRA base is shared by every policy of the group
+    update = jit_update(
+        make_update(loss_fn, optimizer, num_minibatches=minibatches, grad_accum=grad_accum),
+        stacked=group.stacked, frozen_stacked=frozen_stacked,
+    )
+    sft_update = jit_update(make_update(sft_loss, sft_optimizer), stacked=group.stacked, frozen_stacked=frozen_stacked)
+    score = jax.jit(jax.vmap(logprobs_of, in_axes=(0, None, 0, 0)) if group.stacked else logprobs_of)
+
+    def ref_logprobs(params, tokens, mask):
+        return models.token_logprobs(mcfg, params, tokens, mask, temperature)
+
+    ref_axes = (None if group.lora_rank is not None else 0, 0, 0)
+    score_ref = jax.jit(jax.vmap(ref_logprobs, in_axes=ref_axes) if group.stacked else ref_logprobs)
+    return GroupFns(update=update, score=score, score_ref=score_ref, sft_update=sft_update)
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def policy_batch(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.ndarray]:
+    """One policy's samples as host arrays padded to `size` rows; groups renumbered from 0.
+
+    Padding rows have empty masks and group -1 (they belong to no group).
+    """
+    sel = select(rollouts, np.asarray(rollouts.policy) == policy_id)
+    n = sel.num_samples
+    _, group = np.unique(np.asarray(sel.group), return_inverse=True)
+
+    def pad(x, fill, dtype):
+        x = np.asarray(x, dtype)
+        out = np.full((size, *x.shape[1:]), fill, dtype)
+        out[:n] = x
+        return out
+
+    return {
+        "tokens": pad(sel.tokens, 0, np.int32),
+        "attention_mask": pad(sel.attention_mask, False, bool),
+        "loss_mask": pad(sel.loss_mask, False, bool),
+        "behavior_logprobs": pad(sel.behavior_logprobs, 0.0, np.float32),
+        "reward": pad(sel.reward, 0.0, np.float32),
+        "group": pad(group.reshape(-1), -1, np.int32) if n else np.full((size,), -1, np.int32),
+        "source_policy": pad(sel.source_policy, 0, np.int32),
+        "source_seq_logprob": pad(sel.source_seq_logprob, 0.0, np.float32),
+        "agent": pad(sel.agent, 0, np.int32),
+    }
+
+
+def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The group's batch: [P, N, ...] when stacked, else [N, ...]; N a power of two x parts."""
+    counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
+    size = _round_up(_pow2(max(max(counts), 1)), parts)
+    batches = [policy_batch(rollouts, p, size) for p in group.policy_ids]
+    if group.stacked:
+        return {k: np.stack([b[k] for b in batches]) for k in batches[0]}, counts
+    return batches[0], counts
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer
+
+
+class Trainer:
+    """Owns a run: env, policies, sampler, compiled functions, logger and checkpoints."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.out = Path(config.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.env = envs.make(config.env.name, **dict(config.env.options))
+        self.method = algos.get_method(config.algo.name)
+        self.algo_cfg = algo_options(config)
+        if config.workflow.plan not in GROUP_SIZE_OPTION:
+            plan_options(config)  # raises the clear error
+        self.key = jax.random.key(config.seed)
+        o = config.optim
+        self.optimizer = make_optimizer(
+            o.lr, total_steps=config.train.steps * o.epochs * o.minibatches, warmup_steps=o.warmup_steps,
+            schedule=o.schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, grad_clip=o.grad_clip,
+        )
+        ws = config.train.warm_start
+        self.sft_optimizer = make_optimizer(ws.lr, total_steps=max(ws.steps, 1), grad_clip=o.grad_clip, weight_decay=0.0)
+        self.need_ref = getattr(self.algo_cfg, "kl_coef", 0.0) > 0
+        self.policies = build_policies(
+            config, self.env.agents, jax.random.fold_in(self.key, 10**6), self.optimizer, need_ref=self.need_ref
+        )
+        s = config.sampling
+        self.temperature = s.temperature if s.temperature > 0 else 1.0
+        self.sampler = ModelSampler(
+            self.policies,
+            SamplingSettings(s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.max_prompt_len),
+        )
+        self.parts = o.minibatches * o.epochs * o.grad_accum
+        self.fns = [
+            build_group_fns(
+                g, self.method, self.algo_cfg, self.optimizer, self.sft_optimizer, temperature=self.temperature,
+                minibatches=o.minibatches * o.epochs, grad_accum=o.grad_accum,
+            )
+            for g in self.policies.groups
+        ]
+        self.checkpointer = Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
+        self.step = 0
+        self.warm_started = False
+
+    # ---- state for checkpoints
+
+    def state_tree(self) -> dict[str, Any]:
+        """Everything a resume needs that lives on the device."""
+        return {"groups": [g.state for g in self.policies.groups]}
+
+    def load_state_tree(self, tree: dict[str, Any]) -> None:
+        for g, st in zip(self.policies.groups, tree["groups"]):
+            g.state = st
+
+    def save(self) -> None:
+        meta = {"step": self.step, "warm_started": self.warm_started, "config": json.loads(json.dumps(_plain(self.config)))}
+        self.checkpointer.save(self.step, self.state_tree(), meta)
+        self.checkpointer.wait()
+
+    def maybe_resume(self) -> bool:
+        if not self.config.resume or self.checkpointer.latest_step() is None:
+            return False
+        restored = self.checkpointer.restore(self.state_tree())
+        self.load_state_tree(restored.state)
+        self.step = int(restored.meta.get("step", restored.step))
+        self.warm_started = bool(restored.meta.get("warm_started", True))
+        log.info("resumed from step %d", self.step)
+        return True
+
+    # ---- warm start (supervised, on expert demonstrations)
+
+    def demonstrations(self, seeds: Sequence[int]) -> list[tuple[int, str, str]]:
+        """(policy id, prompt, expert text) for every agent step of the expert episodes."""
+        env, out = self.env, []
+        for seed in seeds:
+            state = env.reset(seed)
+            for _ in range(env.max_turns):
+                start = state
+                for agent in env.turn_order:
+                    obs = env.observe(start if env.parallel else state, agent)
+                    text = env.expert_text(state, agent)
+                    out.append((self.policies.agent_policy[env.agents.index(agent)], obs, text))
+                    state, _ = env.step(state, agent, text)
+                    if env.done(state):
+                        break
+                if env.done(state):
+                    break
+                state = env.end_turn(state)
+                if env.done(state):
+                    break
+        return out
+
+    def warm_start(self) -> None:
+        ws = self.config.train.warm_start
+        if ws.steps <= 0 or self.warm_started:
+            return
+        bar = ProgressBar(ws.steps, desc="warm start", enabled=self.config.logging.progress)
+        for i in range(ws.steps):
+            seeds = [envs.train_seed(10**8 + i * ws.demos + j) for j in range(ws.demos)]
+            demos = self.demonstrations(seeds)
+            for gi, (group, fns) in enumerate(zip(self.policies.groups, self.fns)):
+                batch = self._sft_batch(group, [d for d in demos if d[0] in group.policy_ids])
+                if batch is None:
+                    continue
+                group.state, metrics = fns.sft_update(group.state, group.base, batch)
+            bar.update({"nll": float(np.mean(jax.device_get(metrics["sft_nll"])))})
+        bar.close()
+        # a fresh optimizer state for RL (the warm start used its own optimizer)
+        for g in self.policies.groups:
+            g.state = init_state(g.state.params, self.optimizer, g.stacked)
+            if g.ref is not None:
+                g.ref = jax.tree.map(jnp.copy, g.full_params()) if g.lora_rank is None else g.ref
+        self.warm_started = True
+
+    def _sft_batch(self, group: PolicyGroup, demos) -> dict[str, np.ndarray] | None:
+        if not demos:
+            return None
+        tok = group.tokenizer
+        max_prompt = self.config.sampling.max_prompt_len
+        rows = []
+        for pid, prompt, text in demos:
+            p = encode_prompt(tok, prompt, max_prompt)
+            c = tok.encode(text)[: self.config.sampling.max_new_tokens - 1] + [tok.eos_id]
+            rows.append((group.index(pid), p, c))
+        from jmarl.rollouts import bucket_length
+
+        t = bucket_length(max(len(p) + len(c) for _, p, c in rows))
+        per = [[r for r in rows if r[0] == i] for i in range(len(group.policy_ids))]
+        size = _pow2(max(len(x) for x in per))
+
+        def arrays(rs):
+            tokens = np.zeros((size, t), np.int32)
+            attn = np.zeros((size, t), bool)
+            loss = np.zeros((size, t), bool)
+            for j, (_, p, c) in enumerate(rs):
+                tokens[j, : len(p) + len(c)] = p + c
+                attn[j, : len(p) + len(c)] = True
+                loss[j, len(p) : len(p) + len(c)] = True
+            return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
+
+        if group.stacked:
+            parts = [arrays(x) for x in per]
+            return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
+        return arrays(rows)
+
+    # ---- one RL step
+
+    def rl_step(self) -> dict[str, float]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        key = jax.random.fold_in(self.key, self.step)
+        seeds = [envs.train_seed(self.step * cfg.workflow.num_tasks + i) for i in range(cfg.workflow.num_tasks)]
+        self.sampler.new_tokens = 0
+        result = run_plan(
+            cfg.workflow.plan, self.env, seeds, self.policies.agent_policy, self.sampler, key, **plan_options(cfg)
+        )
+        t_gen = time.perf_counter() - t0
+        metrics: dict[str, float] = {f"rollout/{k}": v for k, v in summarize(result.episodes).items()}
+        metrics["rollout/samples"] = float(len(result.records))
+        metrics["time/generate"] = t_gen
+        metrics["rollout/new_tokens_per_s"] = self.sampler.new_tokens / max(t_gen, 1e-9)
+        if not result.records:
+            return metrics
+        rollouts = build_rollouts(result.records, pad_id=self.policies.groups[0].tokenizer.pad_id)
+        metrics["rollout/reward_mean"] = float(np.mean(np.asarray(rollouts.reward)))
+
+        t_score = t_update = 0.0
+        for gi, (group, fns) in enumerate(zip(self.policies.groups, self.fns)):
+            batch, counts = group_batch(group, rollouts, self.parts)
+            if not any(counts):
+                continue
+            t1 = time.perf_counter()
+            batch = self._score(group, fns, batch)
+            t_score += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            group.state, m = fns.update(group.state, group.base, batch)
+            m = jax.device_get(m)
+            t_update += time.perf_counter() - t2
+            for k, v in m.items():
+                metrics[f"train/{k}" if len(self.policies.groups) == 1 else f"train/{group.name}/{k}"] = float(np.mean(v))
+            metrics["train/skipped_updates"] = metrics.get("train/skipped_updates", 0.0) + float(np.sum(jax.device_get(group.state.skipped)))
+        metrics["time/score"] = t_score
+        metrics["time/update"] = t_update
+        metrics["time/step"] = time.perf_counter() - t0
+        tokens = float(np.sum(np.asarray(rollouts.attention_mask)))
+        metrics["perf/train_tokens_per_s"] = tokens / max(t_score + t_update, 1e-9)
+        return metrics
+
+    def _score(self, group: PolicyGroup, fns: GroupFns, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Adds old/ref log-probs, advantages and the keep filter to a group's batch."""
+        cfg = self.config
+        tokens, attn = batch["tokens"], batch["attention_mask"]
+        if cfg.train.recompute_old_logprobs:
+            old = fns.score(group.state.params, group.base, tokens, attn)
+        else:
+            old = jnp.asarray(batch["behavior_logprobs"])
+        out = {
+            "tokens": tokens, "attention_mask": attn, "old_logprobs": old,
+        }
+        if group.ref is not None:
+            out["ref_logprobs"] = fns.score_ref(group.ref, tokens, attn)
+        adv, keep = self._advantages(batch["reward"], batch["group"], stacked=group.stacked)
+        out["advantages"] = adv
+        out["loss_mask"] = jnp.asarray(batch["loss_mask"]) & keep[..., None]
+        if self.method is algos.hacpo:
+            raise JmarlError("algo.name 'hacpo' needs the 'shared' sampling plan, which the trainer does not wire yet")
+        return out
+
+    def _advantages(self, reward: np.ndarray, group: np.ndarray, *, stacked: bool):
+        n = reward.shape[-1]
+        fn = _advantage_fn(self.method, self.algo_cfg, n, stacked)
+        return fn(jnp.asarray(reward), jnp.asarray(group))
+
+    # ---- evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy success on held-out seeds (and pass@k when eval.pass_k > 1)."""
+        ec = self.config.eval
+        seeds = [envs.eval_seed(i) for i in range(ec.num_episodes)]
+        key = jax.random.fold_in(self.key, -1 % (2**31))
+        saved = self.sampler.settings
+        out: dict[str, float] = {}
+        try:
+            if ec.greedy:
+                self.sampler.settings = dataclasses.replace(saved, temperature=0.0)
+            res = run_plan("independent", self.env, seeds, self.policies.agent_policy, self.sampler, key, num_episodes=1, max_turns=self.config.workflow.max_turns)
+            out.update({f"eval/{k}": v for k, v in summarize(res.episodes).items()})
+            if ec.pass_k > 1:
+                self.sampler.settings = saved
+                res = run_plan("independent", self.env, seeds, self.policies.agent_policy, self.sampler, key, num_episodes=ec.pass_k, max_turns=self.config.workflow.max_turns)
+                solved = {}
+                for e in res.episodes:
+                    solved[e.env] = solved.get(e.env, False) or e.success
+                out[f"eval/pass@{ec.pass_k}"] = float(np.mean(list(solved.values())))
+        finally:
+            self.sampler.settings = saved
+        return out
+
+    # ---- export
+
+    def export(self, directory: str | Path | None = None) -> list[Path]:
+        """Writes every policy as a Hugging Face directory (config.json + safetensors + tokenizer)."""
+        root = Path(directory or self.out / "export")
+        paths = []
+        for pid, name in enumerate(self.policies.policy_names):
+            group = self.policies.group_of(pid)
+            path = root / name
+            models.save_hf(path, group.model_config, jax.device_get(group.policy_params(pid)))
+            save_tok = getattr(group.tokenizer, "save", None) or getattr(group.tokenizer, "save_pretrained", None)
+            if save_tok is not None:
+                save_tok(str(path))
+            paths.append(path)
+        return paths
+
+    # ---- the loop
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        t_start = time.perf_counter()
+        (self.out / "config.yaml").write_text(dump_yaml(cfg))
+        resumed = self.maybe_resume()
+        logger = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, plots=cfg.logging.plots)
+        summary_path = self.out / "summary.json"
+        before = None
+        if resumed and summary_path.exists():
+            before = json.loads(summary_path.read_text()).get("success_before")
+        if before is None:
+            self.warm_start()
+            before = self.evaluate().get("eval/success_rate", 0.0)
+            write_summary(self.out, {"success_before": before, "steps": self.step})
+        bar = ProgressBar(cfg.train.steps, desc=f"{cfg.algo.name} on {cfg.env.name}", initial=self.step, enabled=cfg.logging.progress)
+        try:
+            while self.step < cfg.train.steps:
+                metrics = self.rl_step()
+                self.step += 1
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
+                    metrics.update(self.evaluate())
+                logger.log(self.step, metrics)
+                bar.update({"reward": metrics.get("rollout/reward_mean", float("nan")), "success": metrics.get("rollout/success_rate", float("nan"))})
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save()
+            final = self.evaluate()
+            logger.log(self.step, final)
+        finally:
+            bar.close()
+            logger.close()
+        self.save()
+        self.export()
+        summary = {
+            "success_before": before,
+            "success_after": final.get("eval/success_rate", 0.0),
+            "steps": self.step,
+            "wall_seconds": time.perf_counter() - t_start,
+            **{k.replace("eval/", "eval_"): v for k, v in final.items()},
+        }
+        write_summary(self.out, summary)
+        self.checkpointer.close()
+        return summary
+
+
+def _advantage_fn(method, algo_cfg, n: int, stacked: bool):
+    key = (method.__name__, algo_cfg, n, stacked)
+    if key not in _ADV_CACHE:
+        def one(reward, group):
+            adv = method.advantages(algo_cfg, reward, group, num_groups=n)
+            keep = method.keep_mask(algo_cfg, reward, group, num_groups=n)
+            return adv, keep
+
+        _ADV_CACHE[key] = jax.jit(jax.vmap(one) if stacked else one)
+    return _ADV_CACHE[key]
+
+
+_ADV_CACHE: dict[Any, Any] = {}
+
+
+def _plain(x: Any) -> Any:
+    if dataclasses.is_dataclass(x):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Runs training as configured; returns the summary written to output_dir/summary.json."""
+    return Trainer(config).run()

@@ -528,6 +528,10 @@ def _run(
         stderr += f"\n[sandbox] output exceeded {max_output_bytes} bytes; killed".encode()
     elif status == "timeout":
         stderr += f"\n[sandbox] timed out after {timeout_s:g} s".encode()
+    elif status == "killed" and wait_status.startswith("signal "):
+        number = int(wait_status.split()[1])
+        name = signal.Signals(number).name if number in signal.valid_signals() else str(number)
+        stderr += f"\n[sandbox] killed by signal {name}".encode()
     return SandboxResult(
         status=status,
         stdout=bytes(stdout[:max_output_bytes]).decode("utf-8", errors="replace"),

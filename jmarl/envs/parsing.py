@@ -20,7 +20,7 @@ _MOVE_WORDS = {"up": "U", "down": "D", "left": "L", "right": "R", "u": "U", "d":
                "r": "R", "↑": "U", "↓": "D", "←": "L", "→": "R"}
 # Whole words (any case), runs of upper-case U/D/L/R ("URRD"), single lower-case letters, arrows.
 _MOVE_RE = re.compile(r"\b(?:(?i:up|down|left|right)|[UDLR]+|[udlr])\b|[↑↓←→]")
-_MARKER_RE = re.compile(r"(?i)\b(?:actions?|moves?|answer|final|plan|solution)\b\s*[:=]")
+_MARKER_RE = re.compile(r"(?i)\b(?:actions?|moves?|answer|final|plan|solution|grid)\b\s*[:=]")
 _FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
 _PY_FENCE_RE = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.S | re.I)
 
@@ -78,7 +78,7 @@ def parse_grid(text: object, n: int) -> tuple[tuple[int, ...], ...] | None:
             rows.append(tuple(int(c) if c.isdigit() else 0 for c in cells))
             if len(rows) >= n:
                 best = rows[-n:]
-        else:
+        elif cells or not _ROW_CHARS_RE.match(line):  # blank/"----" lines keep a block going
             rows = []
     if best is not None:
         return tuple(best)
@@ -142,7 +142,7 @@ def extract_answer(text: object) -> str | None:
 
 
 _FRAC_RE = re.compile(r"^\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
-_LATEX_JUNK_RE = re.compile(r"\\[,!;: ]|\\text\{[^}]*\}|\\mathrm\{[^}]*\}|\\left|\\right|\$|\\%")
+_LATEX_JUNK_RE = re.compile(r"\\[,!;: ]|\\text\{[^}]*\}|\\mathrm\{[^}]*\}|\\left|\\right|\\?\$|\\%")
 
 
 def parse_number(value: object) -> Fraction | None:
@@ -163,14 +163,22 @@ def parse_number(value: object) -> Fraction | None:
     if re.fullmatch(_NUMBER_RE.pattern, s):
         return _decimal(s)
     numbers = _NUMBER_RE.findall(s)
-    if len(numbers) == 1 and len(s) <= 40:
-        return _decimal(numbers[0])
+    if len(numbers) == 1 and len(s) <= 40 and not re.search(r"[-+*/^=(){}\\]",
+                                                             _NUMBER_RE.sub("", s)):
+        return _decimal(numbers[0])  # "42 apples", not "x + 1"
     return None
 
 
+_MAX_DIGITS = 100  # longer numbers (or exponents beyond +-100) are not answers
+
+
 def _decimal(s: str) -> Fraction | None:
+    s = s.replace(",", "")
+    mantissa, _, exponent = s.lower().partition("e")
     try:
-        return Fraction(s.replace(",", ""))
+        if len(mantissa) > _MAX_DIGITS or (exponent and abs(int(exponent)) > _MAX_DIGITS):
+            return None
+        return Fraction(s)
     except (ValueError, ZeroDivisionError, OverflowError):
         return None
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jmarl.envs import EVAL_SEED_START, eval_seed, make
+from jmarl.envs import EVAL_SEED_START, Env, eval_seed, make
 from jmarl.envs.common import content_hash, is_eval_item
 
 # (name, options) of every env configuration under test: CPU sizes plus one paper size each.
@@ -68,6 +68,24 @@ def test_reset_is_deterministic(name, options):
         a, b = env.reset(seed), env.reset(seed)
         assert a == b and hash(a) == hash(b)
     assert env.reset(0) != env.reset(1)
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_env_implements_the_protocol(name, options):
+    env = make(name, **options)
+    assert isinstance(env, Env) and env.name == name
+    assert set(env.turn_order) <= set(env.agents) and env.max_turns >= 1
+    assert isinstance(env.parallel, bool)
+
+
+@pytest.mark.parametrize("name,reward_options", [
+    ("plan_path", {"shaping": 0.5, "max_turns": 7}),
+    ("sokoban", {"solved_reward": 3.0, "max_turns": 1}),
+    ("sudoku", {"givens": 8, "conflict_penalty": 1.0}),  # givens=8 is the 4x4 default
+])
+def test_reward_options_do_not_change_the_items(name, reward_options):
+    base, other = make(name), make(name, **reward_options)
+    assert all(base.reset(s).puzzle == other.reset(s).puzzle for s in (0, 1, eval_seed(0)))
 
 
 def test_reset_is_deterministic_across_processes():

@@ -52,7 +52,8 @@ def test_episode_rewards_by_hand():
     assert "convert(value, from_unit, to_unit)" in env.observe(s, "tool")
     s, r = env.step(s, "tool", "CALL convert(3, km, m)")
     # format +0.1; words CALL convert 3 km m = 5 -> -0.005 -> local 0.095
-    assert r.local_reward == pytest.approx(0.095) and s.results == ("tool: convert(3, km, m) = 3000",)
+    assert r.local_reward == pytest.approx(0.095)
+    assert s.results == ("tool: convert(3, km, m) = 3000",)
     s = env.end_turn(s)
     assert "tool: convert(3, km, m) = 3000" in env.observe(s, "master")
     s, r = env.step(s, "master", "FINAL: 3000")

@@ -9,11 +9,13 @@ item can occur in training, whatever the seeds.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from jmarl.envs.base import is_eval_seed
+from jmarl.errors import JmarlError
 
 T = TypeVar("T")
 
@@ -139,3 +141,11 @@ def split_items(items: list[T], key: Callable[[T], str]) -> tuple[list[T], list[
     for item in items:
         (held if is_eval_item(key(item)) else train).append(item)
     return train, held
+
+
+def file_stamp(path: str, env: str) -> tuple[str, float, int]:
+    """(absolute path, mtime, size) of a data file: the cache key of its parsed contents."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        raise JmarlError(f"{env}: data file {path!r} not found; pass path= an existing JSONL file")
+    st = os.stat(path)
+    return os.path.abspath(path), st.st_mtime, st.st_size

@@ -22,15 +22,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar
 
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
-from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, freeze_memory, memory_block,
-                               split_items)
+from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory,
+                               memory_block, split_items)
 from jmarl.envs.parsing import (answers_match, canonical_answer, extract_answer, extract_boxed,
                                 extract_python, run_program)
 from jmarl.errors import JmarlError
@@ -178,10 +177,19 @@ def _load_jsonl(path: str, mtime: float, size: int) -> tuple[Problem, ...]:
 
 def load_problems(path: str) -> tuple[Problem, ...]:
     """The problems of a JSONL file (cached per file version)."""
-    if not os.path.isfile(path):
-        raise JmarlError(f"math: data file {path!r} not found; pass path= an existing JSONL file")
-    st = os.stat(path)
-    return _load_jsonl(os.path.abspath(path), st.st_mtime, st.st_size)
+    return _load_jsonl(*file_stamp(path, "math"))
+
+
+@functools.lru_cache(maxsize=16)
+def _file_splits(stamp: tuple, eval_stamp: tuple | None) -> tuple[tuple[Problem, ...], ...]:
+    """(train, held-out) problems of a file, split by question hash or by a held-out file."""
+    problems = _load_jsonl(*stamp)
+    if eval_stamp is None:
+        train, held = split_items(list(problems), lambda p: p.question)
+        return tuple(train), tuple(held)
+    held = _load_jsonl(*eval_stamp)
+    held_questions = {p.question for p in held}
+    return tuple(p for p in problems if p.question not in held_questions), held
 
 
 # ---- the env -------------------------------------------------------------------------------------
@@ -219,13 +227,9 @@ class Math:
         return self.agents
 
     # ---- items -------------------------------------------------------------------------------
-    def _splits(self) -> tuple[list[Problem], list[Problem]]:
-        problems = list(load_problems(self.path))
-        if self.eval_path is None:
-            return split_items(problems, lambda p: p.question)
-        held = list(load_problems(self.eval_path))
-        held_questions = {p.question for p in held}
-        return [p for p in problems if p.question not in held_questions], held
+    def _splits(self) -> tuple[tuple[Problem, ...], ...]:
+        eval_stamp = file_stamp(self.eval_path, "math") if self.eval_path else None
+        return _file_splits(file_stamp(self.path, "math"), eval_stamp)
 
     def reset(self, seed: int) -> MathState:
         """The problem of `seed`: generated, or the (seed mod n)-th item of the file's split."""

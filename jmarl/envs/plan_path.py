@@ -38,6 +38,7 @@ class PlanPath(PuzzleEnv):
     """Plan-Path with `size` x `size` grids whose cells are walls with probability `wall_prob`."""
 
     name: ClassVar[str] = "plan_path"
+    generation_options: ClassVar[tuple[str, ...]] = ("size", "wall_prob")
     size: int = 5
     wall_prob: float = 0.25
     max_turns: int = 3

@@ -83,6 +83,7 @@ class PuzzleEnv:
     malformed_reward: float = -0.5
     program_timeout_s: float = 5.0
     answer_label = "Actions"
+    generation_options: tuple[str, ...] = ()  # the fields the generated puzzles depend on
 
     # ---- subclass hooks ----------------------------------------------------------------------
     def _generate(self, rng: random.Random) -> Any:  # pragma: no cover - abstract
@@ -125,9 +126,10 @@ class PuzzleEnv:
         return PuzzleState(seed=seed, puzzle=puzzle, board=self._initial_board(puzzle))
 
     def _rng_name(self) -> str:
-        """Keys the generator RNG by the env's name and options."""
-        fields = ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
-        return f"{self.name}({fields})"
+        """Keys the generator RNG by the env's name and its generation options (so changing a
+        reward weight or `max_turns` keeps the same puzzles)."""
+        options = ",".join(f"{name}={getattr(self, name)!r}" for name in self.generation_options)
+        return f"{self.name}({options})"
 
     def observe(self, state: PuzzleState, agent: str) -> str:
         """The prompt: task, board, turn, feedback, (planner) the tool's proposal, format."""

@@ -43,7 +43,7 @@ from jmarl.errors import JmarlError
 AGENTS = ("master", "math", "tool", "qa")
 SUB_AGENTS = AGENTS[1:]
 
-# ---- the function registry ------------------------------------------------------------------------
+# ---- the function registry -----------------------------------------------------------------------
 
 # unit -> (dimension, size in the dimension's base unit)
 UNITS: dict[str, tuple[str, Fraction]] = {
@@ -145,7 +145,7 @@ def _fmt(x: Fraction) -> str:
     return f"{float(x):.6g}"
 
 
-# ---- the fact table and retrieval ------------------------------------------------------------------
+# ---- the fact table and retrieval ----------------------------------------------------------------
 
 _CAPITALS = (("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Canada", "Ottawa"),
              ("Australia", "Canberra"), ("Egypt", "Cairo"), ("Italy", "Rome"),
@@ -175,7 +175,7 @@ def retrieve(query: str, k: int = 3) -> tuple[str, ...]:
     return tuple(fact for _, (_, _, fact) in scored[:k])
 
 
-# ---- queries ---------------------------------------------------------------------------------------
+# ---- queries -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Query:
@@ -200,7 +200,8 @@ def generate_query(rng: random.Random) -> Query:
                               and u != src])
             value = str(rng.randint(1, 99)) if rng.random() < 0.7 else f"{rng.randint(1, 99)}.5"
             q = f"How many {_UNIT_NAMES[dst]} are in {value} {_UNIT_NAMES[src]}?"
-            return Query(q, convert(value, src, dst), "tool", f"CALL convert({value}, {src}, {dst})")
+            call = f"CALL convert({value}, {src}, {dst})"
+            return Query(q, convert(value, src, dst), "tool", call)
         root, add = rng.randint(2, 40), rng.randint(1, 999)
         expr = f"sqrt({root * root}) * {add}"
         q = f"What is the square root of {root * root}, multiplied by {add}?"
@@ -209,7 +210,7 @@ def generate_query(rng: random.Random) -> Query:
     return Query(question, answer, "qa", f"ANSWER: {answer}")
 
 
-# ---- the env ---------------------------------------------------------------------------------------
+# ---- the env -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class RouterState:

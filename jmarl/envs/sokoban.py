@@ -75,6 +75,8 @@ class Sokoban(PuzzleEnv):
     """Sokoban rooms of `size` x `size` (border included) with `boxes` boxes."""
 
     name: ClassVar[str] = "sokoban"
+    generation_options: ClassVar[tuple[str, ...]] = ("size", "boxes", "wall_prob",
+                                                     "reverse_steps", "min_moves")
     size: int = 6
     boxes: int = 1
     wall_prob: float = 0.15

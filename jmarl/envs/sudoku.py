@@ -124,6 +124,7 @@ class Sudoku(PuzzleEnv):
     """Sudoku of `size` 4 or 9 with `givens` given digits (0: 8 for 4x4, 34 for 9x9)."""
 
     name: ClassVar[str] = "sudoku"
+    generation_options: ClassVar[tuple[str, ...]] = ("size", "target_givens")
     answer_label: ClassVar[str] = "Grid"
     size: int = 4
     givens: int = 0

@@ -24,15 +24,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import random
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
-from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, freeze_memory, memory_block,
-                               split_items)
+from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory,
+                               memory_block, split_items)
 from jmarl.errors import JmarlError
 
 AGENTS = ("concise", "detailed")
@@ -152,11 +151,18 @@ def _load_jsonl(path: str, mtime: float, size: int) -> tuple[str, ...]:
 
 def load_texts(path: str) -> tuple[str, ...]:
     """The source texts of a JSONL file (cached per file version)."""
-    if not os.path.isfile(path):
-        raise JmarlError(f"writing: data file {path!r} not found; pass path= an existing JSONL "
-                         "file")
-    st = os.stat(path)
-    return _load_jsonl(os.path.abspath(path), st.st_mtime, st.st_size)
+    return _load_jsonl(*file_stamp(path, "writing"))
+
+
+@functools.lru_cache(maxsize=16)
+def _file_splits(stamp: tuple, eval_stamp: tuple | None) -> tuple[tuple[str, ...], ...]:
+    """(train, held-out) texts of a file, split by text hash or by a held-out file."""
+    texts = _load_jsonl(*stamp)
+    if eval_stamp is None:
+        train, held = split_items(list(texts), lambda t: t)
+        return tuple(train), tuple(held)
+    held = _load_jsonl(*eval_stamp)
+    return tuple(t for t in texts if t not in set(held)), held
 
 
 def _sentences(text: str) -> list[str]:
@@ -225,12 +231,8 @@ class Writing:
         if self.path is None:
             source = draw_split_item("writing", seed, generate_paragraph, lambda t: t)
         else:
-            texts = list(load_texts(self.path))
-            if self.eval_path is None:
-                train, held = split_items(texts, lambda t: t)
-            else:
-                held = list(load_texts(self.eval_path))
-                train = [t for t in texts if t not in set(held)]
+            eval_stamp = file_stamp(self.eval_path, "writing") if self.eval_path else None
+            train, held = _file_splits(file_stamp(self.path, "writing"), eval_stamp)
             items, index = (held, seed - EVAL_SEED_START) if is_eval_seed(seed) else (train, seed)
             if not items:
                 which = "held-out" if is_eval_seed(seed) else "training"

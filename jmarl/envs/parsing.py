@@ -60,19 +60,21 @@ def parse_moves(text: object, max_moves: int) -> tuple[str, ...] | None:
 
 _ROW_CHARS_RE = re.compile(r"^[\s\d.\-_|,;:\[\]+*]*$")
 _CELL_RE = re.compile(r"[0-9._*]")
+_ROW_LABEL_RE = re.compile(r"^\s*row\s*\d+\s*[:.)=-]?", re.I)  # "Row 1: 1 2 3 4"
 
 
 def parse_grid(text: object, n: int) -> tuple[tuple[int, ...], ...] | None:
     """Parses an n x n grid of digits (0, '.', '_' or '*' = empty) into a tuple of rows.
 
-    Accepts n lines of n cells (separators |,; and spaces ignored; the last such block wins), a
-    JSON list of lists, or exactly n*n cells after the last marker. Digits above n are kept (the
-    env scores them as wrong). None if no grid is found.
+    Accepts n lines of n cells (separators |,; and spaces ignored, "Row 1:" labels dropped; the
+    last such block wins), a JSON list of lists, or exactly n*n cells after the last marker.
+    Digits above n are returned as written (Sudoku treats them as blanks). None if no grid.
     """
     text = strip_code_blocks(clip_text(text))
     rows: list[tuple[int, ...]] = []
     best: list[tuple[int, ...]] | None = None
     for line in text.splitlines():
+        line = _ROW_LABEL_RE.sub("", line)
         cells = _CELL_RE.findall(line) if _ROW_CHARS_RE.match(line) else []
         if len(cells) == n:
             rows.append(tuple(int(c) if c.isdigit() else 0 for c in cells))

@@ -220,7 +220,7 @@ def test_fuzz_step_never_raises_and_rewards_are_finite(name, options):
     env = make(name, **options)
     pairs = _fuzz_states(env)
 
-    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(text=TEXTS, index=st.integers(0, len(pairs) - 1))
     def check(text, index):

@@ -113,6 +113,10 @@ class PuzzleEnv:
     def _format_action(self, action: Any) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _feedback(self, action: Any, applied: Applied) -> str:
+        """One line on an executed action for later prompts."""
+        return self._format_action(action) + (" (solved)" if applied.solved else "")
+
     # ---- protocol ----------------------------------------------------------------------------
     def _check_options(self) -> None:
         if self.max_turns < 1:
@@ -189,7 +193,7 @@ class PuzzleEnv:
                 state, history=state.history + (f"turn {state.turn + 1}: unparseable action",))
             return new_state, StepResult(self.malformed_reward, 0.0, False, {"malformed": True})
         applied = self._apply(state.puzzle, state.board, action, state.moves)
-        feedback = f"turn {state.turn + 1}: {self._format_action(action)}"
+        feedback = f"turn {state.turn + 1}: {self._feedback(action, applied)}"
         new_state = dataclasses.replace(
             state, board=applied.board, moves=state.moves + applied.moves,
             history=state.history + (feedback,), solved=state.solved or applied.solved,

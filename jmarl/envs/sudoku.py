@@ -221,6 +221,12 @@ class Sudoku(PuzzleEnv):
                 "filled": sum(v != 0 for row in grid for v in row)}
         return Applied(grid, 1, local, self.solved_reward if solved else 0.0, solved, info)
 
+    def _feedback(self, action: Grid, applied: Applied) -> str:
+        info = applied.info
+        return (f"grid with {info['filled']} filled cells, {info['conflicts']} conflicts, "
+                f"{info['changed_givens']} given digits changed"
+                + (" (solved)" if applied.solved else ""))
+
     def _expert_action(self, puzzle: SudokuPuzzle, board: Grid) -> Grid:
         return puzzle.solution
 

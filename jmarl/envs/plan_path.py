@@ -1,0 +1,142 @@
+"""Plan-Path (AT-GRPO): move from the start to the goal on a grid with walls.
+
+Agents `tool` + `planner` (see `jmarl.envs.puzzle`). Actions: moves "U D L R" (also "up,
+right", a JSON list, "URRD"), optionally after "Actions:". Reward of executing moves m_1..m_k
+from cell p_0 (stopping at the goal):
+  local = sum_i [ -step_cost + shaping * (d(p_{i-1}) - d(p_i)) ]   (d = Manhattan distance to
+          the goal; bumping into a wall or the border is a move that stays put)
+  team  = goal_reward if the goal is reached, + shortest_bonus if the total number of moves of
+          the episode equals the BFS shortest-path length.
+Sizes: `size=5` (CPU tests, default) to `size=10` (the paper).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jmarl.envs.grid import MOVES, Cell, bfs, format_moves, manhattan, shift
+from jmarl.envs.parsing import parse_moves
+from jmarl.envs.puzzle import Applied, PuzzleEnv
+from jmarl.errors import JmarlError
+
+
+@dataclass(frozen=True)
+class PathPuzzle:
+    """A grid of `size` x `size` cells, its walls, start, goal and shortest-path length."""
+
+    size: int
+    walls: frozenset[Cell]
+    start: Cell
+    goal: Cell
+    shortest: int
+
+
+@dataclass(frozen=True)
+class PlanPath(PuzzleEnv):
+    """Plan-Path with `size` x `size` grids whose cells are walls with probability `wall_prob`."""
+
+    name: ClassVar[str] = "plan_path"
+    generation_options: ClassVar[tuple[str, ...]] = ("size", "wall_prob")
+    size: int = 5
+    wall_prob: float = 0.25
+    max_turns: int = 3
+    step_cost: float = 0.01
+    shaping: float = 0.1
+    goal_reward: float = 1.0
+    shortest_bonus: float = 0.5
+    malformed_reward: float = -0.5
+    program_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self._check_options()
+        if not 3 <= self.size <= 30:
+            raise JmarlError(f"plan_path: size must be in [3, 30], got {self.size}")
+        if not 0.0 <= self.wall_prob <= 0.5:
+            raise JmarlError(f"plan_path: wall_prob must be in [0, 0.5], got {self.wall_prob}")
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _generate(self, rng: random.Random) -> PathPuzzle:
+        n = self.size
+        cells = [(r, c) for r in range(n) for c in range(n)]
+        while True:
+            walls = frozenset(cell for cell in cells if rng.random() < self.wall_prob)
+            free = [cell for cell in cells if cell not in walls]
+            start, goal = rng.sample(free, 2)
+            path = self._path(n, walls, start, goal)
+            if path is not None and len(path) >= 2:
+                return PathPuzzle(n, walls, start, goal, len(path))
+
+    @staticmethod
+    def _path(n: int, walls: frozenset[Cell], start: Cell, goal: Cell) -> tuple[str, ...] | None:
+        def successors(cell: Cell):
+            for move in MOVES:
+                nxt = shift(cell, move)
+                if 0 <= nxt[0] < n and 0 <= nxt[1] < n and nxt not in walls:
+                    yield move, nxt
+
+        return bfs(start, successors, lambda cell: cell == goal)
+
+    def _key(self, puzzle: PathPuzzle) -> str:
+        return f"{puzzle.size}|{sorted(puzzle.walls)}|{puzzle.start}|{puzzle.goal}"
+
+    def _initial_board(self, puzzle: PathPuzzle) -> Cell:
+        return puzzle.start
+
+    # ---- text --------------------------------------------------------------------------------
+    def _instructions(self) -> str:
+        return ("Plan-Path: move A to the goal G. '#' is a wall, '.' is free. Moves: U (up), "
+                "D (down), L (left), R (right). Answer with moves separated by spaces after "
+                "'Actions:', e.g. 'Actions: R R D'.")
+
+    def _render(self, puzzle: PathPuzzle, board: Cell) -> str:
+        rows = []
+        for r in range(puzzle.size):
+            row = []
+            for c in range(puzzle.size):
+                cell = (r, c)
+                row.append("A" if cell == board else "G" if cell == puzzle.goal
+                           else "#" if cell in puzzle.walls else ".")
+            rows.append(" ".join(row))
+        rows.append(f"A is at row {board[0]}, column {board[1]}; G is at row {puzzle.goal[0]}, "
+                    f"column {puzzle.goal[1]}.")
+        return "\n".join(rows)
+
+    def _parse_action(self, text: str) -> tuple[str, ...] | None:
+        return parse_moves(text, max_moves=4 * self.size * self.size)
+
+    def _format_action(self, action: tuple[str, ...]) -> str:
+        return format_moves(action)
+
+    # ---- dynamics and reward -------------------------------------------------------------------
+    def _apply(self, puzzle: PathPuzzle, board: Cell, action: tuple[str, ...],
+               moves_so_far: int) -> Applied:
+        pos, local, made, bumps = board, 0.0, 0, 0
+        for move in action:
+            if pos == puzzle.goal:
+                break
+            made += 1
+            nxt = shift(pos, move)
+            before = manhattan(pos, puzzle.goal)
+            if 0 <= nxt[0] < puzzle.size and 0 <= nxt[1] < puzzle.size and nxt not in puzzle.walls:
+                pos = nxt
+            else:
+                bumps += 1
+            local += -self.step_cost + self.shaping * (before - manhattan(pos, puzzle.goal))
+        reached = pos == puzzle.goal
+        shortest = reached and moves_so_far + made == puzzle.shortest
+        team = (self.goal_reward + (self.shortest_bonus if shortest else 0.0)) if reached else 0.0
+        info = {"moves": made, "bumps": bumps, "reached": reached, "shortest": shortest,
+                "step_cost": -self.step_cost * made,
+                "shaping": self.shaping * (manhattan(board, puzzle.goal)
+                                           - manhattan(pos, puzzle.goal))}
+        return Applied(pos, made, local, team, reached, info)
+
+    def _expert_action(self, puzzle: PathPuzzle, board: Cell) -> tuple[str, ...]:
+        return self._path(puzzle.size, puzzle.walls, board, puzzle.goal) or ()
+
+    def solution(self, seed: int) -> tuple[str, ...]:
+        """A shortest move sequence from the start of `seed`'s grid to its goal."""
+        state = self.reset(seed)
+        return self._expert_action(state.puzzle, state.puzzle.start)

@@ -1,0 +1,227 @@
+"""The two-agent puzzle workflow of AT-GRPO (Plan-Path, Sokoban, Sudoku): tool + planner.
+
+Per turn, sequentially:
+1. `tool` proposes an action: directly in text, or as a ```python program run in the sandbox
+   whose stdout is parsed as the action (the program reads the rendered board on stdin). The
+   proposal is not executed; the tool's local reward is the reward the proposal would earn if
+   executed now (local + team terms of that simulated step), or `malformed_reward` if no action
+   could be parsed or the program failed. Its team reward is 0 (the board did not change).
+2. `planner` sees the board and the tool's proposal and writes the final action, which is
+   executed: local reward = the per-move terms, team reward = the outcome terms (solved, ...).
+   local + team is the reward of the task's table in ENVIRONMENTS.md.
+`end_turn` advances the turn; the episode ends when solved or after `max_turns` turns.
+
+A subclass supplies the puzzle: `_generate`, `_key`, `_render`, `_parse_action`, `_apply`,
+`_expert_action`, `_format_action`, `_instructions`, `solution`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from jmarl.envs.base import StepResult
+from jmarl.envs.common import FrozenMap, clip_text, draw_split_item, freeze_memory, memory_block
+from jmarl.envs.parsing import extract_python, run_program
+from jmarl.errors import JmarlError
+
+AGENTS = ("tool", "planner")
+
+
+@dataclass(frozen=True)
+class PuzzleState:
+    """One episode's state (immutable).
+
+    puzzle: the generated instance (env-specific, immutable); board: the current configuration;
+    turn: turns completed; moves: actions executed so far (for "shortest" bonuses);
+    proposal: the tool's parsed action this turn (None = none or unparseable);
+    proposal_note: how the proposal was obtained (direct / program status);
+    history: one feedback line per executed planner action; solved / finished: episode flags;
+    memory_context: {agent: memory entries} injected by a workflow.
+    """
+
+    seed: int
+    puzzle: Any
+    board: Any
+    turn: int = 0
+    moves: int = 0
+    proposal: Any = None
+    proposal_note: str = ""
+    history: tuple[str, ...] = ()
+    solved: bool = False
+    finished: bool = False
+    memory_context: FrozenMap = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_context", freeze_memory(self.memory_context))
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The outcome of executing one action on a board: the new board, the number of moves it
+    made, the per-move (local) and outcome (team) reward terms, whether it solved the puzzle and
+    the reward components."""
+
+    board: Any
+    moves: int
+    local: float
+    team: float
+    solved: bool
+    info: dict
+
+
+class PuzzleEnv:
+    """Base class of the tool + planner puzzle envs (subclasses are frozen dataclasses)."""
+
+    name = "puzzle"
+    agents = AGENTS
+    turn_order = AGENTS
+    parallel = False
+    max_turns: int = 3
+    malformed_reward: float = -0.5
+    program_timeout_s: float = 5.0
+    answer_label = "Actions"
+    generation_options: tuple[str, ...] = ()  # the fields the generated puzzles depend on
+
+    # ---- subclass hooks ----------------------------------------------------------------------
+    def _generate(self, rng: random.Random) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _key(self, puzzle: Any) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _initial_board(self, puzzle: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _render(self, puzzle: Any, board: Any) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _instructions(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _parse_action(self, text: str) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _apply(self, puzzle: Any, board: Any, action: Any, moves_so_far: int) -> Applied:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _expert_action(self, puzzle: Any, board: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _format_action(self, action: Any) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _feedback(self, action: Any, applied: Applied) -> str:
+        """One line on an executed action for later prompts."""
+        return self._format_action(action) + (" (solved)" if applied.solved else "")
+
+    # ---- protocol ----------------------------------------------------------------------------
+    def _check_options(self) -> None:
+        if self.max_turns < 1:
+            raise JmarlError(f"{self.name}: max_turns must be >= 1, got {self.max_turns}")
+
+    def reset(self, seed: int) -> PuzzleState:
+        """The initial state for `seed` (train/eval items are disjoint by content hash)."""
+        if not isinstance(seed, int) or seed < 0:
+            raise JmarlError(f"{self.name}: seed must be an int >= 0, got {seed!r}")
+        puzzle = draw_split_item(self._rng_name(), seed, self._generate, self._key)
+        return PuzzleState(seed=seed, puzzle=puzzle, board=self._initial_board(puzzle))
+
+    def _rng_name(self) -> str:
+        """Keys the generator RNG by the env's name and its generation options (so changing a
+        reward weight or `max_turns` keeps the same puzzles)."""
+        options = ",".join(f"{name}={getattr(self, name)!r}" for name in self.generation_options)
+        return f"{self.name}({options})"
+
+    def observe(self, state: PuzzleState, agent: str) -> str:
+        """The prompt: task, board, turn, feedback, (planner) the tool's proposal, format."""
+        self._check_agent(agent)
+        lines = [self._instructions(), "", self._render(state.puzzle, state.board), ""]
+        lines.append(f"Turn {state.turn + 1} of {self.max_turns}.")
+        if state.history:
+            lines.append("Previous turns: " + " | ".join(state.history[-3:]))
+        memory = memory_block(state, agent)
+        if memory:
+            lines.append(memory)
+        if agent == "tool":
+            lines.append("You are the tool agent. Propose the action, either directly or as a "
+                         "```python program that reads the board from stdin and prints it.")
+        else:
+            if state.proposal is not None:
+                proposed = self._format_action(state.proposal)
+            else:
+                proposed = "(none)"
+            note = f" [{state.proposal_note}]" if state.proposal_note else ""
+            lines.append(f"Tool agent's proposal{note}: {proposed}")
+            lines.append("You are the planner. Write the final action; it will be executed.")
+        return "\n".join(lines)
+
+    def step(self, state: PuzzleState, agent: str, text: str) -> tuple[PuzzleState, StepResult]:
+        """Applies `agent`'s text (see the module docstring); never raises, never mutates."""
+        self._check_agent(agent)
+        if state.finished:
+            return state, StepResult(0.0, 0.0, True, {"ignored": "episode already over"})
+        text = clip_text(text)
+        if agent == "tool":
+            return self._tool_step(state, text)
+        return self._planner_step(state, text)
+
+    def _tool_step(self, state: PuzzleState, text: str) -> tuple[PuzzleState, StepResult]:
+        code = extract_python(text)
+        if code is not None:
+            run = run_program(code, stdin=self._render(state.puzzle, state.board),
+                              timeout_s=self.program_timeout_s)
+            note = f"program {run.status}"
+            action = self._parse_action(run.stdout) if run.status == "ok" else None
+        else:
+            note, action = "direct", self._parse_action(text)
+        new_state = dataclasses.replace(state, proposal=action, proposal_note=note)
+        info: dict = {"source": note, "action": action}
+        if action is None:
+            info["malformed"] = True
+            return new_state, StepResult(self.malformed_reward, 0.0, False, info)
+        applied = self._apply(state.puzzle, state.board, action, state.moves)
+        info.update(applied.info, would_solve=applied.solved)
+        return new_state, StepResult(float(applied.local + applied.team), 0.0, False, info)
+
+    def _planner_step(self, state: PuzzleState, text: str) -> tuple[PuzzleState, StepResult]:
+        action = self._parse_action(text)
+        if action is None:
+            new_state = dataclasses.replace(
+                state, history=state.history + (f"turn {state.turn + 1}: unparseable action",))
+            return new_state, StepResult(self.malformed_reward, 0.0, False, {"malformed": True})
+        applied = self._apply(state.puzzle, state.board, action, state.moves)
+        feedback = f"turn {state.turn + 1}: {self._feedback(action, applied)}"
+        new_state = dataclasses.replace(
+            state, board=applied.board, moves=state.moves + applied.moves,
+            history=state.history + (feedback,), solved=state.solved or applied.solved,
+            finished=state.finished or applied.solved)
+        info = dict(applied.info, action=action, solved=applied.solved)
+        return new_state, StepResult(float(applied.local), float(applied.team),
+                                     new_state.finished, info)
+
+    def end_turn(self, state: PuzzleState) -> PuzzleState:
+        """Advances the turn, clears the proposal, ends the episode at `max_turns`."""
+        turn = state.turn + 1
+        return dataclasses.replace(state, turn=turn, proposal=None, proposal_note="",
+                                   finished=state.finished or turn >= self.max_turns)
+
+    def done(self, state: PuzzleState) -> bool:
+        """Solved, or out of turns."""
+        return state.finished
+
+    def success(self, state: PuzzleState) -> bool:
+        """Whether the puzzle is solved."""
+        return state.solved
+
+    def expert_text(self, state: PuzzleState, agent: str) -> str:
+        """The solving action from the current board, written in the direct format."""
+        self._check_agent(agent)
+        action = self._expert_action(state.puzzle, state.board)
+        return f"{self.answer_label}:\n{self._format_action(action)}"
+
+    def _check_agent(self, agent: str) -> None:
+        if agent not in AGENTS:
+            raise JmarlError(f"{self.name}: unknown agent {agent!r}; agents are {AGENTS}")

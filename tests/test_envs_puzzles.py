@@ -1,0 +1,310 @@
+"""Plan-Path, Sokoban and Sudoku: generators, solvers and hand-computed rewards."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from jmarl import JmarlError
+from jmarl.envs import eval_seed, make
+from jmarl.envs.grid import MOVES, shift
+from jmarl.envs.plan_path import PathPuzzle
+from jmarl.envs.puzzle import PuzzleState
+from jmarl.envs.sokoban import Room, push
+from jmarl.envs.sudoku import SudokuPuzzle, conflicts, count_solutions, is_solved
+
+# ---- Plan-Path -----------------------------------------------------------------------------------
+
+# 4x4 grid, wall at (1,1), start (0,0), goal (2,2); shortest path length 4.
+#   A . . .
+#   . # . .
+#   . . G .
+#   . . . .
+PATH = PathPuzzle(4, frozenset({(1, 1)}), (0, 0), (2, 2), 4)
+
+
+def path_state(**kw):
+    return PuzzleState(seed=0, puzzle=PATH, board=PATH.start, **kw)
+
+
+def test_plan_path_shortest_reward():
+    env = make("plan_path", size=4)
+    state, r = env.step(path_state(), "planner", "Actions: R R D D")
+    # 4 moves, each -0.01 and Manhattan 4 -> 3 -> 2 -> 1 -> 0, each +0.1 * 1:
+    # local = 4 * (-0.01 + 0.1) = 0.36; team = goal 1 + shortest 0.5 = 1.5
+    assert r.local_reward == pytest.approx(0.36) and r.team_reward == pytest.approx(1.5)
+    assert r.done and env.success(state) and state.board == (2, 2) and state.moves == 4
+
+
+def test_plan_path_detour_bump_and_partial():
+    env = make("plan_path", size=4)
+    # U bumps the border (stays at (0,0), d=4): -0.01; D (1,0) d=3: -0.01+0.1;
+    # R bumps the wall (1,1): -0.01; D (2,0) d=2: -0.01+0.1; R (2,1) d=1: -0.01+0.1;
+    # R (2,2) goal d=0: -0.01+0.1; the trailing L is ignored (goal reached).
+    # local = 6 * -0.01 + 4 * 0.1 = 0.34; team = 1 (6 moves != shortest 4, no bonus)
+    state, r = env.step(path_state(), "planner", "U D R D R R L")
+    assert r.local_reward == pytest.approx(0.34) and r.team_reward == pytest.approx(1.0)
+    assert r.info["bumps"] == 2 and r.info["moves"] == 6 and not r.info["shortest"]
+    # Moving away: L bumps (d=4) then D (1,0) d=3 then U back (0,0) d=4:
+    # local = 3 * -0.01 + 0.1 * (4 - 3) + 0.1 * (3 - 4) = -0.03; team 0; not done.
+    state, r = env.step(path_state(), "planner", "L D U")
+    assert r.local_reward == pytest.approx(-0.03) and r.team_reward == 0.0 and not r.done
+    assert state.board == (0, 0) and state.moves == 3
+
+
+def test_plan_path_shortest_counts_moves_over_turns():
+    env = make("plan_path", size=4)
+    state, _ = env.step(path_state(), "planner", "R R")  # turn 1: 2 moves
+    state = env.end_turn(state)
+    state, r = env.step(state, "planner", "D D")  # turn 2: 2 moves; total 4 = shortest
+    # local = 2 * (-0.01 + 0.1) = 0.18; team = 1 + 0.5
+    assert r.local_reward == pytest.approx(0.18) and r.team_reward == pytest.approx(1.5)
+    state2, _ = env.step(path_state(), "planner", "U R R")  # bump, 2 moves: 3 so far
+    state2 = env.end_turn(state2)
+    _, r = env.step(state2, "planner", "D D")  # 5 moves in all: no shortest bonus
+    assert r.team_reward == pytest.approx(1.0)
+
+
+def test_plan_path_tool_scores_its_proposal_and_planner_sees_it():
+    env = make("plan_path", size=4)
+    state = path_state()
+    after, r = env.step(state, "tool", "R R D D")
+    # The proposal is not executed: board unchanged; local = what executing it would earn
+    # (0.36 + 1.5 = 1.86); team 0.
+    assert after.board == (0, 0) and after.proposal == ("R", "R", "D", "D")
+    assert r.local_reward == pytest.approx(1.86) and r.team_reward == 0.0 and not r.done
+    assert "Tool agent's proposal [direct]: R R D D" in env.observe(after, "planner")
+    _, bad = env.step(state, "tool", "no idea")
+    assert bad.local_reward == env.malformed_reward == -0.5 and bad.info["malformed"]
+    _, bad = env.step(state, "planner", "")
+    assert bad.local_reward == -0.5 and bad.team_reward == 0.0
+
+
+def test_plan_path_episode_ends_at_max_turns():
+    env = make("plan_path", size=4, max_turns=2)
+    state = path_state()
+    for _ in range(2):
+        assert not env.done(state)
+        state, _ = env.step(state, "tool", "U")
+        state, _ = env.step(state, "planner", "U")
+        state = env.end_turn(state)
+    assert env.done(state) and not env.success(state)
+    _, r = env.step(state, "planner", "R R D D")  # after the end: no effect, reward 0
+    assert r.local_reward == 0.0 and r.done
+
+
+def _walk(puzzle, moves):
+    pos = puzzle.start
+    for m in moves:
+        nxt = shift(pos, m)
+        assert 0 <= nxt[0] < puzzle.size and 0 <= nxt[1] < puzzle.size
+        assert nxt not in puzzle.walls
+        pos = nxt
+    return pos
+
+
+def _brute_force_distance(puzzle):
+    """Shortest path by iterative deepening over all move strings (independent of bfs)."""
+    frontier = {puzzle.start}
+    for depth in itertools.count():
+        if puzzle.goal in frontier:
+            return depth
+        frontier = {shift(p, m) for p in frontier for m in MOVES
+                    if 0 <= shift(p, m)[0] < puzzle.size and 0 <= shift(p, m)[1] < puzzle.size
+                    and shift(p, m) not in puzzle.walls} | frontier
+
+
+@pytest.mark.parametrize("size", [5, 10])
+def test_plan_path_solution_is_shortest(size):
+    env = make("plan_path", size=size)
+    for seed in list(range(20)) + [eval_seed(0)]:
+        puzzle = env.reset(seed).puzzle
+        path = env.solution(seed)
+        assert _walk(puzzle, path) == puzzle.goal
+        assert len(path) == puzzle.shortest == _brute_force_distance(puzzle)
+        assert puzzle.start not in puzzle.walls and puzzle.goal not in puzzle.walls
+
+
+def test_plan_path_bad_options():
+    with pytest.raises(JmarlError, match="size"):
+        make("plan_path", size=2)
+    with pytest.raises(JmarlError, match="bad options"):
+        make("plan_path", colour="red")
+
+
+# ---- Sokoban -------------------------------------------------------------------------------------
+
+def _room(boxes, goals, player):
+    n = 5
+    walls = frozenset((r, c) for r in range(n) for c in range(n) if r in (0, 4) or c in (0, 4))
+    return Room(n, walls, frozenset(goals), frozenset(boxes), player, 1)
+
+
+def _sokoban_state(room):
+    return PuzzleState(seed=0, puzzle=room, board=(room.player, room.boxes))
+
+
+def test_sokoban_push_onto_goal_solves():
+    #  # # # # #
+    #  # . . . #
+    #  # P B G #      player (2,1), box (2,2), goal (2,3)
+    env = make("sokoban", size=5)
+    state, r = env.step(_sokoban_state(_room({(2, 2)}, {(2, 3)}, (2, 1))), "planner", "R")
+    # one move -0.01, box onto a goal +1 -> local 0.99; solved -> team 10
+    assert r.local_reward == pytest.approx(0.99) and r.team_reward == pytest.approx(10.0)
+    assert r.done and env.success(state) and state.board == ((2, 2), frozenset({(2, 3)}))
+
+
+def test_sokoban_push_off_goal_and_blocked_moves():
+    env = make("sokoban", size=5)
+    # two goals (2,2) and (1,2); one box on (2,2), the other at (3,2) (not on a goal).
+    room = _room({(2, 2), (3, 3)}, {(2, 2), (1, 2)}, (2, 1))
+    # L: wall at (2,0), blocked: -0.01. R: pushes the box off its goal to (2,3): -0.01 - 0.5.
+    # R: box (2,3) against the wall (2,4): blocked -0.01.
+    # local = -0.03 - 0.5 = -0.53; team 0
+    state, r = env.step(_sokoban_state(room), "planner", "L R R")
+    assert r.local_reward == pytest.approx(-0.53) and r.team_reward == 0.0
+    assert r.info["blocked"] == 2 and r.info["pushed_off"] == 1
+    assert state.board == ((2, 2), frozenset({(2, 3), (3, 3)}))
+    # a box cannot push another box: player (2,1), boxes (2,2) and (2,3)
+    board = ((2, 1), frozenset({(2, 2), (2, 3)}))
+    assert push(room.walls, board, "R") == (board, None, None)
+
+
+@pytest.mark.parametrize("options", [{"size": 5}, {"size": 6}, {"size": 6, "boxes": 2}])
+def test_sokoban_rooms_solvable_and_solutions_replay(options):
+    env = make("sokoban", **options)
+    for seed in list(range(25)) + [eval_seed(1)]:
+        state = env.reset(seed)
+        room = state.puzzle
+        assert room.boxes != room.goals and len(room.boxes) == env.boxes
+        assert room.player not in room.walls | room.boxes
+        moves = env.solution(seed)
+        assert len(moves) == room.shortest >= env.min_moves
+        board = state.board
+        for m in moves:
+            board, _, _ = push(room.walls, board, m)
+        assert board[1] == room.goals
+
+
+def test_sokoban_bad_options():
+    with pytest.raises(JmarlError, match="boxes"):
+        make("sokoban", size=5, boxes=9)
+
+
+# ---- Sudoku --------------------------------------------------------------------------------------
+
+SOLUTION = ((1, 2, 3, 4), (3, 4, 1, 2), (2, 1, 4, 3), (4, 3, 2, 1))
+GIVENS = ((1, 0, 0, 4), (0, 4, 1, 0), (2, 0, 0, 3), (0, 3, 2, 0))  # 8 givens, 8 blanks
+
+
+def _sudoku_state(board=GIVENS):
+    return PuzzleState(seed=0, puzzle=SudokuPuzzle(GIVENS, SOLUTION), board=board)
+
+
+def _text(grid):
+    return "\n".join(" ".join(map(str, row)) for row in grid)
+
+
+def test_sudoku_solver_and_checks():
+    assert count_solutions(GIVENS) == 1
+    assert count_solutions(((0,) * 4,) * 4, limit=1000) == 288  # all 4x4 sudoku grids
+    assert conflicts(SOLUTION) == 0
+    # row 0 = 1 1 3 4: one repeat in the row, one in the top-left box -> 2
+    assert conflicts(((1, 1, 3, 4), (0,) * 4, (0,) * 4, (0,) * 4)) == 2
+    assert is_solved(GIVENS, SOLUTION)
+    swapped = tuple(tuple({1: 2, 2: 1}.get(v, v) for v in row) for row in SOLUTION)
+    assert conflicts(swapped) == 0 and not is_solved(GIVENS, swapped)  # valid, givens changed
+
+
+def test_sudoku_rewards():
+    env = make("sudoku")
+    # the solution: progress 8/8 = 1, no conflicts, no changed givens -> local 1; team 2
+    state, r = env.step(_sudoku_state(), "planner", "Grid:\n" + _text(SOLUTION))
+    assert r.local_reward == pytest.approx(1.0) and r.team_reward == 2.0 and env.success(state)
+    # half the blanks right, the rest left 0: progress 4/8 = 0.5 -> local 0.5; team 0
+    half = ((1, 2, 3, 4), (3, 4, 1, 2), (2, 0, 0, 3), (0, 3, 2, 0))
+    state, r = env.step(_sudoku_state(), "planner", _text(half))
+    assert r.local_reward == pytest.approx(0.5) and r.team_reward == 0.0 and not r.done
+    # from `half`, a submission with one blank wrong: (2,1) = 3 instead of 1 ->
+    # correct 4 -> 4 (blank (2,1) wrong, none added): progress 0; conflicts: row 2 has 2 3 . 3
+    # (one repeat), column 1 has 2 4 3 3 (one repeat), box bottom-left 2 3 / . 3 (one repeat)
+    # -> 3 conflicts -> local = 0 - 0.1 * 3 = -0.3
+    wrong = ((1, 2, 3, 4), (3, 4, 1, 2), (2, 3, 0, 3), (0, 3, 2, 0))
+    _, r = env.step(_sudoku_state(half), "planner", _text(wrong))
+    assert r.info["conflicts"] == 3 and r.local_reward == pytest.approx(-0.3)
+    # the digit-swapped valid grid: blanks correct where 1/2 not involved. Blank cells and
+    # swapped values vs solution: (0,1) 1!=2, (0,2) 3 ok, (1,0) 3 ok, (1,3) 1!=2, (2,1) 2!=1,
+    # (2,2) 4 ok, (3,0) 4 ok, (3,3) 2!=1 -> 4 correct -> progress 0.5; changed givens: (0,0)
+    # 1->2, (1,2) 1->2, (2,0) 2->1, (3,2) 2->1 -> 4 -> local = 0.5 - 0.2 * 4 = -0.3; not solved
+    swapped = tuple(tuple({1: 2, 2: 1}.get(v, v) for v in row) for row in SOLUTION)
+    state, r = env.step(_sudoku_state(), "planner", _text(swapped))
+    assert r.info["changed_givens"] == 4 and r.local_reward == pytest.approx(-0.3)
+    assert r.team_reward == 0.0 and not env.success(state)
+    # malformed
+    _, r = env.step(_sudoku_state(), "planner", "I cannot solve this")
+    assert r.local_reward == -0.5 and r.info["malformed"]
+
+
+@pytest.mark.parametrize("size,seeds", [(4, 60), (9, 6)])
+def test_sudoku_generator_unique_and_consistent(size, seeds):
+    env = make("sudoku", size=size)
+    for seed in list(range(seeds)) + [eval_seed(2)]:
+        p = env.reset(seed).puzzle
+        assert count_solutions(p.givens, limit=2) == 1
+        assert is_solved(p.givens, p.solution)
+        givens = sum(v != 0 for row in p.givens for v in row)
+        assert givens >= env.target_givens
+
+
+def test_sudoku_bad_options():
+    with pytest.raises(JmarlError, match="size"):
+        make("sudoku", size=6)
+
+
+# ---- the program path (sandbox) ------------------------------------------------------------------
+
+BFS_PROGRAM = '''```python
+import sys
+from collections import deque
+rows = [l.split() for l in sys.stdin.read().splitlines()]
+lines = [r for r in rows if r and all(len(t) == 1 for t in r)]
+n = len(lines)
+find = lambda ch: next((r, c) for r in range(n) for c in range(n) if lines[r][c] == ch)
+start, goal = find("A"), find("G")
+prev = {start: None}
+queue = deque([start])
+while queue:
+    cell = queue.popleft()
+    for m, (dr, dc) in (("U", (-1, 0)), ("D", (1, 0)), ("L", (0, -1)), ("R", (0, 1))):
+        nxt = (cell[0] + dr, cell[1] + dc)
+        if 0 <= nxt[0] < n and 0 <= nxt[1] < n and lines[nxt[0]][nxt[1]] != "#" and nxt not in prev:
+            prev[nxt] = (cell, m)
+            queue.append(nxt)
+path = []
+cell = goal
+while prev[cell] is not None:
+    cell, m = prev[cell]
+    path.append(m)
+print(" ".join(reversed(path)))
+```'''
+
+
+def test_tool_program_path():
+    env = make("plan_path", size=5, program_timeout_s=2.0)
+    state = env.reset(4)
+    after, r = env.step(state, "tool", "I will search.\n" + BFS_PROGRAM)
+    assert r.info["source"] == "program ok"
+    assert len(after.proposal) == state.puzzle.shortest
+    assert _walk(state.puzzle, after.proposal) == state.puzzle.goal
+    direct = env.step(state, "tool", " ".join(after.proposal))[1]
+    assert r.local_reward == pytest.approx(direct.local_reward)
+    _, failed = env.step(state, "tool", "```python\nraise SystemExit(3)\n```")
+    assert failed.info["source"] == "program error" and failed.local_reward == -0.5
+    _, looped = env.step(state, "tool", "```python\nwhile True: pass\n```")
+    assert looped.info["source"] == "program timeout" and looped.local_reward == -0.5
+    _, junk = env.step(state, "tool", "```python\nprint('no moves here')\n```")
+    assert junk.info["source"] == "program ok" and junk.info["malformed"]
+    planner_view = env.observe(dataclasses.replace(state, proposal=after.proposal,
+                                                   proposal_note="program ok"), "planner")
+    assert "[program ok]" in planner_view

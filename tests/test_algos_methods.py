@@ -253,6 +253,18 @@ def test_returns_to_go_hand_worked():
     np.testing.assert_allclose(got, [3, 7, 4, 4])
 
 
+def test_at_grpo_node_rewards_immediate_and_return_to_go():
+    # local (1, 0, 0.5) + 0.5 * team (2, 2, 0) = (2, 1, 0.5); sample 0 is continued by sample 2.
+    local, team, nxt = np.array([1, 0, 0.5]), np.array([2, 2, 0]), np.array([2, -1, -1])
+    immediate = at_grpo.node_rewards(at_grpo.Config(alpha=0.5), local, team)
+    np.testing.assert_allclose(immediate, [2, 1, 0.5])
+    # return-to-go with gamma 0.9: G0 = 2 + 0.9 * 0.5 = 2.45
+    cfg = at_grpo.Config(alpha=0.5, reward_mode="return_to_go", gamma=0.9)
+    np.testing.assert_allclose(at_grpo.node_rewards(cfg, local, team, next_index=nxt), [2.45, 1, 0.5], rtol=1e-6)
+    with pytest.raises(JmarlError, match="next_index"):
+        at_grpo.node_rewards(cfg, local, team)
+
+
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), gamma=st.sampled_from([1.0, 0.8]))
 def test_returns_to_go_match_reference(seed, gamma):

@@ -135,7 +135,8 @@ def filter_groups(
     floor(frac * #groups) with the lowest mean reward (ties: lower group id dropped first).
     Padding rows (group -1) are never kept.
     """
-    for name, frac in (("drop_low_variance_frac", drop_low_variance_frac), ("drop_low_mean_frac", drop_low_mean_frac)):
+    fractions = {"drop_low_variance_frac": drop_low_variance_frac, "drop_low_mean_frac": drop_low_mean_frac}
+    for name, frac in fractions.items():
         if not 0.0 <= frac <= 1.0:
             raise JmarlError(f"filter_groups {name}={frac!r} must lie in [0, 1]")
     rewards = jnp.asarray(rewards, jnp.float32)

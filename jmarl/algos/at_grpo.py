@@ -28,6 +28,7 @@ __all__ = [
     "group_ids",
     "mixed_reward",
     "returns_to_go",
+    "node_rewards",
     "choose_candidate",
     "advantages",
     "keep_mask",
@@ -80,7 +81,9 @@ class ATGRPOConfig:
 Config = ATGRPOConfig
 
 
-def group_ids(env: jax.Array, turn: jax.Array, agent: jax.Array, *, num_turns: int, num_agents: int) -> jax.Array:
+def group_ids(
+    env: jax.Array, turn: jax.Array, agent: jax.Array, *, num_turns: int, num_agents: int
+) -> jax.Array:
     """GRPO group id int32[N] of each (env, turn, agent) node: (env * num_turns + turn) * num_agents + agent.
 
     num_groups = num_envs * num_turns * num_agents. Rows with env < 0, turn outside
@@ -96,7 +99,9 @@ def mixed_reward(local: jax.Array, team: jax.Array, *, alpha: float = 1.0) -> ja
     return jnp.asarray(local, jnp.float32) + alpha * jnp.asarray(team, jnp.float32)
 
 
-def returns_to_go(rewards: jax.Array, next_index: jax.Array, *, gamma: float = 1.0, max_steps: int) -> jax.Array:
+def returns_to_go(
+    rewards: jax.Array, next_index: jax.Array, *, gamma: float = 1.0, max_steps: int
+) -> jax.Array:
     """Return-to-go f32[N]: G_i = r_i + gamma * G_next(i), from rewards f32[N] and next_index int[N].
 
     next_index[i] is the sample that continues the episode after sample i for the same reward
@@ -113,6 +118,26 @@ def returns_to_go(rewards: jax.Array, next_index: jax.Array, *, gamma: float = 1
         return rewards + gamma * jnp.where(has_next, returns[safe_next], 0.0)
 
     return jax.lax.fori_loop(0, max_steps, step, rewards)
+
+
+def node_rewards(
+    cfg: ATGRPOConfig,
+    local: jax.Array,
+    team: jax.Array,
+    *,
+    next_index: jax.Array | None = None,
+    max_steps: int | None = None,
+) -> jax.Array:
+    """The reward f32[N] each candidate is grouped on: local + alpha * team, then the return-to-go
+    along `next_index` int[N] (see `returns_to_go`; max_steps defaults to num_turns - 1) when
+    `reward_mode` is "return_to_go"."""
+    reward = mixed_reward(local, team, alpha=cfg.alpha)
+    if cfg.reward_mode == "immediate":
+        return reward
+    if next_index is None:
+        raise JmarlError('reward_mode="return_to_go" needs next_index (the sample that continues each one)')
+    steps = cfg.num_turns - 1 if max_steps is None else max_steps
+    return returns_to_go(reward, next_index, gamma=cfg.gamma, max_steps=steps)
 
 
 def choose_candidate(rewards: jax.Array, *, mode: str = "best", key: jax.Array | None = None) -> jax.Array:

@@ -99,7 +99,8 @@ def push_success(window: CapabilityWindow, success: Sequence[float]) -> Capabili
     row = tuple(float(x) for x in np.asarray(success, np.float64).reshape(-1))
     if window.history and len(row) != len(window.history[0]):
         raise JmarlError(
-            f"push_success got success rates for {len(row)} agents, the window tracks {len(window.history[0])}"
+            f"push_success got success rates for {len(row)} agents, "
+            f"the window tracks {len(window.history[0])}"
         )
     if any(not 0.0 <= x <= 1.0 for x in row):
         raise JmarlError(f"success rates must lie in [0, 1], got {row}")
@@ -109,7 +110,9 @@ def push_success(window: CapabilityWindow, success: Sequence[float]) -> Capabili
 def capabilities(window: CapabilityWindow) -> np.ndarray:
     """P f32[n]: mean success rate per agent over the steps in the window."""
     if not window.history:
-        raise JmarlError("the capability window is empty: push this step's success rates before computing advantages")
+        raise JmarlError(
+            "the capability window is empty: push this step's success rates before computing advantages"
+        )
     return np.mean(np.asarray(window.history, np.float64), axis=0).astype(np.float32)
 
 
@@ -191,7 +194,9 @@ def discrepancy_coefficients(
     return omega[source, learner]
 
 
-def stepwise_clip_bounds(minibatch_index: jax.Array | int, *, delta: float = 0.2, delta_step: float = 0.025) -> tuple[jax.Array, jax.Array]:
+def stepwise_clip_bounds(
+    minibatch_index: jax.Array | int, *, delta: float = 0.2, delta_step: float = 0.025
+) -> tuple[jax.Array, jax.Array]:
     """(low, high) scalars for the cross ratio at mini-batch m: (min(1 - delta + m * delta_step, 1), 1)."""
     m = jnp.asarray(minibatch_index, jnp.float32)
     return jnp.minimum(1.0 - delta + m * delta_step, 1.0), jnp.ones((), jnp.float32)
@@ -254,9 +259,13 @@ def advantages(
     )
 
 
-def discrepancy(cfg: HACPOConfig, capability: jax.Array, source: jax.Array, learner: jax.Array | int) -> jax.Array:
+def discrepancy(
+    cfg: HACPOConfig, capability: jax.Array, source: jax.Array, learner: jax.Array | int
+) -> jax.Array:
     """Per-sample weight f32[N] for the learner (all ones if `discrepancy` is off)."""
-    weight = discrepancy_coefficients(capability, source, learner, omega_min=cfg.omega_min, omega_max=cfg.omega_max)
+    weight = discrepancy_coefficients(
+        capability, source, learner, omega_min=cfg.omega_min, omega_max=cfg.omega_max
+    )
     return weight if cfg.discrepancy else jnp.ones_like(weight)
 
 
@@ -294,9 +303,13 @@ def loss(
         source_seq_logprob = masked_seq_mean(old_logprobs, loss_mask)
     weight = jnp.ones((n,), jnp.float32) if discrepancy is None else jnp.asarray(discrepancy, jnp.float32)
 
-    self_log_ratio = jnp.clip(masked_seq_mean(logprobs - old_logprobs, loss_mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    self_log_ratio = jnp.clip(
+        masked_seq_mean(logprobs - old_logprobs, loss_mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
     self_ratio = jnp.exp(self_log_ratio)
-    self_loss, self_clipped, _ = clipped_surrogate(self_ratio, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    self_loss, self_clipped, _ = clipped_surrogate(
+        self_ratio, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high
+    )
 
     raw_cross = jnp.exp(cross_log_ratio(logprobs, loss_mask, source_seq_logprob))
     low, high = stepwise_clip_bounds(minibatch_index, delta=cfg.delta, delta_step=cfg.delta_step)

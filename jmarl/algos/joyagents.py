@@ -98,7 +98,9 @@ Config = JoyAgentsConfig
 # ---------------------------------------------------------------- per-sample math (device)
 
 
-def total_reward(accuracy: jax.Array, format_reward: jax.Array, cost: jax.Array, *, cost_weight: float = 1.0) -> jax.Array:
+def total_reward(
+    accuracy: jax.Array, format_reward: jax.Array, cost: jax.Array, *, cost_weight: float = 1.0
+) -> jax.Array:
     """R f32[N] = accuracy f32[N] + format_reward f32[N] - cost_weight * cost f32[N]."""
     acc, fmt, cst = (jnp.asarray(x, jnp.float32) for x in (accuracy, format_reward, cost))
     return acc + fmt - cost_weight * cst
@@ -121,20 +123,29 @@ def _informative(rewards: jax.Array, groups: jax.Array, num_groups: int) -> jax.
     return valid & (stats.count[seg] >= 2) & (stats.max[seg] > stats.min[seg])
 
 
-def admission_mask(rewards: jax.Array, groups: jax.Array, *, num_groups: int, z: float = 1.96, ddof: int = 1) -> jax.Array:
+def admission_mask(
+    rewards: jax.Array, groups: jax.Array, *, num_groups: int, z: float = 1.96, ddof: int = 1
+) -> jax.Array:
     """bool[N]: samples whose reward is above mu + z * sigma of their group (memory admission)."""
     upper, _ = memory_thresholds(rewards, groups, num_groups=num_groups, z=z, ddof=ddof)
     return _informative(rewards, groups, num_groups) & (jnp.asarray(rewards) > upper)
 
 
-def eviction_mask(rewards: jax.Array, groups: jax.Array, *, num_groups: int, z: float = 1.96, ddof: int = 1) -> jax.Array:
+def eviction_mask(
+    rewards: jax.Array, groups: jax.Array, *, num_groups: int, z: float = 1.96, ddof: int = 1
+) -> jax.Array:
     """bool[N]: samples whose reward is below mu - z * sigma (the entries retrieved for them are evicted)."""
     _, lower = memory_thresholds(rewards, groups, num_groups=num_groups, z=z, ddof=ddof)
     return _informative(rewards, groups, num_groups) & (jnp.asarray(rewards) < lower)
 
 
 def entry_score(
-    age: jax.Array, reward_gap: jax.Array, *, decay: float = 0.1, time_weight: float = 1.0, reward_weight: float = 1.0
+    age: jax.Array,
+    reward_gap: jax.Array,
+    *,
+    decay: float = 0.1,
+    time_weight: float = 1.0,
+    reward_weight: float = 1.0,
 ) -> jax.Array:
     """Entry score f32[E] = time_weight * exp(-decay * age) + reward_weight * reward_gap (age in steps)."""
     age = jnp.asarray(age, jnp.float32)
@@ -172,7 +183,9 @@ def score_entries(memory: Memory, *, step: int, cfg: JoyAgentsConfig = JoyAgents
     return score.astype(np.float32)
 
 
-def admit(memory: Memory, candidates: Iterable[MemoryEntry], *, step: int, cfg: JoyAgentsConfig = JoyAgentsConfig()) -> Memory:
+def admit(
+    memory: Memory, candidates: Iterable[MemoryEntry], *, step: int, cfg: JoyAgentsConfig = JoyAgentsConfig()
+) -> Memory:
     """A new memory with `candidates` added; past capacity the lowest-scoring entries are dropped
     (ties: the older entry goes first). Order of the kept entries is preserved."""
     entries = memory.entries + tuple(candidates)
@@ -188,7 +201,9 @@ def evict(memory: Memory, indices: Iterable[int]) -> Memory:
     """A new memory without the entries at `indices`."""
     drop = set(int(i) for i in indices)
     if any(i < 0 or i >= len(memory.entries) for i in drop):
-        raise JmarlError(f"evict got entry indices {sorted(drop)} for a memory of {len(memory.entries)} entries")
+        raise JmarlError(
+            f"evict got entry indices {sorted(drop)} for a memory of {len(memory.entries)} entries"
+        )
     return Memory(memory.capacity, tuple(e for i, e in enumerate(memory.entries) if i not in drop))
 
 
@@ -206,7 +221,10 @@ def memory_to_state(memory: Memory) -> dict[str, Any]:
 def memory_from_state(state: dict[str, Any]) -> Memory:
     """The memory stored by `memory_to_state`."""
     try:
-        entries = tuple(MemoryEntry(str(e["query"]), str(e["strategy"]), float(e["reward_gap"]), int(e["step"])) for e in state["entries"])
+        entries = tuple(
+            MemoryEntry(str(e["query"]), str(e["strategy"]), float(e["reward_gap"]), int(e["step"]))
+            for e in state["entries"]
+        )
         return Memory(int(state["capacity"]), entries)
     except (KeyError, TypeError, ValueError) as err:
         raise JmarlError(f"malformed JoyAgents memory state ({err}); expected capacity and entries") from err

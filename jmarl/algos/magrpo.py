@@ -73,7 +73,9 @@ def joint_action_index(num_agents: int, num_generations: int, mode: str = "align
     if mode not in JOINT_MODES:
         raise JmarlError(f"joint mode {mode!r} is not supported; choose one of {JOINT_MODES}")
     if num_agents < 1 or num_generations < 1:
-        raise JmarlError(f"joint actions need num_agents >= 1 and num_generations >= 1, got {num_agents}, {num_generations}")
+        raise JmarlError(
+            f"joint actions need num_agents >= 1 and num_generations >= 1, got {num_agents}, {num_generations}"
+        )
     if mode == "aligned":
         return np.repeat(np.arange(num_generations, dtype=np.int32)[:, None], num_agents, axis=1)
     grid = np.unravel_index(np.arange(num_generations**num_agents), (num_generations,) * num_agents)
@@ -124,7 +126,13 @@ def tree_returns(rewards: jax.Array, parent: jax.Array, *, gamma: float, max_dep
 def advantages(cfg: MAGRPOConfig, rewards: jax.Array, groups: jax.Array, *, num_groups: int) -> jax.Array:
     """Advantages f32[N] from completion returns f32[N] and group ids int[N] (one group per agent per node)."""
     return group_advantages(
-        rewards, groups, num_groups=num_groups, baseline=cfg.baseline, normalize=cfg.normalize, ddof=cfg.ddof, eps=cfg.eps
+        rewards,
+        groups,
+        num_groups=num_groups,
+        baseline=cfg.baseline,
+        normalize=cfg.normalize,
+        ddof=cfg.ddof,
+        eps=cfg.eps,
     )
 
 

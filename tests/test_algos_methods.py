@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
+import typing
 
 import _np_reference as ref
 import jax
@@ -29,9 +31,13 @@ def test_configs_cover_every_method_and_are_typed_frozen_with_defaults():
     for name, cls in CONFIGS.items():
         cfg = cls()
         assert METHODS[name].Config is cls
+        hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            assert field.type is not dataclasses.MISSING and field.type != "", (name, field.name)
+            # real (not string) annotations, so a config loader can read them off dataclasses.fields
+            assert isinstance(field.type, (type, types.UnionType)), (name, field.name, field.type)
+            assert hints[field.name] == field.type
             assert field.default is not dataclasses.MISSING, (name, field.name)
+            assert isinstance(field.default, field.type), (name, field.name)  # the default has the declared type
         with pytest.raises(dataclasses.FrozenInstanceError):
             cfg.eps = 1.0  # type: ignore[misc]
 

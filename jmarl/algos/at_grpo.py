@@ -11,8 +11,6 @@ Paper training defaults (for the trainer config): 1 epoch, grad clip 1.0, AdamW 
 lr 1e-6, 128 envs per step, temperature 1.0 train / greedy eval.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import jax

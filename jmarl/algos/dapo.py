@@ -1,8 +1,6 @@
 """DAPO (single-agent baseline): GRPO with clip-higher (0.2/0.28), token-level loss mean and
 dynamic sampling (groups with zero reward variance are dropped: see `keep_mask`)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from jmarl.algos.grpo import GRPOConfig, advantages, keep_mask, loss

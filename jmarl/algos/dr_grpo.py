@@ -1,8 +1,6 @@
 """Dr.GRPO (single-agent baseline): GRPO without std normalisation, loss summed over tokens and
 divided by N * T_max (`seq_mean_token_sum_norm`; set `norm_length` to the generation budget)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from jmarl.algos.grpo import GRPOConfig, advantages, keep_mask, loss

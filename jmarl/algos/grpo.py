@@ -7,8 +7,6 @@ defaults. The uniform method interface (every method module has it):
 `loss(cfg, logprobs, old_logprobs, advantages, loss_mask, *, ref_logprobs=None, ...)`.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any
 

@@ -1,8 +1,6 @@
 """GSPO (single-agent baseline): sequence-level ratio exp(mean_t(lp - lp_old)) clipped to
 [1 - 3e-4, 1 + 4e-4], `seq_mean_token_mean`. ratio="sequence_token" gives GSPO-token."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from jmarl.algos.grpo import GRPOConfig, advantages, keep_mask, loss

@@ -19,8 +19,6 @@ Ablation switches: `capability_baseline`, `discrepancy`, `stepwise_clip` (all Fa
 sharing: plain mean baseline, weight 1, cross samples treated like self GSPO samples).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Sequence
 

@@ -18,8 +18,6 @@ The paper publishes only the recipe; everything below is jmarl's own realization
   `ddof` (default 1), so a group of G samples can admit only if (G - 1) / sqrt(G) > z (G >= 6).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 

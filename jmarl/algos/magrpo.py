@@ -14,8 +14,6 @@ Sampling defaults of the paper (for the sampler / trainer config, not this datac
 temperature 0.6, top_p 0.6, top_k 50.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import jax

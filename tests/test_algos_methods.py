@@ -417,6 +417,21 @@ def test_hacpo_loss_matches_reference(seed, m, stepwise, alpha):
     np.testing.assert_allclose(float(got), want, rtol=1e-4, atol=1e-6)
 
 
+def test_hacpo_kl_applies_to_self_samples_only():
+    lp, old, refp, mask, _, _ = small_batch(seed=9)
+    adv = np.linspace(-1, 1, 8).astype(np.float32)
+    is_cross = np.arange(8) % 2 == 1
+    base, _ = hacpo.loss(hacpo.Config(), lp, old, adv, mask, is_cross=is_cross)
+    with_kl, metrics = hacpo.loss(hacpo.Config(kl_coef=0.5), lp, old, adv, mask, ref_logprobs=refp, is_cross=is_cross)
+    # k3 per token, averaged per self sequence; cross rows contribute 0 but count in the sequence mean
+    k3 = [np.mean([ref.kl(lp[i, j], refp[i, j], "k3") for j in range(5) if mask[i, j]]) if not is_cross[i] else 0.0
+          for i in range(8)]
+    np.testing.assert_allclose(float(with_kl) - float(base), 0.5 * np.mean(k3), rtol=1e-4)
+    self_tokens = mask & ~is_cross[:, None]
+    want_ref_kl = sum(ref.kl(lp[i, j], refp[i, j], "k3") for i, j in zip(*np.nonzero(self_tokens))) / self_tokens.sum()
+    np.testing.assert_allclose(float(metrics["ref_kl"]), want_ref_kl, rtol=1e-5)
+
+
 @functools.cache
 def hacpo_loss(cfg):
     return jax.jit(functools.partial(hacpo.loss, cfg))

@@ -47,6 +47,14 @@ def get_method(name: str) -> ModuleType:
 
 
 __all__ = [
+    "at_grpo",
+    "dapo",
+    "dr_grpo",
+    "grpo",
+    "gspo",
+    "hacpo",
+    "joyagents",
+    "magrpo",
     "CONFIGS",
     "METHODS",
     "GroupStats",

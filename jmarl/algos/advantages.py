@@ -1,0 +1,171 @@
+"""Group-relative advantages and group filters (ALGORITHMS.md section 1).
+
+Groups are arbitrary int ids in [0, num_groups); id -1 (or any id outside that range) marks a
+padding row that belongs to no group (see `jmarl.rollouts.pad_to`). Every statistic is a
+segment reduction, so any grouping (per prompt, per (env, turn, agent), per tree node) is one
+call with static shapes, and every function is `jax.jit`- and `jax.vmap`-able.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmarl.errors import JmarlError
+
+BASELINES = ("mean", "max", "loo", "none")
+NORMALIZERS = ("std", "none")
+
+
+class GroupStats(NamedTuple):
+    """Per-group statistics, each [num_groups] (empty groups: count 0, everything else 0)."""
+
+    count: jax.Array
+    sum: jax.Array
+    mean: jax.Array
+    std: jax.Array
+    max: jax.Array
+    min: jax.Array
+
+
+def _segments(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array]:
+    """Segment ids [N] with invalid rows sent to a spare segment `num_groups`; valid mask [N]."""
+    groups = jnp.asarray(groups)
+    valid = (groups >= 0) & (groups < num_groups)
+    return jnp.where(valid, groups, num_groups).astype(jnp.int32), valid
+
+
+def _stats(values: jax.Array, seg: jax.Array, valid: jax.Array, num_groups: int, ddof: int) -> GroupStats:
+    """GroupStats over num_groups + 1 segments (the last one collects padding rows)."""
+    n_seg = num_groups + 1
+    values = jnp.where(valid, values, 0.0)
+    count = jax.ops.segment_sum(valid.astype(values.dtype), seg, num_segments=n_seg)
+    total = jax.ops.segment_sum(values, seg, num_segments=n_seg)
+    mean = total / jnp.maximum(count, 1.0)
+    sq_dev = jnp.where(valid, jnp.square(values - mean[seg]), 0.0)
+    var = jax.ops.segment_sum(sq_dev, seg, num_segments=n_seg) / jnp.maximum(count - ddof, 1.0)
+    nonempty = count > 0
+    high = jnp.where(nonempty, jax.ops.segment_max(values, seg, num_segments=n_seg), 0.0)
+    low = jnp.where(nonempty, jax.ops.segment_min(values, seg, num_segments=n_seg), 0.0)
+    return GroupStats(count, total, mean, jnp.sqrt(var), high, low)
+
+
+def group_stats(values: jax.Array, groups: jax.Array, *, num_groups: int, ddof: int = 1) -> GroupStats:
+    """Count, sum, mean, std (with `ddof`), max and min of values f32[N] per group -> [num_groups] each."""
+    values = jnp.asarray(values, jnp.float32)
+    seg, valid = _segments(groups, num_groups)
+    full = _stats(values, seg, valid, num_groups, ddof)
+    return GroupStats(*(x[:num_groups] for x in full))
+
+
+def group_advantages(
+    rewards: jax.Array,
+    groups: jax.Array,
+    *,
+    num_groups: int,
+    baseline: str = "mean",
+    normalize: str = "std",
+    ddof: int = 1,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Group-relative advantages f32[N] from rewards f32[N] and group ids int[N].
+
+    A_i = (r_i - b_g(i)) / (std_g(i) + eps) with `normalize="std"`, or r_i - b_g(i) with "none".
+    Baselines: "mean" (group mean), "max" (group max, ReMax), "loo" (mean of the other members),
+    "none" (0). A singleton group, a group whose rewards are all equal, and a padding row
+    (group -1) get advantage 0.
+    """
+    if baseline not in BASELINES:
+        raise JmarlError(f"group_advantages baseline={baseline!r}; choose one of {BASELINES}")
+    if normalize not in NORMALIZERS:
+        raise JmarlError(f"group_advantages normalize={normalize!r}; choose one of {NORMALIZERS}")
+    rewards = jnp.asarray(rewards, jnp.float32)
+    seg, valid = _segments(groups, num_groups)
+    stats = _stats(rewards, seg, valid, num_groups, ddof)
+    count = stats.count[seg]
+    if baseline == "mean":
+        base = stats.mean[seg]
+    elif baseline == "max":
+        base = stats.max[seg]
+    elif baseline == "loo":
+        base = (stats.sum[seg] - rewards) / jnp.maximum(count - 1.0, 1.0)
+    else:
+        base = jnp.zeros_like(rewards)
+    centered = rewards - base
+    if normalize == "std":
+        centered = centered / (stats.std[seg] + eps)
+    informative = valid & (count >= 2) & (stats.max[seg] > stats.min[seg])
+    return jnp.where(informative, centered, 0.0)
+
+
+def _rank_within_present(key: jax.Array, present: jax.Array) -> jax.Array:
+    """Rank int[G] of each group by ascending key (ties: lower id first); absent groups last."""
+    order = jnp.argsort(jnp.where(present, key, jnp.inf), stable=True)
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def _lowest_fraction(key: jax.Array, present: jax.Array, frac: float) -> jax.Array:
+    """bool[G]: the floor(frac * #present) present groups with the lowest key."""
+    num_groups = key.shape[0]
+    # floor(frac * n) for every possible n, computed exactly on the host (frac is static).
+    table = jnp.asarray(np.floor(frac * np.arange(num_groups + 1)).astype(np.int32))
+    num_drop = table[jnp.sum(present.astype(jnp.int32))]
+    return present & (_rank_within_present(key, present) < num_drop)
+
+
+def filter_groups(
+    rewards: jax.Array,
+    groups: jax.Array,
+    *,
+    num_groups: int,
+    drop_zero_variance: bool = False,
+    drop_low_variance_frac: float = 0.0,
+    drop_low_mean_frac: float = 0.0,
+    ddof: int = 1,
+) -> jax.Array:
+    """Per-sample keep mask bool[N] from rewards f32[N] and group ids int[N] (static shapes).
+
+    Each filter is decided on the full set of non-empty groups and the kept samples are those
+    that pass all of them: `drop_zero_variance` drops groups whose rewards are all equal
+    (singletons included; DAPO dynamic sampling); `drop_low_variance_frac` drops the
+    floor(frac * #groups) groups with the lowest reward variance; `drop_low_mean_frac` the
+    floor(frac * #groups) with the lowest mean reward (ties: lower group id dropped first).
+    Padding rows (group -1) are never kept.
+    """
+    fractions = {"drop_low_variance_frac": drop_low_variance_frac, "drop_low_mean_frac": drop_low_mean_frac}
+    for name, frac in fractions.items():
+        if not 0.0 <= frac <= 1.0:
+            raise JmarlError(f"filter_groups {name}={frac!r} must lie in [0, 1]")
+    rewards = jnp.asarray(rewards, jnp.float32)
+    seg, valid = _segments(groups, num_groups)
+    stats = GroupStats(*(x[:num_groups] for x in _stats(rewards, seg, valid, num_groups, ddof)))
+    present = stats.count > 0
+    drop = jnp.zeros((num_groups,), bool)
+    if drop_zero_variance:
+        drop = drop | (present & (stats.max <= stats.min))
+    if drop_low_variance_frac > 0.0:
+        drop = drop | _lowest_fraction(stats.std, present, drop_low_variance_frac)
+    if drop_low_mean_frac > 0.0:
+        drop = drop | _lowest_fraction(stats.mean, present, drop_low_mean_frac)
+    drop_full = jnp.concatenate([drop, jnp.ones((1,), bool)])
+    return valid & ~drop_full[seg]
+
+
+def top_k_groups(
+    rewards: jax.Array, groups: jax.Array, *, num_groups: int, k: int, ddof: int = 1
+) -> tuple[jax.Array, jax.Array]:
+    """The k non-empty groups with the highest reward variance: (keep bool[N], selected bool[G]).
+
+    Ties go to the lower group id; with fewer than k non-empty groups all of them are selected.
+    Padding rows are never kept.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    seg, valid = _segments(groups, num_groups)
+    stats = GroupStats(*(x[:num_groups] for x in _stats(rewards, seg, valid, num_groups, ddof)))
+    present = stats.count > 0
+    selected = present & (_rank_within_present(-stats.std, present) < k)
+    selected_full = jnp.concatenate([selected, jnp.zeros((1,), bool)])
+    return valid & selected_full[seg], selected

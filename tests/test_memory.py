@@ -36,7 +36,9 @@ def reference_cosine(a: str, b: str, n: int = 3) -> float:
 
     def grams(t):
         t = " ".join(t.lower().split())
-        return Counter([t]) if 0 < len(t) < n else Counter(t[i : i + n] for i in range(len(t) - n + 1))
+        if 0 < len(t) < n:
+            return Counter([t])
+        return Counter(t[i : i + n] for i in range(len(t) - n + 1))
 
     ga, gb = grams(a), grams(b)
     keys = sorted(set(ga) | set(gb))
@@ -119,7 +121,9 @@ def test_retrieval_order_top_m_and_threshold():
     assert retrieve(Memory(MemoryOptions(top_m=0), mem.banks), "qa", "capital of France") == ()
     assert retrieve(mem, "math", "capital of France") == ()
     assert format_entry(es[2]) == "query: capital of Spain | strategy: s2"
-    assert format_entry(entry(9, "q", "x" * 500), limit=10) == "query: q | strategy: xxxxxxx..."
+    assert format_entry(entry(9, "q", "x" * 500), strategy_limit=10) == (
+        "query: q | strategy: xxxxxxx...")
+    assert format_entry(entry(9, "a  b\n" * 100, "s")) == f"query: {('a b ' * 30)[:117]}... | strategy: s"
 
 
 def test_evict_and_mark_used():
@@ -134,7 +138,8 @@ def test_evict_and_mark_used():
 def test_group_thresholds_hand_worked():
     # [0]*5 + [1]: mu = 1/6; sigma (ddof 1) = sqrt(1/6); (ddof 0) = sqrt(5/36)
     up1, lo1 = group_thresholds([0, 0, 0, 0, 0, 1], 1.96, 1)
-    assert (up1, lo1) == pytest.approx((1 / 6 + 1.96 * math.sqrt(1 / 6), 1 / 6 - 1.96 * math.sqrt(1 / 6)))
+    sigma1 = math.sqrt(1 / 6)
+    assert (up1, lo1) == pytest.approx((1 / 6 + 1.96 * sigma1, 1 / 6 - 1.96 * sigma1))
     up0, _ = group_thresholds([0, 0, 0, 0, 0, 1], 1.96, 0)
     assert up0 == pytest.approx(1 / 6 + 1.96 * math.sqrt(5 / 36))
     assert group_thresholds([0.5] * 4, 1.96, 1) == (math.inf, -math.inf)

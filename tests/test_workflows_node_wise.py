@@ -277,14 +277,18 @@ def test_top_k_scope_batch_base_sampler_and_registry():
     assert [(g.task, g.node) for g in per_task.stats["node_groups"] if g.selected] == [
         (0, 2), (1, 2)]
     assert [r.group for r in per_task.records] == [0, 0, 0, 1, 1, 1]
-    # the base trajectory comes from base_sampler; alternatives and re-runs from the sampler
-    base = HierSampler(greedy_fn=lambda p: "F7" if p.startswith("m") else "0")
+    # the base trajectory and re-runs come from base_sampler; the alternatives from the sampler
+    base = HierSampler(greedy_fn=lambda p: "F7" if p.startswith("m|t0") else greedy(p))
     plan = HierSampler()
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), plan, KEY,
                            NodeWiseOptions(num_alternatives=3, base_sampler=base))
-    assert base.num_completions == 1 and out.stats["num_base"] == 1
-    assert [g.prompt for g in out.stats["node_groups"]] == ["m|t0||mem="]
-    assert plan.num_completions == 3 + out.stats["num_reruns"]
+    assert out.stats["num_base"] == 1 and plan.calls == [([(0, "m|t0||mem=")], 3)]
+    (only,) = out.stats["node_groups"]
+    # "x" re-runs x ("7") and m at turn 1 ("F7"); "y" re-runs y ("5") and m ("F5")
+    assert only.downstream == (((0, "x", "rerun"), (1, "m", "rerun")),
+                               ((0, "y", "rerun"), (1, "m", "rerun")), ())
+    assert only.rewards == pytest.approx((0.9, -0.1, 1.0))
+    assert base.num_completions == 1 + 4 == 1 + out.stats["num_reruns"]
     by_name = run_plan("node_wise", HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
                        num_alternatives=3)
     direct = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,

@@ -209,7 +209,8 @@ def test_hacpo_rollouts_carry_source_logprob_and_unknown_behaviour():
     for i, r in enumerate(out.records):
         source_lp = next(
             s.completion.logprobs for s in out.records
-            if s.policy == s.source_policy == r.source_policy and s.completion.text == r.completion.text
+            if s.policy == s.source_policy == r.source_policy
+            and s.completion.text == r.completion.text
         )
         assert ro.source_seq_logprob[i] == pytest.approx(source_lp.mean())
         behaviour = np.asarray(ro.behavior_logprobs[i])[np.asarray(ro.loss_mask[i])]

@@ -216,9 +216,11 @@ def retrieve(memory: Memory, agent: str, query: str) -> tuple[MemoryEntry, ...]:
     return tuple(e for _, e in scored[: opts.top_m])
 
 
-def format_entry(entry: MemoryEntry, limit: int = 300) -> str:
-    """The line an entry shows in a prompt: "query: ... | strategy: ..." (each part clipped)."""
-    return f"query: {_clip(entry.query, limit)} | strategy: {_clip(entry.strategy, limit)}"
+def format_entry(entry: MemoryEntry, query_limit: int = 120, strategy_limit: int = 300) -> str:
+    """The line an entry shows in a prompt: "query: ... | strategy: ..." (whitespace collapsed,
+    each part clipped to its limit with "...")."""
+    query, strategy = _clip(entry.query, query_limit), _clip(entry.strategy, strategy_limit)
+    return f"query: {query} | strategy: {strategy}"
 
 
 def _clip(text: str, limit: int) -> str:
@@ -293,7 +295,7 @@ def mark_used(memory: Memory, agent: str, ids: Iterable[int]) -> Memory:
 
 
 def group_thresholds(rewards: Sequence[float], z: float, ddof: int) -> tuple[float, float]:
-    """(mu + z * sigma, mu - z * sigma) of rewards f[G]; (inf, -inf) when sigma is 0 or undefined."""
+    """(mu + z * sigma, mu - z * sigma) of rewards f[G]; (inf, -inf) if sigma is 0 or undefined."""
     r = np.asarray(rewards, np.float64)
     if r.size <= ddof:
         return math.inf, -math.inf

@@ -15,8 +15,8 @@ with n = G: byte-identical prompts) and each continues its own copy of the state
 (immutable states). Every other node keeps its base action, except downstream nodes whose
 input changed: at each later decision point (turn, agent) the branch observes its prompt; if
 the base trajectory has a node at (turn, agent) with that identical prompt, the base action is
-reused, otherwise the node is re-run (one completion from the same policy, the plan's
-sampler). The reward of an alternative is its episode's total,
+reused, otherwise the node is re-run (one completion from the node's policy, drawn like the
+base trajectory: by `base_sampler` if given). The reward of an alternative is its episode's total,
 `sum over steps of team_weight * team_reward + local_weight * local_reward` (defaults 1, 1;
 for Router that is accuracy + format - cost), prefix before v included.
 
@@ -76,7 +76,8 @@ class NodeWiseOptions:
 
     num_alternatives: G >= 1 per node; top_k: groups that produce records (>= 1);
     top_k_scope: "task" | "batch"; team_weight/local_weight: reward weights; max_turns: cap
-    (None: `env.max_turns`); base_sampler: sampler of the base trajectory (None: the plan's);
+    (None: `env.max_turns`); base_sampler: sampler of the base trajectory and of re-runs
+    (None: the plan's);
     memory: retrieved into prompts when given; query_fn: memory query (None: the prompt
     without memory).
     """
@@ -223,42 +224,11 @@ def sample_node_wise(
                         pos=node.pos, total=node.total_before, forced=c, base=by_key)
             )
     rng, key = split_key(rng)
-    num_reruns = play.run(branches, sampler, key)
+    num_reruns = play.run(branches, base_sampler, key)
 
     groups = _node_groups(env, nodes, branches, g)
     selected = _select(groups, options.top_k, options.top_k_scope)
-    group_ids = GroupIds()
-    records: list[SampleRecord] = []
-    final_groups = []
-    for gi, group in enumerate(groups):
-        if gi not in selected:
-            final_groups.append(group)
-            continue
-        gid = group_ids((group.task, group.node))
-        final_groups.append(replace(group, selected=True, group=gid))
-        for k in range(g):
-            branch = branches[gi * g + k]
-            alt = branch.nodes[0]
-            records.append(
-                SampleRecord(
-                    prompt=group.prompt,
-                    completion=alt.completion,
-                    reward=group.rewards[k],
-                    group=gid,
-                    env=group.task,
-                    turn=group.turn,
-                    agent=group.agent,
-                    policy=agent_policy[group.agent],
-                    source_policy=agent_policy[group.agent],
-                    info={
-                        "node": group.node,
-                        "variance": group.variance,
-                        "reruns": sum(kind == "rerun" for *_, kind in group.downstream[k]),
-                        "local_reward": alt.local_reward,
-                        "team_reward": alt.team_reward,
-                    },
-                )
-            )
+    groups, records = _records(groups, selected, branches, agent_policy, g)
     assert_identical_prompts(records)
     num_alternatives = g * len(nodes)
     stats = {
@@ -268,7 +238,7 @@ def sample_node_wise(
         "num_generated": num_base + num_alternatives + num_reruns,
         "num_groups": len(groups),
         "num_selected": len(selected),
-        "node_groups": tuple(final_groups),
+        "node_groups": tuple(groups),
     }
     episodes = tuple(_episode_stats(env, b) for b in bases)
     return PlanResult(records=tuple(records), episodes=episodes, stats=stats)
@@ -432,6 +402,49 @@ def _select(groups: list[NodeGroup], top_k: int, scope: str) -> set[int]:
             chosen.add(i)
             taken[task] = taken.get(task, 0) + 1
     return chosen
+
+
+def _records(
+    groups: list[NodeGroup],
+    selected: set[int],
+    branches: list[_Branch],
+    agent_policy: tuple[int, ...],
+    g: int,
+) -> tuple[list[NodeGroup], list[SampleRecord]]:
+    """G records per selected group (group ids contiguous in node order), and every group with
+    `selected`/`group` filled in."""
+    group_ids = GroupIds()
+    records: list[SampleRecord] = []
+    final_groups = []
+    for gi, group in enumerate(groups):
+        if gi not in selected:
+            final_groups.append(group)
+            continue
+        gid = group_ids((group.task, group.node))
+        final_groups.append(replace(group, selected=True, group=gid))
+        for k in range(g):
+            alt = branches[gi * g + k].nodes[0]
+            records.append(
+                SampleRecord(
+                    prompt=group.prompt,
+                    completion=alt.completion,
+                    reward=group.rewards[k],
+                    group=gid,
+                    env=group.task,
+                    turn=group.turn,
+                    agent=group.agent,
+                    policy=agent_policy[group.agent],
+                    source_policy=agent_policy[group.agent],
+                    info={
+                        "node": group.node,
+                        "variance": group.variance,
+                        "reruns": sum(kind == "rerun" for *_, kind in group.downstream[k]),
+                        "local_reward": alt.local_reward,
+                        "team_reward": alt.team_reward,
+                    },
+                )
+            )
+    return final_groups, records
 
 
 def _episode_stats(env: Any, base: _Branch) -> EpisodeStats:

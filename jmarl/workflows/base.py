@@ -71,7 +71,10 @@ class SampleRecord:
     group: GRPO group id, contiguous from 0 within one `PlanResult`; env: index of the task in
     the plan's seed list; turn: turn index from 0; agent: index into `env.agents`; policy: the
     learner policy id; source_policy: the policy that generated it; info: plan-specific
-    extras (immediate reward, local/team components, whether a tree candidate was chosen).
+    extras (immediate reward, local/team components, whether a tree candidate was chosen);
+    source_seq_logprob: the source policy's mean completion-token log-prob, taken at rollout,
+    for a sample whose tokens are not the source's (a `shared` cross sample re-tokenised for
+    its learner); None: the mean of `completion.logprobs`.
     """
 
     prompt: str
@@ -84,6 +87,7 @@ class SampleRecord:
     policy: int
     source_policy: int
     info: Mapping[str, Any] = field(default_factory=dict)
+    source_seq_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,10 +109,16 @@ class EpisodeStats:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """What a sampling plan returns: the sample records and the per-episode stats."""
+    """What a sampling plan returns: the sample records, the per-episode stats and plan stats.
+
+    stats: plan-specific numbers and values (e.g. `num_generated`, the completions sampled
+    from the model this step; `shared`'s per-policy success rates; `node_wise`'s node groups,
+    the dropped ones included); empty for plans that report none.
+    """
 
     records: tuple[SampleRecord, ...]
     episodes: tuple[EpisodeStats, ...]
+    stats: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:

@@ -4,7 +4,9 @@ Row i of the batch is record i: tokens = prompt tokens followed by completion to
 right-padded with `pad_id` to T = `bucket_length(max prompt + completion length)`; loss_mask
 is True exactly on the completion tokens; behavior_logprobs holds each completion token's
 log-prob at that token's position (0 elsewhere); reward/group/env/turn/agent/policy/
-source_policy come from the record. Group ids are renumbered contiguously from 0 in order of
+source_policy come from the record; source_seq_logprob is the record's when it carries one
+(a cross sample, whose behavior_logprobs are the unknown 0s) and else the mean of its
+completion log-probs. Group ids are renumbered contiguously from 0 in order of
 first appearance (the identity on a plan's full output), so a filtered list still builds a
 valid batch. The samples of one learner policy are `select(rollouts, rollouts.policy == p)`.
 """
@@ -71,7 +73,19 @@ def build_rollouts(
         agent=field("agent", np.int32),
         policy=field("policy", np.int32),
         source_policy=field("source_policy", np.int32),
+        source_seq_logprob=np.array(
+            [
+                _mean(lp) if r.source_seq_logprob is None else r.source_seq_logprob
+                for r, lp in zip(records, logprobs)
+            ],
+            np.float32,
+        ),
     )
+
+
+def _mean(x: np.ndarray) -> float:
+    """Mean of x (0 for an empty completion, as `make_rollouts` does)."""
+    return float(x.mean()) if x.size else 0.0
 
 
 def _flat(x, dtype) -> np.ndarray:

@@ -1,4 +1,7 @@
-"""Sampling plans by name, for config-driven use: `run_plan("tree", env, ..., num_candidates=4)`."""
+"""Sampling plans by name, for config-driven use: `run_plan("tree", env, ..., num_candidates=4)`.
+
+Plans: independent, tree (AT-GRPO), joint (MAGRPO), node_wise (JoyAgents-R1), shared (HACPO).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from jmarl.errors import JmarlError
 from jmarl.workflows.base import PlanResult, Sampler
 from jmarl.workflows.independent import IndependentOptions, sample_independent
 from jmarl.workflows.joint import JointOptions, sample_joint
+from jmarl.workflows.node_wise import NodeWiseOptions, sample_node_wise
+from jmarl.workflows.shared import SharedOptions, sample_shared
 from jmarl.workflows.tree import TreeOptions, sample_tree
 
 # name -> (plan function, its options dataclass)
@@ -18,6 +23,8 @@ PLANS: dict[str, tuple[Callable[..., PlanResult], type]] = {
     "independent": (sample_independent, IndependentOptions),
     "tree": (sample_tree, TreeOptions),
     "joint": (sample_joint, JointOptions),
+    "node_wise": (sample_node_wise, NodeWiseOptions),
+    "shared": (sample_shared, SharedOptions),
 }
 
 
@@ -45,6 +52,6 @@ def run_plan(
     rng: jax.Array,
     **options: Any,
 ) -> PlanResult:
-    """Runs sampling plan `name` ("independent" | "tree" | "joint") with keyword options."""
+    """Runs sampling plan `name` (a key of `PLANS`) with keyword options."""
     plan_options = make_options(name, **options)
     return PLANS[name][0](env, seeds, agent_policy, sampler, rng, plan_options)

@@ -1,0 +1,341 @@
+"""`shared` (HACPO): several policies answer the same prompts and every learner trains on all.
+
+Used by HACPO and its baselines. n policies (ids 0..n-1, possibly different architectures and
+tokenizers) each sample G completions of every task's prompt; the task is single-agent and
+single-step (e.g. `make("math", agents=("solver",))`, verified 0/1 reward). Each completion is
+applied to its own copy of the reset state; its reward is
+`local_weight * local_reward + team_weight * team_reward` of that one step (defaults 1, 1).
+
+Routing. Every completion goes to every learner k:
+- self sample (k == source j): the source's own prompt and completion tokens and its behaviour
+  log-probs, as sampled.
+- cross sample (k != j): the completion TEXT re-tokenised with learner k's tokenizer
+  (`tokenizers[k].encode(text)`, plus k's `eos_id` when the source's completion ended with the
+  source tokenizer's `eos_id`); the prompt tokens are learner k's own prompt tokens for that
+  task (what the sampler rendered with k's chat template for k's self samples), so all n*G
+  samples of the group share one prompt. It carries `source_policy = j` and
+  `source_seq_logprob` = the source's mean completion-token log-prob at rollout. Its
+  behaviour log-probs under the learner are unknown: they are left 0 and the sample is marked
+  by `policy != source_policy` (and `info["cross"]`); the trainer scores the learner's
+  log-probs. Where `tokenizers[k] is tokenizers[j]` the source tokens are reused verbatim.
+  Re-tokenisation must round-trip (`decode(encode(text)) == text`); a cross sample whose
+  text does not is dropped (`lossy="drop"`, default, counted in `stats["num_lossy"]`) or kept.
+
+Groups. One group per (task, learner): the mixed group of all n*G responses to the task's
+prompt for learner k (`policy = k`). Records are ordered task, learner, source, sample.
+
+Modes (baselines of the paper): `hacpo` shares (every learner gets n*G samples per task);
+`naive` shares identically (the plan output equals hacpo's; `mode_switches("naive")` turns the
+algorithm's mechanisms off); `gspo` shares nothing (G self samples per learner); `gspo_2x`
+shares nothing and samples 2G per policy. Rollouts generated per step (`stats
+["num_generated"]`): E * n * G (hacpo, naive, gspo) or E * n * 2G (gspo_2x), for E tasks;
+training records: E * n * n * G (hacpo, naive), E * n * G (gspo), E * n * 2G (gspo_2x).
+
+Capability (HACPO step 1). `stats["success_rate"]` holds, per policy, the fraction of its own
+generations this step with reward > 0. The trainer pushes it into a `CapabilityWindow`
+(`update_capabilities`) before computing advantages; `capabilities(window)` is P^j, the mean
+success over the last K (default 5) steps, the current one included. The window is an
+immutable value with `to_json`/`from_json` for checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import jax
+import numpy as np
+
+from jmarl.errors import JmarlError
+from jmarl.workflows.base import (
+    Completion,
+    EpisodeStats,
+    GroupIds,
+    PlanResult,
+    SampleRecord,
+    Sampler,
+    assert_identical_prompts,
+    call_sampler,
+    check_agent_policy,
+    check_choice,
+)
+
+MODES = ("hacpo", "naive", "gspo", "gspo_2x")
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What the `shared` plan needs from a policy's tokenizer (a subset of jmarl.models').
+
+    encode(text) -> ids without special tokens; decode(ids) -> text (special tokens skipped);
+    eos_id: the token that ends a completion (the sampler's stop token).
+    """
+
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        ...
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`."""
+        ...
+
+
+@dataclass(frozen=True)
+class SharedOptions:
+    """Options of the `shared` plan (see the module docstring).
+
+    num_samples: G >= 1 completions per policy per task; num_policies: n >= 1 (policy ids
+    0..n-1, which is how HACPO's capability vector P is indexed); mode: "hacpo" | "naive" |
+    "gspo" | "gspo_2x"; tokenizers: policy id -> `TextTokenizer`, needed by the sharing modes;
+    team_weight/local_weight: reward weights; lossy: "drop" | "keep" for cross samples whose
+    text does not round-trip through the learner's tokenizer.
+    """
+
+    num_samples: int = 8
+    num_policies: int = 2
+    mode: str = "hacpo"
+    tokenizers: Mapping[int, Any] | None = None
+    team_weight: float = 1.0
+    local_weight: float = 1.0
+    lossy: str = "drop"
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise JmarlError(f"shared: num_samples must be >= 1, got {self.num_samples}")
+        if self.num_policies < 1:
+            raise JmarlError(f"shared: num_policies must be >= 1, got {self.num_policies}")
+        check_choice("shared.mode", self.mode, MODES)
+        check_choice("shared.lossy", self.lossy, ("drop", "keep"))
+
+    @property
+    def shares(self) -> bool:
+        """Whether learners receive each other's samples (hacpo, naive)."""
+        return self.mode in ("hacpo", "naive")
+
+    @property
+    def samples_per_policy(self) -> int:
+        """Completions each policy generates per task: 2G for gspo_2x, else G."""
+        return 2 * self.num_samples if self.mode == "gspo_2x" else self.num_samples
+
+
+def mode_switches(mode: str) -> dict[str, bool]:
+    """HACPO's mechanism switches for a plan mode (the names of `HACPOConfig`'s fields).
+
+    hacpo: all on; naive: all off (plain mean baseline, weight 1, no stepwise clip); gspo and
+    gspo_2x have no cross samples, so the switches do not matter (left on).
+    """
+    check_choice("shared.mode", mode, MODES)
+    on = mode != "naive"
+    return {"capability_baseline": on, "discrepancy": on, "stepwise_clip": on}
+
+
+def sample_shared(
+    env: Any,
+    seeds: Sequence[int],
+    agent_policy: Sequence[int],
+    sampler: Sampler,
+    rng: jax.Array,
+    options: SharedOptions = SharedOptions(),
+) -> PlanResult:
+    """G completions per policy per seed -> self and cross records grouped per (task, learner).
+
+    `agent_policy` is validated like every plan's (one entry for the env's single agent); the
+    learners are policies 0..num_policies-1, each playing that agent.
+    """
+    check_agent_policy(env, agent_policy)
+    if options.shares and options.num_policies > 1:
+        missing = [p for p in range(options.num_policies) if p not in (options.tokenizers or {})]
+        if missing:
+            raise JmarlError(
+                f"shared: mode={options.mode!r} re-tokenises completions for every learner but "
+                f"no tokenizer is given for policies {missing}; pass tokenizers="
+                "{policy id: tokenizer} for all policies 0..num_policies-1"
+            )
+    if len(env.turn_order) != 1:
+        raise JmarlError(
+            f"the shared plan runs single-agent tasks, but env {env.name!r} has turn_order "
+            f"{env.turn_order}; use e.g. make('math', agents=('solver',))"
+        )
+    agent_name = env.turn_order[0]
+    agent = env.agents.index(agent_name)
+    n, g = options.num_policies, options.samples_per_policy
+    states = [env.reset(int(s)) for s in seeds]
+    prompts = [env.observe(state, agent_name) for state in states]
+    requests = [(j, prompt) for prompt in prompts for j in range(n)]
+    answers = call_sampler(sampler, requests, g, rng)
+
+    rewards = np.zeros((len(seeds), n, g), np.float64)
+    episodes: list[EpisodeStats] = []
+    for e, (seed, state) in enumerate(zip(seeds, states)):
+        for j in range(n):
+            for i, completion in enumerate(answers[e * n + j]):
+                final, res = env.step(state, agent_name, completion.text)
+                rewards[e, j, i] = options.local_weight * float(
+                    res.local_reward
+                ) + options.team_weight * float(res.team_reward)
+                episodes.append(
+                    EpisodeStats(
+                        env=e,
+                        seed=int(seed),
+                        success=bool(env.success(final)),
+                        team_reward=float(res.team_reward),
+                        agent_rewards=tuple(
+                            float(res.local_reward) if a == agent else 0.0
+                            for a in range(len(env.agents))
+                        ),
+                        num_turns=1,
+                    )
+                )
+
+    groups = GroupIds()
+    records: list[SampleRecord] = []
+    num_lossy = 0
+    for e, prompt in enumerate(prompts):
+        for k in range(n):
+            own_prompt_tokens = answers[e * n + k][0].prompt_tokens
+            sources = range(n) if options.shares else (k,)
+            for j in sources:
+                for i, completion in enumerate(answers[e * n + j]):
+                    if j == k:
+                        routed, lossless = completion, True
+                    else:
+                        routed, lossless = retokenize(
+                            completion,
+                            own_prompt_tokens,
+                            options.tokenizers[j],
+                            options.tokenizers[k],
+                        )
+                    if not lossless:
+                        num_lossy += 1
+                        if options.lossy == "drop":
+                            continue
+                    records.append(
+                        SampleRecord(
+                            prompt=prompt,
+                            completion=routed,
+                            reward=float(rewards[e, j, i]),
+                            group=groups((e, k)),
+                            env=e,
+                            turn=0,
+                            agent=agent,
+                            policy=k,
+                            source_policy=j,
+                            info={"cross": j != k, "lossless": lossless},
+                            source_seq_logprob=None if j == k else seq_logprob(completion),
+                        )
+                    )
+    assert_identical_prompts(records)
+    success = tuple(float(np.mean(rewards[:, j] > 0)) if seeds else 0.0 for j in range(n))
+    stats = {
+        "mode": options.mode,
+        "num_generated": len(seeds) * n * g,
+        "num_records": len(records),
+        "num_lossy": num_lossy,
+        "success_rate": success,
+        "reward_mean": tuple(float(rewards[:, j].mean()) if seeds else 0.0 for j in range(n)),
+    }
+    return PlanResult(records=tuple(records), episodes=tuple(episodes), stats=stats)
+
+
+def seq_logprob(completion: Completion) -> float:
+    """Mean log-prob of a completion's tokens under the policy that sampled it (0 if empty)."""
+    lp = np.asarray(completion.logprobs, np.float64).reshape(-1)
+    return float(lp.mean()) if lp.size else 0.0
+
+
+def retokenize(
+    completion: Completion,
+    learner_prompt_tokens: np.ndarray,
+    source_tokenizer: Any,
+    learner_tokenizer: Any,
+) -> tuple[Completion, bool]:
+    """A source's completion as the learner sees it, and whether its text round-trips.
+
+    Returns a `Completion` with the same text, prompt tokens int32[P] = the learner's own
+    rendering of the prompt, completion tokens int32[C'] = the learner's encoding of the text
+    (+ the learner's eos_id if the source's last token was its eos_id; the source tokens
+    themselves when both policies use the same tokenizer object) and log-probs f32[C'] = 0
+    (unknown behaviour log-probs of a cross sample).
+    """
+    source_tokens = np.asarray(completion.completion_tokens, np.int32).reshape(-1)
+    if learner_tokenizer is source_tokenizer:
+        tokens, lossless = source_tokens, True
+    else:
+        ids = [int(t) for t in learner_tokenizer.encode(completion.text)]
+        lossless = learner_tokenizer.decode(ids) == completion.text
+        stopped = source_tokens.size > 0 and int(source_tokens[-1]) == int(source_tokenizer.eos_id)
+        if stopped:
+            ids.append(int(learner_tokenizer.eos_id))
+        tokens = np.asarray(ids, np.int32)
+    routed = Completion(
+        text=completion.text,
+        prompt_tokens=np.asarray(learner_prompt_tokens, np.int32),
+        completion_tokens=tokens,
+        logprobs=np.zeros(tokens.shape, np.float32),
+    )
+    return routed, lossless
+
+
+# ---------------------------------------------------------------- capability window (HACPO 1.)
+
+
+@dataclass(frozen=True)
+class CapabilityWindow:
+    """Per-policy success rates of the last `size` steps: history[s][j], the newest step last.
+
+    An immutable value: `update_capabilities` returns a new window. P^j = `capabilities(w)[j]`.
+    """
+
+    size: int = 5
+    history: tuple[tuple[float, ...], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise JmarlError(f"CapabilityWindow.size must be an int >= 1, got {self.size!r}")
+
+    def to_json(self) -> str:
+        """The window as a JSON string (saved with checkpoints)."""
+        return json.dumps({"size": self.size, "history": [list(row) for row in self.history]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "CapabilityWindow":
+        """The window written by `to_json`."""
+        try:
+            data = json.loads(text)
+            rows = tuple(tuple(float(x) for x in row) for row in data["history"])
+            window = cls(size=int(data["size"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise JmarlError(
+                f"malformed capability window JSON ({err}); expected {{'size': int, "
+                "'history': [[float, ...], ...]}"
+            ) from None
+        for row in rows:
+            window = update_capabilities(window, row)
+        return window
+
+
+def update_capabilities(window: CapabilityWindow, success: Sequence[float]) -> CapabilityWindow:
+    """A new window with this step's per-policy success fractions f[n] (each in [0, 1]) appended;
+    steps older than the last `size` are dropped."""
+    row = tuple(float(x) for x in np.asarray(success, np.float64).reshape(-1))
+    if window.history and len(row) != len(window.history[0]):
+        raise JmarlError(
+            f"update_capabilities got success fractions for {len(row)} policies but the window "
+            f"tracks {len(window.history[0])}"
+        )
+    if not row or any(not 0.0 <= x <= 1.0 for x in row):
+        raise JmarlError(f"success fractions must be a non-empty list in [0, 1], got {row}")
+    return CapabilityWindow(window.size, (window.history + (row,))[-window.size :])
+
+
+def capabilities(window: CapabilityWindow) -> np.ndarray:
+    """P f32[n]: each policy's mean success fraction over the steps in the window."""
+    if not window.history:
+        raise JmarlError(
+            "the capability window is empty: call update_capabilities with this step's success "
+            "fractions before computing advantages"
+        )
+    return np.mean(np.asarray(window.history, np.float64), axis=0).astype(np.float32)

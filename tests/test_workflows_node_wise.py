@@ -1,0 +1,355 @@
+"""The `node_wise` plan (JoyAgents-R1) on a toy hierarchical env with scripted policies.
+
+`HierEnv` (a miniature Router): the master "m" writes "x"/"y" (route to that sub-agent, local
+-0.1) or "F<answer>" (final: team 1 if the answer is the seed, ends the episode); only the
+master and the routed sub-agent are active (`is_active`). A sub-agent's prompt shows only the
+task ("<agent>|q<seed>|mem=..."), not the master's text; its answer goes to the master's next
+prompt ("m|t<turn>|<agent>:<answer>,...|mem=..."). Episodes end at a final or after 2 turns.
+
+`HierSampler`: with n = 1 (base trajectory, re-runs) a fixed policy of the prompt: the master
+routes to x in turn 0 and answers the last result in turn 1; x answers the seed, y "5";
+with n = G the alternatives come from `ALTS[(agent, turn)]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Mapping
+
+import jax
+import numpy as np
+import pytest
+
+from jmarl import JmarlError
+from jmarl.envs.base import StepResult
+from jmarl.workflows import (
+    Completion,
+    Memory,
+    MemoryEntry,
+    NodeWiseOptions,
+    build_rollouts,
+    run_plan,
+    sample_node_wise,
+    update_memory,
+)
+
+KEY = jax.random.key(0)
+
+
+@dataclass(frozen=True)
+class HierState:
+    seed: int
+    turn: int = 0
+    route: str | None = None
+    results: tuple[str, ...] = ()
+    final: str | None = None
+    finished: bool = False
+    memory_context: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HierEnv:
+    agents: tuple[str, ...] = ("m", "x", "y")
+    max_turns: int = 2
+    parallel: bool = False
+    name: str = "hier"
+
+    @property
+    def turn_order(self):
+        return self.agents
+
+    def reset(self, seed):
+        return HierState(seed)
+
+    def is_active(self, state, agent):
+        return not state.finished and (agent == "m" or state.route == agent)
+
+    def observe(self, state, agent):
+        mem = ";".join(state.memory_context.get(agent, ()))
+        if agent == "m":
+            return f"m|t{state.turn}|{','.join(state.results)}|mem={mem}"
+        return f"{agent}|q{state.seed}|mem={mem}"
+
+    def step(self, state, agent, text):
+        if not self.is_active(state, agent):
+            return state, StepResult(0.0, 0.0, state.finished)
+        if agent == "m":
+            if text.startswith("F"):
+                won = text[1:] == str(state.seed)
+                return replace(state, final=text[1:], finished=True), StepResult(
+                    0.0, 1.0 if won else 0.0, True)
+            if text[:1] in self.agents[1:]:
+                return replace(state, route=text[:1]), StepResult(-0.1, 0.0, False)
+            return state, StepResult(-0.05, 0.0, False)
+        new = replace(state, route=None, results=state.results + (f"{agent}:{text}",))
+        return new, StepResult(0.0, 0.0, False)
+
+    def end_turn(self, state):
+        turn = state.turn + 1
+        return replace(state, turn=turn, route=None,
+                       finished=state.finished or turn >= self.max_turns)
+
+    def done(self, state):
+        return state.finished
+
+    def success(self, state):
+        return state.final == str(state.seed)
+
+
+ALTS = {("m", 0): ["x", "y", "F7"], ("x", None): ["7", "3", "7"], ("m", 1): ["F7", "F7", "x"]}
+
+
+def greedy(prompt):
+    agent, where, *rest = prompt.split("|")
+    if agent == "m":
+        results = rest[0].split(",") if rest[0] else []
+        return "x" if where == "t0" else "F" + (results[-1].split(":")[1] if results else "")
+    return where[1:] if agent == "x" else "5"
+
+
+class HierSampler:
+    def __init__(self, alts=ALTS, greedy_fn=greedy):
+        self.alts, self.greedy_fn = alts, greedy_fn
+        self.calls = []
+
+    def sample(self, requests, n, rng):
+        self.calls.append((list(requests), n))
+        out = []
+        for policy, prompt in requests:
+            agent, where = prompt.split("|")[:2]
+            turn = int(where[1:]) if agent == "m" else None
+            texts = ([self.greedy_fn(prompt)] if n == 1
+                     else [self.alts[(agent, turn)][j % len(self.alts[(agent, turn)])]
+                           for j in range(n)])
+            out.append([
+                Completion(t, np.array([ord(c) for c in prompt], np.int32) + 1000 * policy,
+                           np.array([ord(c) for c in t] + [1], np.int32),
+                           np.full(len(t) + 1, -0.5, np.float32))
+                for t in texts
+            ])
+        return out
+
+    @property
+    def num_completions(self):
+        return sum(len(req) * n for req, n in self.calls)
+
+
+def test_node_wise_hand_worked():
+    sampler = HierSampler()
+    out = sample_node_wise(HierEnv(), [7], (0, 1, 2), sampler, KEY,
+                           NodeWiseOptions(num_alternatives=3))
+    groups = out.stats["node_groups"]
+    # base: m routes to x (-0.1), x answers 7, y is inactive, m writes F7 (team 1): total 0.9
+    (ep,) = out.episodes
+    assert ep.success and ep.team_reward == 1.0 and ep.num_turns == 2
+    assert ep.agent_rewards == pytest.approx((-0.1, 0.0, 0.0))
+    assert [(g.turn, g.agent_name) for g in groups] == [(0, "m"), (0, "x"), (1, "m")]
+    assert [g.prompt for g in groups] == ["m|t0||mem=", "x|q7|mem=", "m|t1|x:7|mem="]
+    # (0, m): "x" keeps everything (0.9); "y" -> y re-run "5", m re-run "F5" (-0.1); "F7" (1.0)
+    # (0, x): "7" -> m reused (0.9); "3" -> m re-run "F3" (-0.1)
+    # (1, m): "F7", "F7" (0.9); "x" -> x re-run (turn 1), out of turns: -0.1 - 0.1 = -0.2
+    hand = [(0.9, -0.1, 1.0), (0.9, -0.1, 0.9), (0.9, 0.9, -0.2)]
+    for g, rewards in zip(groups, hand):
+        assert g.rewards == pytest.approx(rewards)
+        assert g.variance == pytest.approx(np.var(rewards))
+    # hand variances: 0.74/3 = .2467, 2/9 = .2222, 0.8067/3 = .2689 -> top-2 = nodes 2 and 0
+    assert [round(g.variance, 4) for g in groups] == [0.2467, 0.2222, 0.2689]
+    assert [g.selected for g in groups] == [True, False, True]
+    assert [g.group for g in groups] == [0, None, 1]
+    # downstream nodes: reused where the prompt is unchanged, re-run where it changed
+    assert groups[0].downstream == (
+        ((0, "x", "reused"), (1, "m", "reused")),
+        ((0, "y", "rerun"), (1, "m", "rerun")),
+        (),
+    )
+    assert groups[1].downstream == (
+        ((1, "m", "reused"),), ((1, "m", "rerun"),), ((1, "m", "reused"),))
+    assert groups[2].downstream == ((), (), ((1, "x", "rerun"),))
+    # records: only the selected groups, G each, routed to their agent's policy
+    assert [(r.group, r.turn, r.agent, r.policy) for r in out.records] == (
+        [(0, 0, 0, 0)] * 3 + [(1, 1, 0, 0)] * 3)
+    assert [r.reward for r in out.records] == pytest.approx([0.9, -0.1, 1.0, 0.9, 0.9, -0.2])
+    assert [r.info["reruns"] for r in out.records] == [0, 2, 0, 0, 0, 1]
+    assert [r.completion.text for r in out.records] == ["x", "y", "F7", "F7", "F7", "x"]
+    # count: B = 3 base + G * B = 9 alternatives + 4 re-runs
+    assert (out.stats["num_base"], out.stats["num_alternatives"], out.stats["num_reruns"]) == (
+        3, 9, 4)
+    assert out.stats["num_generated"] == 16 == sampler.num_completions
+    # the re-run requests are exactly the changed prompts
+    reruns = [p for req, n in sampler.calls[4:] for _, p in req]
+    assert sorted(reruns) == sorted(["y|q7|mem=", "m|t1|y:5|mem=", "m|t1|x:3|mem=", "x|q7|mem="])
+    ro = build_rollouts(out.records)
+    assert ro.num_samples == 6 and np.asarray(ro.group).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_sub_agent_count_does_not_change_cost():
+    # the same episodes with 1 or 4 extra (never routed) sub-agents: the same 16 samples
+    small = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
+                             NodeWiseOptions(num_alternatives=3))
+    env = HierEnv(agents=("m", "x", "y", "z", "w", "v"))
+    big = sample_node_wise(env, [7], (0, 1, 2, 3, 4, 5), HierSampler(), KEY,
+                           NodeWiseOptions(num_alternatives=3))
+    assert big.stats["num_generated"] == small.stats["num_generated"] == 16
+    assert [r.reward for r in big.records] == pytest.approx([r.reward for r in small.records])
+
+
+@dataclass(frozen=True)
+class ChainState:
+    history: tuple[str, ...] = ()
+    turn: int = 0
+    over: bool = False
+
+
+@dataclass(frozen=True)
+class ChainEnv:
+    """n agents act once each in order; every prompt holds the whole history; reward = value."""
+
+    agents: tuple[str, ...] = ("a", "b")
+    parallel: bool = False
+    max_turns: int = 1
+    name: str = "chain"
+
+    @property
+    def turn_order(self):
+        return self.agents
+
+    def reset(self, seed):
+        return ChainState()
+
+    def observe(self, state, agent):
+        return f"{agent}|t{state.turn}|{','.join(state.history)}"
+
+    def step(self, state, agent, text):
+        value = int(text) if text.isdigit() else 0
+        return replace(state, history=state.history + (text,)), StepResult(value, 0.0, False)
+
+    def end_turn(self, state):
+        return replace(state, turn=state.turn + 1, over=state.turn + 1 >= self.max_turns)
+
+    def done(self, state):
+        return state.over
+
+    def success(self, state):
+        return False
+
+
+class ChainSampler(HierSampler):
+    """n = 1: "0"; n = G: "1", "2", ..., "G" (all differ from the base, so every later prompt
+    changes and is re-run)."""
+
+    def sample(self, requests, n, rng):
+        self.calls.append((list(requests), n))
+        texts = ["0"] if n == 1 else [str(j + 1) for j in range(n)]
+        return [[Completion(t, np.array([ord(c) for c in p], np.int32), np.array([1], np.int32),
+                            np.zeros(1, np.float32)) for t in texts] for _, p in requests]
+
+
+@pytest.mark.parametrize("num_agents, g, turns", [(1, 2, 1), (2, 3, 1), (3, 2, 1), (4, 3, 1),
+                                                  (2, 2, 2)])
+def test_sample_count_formula(num_agents, g, turns):
+    agents = tuple("abcd"[:num_agents])
+    sampler = ChainSampler()
+    seeds = [0, 1]
+    out = sample_node_wise(ChainEnv(agents=agents, max_turns=turns), seeds, (0,) * num_agents,
+                           sampler, KEY, NodeWiseOptions(num_alternatives=g, top_k=2))
+    b = num_agents * turns  # base nodes per task
+    reruns = g * b * (b - 1) // 2  # every later node of every alternative is re-run
+    per_task = b + g * b + reruns
+    assert out.stats["num_reruns"] == len(seeds) * reruns
+    assert out.stats["num_generated"] == len(seeds) * per_task == sampler.num_completions
+    assert len(out.records) == len(seeds) * min(2, b) * g
+    # reward of alternative j at node i: its own value j + 1, later re-runs "0", earlier base "0"
+    for grp in out.stats["node_groups"]:
+        assert grp.rewards == tuple(float(j + 1) for j in range(g))
+        assert all(kind == "rerun" for d in grp.downstream for *_, kind in d)
+
+
+def test_top_k_scope_batch_base_sampler_and_registry():
+    # two identical tasks: batch scope keeps the 2 highest-variance groups of the whole batch
+    # (the tie between the tasks goes to the earlier task)
+    out = sample_node_wise(HierEnv(), [7, 7], (0, 1, 2), HierSampler(), KEY,
+                           NodeWiseOptions(num_alternatives=3, top_k=2, top_k_scope="batch"))
+    chosen = [(g.task, g.node) for g in out.stats["node_groups"] if g.selected]
+    assert chosen == [(0, 2), (1, 2)]
+    per_task = sample_node_wise(HierEnv(), [7, 7], (0, 1, 2), HierSampler(), KEY,
+                                NodeWiseOptions(num_alternatives=3, top_k=1))
+    assert [(g.task, g.node) for g in per_task.stats["node_groups"] if g.selected] == [
+        (0, 2), (1, 2)]
+    assert [r.group for r in per_task.records] == [0, 0, 0, 1, 1, 1]
+    # the base trajectory and re-runs come from base_sampler; the alternatives from the sampler
+    base = HierSampler(greedy_fn=lambda p: "F7" if p.startswith("m|t0") else greedy(p))
+    plan = HierSampler()
+    out = sample_node_wise(HierEnv(), [7], (0, 1, 2), plan, KEY,
+                           NodeWiseOptions(num_alternatives=3, base_sampler=base))
+    assert out.stats["num_base"] == 1 and plan.calls == [([(0, "m|t0||mem=")], 3)]
+    (only,) = out.stats["node_groups"]
+    # "x" re-runs x ("7") and m at turn 1 ("F7"); "y" re-runs y ("5") and m ("F5")
+    assert only.downstream == (((0, "x", "rerun"), (1, "m", "rerun")),
+                               ((0, "y", "rerun"), (1, "m", "rerun")), ())
+    assert only.rewards == pytest.approx((0.9, -0.1, 1.0))
+    assert base.num_completions == 1 + 4 == 1 + out.stats["num_reruns"]
+    by_name = run_plan("node_wise", HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
+                       num_alternatives=3)
+    direct = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
+                              NodeWiseOptions(num_alternatives=3))
+    assert [r.reward for r in by_name.records] == [r.reward for r in direct.records]
+
+
+def test_memory_is_retrieved_into_prompts_and_updated():
+    entry = MemoryEntry(id=4, query="x|q7|mem=", strategy="answer the seed", reward=1.0,
+                        baseline=0.5, step=0)
+    other = MemoryEntry(id=5, query="zzzz", strategy="unrelated", reward=1.0, baseline=0.5,
+                        step=0)
+    memory = Memory(banks=(("x", (entry, other)),), next_id=6)
+    sampler = HierSampler()
+    out = sample_node_wise(HierEnv(), [7], (0, 1, 2), sampler, KEY,
+                           NodeWiseOptions(num_alternatives=3, memory=memory))
+    groups = out.stats["node_groups"]
+    shown = "x|q7|mem=query: x|q7|mem= | strategy: answer the seed"
+    assert groups[1].prompt == shown and groups[1].memory_ids == (4,)
+    assert groups[1].query == "x|q7|mem="  # the query is the prompt without memory
+    assert groups[0].memory_ids == () and groups[0].prompt == "m|t0||mem="
+    # the alternatives at x saw the same prompt as the base (reused downstream as before)
+    assert groups[1].downstream[0] == ((1, "m", "reused"),)
+    # G = 3 cannot clear 1.96 standard deviations: only uses change
+    after = update_memory(memory, out, step=1)
+    assert [e.uses for e in after.entries("x")] == [1, 0]
+    assert after.entries("m") == ()
+    with pytest.raises(JmarlError, match="node groups"):
+        update_memory(memory, SimpleNamespace(stats={}), step=1)
+
+
+def test_node_wise_errors():
+    with pytest.raises(JmarlError, match="sequential"):
+        sample_node_wise(HierEnv(parallel=True), [7], (0, 1, 2), HierSampler(), KEY)
+    with pytest.raises(JmarlError, match="num_alternatives"):
+        NodeWiseOptions(num_alternatives=0)
+    with pytest.raises(JmarlError, match="top_k_scope"):
+        NodeWiseOptions(top_k_scope="global")
+    with pytest.raises(JmarlError, match="agent_policy"):
+        sample_node_wise(HierEnv(), [7], (0,), HierSampler(), KEY)
+
+
+def test_memory_admission_and_eviction_from_node_groups():
+    # G = 6; x's alternatives "7" once and "3" five times: rewards .9 and -.1 x 5 (m re-runs
+    # "F3"): mu = 1/15, sigma (ddof 1) = sqrt(1/6), z of .9 = 2.04 > 1.96 -> "7" admitted
+    alts = {**ALTS, ("x", None): ["7", "3", "3", "3", "3", "3"]}
+    out = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(alts), KEY,
+                           NodeWiseOptions(num_alternatives=6, memory=Memory()))
+    x_group = out.stats["node_groups"][1]
+    assert x_group.rewards == pytest.approx((0.9,) + (-0.1,) * 5)
+    memory = update_memory(Memory(), out, step=3)
+    (admitted,) = memory.entries("x")
+    assert (admitted.query, admitted.strategy, admitted.step) == ("x|q7|mem=", "7", 3)
+    assert admitted.reward == pytest.approx(0.9) and admitted.baseline == pytest.approx(1 / 15)
+    assert memory.entries("m") == ()  # the master groups have no 1.96-sigma outlier
+    # next step the entry is retrieved into x's prompt; a low outlier there evicts it
+    alts = {**ALTS, ("x", None): ["3", "7", "7", "7", "7", "7"]}
+    out = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(alts), KEY,
+                           NodeWiseOptions(num_alternatives=6, memory=memory))
+    x_group = out.stats["node_groups"][1]
+    assert x_group.memory_ids == (admitted.id,)
+    assert x_group.prompt == "x|q7|mem=query: x|q7|mem= | strategy: 7"
+    assert x_group.rewards == pytest.approx((-0.1,) + (0.9,) * 5)
+    assert update_memory(memory, out, step=4).entries("x") == ()

@@ -10,7 +10,7 @@ merged dict is validated into frozen dataclasses by `from_dict`. Every mistake a
     print(dump_yaml(config))
 
 Ranges are declared next to the field (`_field(0.0, ge=0.0)`), checks that involve several
-fields live in a `check(self, path)` method of the dataclass; `from_dict` runs both.
+fields live in a `_validate(self, path)` method of the dataclass; `from_dict` runs both.
 """
 
 from __future__ import annotations
@@ -221,15 +221,18 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 
     Checks: unknown keys (with a did-you-mean suggestion), missing required keys, types
     (nested dataclasses, Literal choices, Optional, tuples/lists, dicts; int accepted for float,
-    bool never accepted as a number), declared ranges, then `cls.check(self, path)` if defined.
+    bool never accepted as a number), declared ranges, then `self._validate(path)` if the class defines it (checks across fields).
     `path` is the dotted prefix used in error messages.
     """
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise JmarlError(f"{path or 'config'}: expected a mapping (section), got {type(data).__name__} {_show(data)}")
-    hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # unresolvable annotations in a foreign dataclass: check what we can
+        hints = {name: (Any if isinstance(f.type, str) else f.type) for name, f in fields.items()}
     for key in data:
         if key not in fields:
             dotted = _join(path, str(key))
@@ -249,10 +252,13 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         if "range" in f.metadata:
             _check_range(dotted, value, f.metadata["range"])
         kwargs[name] = value
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if callable(check):
-        check(path)
+    try:
+        obj = cls(**kwargs)
+    except JmarlError as e:  # a dataclass that validates itself in __post_init__
+        raise JmarlError(f"{path or 'config'}: {e}") from None
+    validate = getattr(obj, "_validate", None)
+    if callable(validate):
+        validate(path)
     return obj
 
 
@@ -291,28 +297,43 @@ DEFAULT_PLAN: dict[str, str] = {
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """A built-in decoder-only architecture, built from scratch (tests, CPU quickstart)."""
+    """A built-in decoder-only architecture built from scratch (tests, CPU quickstart).
 
-    family: Literal["qwen3", "llama"] = "qwen3"
-    vocab_size: int | None = _field(None, ge=2)  # None: the tokenizer's vocabulary size
-    hidden: int = _field(64, ge=1)
-    layers: int = _field(2, ge=1)
-    heads: int = _field(4, ge=1)
-    kv_heads: int = _field(2, ge=1)
-    head_dim: int | None = _field(None, ge=1)  # None: hidden // heads
-    mlp: int = _field(128, ge=1)
-    max_len: int = _field(2048, ge=8)
+    Field names follow `jmarl.models.ModelConfig` (and Hugging Face's config.json). None
+    means: vocab_size from the tokenizer; head_dim = hidden_size // num_heads; qkv_bias and
+    qk_norm as the family has them (qwen2: q/k/v biases; qwen3: q/k norms).
+    """
+
+    model_type: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    vocab_size: int | None = _field(None, ge=2)
+    hidden_size: int = _field(64, ge=1)
+    intermediate_size: int = _field(128, ge=1)
+    num_layers: int = _field(2, ge=1)
+    num_heads: int = _field(4, ge=1)
+    num_kv_heads: int = _field(2, ge=1)
+    head_dim: int | None = _field(None, ge=2)
+    max_position_embeddings: int = _field(2048, ge=8)
     rope_theta: float = _field(10000.0, gt=0.0)
-    norm_eps: float = _field(1e-6, gt=0.0)
-    tie_embeddings: bool = True
+    rms_norm_eps: float = _field(1e-6, gt=0.0)
+    tie_word_embeddings: bool = True
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
 
-    def check(self, path: str) -> None:
-        if self.heads % self.kv_heads:
-            raise JmarlError(f"{path}.heads ({self.heads}) must be a multiple of {path}.kv_heads ({self.kv_heads})")
-        if self.head_dim is None and self.hidden % self.heads:
+    def _validate(self, path: str) -> None:
+        if self.num_heads % self.num_kv_heads:
             raise JmarlError(
-                f"{path}.hidden ({self.hidden}) must be divisible by {path}.heads ({self.heads}), or set {path}.head_dim"
+                f"{path}.num_heads ({self.num_heads}) must be a multiple of {path}.num_kv_heads ({self.num_kv_heads})"
             )
+        head_dim = self.head_dim
+        if head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise JmarlError(
+                    f"{path}.hidden_size ({self.hidden_size}) must be divisible by {path}.num_heads "
+                    f"({self.num_heads}), or set {path}.head_dim"
+                )
+            head_dim = self.hidden_size // self.num_heads
+        if head_dim % 2:
+            raise JmarlError(f"{path}.head_dim: must be even (rotary embeddings), got {head_dim}")
 
 
 @dataclass(frozen=True)
@@ -321,11 +342,11 @@ class ModelConfig:
 
     path: str | None = None  # local directory with config.json + safetensors (no downloads)
     preset: ArchConfig | None = None
-    dtype: DType = "float32"  # compute dtype
+    compute_dtype: DType = "float32"  # dtype of the matmuls (norms/softmax/log-probs stay f32)
     param_dtype: DType = "float32"  # storage dtype of the trained parameters
-    remat: bool = False  # rematerialise each layer's activations in the backward pass
+    remat: bool = False  # recompute each layer's activations in the backward pass
 
-    def check(self, path: str) -> None:
+    def _validate(self, path: str) -> None:
         if (self.path is None) == (self.preset is None):
             raise JmarlError(
                 f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face checkpoint) "
@@ -341,7 +362,7 @@ class EnvConfig:
     name: str = "plan_path"
     options: dict[str, Any] = _field(factory=dict)
 
-    def check(self, path: str) -> None:
+    def _validate(self, path: str) -> None:
         from jmarl.envs import registered
 
         names = registered()
@@ -378,7 +399,7 @@ class LoraConfig:
     alpha: float = _field(16.0, gt=0.0)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-    def check(self, path: str) -> None:
+    def _validate(self, path: str) -> None:
         if not self.target_modules:
             raise JmarlError(f"{path}.target_modules: must name at least one module, e.g. [q_proj, v_proj]")
 
@@ -406,7 +427,7 @@ class PoliciesConfig:
     lora: LoraConfig = _field(factory=LoraConfig)
     models: dict[str, PolicyModel] = _field(factory=dict)
 
-    def check(self, path: str) -> None:
+    def _validate(self, path: str) -> None:
         used = set(self.agent_to_policy.values())
         if self.mode == "shared" and len(used) > 1:
             raise JmarlError(
@@ -473,7 +494,7 @@ class TrainConfig:
     recompute_old_logprobs: bool = True  # score rollouts with the training forward pass
     warm_start: WarmStartConfig = _field(factory=WarmStartConfig)
 
-    def check(self, path: str) -> None:
+    def _validate(self, path: str) -> None:
         if self.kl_beta > 0 and self.ref_policy == "none":
             raise JmarlError(
                 f"{_join(path, 'kl_beta')} = {self.kl_beta} needs a reference: set "
@@ -490,7 +511,7 @@ class EvalConfig:
     pass_k: int = _field(1, ge=1)
     greedy: bool = True
 
-    def check(self, path: str) -> None:
+    def _validate(self, path: str) -> None:
         if self.pass_k > 1 and self.greedy:
             raise JmarlError(
                 f"{_join(path, 'pass_k')} = {self.pass_k} needs sampling: set {_join(path, 'greedy')}=false "
@@ -524,7 +545,7 @@ class MeshConfig:
     tensor: int = _field(1, ge=1)
     policy: int = _field(1, ge=1)
 
-    def check(self, path: str) -> None:
+    def _validate(self, path: str) -> None:
         if self.data == 0:
             raise JmarlError(f"{_join(path, 'data')}: must be >= 1, or -1 for all remaining devices")
 
@@ -542,7 +563,7 @@ class Config:
     resume: bool = False  # continue from the latest checkpoint in output_dir
     env: EnvConfig
     algo: AlgoConfig
-    model: ModelConfig
+    model: ModelConfig | None = None  # every policy's network (heterogeneous: policies.models)
     tokenizer: str | None = None  # 'char', or a local tokenizer directory; None: model.path's
     workflow: WorkflowConfig = _field(factory=WorkflowConfig)
     policies: PoliciesConfig = _field(factory=PoliciesConfig)
@@ -554,15 +575,35 @@ class Config:
     logging: LoggingConfig = _field(factory=LoggingConfig)
     mesh: MeshConfig = _field(factory=MeshConfig)
 
-    def check(self, path: str) -> None:
-        if self.tokenizer is None and self.model.path is None:
-            raise JmarlError("tokenizer: a preset model needs a tokenizer: set tokenizer=char or a local tokenizer path")
-        if self.policies.mode == "heterogeneous" and self.algo.name not in ("hacpo", "magrpo", "at_grpo", "joyagents"):
-            raise JmarlError(
-                f"policies.mode: 'heterogeneous' needs a multi-agent algorithm; algo.name is {self.algo.name!r}"
-            )
+    def _validate(self, path: str) -> None:
+        if self.policies.mode == "heterogeneous":
+            if self.model is not None or self.tokenizer is not None:
+                raise JmarlError(
+                    "model: with policies.mode=heterogeneous each policy's network and tokenizer are given "
+                    "under policies.models.<policy>; remove the top-level model/tokenizer"
+                )
+            for name, entry in self.policies.models.items():
+                _check_tokenizer(entry.model, entry.tokenizer, f"policies.models.{name}")
+        else:
+            if self.model is None:
+                raise JmarlError("missing required key 'model': set model.path or model.preset")
+            _check_tokenizer(self.model, self.tokenizer, "")
         if self.algo.name == "hacpo" and self.workflow.plan != "shared":
-            raise JmarlError(f"workflow.plan: hacpo shares rollouts between agents and needs plan 'shared', got {self.workflow.plan!r}")
+            raise JmarlError(
+                f"workflow.plan: hacpo shares rollouts between agents and needs plan 'shared', "
+                f"got {self.workflow.plan!r}"
+            )
+        if self.policies.mode == "heterogeneous" and self.algo.name in ("grpo", "dr_grpo", "dapo", "gspo"):
+            raise JmarlError(
+                f"policies.mode: 'heterogeneous' needs a multi-agent algorithm, algo.name is {self.algo.name!r}"
+            )
+
+
+def _check_tokenizer(model: ModelConfig, tokenizer: str | None, path: str) -> None:
+    """A preset model has no tokenizer of its own: one must be named."""
+    if tokenizer is None and model.path is None:
+        key = _join(path, "tokenizer")
+        raise JmarlError(f"{key}: a preset model needs a tokenizer: set {key}=char or a local tokenizer directory")
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,7 +611,7 @@ class Config:
 # --------------------------------------------------------------------------------------------
 
 
-def _registry(module: str, attr: str) -> Mapping[str, type] | None:
+def _registry(module: str, attr: str) -> Mapping[str, Any] | None:
     """`module.attr` (a dict name -> options dataclass), or None while it is not written yet."""
     try:
         mod = importlib.import_module(module)
@@ -581,35 +622,89 @@ def _registry(module: str, attr: str) -> Mapping[str, type] | None:
     return getattr(mod, attr, None)
 
 
+# Options that the run sets once for every part: option name -> (config attribute path). Set in
+# algo.options / workflow.options they would silently disagree with the run-level value.
+_ALGO_RUN_LEVEL = {
+    "num_generations": "workflow.group_size",
+    "num_candidates": "workflow.group_size",
+    "num_turns": "workflow.max_turns",
+    "kl_coef": "train.kl_beta",
+    "kl_kind": "train.kl_kind",
+}
+_PLAN_RUN_LEVEL = {
+    "num_episodes": "workflow.group_size",
+    "num_samples": "workflow.group_size",
+    "num_candidates": "workflow.group_size",
+    "max_turns": "workflow.max_turns",
+}
+
+
+def _lookup(config: Config, dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _typed_options(
+    config: Config, cls: type, options: Mapping[str, Any], section: str, run_level: Mapping[str, str]
+) -> Any:
+    """`cls` built from `options` plus the run-level values it shares with the rest of the config."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    merged = dict(options)
+    for option, source in run_level.items():
+        if option not in names:
+            continue
+        if option in options:
+            raise JmarlError(
+                f"{section}.options.{option} is set once for the whole run by {source}; set {source} instead"
+            )
+        value = _lookup(config, source)
+        if value is not None:
+            merged[option] = value
+    return from_dict(cls, merged, f"{section}.options")
+
+
 def algo_options(config: Config) -> Any:
-    """The algorithm's options as its typed dataclass from `jmarl.algos.CONFIGS`, defaults filled."""
+    """The algorithm's typed options (`jmarl.algos.CONFIGS[algo.name]`), run-level values filled in.
+
+    `num_generations`/`num_candidates` come from workflow.group_size, `num_turns` from
+    workflow.max_turns (when set), `kl_coef`/`kl_kind` from train.kl_beta/kl_kind.
+    """
     registry = _registry("jmarl.algos", "CONFIGS")
     if registry is None:
         raise JmarlError("jmarl.algos.CONFIGS is not available in this checkout")
-    return _options_from(registry, config.algo.name, config.algo.options, "algo")
-
-
-def _options_from(registry: Mapping[str, type], name: str, options: Mapping[str, Any], section: str) -> Any:
-    if name not in registry:
+    if config.algo.name not in registry:
         raise JmarlError(
-            f"{section}.name: {name!r} is not implemented; available: {', '.join(sorted(registry))}"
+            f"algo.name: {config.algo.name!r} is not implemented; available: {', '.join(sorted(registry))}"
         )
-    return from_dict(registry[name], options, f"{section}.options")
+    return _typed_options(config, registry[config.algo.name], config.algo.options, "algo", _ALGO_RUN_LEVEL)
+
+
+def plan_options(config: Config) -> Any | None:
+    """The sampling plan's typed options (`jmarl.workflows.PLANS`), run-level values filled in.
+
+    The group size goes to `num_episodes`/`num_samples`/`num_candidates`, workflow.max_turns to
+    `max_turns`. None when the plan has no options dataclass in this checkout.
+    """
+    plans = _registry("jmarl.workflows", "PLANS")
+    if plans is None or config.workflow.plan not in plans:
+        return None
+    entry = plans[config.workflow.plan]
+    cls = entry[1] if isinstance(entry, tuple) else entry
+    return _typed_options(config, cls, config.workflow.options, "workflow", _PLAN_RUN_LEVEL)
 
 
 def validate_options(config: Config) -> None:
-    """Checks `algo.options` and `env.options` against their dataclasses where those exist yet."""
-    algos = _registry("jmarl.algos", "CONFIGS")
-    if algos is not None:
-        _options_from(algos, config.algo.name, config.algo.options, "algo")
-    workflows = _registry("jmarl.workflows", "CONFIGS")
-    if workflows is not None and config.workflow.plan in workflows:
-        from_dict(workflows[config.workflow.plan], config.workflow.options, "workflow.options")
+    """Checks algo, workflow and env options against their dataclasses where those exist yet."""
+    if _registry("jmarl.algos", "CONFIGS") is not None:
+        algo_options(config)
+    plan_options(config)
     _validate_env_options(config.env)
 
 
 def _validate_env_options(env: EnvConfig) -> None:
-    """Checks env option names against the env's dataclass fields (if the env module exists)."""
+    """Checks env option names and types against the env's dataclass (if the env module exists)."""
     from jmarl.envs import base
 
     module_name, attr = base._REGISTRY[env.name].split(":")
@@ -622,13 +717,19 @@ def _validate_env_options(env: EnvConfig) -> None:
     if not dataclasses.is_dataclass(cls):
         return
     names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in env.options:
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # annotations that cannot be resolved: check names only
+        hints = {}
+    for key, value in env.options.items():
+        dotted = f"env.options.{key}"
         if key not in names:
             hint = _suggest(str(key), names)
-            dotted = f"env.options.{key}"
             if hint:
                 raise JmarlError(f"unknown key {dotted!r} — did you mean 'env.options.{hint}'?")
             raise JmarlError(f"unknown key {dotted!r}; env {env.name!r} takes: {', '.join(names)}")
+        if key in hints:
+            _convert(hints[key], value, dotted)
 
 
 # --------------------------------------------------------------------------------------------

@@ -96,8 +96,7 @@ class CharTokenizer:
             pad_token=self.PAD,
             eos_token=self.EOS,
             bos_token=self.BOS,
-            unk_token=self.UNKNOWN_CHAR,
-        )
+        )  # no unk_token here: '?' must stay an ordinary (non-special) character
         hf.chat_template = self.chat_template
         os.makedirs(path, exist_ok=True)
         hf.save_pretrained(os.fspath(path))

@@ -1,0 +1,809 @@
+"""Run configuration: typed frozen dataclasses, YAML files, dotted overrides, clear errors.
+
+A run is described by one `Config`. It is read from a YAML file, then `key=value` overrides
+from the command line are applied (`train.steps=10`, `policies.mode=per_agent`), then the
+merged dict is validated into frozen dataclasses by `from_dict`. Every mistake a user can make
+(unknown key, wrong type, value out of range, unknown algorithm or env, missing file) raises
+`JmarlError` with the dotted key and the fix.
+
+    config = load_config("configs/quickstart.yaml", ["train.steps=10"])
+    print(dump_yaml(config))
+
+Ranges are declared next to the field (`_field(0.0, ge=0.0)`), checks that involve several
+fields live in a `_validate(self, path)` method of the dataclass; `from_dict` runs both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence, TypeVar
+
+import yaml
+
+from jmarl.errors import JmarlError
+
+T = TypeVar("T")
+
+# --------------------------------------------------------------------------------------------
+# YAML: a safe loader that also reads `1e-6` as a float (YAML 1.1 insists on `1.0e-6`).
+# --------------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader whose float resolver also accepts exponents without a dot (1e-6)."""
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _ch in "-+0123456789.":
+    _Loader.yaml_implicit_resolvers[_ch] = [
+        (tag, rx) for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, []) if tag != "tag:yaml.org,2002:float"
+    ]
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parses YAML `text`; `source` names where it came from in the error message."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JmarlError(f"cannot parse {source}{where}: {problem}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Generic validation: from_dict(cls, data, path)
+# --------------------------------------------------------------------------------------------
+
+
+def _field(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, factory=None):
+    """A dataclass field with an allowed range (ge/gt/le/lt) checked by `from_dict`."""
+    meta = {"range": (ge, gt, le, lt)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    """A readable name for a type annotation."""
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (tuple, list, Sequence):
+        return "list"
+    if origin in (dict, Mapping):
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping (section)"
+    if tp is Any:
+        return "any value"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _wrong_type(path: str, tp: Any, value: Any) -> JmarlError:
+    return JmarlError(
+        f"{path or 'config'}: expected {_type_name(tp)}, got {type(value).__name__} {_show(value)}"
+    )
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else ""
+
+
+def _check_range(path: str, value: Any, bounds: tuple) -> None:
+    ge, gt, le, lt = bounds
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    parts, ok = [], True
+    if ge is not None:
+        parts.append(f">= {ge}")
+        ok &= value >= ge
+    if gt is not None:
+        parts.append(f"> {gt}")
+        ok &= value > gt
+    if le is not None:
+        parts.append(f"<= {le}")
+        ok &= value <= le
+    if lt is not None:
+        parts.append(f"< {lt}")
+        ok &= value < lt
+    if isinstance(value, float) and math.isnan(value):
+        ok = False
+    if not ok:
+        raise JmarlError(f"{path}: must be {' and '.join(parts)}, got {value!r}")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Validates `value` against annotation `tp` and converts it (lists -> tuples, int -> float)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        hint = _suggest(str(value), [str(a) for a in args]) if isinstance(value, str) else ""
+        msg = f"{path}: must be one of {', '.join(repr(a) for a in args)}; got {_show(value)}"
+        raise JmarlError(msg + (f" — did you mean {hint!r}?" if hint else ""))
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_null = [a for a in args if a is not type(None)]
+        errors = []
+        for option in non_null:
+            try:
+                return _convert(option, value, path)
+            except JmarlError as e:
+                errors.append(e)
+        if len(non_null) == 1:
+            raise errors[0]
+        raise _wrong_type(path, tp, value)
+    if origin in (tuple, list, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise _wrong_type(path, tp, value)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis) and args:
+            if len(value) != len(args):
+                raise JmarlError(f"{path}: expected a list of {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise _wrong_type(path, tp, value)
+        ktp, vtp = args if args else (Any, Any)
+        return {
+            _convert(ktp, k, f"{path} key"): _convert(vtp, v, _join(path, str(k))) for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _wrong_type(path, tp, value)
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _wrong_type(path, tp, value)
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _wrong_type(path, tp, value)
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise _wrong_type(path, tp, value)
+        return value
+    if isinstance(tp, type):
+        if not isinstance(value, tp):
+            raise _wrong_type(path, tp, value)
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Builds dataclass `cls` from a plain dict, validating every key on the way.
+
+    Checks: unknown keys (with a did-you-mean suggestion), missing required keys, types
+    (nested dataclasses, Literal choices, Optional, tuples/lists, dicts; int accepted for float,
+    bool never accepted as a number), declared ranges, then `self._validate(path)` if the class defines it (checks across fields).
+    `path` is the dotted prefix used in error messages.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise JmarlError(f"{path or 'config'}: expected a mapping (section), got {type(data).__name__} {_show(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # unresolvable annotations in a foreign dataclass: check what we can
+        hints = {name: (Any if isinstance(f.type, str) else f.type) for name, f in fields.items()}
+    for key in data:
+        if key not in fields:
+            dotted = _join(path, str(key))
+            hint = _suggest(str(key), list(fields))
+            if hint:
+                raise JmarlError(f"unknown key {dotted!r} — did you mean {_join(path, hint)!r}?")
+            where = f"under {path!r}" if path else "at the top level"
+            raise JmarlError(f"unknown key {dotted!r}; valid keys {where}: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        dotted = _join(path, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise JmarlError(f"missing required key {dotted!r}")
+            continue
+        value = _convert(hints[name], data[name], dotted)
+        if "range" in f.metadata:
+            _check_range(dotted, value, f.metadata["range"])
+        kwargs[name] = value
+    try:
+        obj = cls(**kwargs)
+    except JmarlError as e:  # a dataclass that validates itself in __post_init__
+        raise JmarlError(f"{path or 'config'}: {e}") from None
+    validate = getattr(obj, "_validate", None)
+    if callable(validate):
+        validate(path)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree as plain dicts/lists/scalars (tuples become lists), for YAML/JSON."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# The schema
+# --------------------------------------------------------------------------------------------
+
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents")
+AlgoName = Literal["grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents"]
+PlanName = Literal["independent", "tree", "joint", "node_wise", "shared"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+# The sampling plan each algorithm is defined with; used when `workflow.plan` is not given.
+DEFAULT_PLAN: dict[str, str] = {
+    "grpo": "independent",
+    "dr_grpo": "independent",
+    "dapo": "independent",
+    "gspo": "independent",
+    "magrpo": "joint",
+    "at_grpo": "tree",
+    "hacpo": "shared",
+    "joyagents": "node_wise",
+}
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """A built-in decoder-only architecture built from scratch (tests, CPU quickstart).
+
+    Field names follow `jmarl.models.ModelConfig` (and Hugging Face's config.json). None
+    means: vocab_size from the tokenizer; head_dim = hidden_size // num_heads; qkv_bias and
+    qk_norm as the family has them (qwen2: q/k/v biases; qwen3: q/k norms).
+    """
+
+    model_type: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    vocab_size: int | None = _field(None, ge=2)
+    hidden_size: int = _field(64, ge=1)
+    intermediate_size: int = _field(128, ge=1)
+    num_layers: int = _field(2, ge=1)
+    num_heads: int = _field(4, ge=1)
+    num_kv_heads: int = _field(2, ge=1)
+    head_dim: int | None = _field(None, ge=2)
+    max_position_embeddings: int = _field(2048, ge=8)
+    rope_theta: float = _field(10000.0, gt=0.0)
+    rms_norm_eps: float = _field(1e-6, gt=0.0)
+    tie_word_embeddings: bool = True
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+
+    def _validate(self, path: str) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise JmarlError(
+                f"{path}.num_heads ({self.num_heads}) must be a multiple of {path}.num_kv_heads ({self.num_kv_heads})"
+            )
+        head_dim = self.head_dim
+        if head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise JmarlError(
+                    f"{path}.hidden_size ({self.hidden_size}) must be divisible by {path}.num_heads "
+                    f"({self.num_heads}), or set {path}.head_dim"
+                )
+            head_dim = self.hidden_size // self.num_heads
+        if head_dim % 2:
+            raise JmarlError(f"{path}.head_dim: must be even (rotary embeddings), got {head_dim}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which network to train: a local Hugging Face checkpoint (`path`) or a built-in `preset`."""
+
+    path: str | None = None  # local directory with config.json + safetensors (no downloads)
+    preset: ArchConfig | None = None
+    compute_dtype: DType = "float32"  # dtype of the matmuls (norms/softmax/log-probs stay f32)
+    param_dtype: DType = "float32"  # storage dtype of the trained parameters
+    remat: bool = False  # recompute each layer's activations in the backward pass
+
+    def _validate(self, path: str) -> None:
+        if (self.path is None) == (self.preset is None):
+            raise JmarlError(
+                f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face checkpoint) "
+                f"or {_join(path, 'preset')} (a built-in architecture); to switch on the command line, set the "
+                f"other one to null (e.g. {_join(path, 'preset')}=null)"
+            )
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The task: a registered env name and the options passed to `jmarl.envs.make`."""
+
+    name: str = "plan_path"
+    options: dict[str, Any] = _field(factory=dict)
+
+    def _validate(self, path: str) -> None:
+        from jmarl.envs import registered
+
+        names = registered()
+        if self.name not in names:
+            hint = _suggest(self.name, names)
+            msg = f"{_join(path, 'name')}: unknown env {self.name!r}; registered envs: {', '.join(names)}"
+            raise JmarlError(msg + (f" — did you mean {hint!r}?" if hint else ""))
+
+
+@dataclass(frozen=True)
+class WorkflowConfig:
+    """How episodes are sampled: the plan, the group size and how many tasks per step."""
+
+    plan: PlanName = "independent"  # filled from the algorithm when not given (DEFAULT_PLAN)
+    group_size: int = _field(4, ge=2)  # G / K samples per group (a GRPO group needs >= 2)
+    num_tasks: int = _field(8, ge=1)  # tasks (env seeds) per training step
+    max_turns: int | None = _field(None, ge=1)  # None: the env's own limit
+    options: dict[str, Any] = _field(factory=dict)  # plan-specific options
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The learning rule: a name and its options (validated against `jmarl.algos.CONFIGS`)."""
+
+    name: AlgoName = "grpo"
+    options: dict[str, Any] = _field(factory=dict)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (policies.mode = lora): one adapter per policy on a frozen base."""
+
+    rank: int = _field(8, ge=1)
+    alpha: float = _field(16.0, gt=0.0)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def _validate(self, path: str) -> None:
+        if not self.target_modules:
+            raise JmarlError(f"{path}.target_modules: must name at least one module, e.g. [q_proj, v_proj]")
+
+
+@dataclass(frozen=True)
+class PolicyModel:
+    """One policy of a heterogeneous run: its own network and tokenizer."""
+
+    model: ModelConfig
+    tokenizer: str | None = None  # None: the tokenizer in model.path
+
+
+@dataclass(frozen=True)
+class PoliciesConfig:
+    """Who trains what: the agent -> policy map and how the policies are parameterised.
+
+    shared: one policy for every agent; per_agent: one full copy per policy (stacked on a
+    policy axis); lora: one adapter per policy on a frozen base; heterogeneous: different
+    networks per policy, given in `models`. An empty `agent_to_policy` means: every agent its
+    own policy named after it (shared: one policy named 'shared').
+    """
+
+    mode: Literal["shared", "per_agent", "lora", "heterogeneous"] = "shared"
+    agent_to_policy: dict[str, str] = _field(factory=dict)
+    lora: LoraConfig = _field(factory=LoraConfig)
+    models: dict[str, PolicyModel] = _field(factory=dict)
+
+    def _validate(self, path: str) -> None:
+        used = set(self.agent_to_policy.values())
+        if self.mode == "shared" and len(used) > 1:
+            raise JmarlError(
+                f"{_join(path, 'agent_to_policy')}: mode 'shared' trains one policy but the map names "
+                f"{sorted(used)}; use mode per_agent, lora or heterogeneous"
+            )
+        if self.mode == "heterogeneous":
+            if not self.models:
+                raise JmarlError(f"{_join(path, 'models')}: mode 'heterogeneous' needs one model entry per policy")
+            missing = sorted(used - set(self.models))
+            if missing:
+                raise JmarlError(
+                    f"{_join(path, 'agent_to_policy')}: policies {missing} have no entry in {_join(path, 'models')}"
+                )
+        elif self.models:
+            raise JmarlError(f"{_join(path, 'models')}: only used with mode 'heterogeneous' (mode is {self.mode!r})")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Generation settings for training rollouts."""
+
+    max_new_tokens: int = _field(64, ge=1)
+    temperature: float = _field(1.0, ge=0.0)  # 0: greedy
+    top_p: float = _field(1.0, gt=0.0, le=1.0)
+    top_k: int = _field(0, ge=0)  # 0: off
+    max_prompt_len: int = _field(512, ge=1)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup and a schedule, gradient clipping and mini-batching."""
+
+    lr: float = _field(1e-6, gt=0.0)
+    warmup_steps: int = _field(0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = _field(0.01, ge=0.0)
+    b1: float = _field(0.9, ge=0.0, lt=1.0)
+    b2: float = _field(0.999, ge=0.0, lt=1.0)
+    eps: float = _field(1e-8, gt=0.0)
+    grad_clip: float | None = _field(1.0, gt=0.0)  # global-norm clip; null: off
+    epochs: int = _field(1, ge=1)  # passes over each step's rollouts
+    minibatches: int = _field(1, ge=1)  # optimizer updates per epoch
+    grad_accum: int = _field(1, ge=1)  # micro-batches accumulated per update
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised steps on expert demonstrations (`env.expert_text`) before RL; steps 0: off."""
+
+    steps: int = _field(0, ge=0)
+    lr: float = _field(1e-4, gt=0.0)
+    demos: int = _field(16, ge=1)  # demonstration episodes per warm-start step
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The RL loop: steps, KL regularisation and the reference policy."""
+
+    steps: int = _field(100, ge=1)
+    kl_beta: float = _field(0.0, ge=0.0)
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    ref_policy: Literal["initial", "none"] = "initial"  # initial: a frozen copy of the start
+    recompute_old_logprobs: bool = True  # score rollouts with the training forward pass
+    warm_start: WarmStartConfig = _field(factory=WarmStartConfig)
+
+    def _validate(self, path: str) -> None:
+        if self.kl_beta > 0 and self.ref_policy == "none":
+            raise JmarlError(
+                f"{_join(path, 'kl_beta')} = {self.kl_beta} needs a reference: set "
+                f"{_join(path, 'ref_policy')}=initial or {_join(path, 'kl_beta')}=0"
+            )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation on eval seeds (disjoint from training seeds)."""
+
+    every: int = _field(0, ge=0)  # steps between evaluations; 0: only at the end
+    num_episodes: int = _field(32, ge=1)
+    pass_k: int = _field(1, ge=1)
+    greedy: bool = True
+
+    def _validate(self, path: str) -> None:
+        if self.pass_k > 1 and self.greedy:
+            raise JmarlError(
+                f"{_join(path, 'pass_k')} = {self.pass_k} needs sampling: set {_join(path, 'greedy')}=false "
+                f"or {_join(path, 'pass_k')}=1"
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints under <output_dir>/checkpoints."""
+
+    every: int = _field(0, ge=0)  # steps between saves; 0: only at the end
+    keep: int = _field(3, ge=1)  # most recent checkpoints kept
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What is written to <output_dir> besides metrics.jsonl and summary.json."""
+
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes; their product must equal the device count (data -1: the rest)."""
+
+    data: int = _field(1, ge=-1)
+    fsdp: int = _field(1, ge=1)
+    tensor: int = _field(1, ge=1)
+    policy: int = _field(1, ge=1)
+
+    def _validate(self, path: str) -> None:
+        if self.data == 0:
+            raise JmarlError(f"{_join(path, 'data')}: must be >= 1, or -1 for all remaining devices")
+
+    def axes(self) -> dict[str, int]:
+        """Axis name -> size, in mesh order."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "policy": self.policy}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One run: what to train (model, policies), on what (env, workflow), how (algo, optim)."""
+
+    seed: int = _field(0, ge=0)
+    output_dir: str = "runs/default"
+    resume: bool = False  # continue from the latest checkpoint in output_dir
+    env: EnvConfig
+    algo: AlgoConfig
+    model: ModelConfig | None = None  # every policy's network (heterogeneous: policies.models)
+    tokenizer: str | None = None  # 'char', or a local tokenizer directory; None: model.path's
+    workflow: WorkflowConfig = _field(factory=WorkflowConfig)
+    policies: PoliciesConfig = _field(factory=PoliciesConfig)
+    sampling: SamplingConfig = _field(factory=SamplingConfig)
+    optim: OptimConfig = _field(factory=OptimConfig)
+    train: TrainConfig = _field(factory=TrainConfig)
+    eval: EvalConfig = _field(factory=EvalConfig)
+    checkpoint: CheckpointConfig = _field(factory=CheckpointConfig)
+    logging: LoggingConfig = _field(factory=LoggingConfig)
+    mesh: MeshConfig = _field(factory=MeshConfig)
+
+    def _validate(self, path: str) -> None:
+        if self.policies.mode == "heterogeneous":
+            if self.model is not None or self.tokenizer is not None:
+                raise JmarlError(
+                    "model: with policies.mode=heterogeneous each policy's network and tokenizer are given "
+                    "under policies.models.<policy>; remove the top-level model/tokenizer"
+                )
+            for name, entry in self.policies.models.items():
+                _check_tokenizer(entry.model, entry.tokenizer, f"policies.models.{name}")
+        else:
+            if self.model is None:
+                raise JmarlError("missing required key 'model': set model.path or model.preset")
+            _check_tokenizer(self.model, self.tokenizer, "")
+        if self.algo.name == "hacpo" and self.workflow.plan != "shared":
+            raise JmarlError(
+                f"workflow.plan: hacpo shares rollouts between agents and needs plan 'shared', "
+                f"got {self.workflow.plan!r}"
+            )
+        if self.policies.mode == "heterogeneous" and self.algo.name in ("grpo", "dr_grpo", "dapo", "gspo"):
+            raise JmarlError(
+                f"policies.mode: 'heterogeneous' needs a multi-agent algorithm, algo.name is {self.algo.name!r}"
+            )
+
+
+def _check_tokenizer(model: ModelConfig, tokenizer: str | None, path: str) -> None:
+    """A preset model has no tokenizer of its own: one must be named."""
+    if tokenizer is None and model.path is None:
+        key = _join(path, "tokenizer")
+        raise JmarlError(f"{key}: a preset model needs a tokenizer: set {key}=char or a local tokenizer directory")
+
+
+# --------------------------------------------------------------------------------------------
+# Options validated against registries in other packages (imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _registry(module: str, attr: str) -> Mapping[str, Any] | None:
+    """`module.attr` (a dict name -> options dataclass), or None while it is not written yet."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            return None
+        raise
+    return getattr(mod, attr, None)
+
+
+# Options that the run sets once for every part: option name -> (config attribute path). Set in
+# algo.options / workflow.options they would silently disagree with the run-level value.
+_ALGO_RUN_LEVEL = {
+    "num_generations": "workflow.group_size",
+    "num_candidates": "workflow.group_size",
+    "num_turns": "workflow.max_turns",
+    "kl_coef": "train.kl_beta",
+    "kl_kind": "train.kl_kind",
+}
+_PLAN_RUN_LEVEL = {
+    "num_episodes": "workflow.group_size",
+    "num_samples": "workflow.group_size",
+    "num_candidates": "workflow.group_size",
+    "max_turns": "workflow.max_turns",
+}
+
+
+def _lookup(config: Config, dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _typed_options(
+    config: Config, cls: type, options: Mapping[str, Any], section: str, run_level: Mapping[str, str]
+) -> Any:
+    """`cls` built from `options` plus the run-level values it shares with the rest of the config."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    merged = dict(options)
+    for option, source in run_level.items():
+        if option not in names:
+            continue
+        if option in options:
+            raise JmarlError(
+                f"{section}.options.{option} is set once for the whole run by {source}; set {source} instead"
+            )
+        value = _lookup(config, source)
+        if value is not None:
+            merged[option] = value
+    return from_dict(cls, merged, f"{section}.options")
+
+
+def algo_options(config: Config) -> Any:
+    """The algorithm's typed options (`jmarl.algos.CONFIGS[algo.name]`), run-level values filled in.
+
+    `num_generations`/`num_candidates` come from workflow.group_size, `num_turns` from
+    workflow.max_turns (when set), `kl_coef`/`kl_kind` from train.kl_beta/kl_kind.
+    """
+    registry = _registry("jmarl.algos", "CONFIGS")
+    if registry is None:
+        raise JmarlError("jmarl.algos.CONFIGS is not available in this checkout")
+    if config.algo.name not in registry:
+        raise JmarlError(
+            f"algo.name: {config.algo.name!r} is not implemented; available: {', '.join(sorted(registry))}"
+        )
+    return _typed_options(config, registry[config.algo.name], config.algo.options, "algo", _ALGO_RUN_LEVEL)
+
+
+def plan_options(config: Config) -> Any | None:
+    """The sampling plan's typed options (`jmarl.workflows.PLANS`), run-level values filled in.
+
+    The group size goes to `num_episodes`/`num_samples`/`num_candidates`, workflow.max_turns to
+    `max_turns`. None when the plan has no options dataclass in this checkout.
+    """
+    plans = _registry("jmarl.workflows", "PLANS")
+    if plans is None or config.workflow.plan not in plans:
+        return None
+    entry = plans[config.workflow.plan]
+    cls = entry[1] if isinstance(entry, tuple) else entry
+    return _typed_options(config, cls, config.workflow.options, "workflow", _PLAN_RUN_LEVEL)
+
+
+def validate_options(config: Config) -> None:
+    """Checks algo, workflow and env options against their dataclasses where those exist yet."""
+    if _registry("jmarl.algos", "CONFIGS") is not None:
+        algo_options(config)
+    plan_options(config)
+    _validate_env_options(config.env)
+
+
+def _validate_env_options(env: EnvConfig) -> None:
+    """Checks env option names and types against the env's dataclass (if the env module exists)."""
+    from jmarl.envs import base
+
+    module_name, attr = base._REGISTRY[env.name].split(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            return
+        raise
+    if not dataclasses.is_dataclass(cls):
+        return
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # annotations that cannot be resolved: check names only
+        hints = {}
+    for key, value in env.options.items():
+        dotted = f"env.options.{key}"
+        if key not in names:
+            hint = _suggest(str(key), names)
+            if hint:
+                raise JmarlError(f"unknown key {dotted!r} — did you mean 'env.options.{hint}'?")
+            raise JmarlError(f"unknown key {dotted!r}; env {env.name!r} takes: {', '.join(names)}")
+        if key in hints:
+            _convert(hints[key], value, dotted)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, overrides, dumping
+# --------------------------------------------------------------------------------------------
+
+
+def read_yaml_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in YAML file `path` (an empty file is {})."""
+    p = Path(path)
+    if not p.is_file():
+        raise JmarlError(f"config file not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise JmarlError(f"cannot read config file {p}: {e}") from None
+    data = parse_yaml(text, f"config file {p}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise JmarlError(f"config file {p}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_override(data: dict[str, Any], override: str) -> dict[str, Any]:
+    """A copy of `data` with one `dotted.key=value` override applied (value parsed as YAML)."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise JmarlError(f"bad override {override!r}: expected key=value, e.g. train.steps=10")
+    value = parse_yaml(text, f"override {override!r}") if text.strip() else None
+    parts = key.split(".")
+    out = dict(data)
+    node = out
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            raise JmarlError(
+                f"bad override {override!r}: {'.'.join(parts[: i + 1])!r} is a value, not a section"
+            )
+        node[part] = dict(child)
+        node = node[part]
+    node[parts[-1]] = value
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Validates a merged config dict into a `Config` (fills `workflow.plan` from the algorithm)."""
+    data = dict(data)
+    algo = data.get("algo")
+    workflow = data.get("workflow")
+    if isinstance(algo, Mapping) and algo.get("name") in DEFAULT_PLAN:
+        if workflow is None or (isinstance(workflow, Mapping) and "plan" not in workflow):
+            data["workflow"] = {**(workflow or {}), "plan": DEFAULT_PLAN[algo["name"]]}
+    config = from_dict(Config, data)
+    validate_options(config)
+    return config
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Reads YAML file `path` (None: start from {}), applies `key=value` overrides, validates."""
+    data = read_yaml_file(path) if path is not None else {}
+    for override in overrides:
+        data = apply_override(data, override)
+    return config_from_dict(data)
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain dicts/lists/scalars (what `dump_yaml` writes)."""
+    return to_dict(config)
+
+
+def dump_yaml(config: Config) -> str:
+    """The config as YAML text; `load_config` on it gives an equal `Config`."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)

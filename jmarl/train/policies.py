@@ -115,13 +115,12 @@ def build_tokenizer(spec: str | None, model_path: str | None) -> Any:
 
 def build_model(model_cfg: Any, tokenizer: Any, rng: jax.Array) -> tuple[models.ModelConfig, Params]:
     """(model config, params): loaded from `model_cfg.path` or initialised from `model_cfg.preset`."""
-    dtypes = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.dtype, remat=model_cfg.remat)
+    numerics = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
     if model_cfg.path is not None:
         if not os.path.isdir(model_cfg.path):
             raise JmarlError(f"model.path {model_cfg.path!r} is not a directory; point it at a local HF checkpoint")
         config, params = models.load_hf(model_cfg.path, dtype=model_cfg.param_dtype)
-        config = dataclasses.replace(config, **dtypes)
-        return config, params
+        return dataclasses.replace(config, **numerics), params
     p = model_cfg.preset
     vocab = p.vocab_size or tokenizer.vocab_size
     if vocab < tokenizer.vocab_size:
@@ -129,23 +128,24 @@ def build_model(model_cfg: Any, tokenizer: Any, rng: jax.Array) -> tuple[models.
             f"model.preset.vocab_size {vocab} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})"
         )
     config = models.ModelConfig(
-        model_type="qwen3" if p.family == "qwen3" else "llama",
+        model_type=p.model_type,
         vocab_size=vocab,
-        hidden_size=p.hidden,
-        intermediate_size=p.mlp,
-        num_layers=p.layers,
-        num_heads=p.heads,
-        num_kv_heads=p.kv_heads,
-        head_dim=p.head_dim or p.hidden // p.heads,
-        rms_norm_eps=p.norm_eps,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_layers=p.num_layers,
+        num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads,
+        head_dim=p.head_dim or p.hidden_size // p.num_heads,
+        rms_norm_eps=p.rms_norm_eps,
         rope_theta=p.rope_theta,
-        max_position_embeddings=p.max_len,
-        tie_word_embeddings=p.tie_embeddings,
-        qk_norm=p.family == "qwen3",
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=p.tie_word_embeddings,
+        qkv_bias=p.model_type == "qwen2" if p.qkv_bias is None else p.qkv_bias,
+        qk_norm=p.model_type == "qwen3" if p.qk_norm is None else p.qk_norm,
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
-        **dtypes,
+        **numerics,
     )
     return config, models.init(config, rng)
 

@@ -366,7 +366,7 @@ class EnvConfig:
         from jmarl.envs import registered
 
         names = registered()
-        if self.name not in names:
+        if self.name not in names and ":" not in self.name:
             hint = _suggest(self.name, names)
             msg = f"{_join(path, 'name')}: unknown env {self.name!r}; registered envs: {', '.join(names)}"
             raise JmarlError(msg + (f" — did you mean {hint!r}?" if hint else ""))
@@ -707,13 +707,7 @@ def _validate_env_options(env: EnvConfig) -> None:
     """Checks env option names and types against the env's dataclass (if the env module exists)."""
     from jmarl.envs import base
 
-    module_name, attr = base._REGISTRY[env.name].split(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            return
-        raise
+    cls = base.env_class(env.name)
     if not dataclasses.is_dataclass(cls):
         return
     names = [f.name for f in dataclasses.fields(cls) if f.init]

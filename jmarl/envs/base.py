@@ -131,12 +131,26 @@ def registered() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def env_class(name: str) -> type:
+    """The class of env `name`: a registered name, or `package.module:Class` for your own env."""
+    if name in _REGISTRY:
+        module_name, attr = _REGISTRY[name].split(":")
+    elif ":" in name:
+        module_name, attr = name.split(":", 1)
+    else:
+        raise JmarlError(
+            f"unknown env {name!r}; registered envs: {', '.join(registered())} "
+            "(or give your own as 'package.module:Class')"
+        )
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise JmarlError(f"env {name!r} cannot be imported ({e}); check the module path and class name") from None
+
+
 def make(name: str, **options: Any) -> Env:
-    """Builds the env registered as `name` with `options` (its dataclass fields)."""
-    if name not in _REGISTRY:
-        raise JmarlError(f"unknown env {name!r}; registered envs: {', '.join(registered())}")
-    module_name, attr = _REGISTRY[name].split(":")
-    cls = getattr(importlib.import_module(module_name), attr)
+    """Builds env `name` (registered, or 'package.module:Class') with `options` (its fields)."""
+    cls = env_class(name)
     try:
         return cls(**options)
     except TypeError as e:

@@ -395,7 +395,9 @@ class Trainer:
         if not result.records:
             return metrics
         rollouts = build_rollouts(result.records, pad_id=self.policies.groups[0].tokenizer.pad_id)
-        metrics["rollout/reward_mean"] = float(np.mean(np.asarray(rollouts.reward)))
+        rewards = np.asarray(rollouts.reward)
+        metrics["rollout/reward_mean"] = float(np.mean(rewards[np.isfinite(rewards)])) if np.isfinite(rewards).any() else float("nan")
+        metrics["rollout/nonfinite_rewards"] = float(np.sum(~np.isfinite(rewards)))
 
         t_score = t_update = 0.0
         for gi, (group, fns) in enumerate(zip(self.policies.groups, self.fns)):
@@ -403,7 +405,7 @@ class Trainer:
             if not any(counts):
                 continue
             t1 = time.perf_counter()
-            batch = self._score(group, fns, batch)
+            batch = jax.block_until_ready(self._score(group, fns, batch))
             t_score += time.perf_counter() - t1
             t2 = time.perf_counter()
             group.state, m = fns.update(group.state, group.base, batch)
@@ -535,7 +537,10 @@ def _advantage_fn(method, algo_cfg, n: int, stacked: bool):
     key = (method.__name__, algo_cfg, n, stacked)
     if key not in _ADV_CACHE:
         def one(reward, group):
+            # a non-finite reward must not pass as "no signal": its advantage is NaN, so the
+            # update's non-finite guard skips (and counts) the mini-batch that holds it
             adv = method.advantages(algo_cfg, reward, group, num_groups=n)
+            adv = jnp.where(jnp.isfinite(reward), adv, jnp.nan)
             keep = method.keep_mask(algo_cfg, reward, group, num_groups=n)
             return adv, keep
 

@@ -1,0 +1,206 @@
+"""The trainer end to end on a tiny model: outputs, export, kill/resume, NaN skip, LoRA, stacking."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from jmarl import models
+from jmarl.config import load_config
+from jmarl.train import trainer as trainer_mod
+from jmarl.train.step import make_update
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+BASE = {
+    "seed": 0,
+    "env": {"name": "_toy_env:Letters"},
+    "algo": {"name": "grpo"},
+    "model": {"preset": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}},
+    "tokenizer": "char",
+    "workflow": {"plan": "independent", "group_size": 4, "num_tasks": 2},
+    "policies": {"mode": "per_agent"},
+    "sampling": {"max_new_tokens": 8, "max_prompt_len": 64},
+    "optim": {"lr": 1.0e-2},
+    "train": {"steps": 2},
+    "eval": {"num_episodes": 2},
+    "checkpoint": {"every": 1, "keep": 3},
+    "logging": {"progress": False},
+}
+
+
+def _config(tmp_path: Path, name: str, **overrides):
+    data = json.loads(json.dumps(BASE))
+    for dotted, value in overrides.items():
+        node = data
+        keys = dotted.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    data["output_dir"] = str(tmp_path / name)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _exported(out: Path) -> dict[str, dict[str, np.ndarray]]:
+    return {p.name: load_file(str(p / "model.safetensors")) for p in sorted((out / "export").iterdir())}
+
+
+@pytest.mark.slow
+def test_short_run_writes_outputs_and_export_matches_transformers(tmp_path):
+    import torch
+    import transformers
+
+    cfg = load_config(_config(tmp_path, "run"), ["train.warm_start.steps=1", "train.warm_start.demos=2"])
+    summary = trainer_mod.train(cfg)
+    out = Path(cfg.output_dir)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "train/loss" in x] == [1, 2]
+    assert all(np.isfinite(x["train/loss"]) for x in lines if "train/loss" in x)
+    assert list((out / "tensorboard").rglob("events.out.tfevents*"))
+    assert list((out / "plots").glob("*.png"))
+    saved = json.loads((out / "summary.json").read_text())
+    assert {"success_before", "success_after", "steps", "wall_seconds"} <= set(saved)
+    assert saved["steps"] == 2 == summary["steps"]
+
+    # the exported policy 'b' loads in transformers and gives jmarl's logits
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "export" / "b").eval()
+    config, params = models.load_hf(out / "export" / "b")
+    tokens = np.array([[5, 9, 33, 40, 2, 7]], np.int32)
+    ours = np.asarray(models.apply(config, params, tokens, np.ones_like(tokens, bool)))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    tok = transformers.AutoTokenizer.from_pretrained(out / "export" / "b")
+    assert tok.decode([models.CharTokenizer().encode("ab")[0]]) == "a"
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}", JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    straight = _config(tmp_path, "straight", **{"train.steps": 6})
+    subprocess.run([sys.executable, "-m", "jmarl.run", "--config", str(straight)], env=env, check=True, cwd=REPO)
+
+    killed = _config(tmp_path, "killed", **{"train.steps": 6})
+    proc = subprocess.Popen([sys.executable, "-m", "jmarl.run", "--config", str(killed)], env=env, cwd=REPO)
+    ckpt = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 300
+    while not (ckpt / "3" / "commit_success.txt").exists() and not (ckpt / "3" / "state").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its third checkpoint"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (tmp_path / "killed" / "export").exists()
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "jmarl.run", "--config", str(killed), "resume=true"], env=env, cwd=REPO,
+        capture_output=True, text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    metrics = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 6
+    a, b = _exported(tmp_path / "straight"), _exported(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    for policy in a:
+        for name, value in a[policy].items():
+            np.testing.assert_array_equal(value, b[policy][name], err_msg=f"{policy}/{name}")
+
+
+@pytest.mark.slow
+def test_nan_reward_batch_skips_one_update_and_training_continues(tmp_path, monkeypatch):
+    cfg = load_config(_config(tmp_path, "nan"), ["policies.mode=shared", "optim.weight_decay=0.0"])
+    t = trainer_mod.Trainer(cfg)
+    real_build = trainer_mod.build_rollouts
+    calls = []
+
+    def poisoned(records, **kw):
+        r = real_build(records, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            r = r.replace(reward=np.full_like(np.asarray(r.reward), np.nan))
+        return r
+
+    monkeypatch.setattr(trainer_mod, "build_rollouts", poisoned)
+    before = jax.tree.map(np.array, t.policies.groups[0].state.params)
+    m1 = t.rl_step()
+    after_nan = jax.tree.map(np.array, t.policies.groups[0].state.params)
+    jax.tree.map(np.testing.assert_array_equal, before, after_nan)
+    assert m1["train/skipped_updates"] == 1.0 and int(t.policies.groups[0].state.step) == 0
+    m2 = t.rl_step()
+    after = jax.tree.map(np.array, t.policies.groups[0].state.params)
+    assert m2["train/skipped_updates"] == 1.0 and int(t.policies.groups[0].state.step) == 1
+    assert np.isfinite(m2["train/loss"])
+    changed = jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.any(x != y)), after_nan, after))
+    assert any(changed)
+
+
+@pytest.mark.slow
+def test_lora_run_changes_only_adapters(tmp_path):
+    cfg = load_config(
+        _config(tmp_path, "lora"),
+        ["policies.mode=lora", "policies.lora.rank=2", "optim.lr=0.05", "train.steps=3"],
+    )
+    t = trainer_mod.Trainer(cfg)
+    base = jax.tree.map(np.array, t.policies.groups[0].base)
+    adapters0 = jax.tree.map(np.array, t.policies.groups[0].state.params)
+    for _ in range(3):
+        t.rl_step()
+    g = t.policies.groups[0]
+    assert g.stacked and g.lora_rank == 2
+    jax.tree.map(np.testing.assert_array_equal, base, jax.tree.map(np.array, g.base))
+    moved = [bool(np.any(x != y)) for x, y in zip(jax.tree.leaves(adapters0), jax.tree.leaves(g.state.params))]
+    assert any(moved)
+    # the merged policies now differ from the base, and from each other
+    p0, p1 = g.policy_params(0), g.policy_params(1)
+    diff_base = [bool(np.any(np.asarray(x) != y)) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(base))]
+    assert any(diff_base)
+    assert any(bool(np.any(np.asarray(x) != np.asarray(y))) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))
+
+
+@pytest.mark.slow
+def test_stacked_update_equals_each_policy_alone(tmp_path):
+    cfg = load_config(_config(tmp_path, "stack"), [])
+    t = trainer_mod.Trainer(cfg)
+    group, fns = t.policies.groups[0], t.fns[0]
+    assert group.stacked and group.policy_ids == (0, 1)
+    key = jax.random.key(3)
+    result = trainer_mod.run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, key, num_episodes=4)
+    rollouts = trainer_mod.build_rollouts(result.records)
+    batch, counts = trainer_mod.group_batch(group, rollouts, t.parts)
+    assert counts == [8, 8]
+    scored = t._score(group, fns, batch)
+    assert float(jnp.abs(scored["advantages"]).sum()) > 0  # the toy env gives varied rewards
+    start = jax.tree.map(jnp.array, group.state)
+    stacked_state, _ = fns.update(jax.tree.map(jnp.array, start), None, scored)
+
+    single = jax.jit(make_update(_single_loss(t), t.optimizer))
+    for i in range(2):
+        one_state = jax.tree.map(lambda x: x[i], start)
+        one_batch = jax.tree.map(lambda x: x[i], scored)
+        # each policy's slice holds only its own agent's samples
+        assert set(np.asarray(batch["agent"][i])[: counts[i]]) == {i}
+        alone, _ = single(one_state, None, one_batch)
+        for x, y in zip(jax.tree.leaves(alone.params), jax.tree.leaves(stacked_state.params)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y[i]), rtol=1e-5, atol=1e-6)
+
+
+def _single_loss(t):
+    mcfg, method, algo_cfg = t.policies.groups[0].model_config, t.method, t.algo_cfg
+
+    def loss_fn(params, frozen, batch, m):
+        lp = models.token_logprobs(mcfg, params, batch["tokens"], batch["attention_mask"], t.temperature)
+        return method.loss(algo_cfg, lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
+
+    return loss_fn

@@ -44,7 +44,9 @@ class _Loader(yaml.SafeLoader):
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 for _ch in "-+0123456789.":
     _Loader.yaml_implicit_resolvers[_ch] = [
-        (tag, rx) for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, []) if tag != "tag:yaml.org,2002:float"
+        (tag, rx)
+        for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, [])
+        if tag != "tag:yaml.org,2002:float"
     ]
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -221,13 +223,16 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 
     Checks: unknown keys (with a did-you-mean suggestion), missing required keys, types
     (nested dataclasses, Literal choices, Optional, tuples/lists, dicts; int accepted for float,
-    bool never accepted as a number), declared ranges, then `self._validate(path)` if the class defines it (checks across fields).
+    bool never accepted as a number), declared ranges, then `self._validate(path)` (checks across
+    fields) if the class defines it.
     `path` is the dotted prefix used in error messages.
     """
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise JmarlError(f"{path or 'config'}: expected a mapping (section), got {type(data).__name__} {_show(data)}")
+        raise JmarlError(
+            f"{path or 'config'}: expected a mapping (section), got {type(data).__name__} {_show(data)}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     try:
         hints = typing.get_type_hints(cls)
@@ -322,7 +327,8 @@ class ArchConfig:
     def _validate(self, path: str) -> None:
         if self.num_heads % self.num_kv_heads:
             raise JmarlError(
-                f"{path}.num_heads ({self.num_heads}) must be a multiple of {path}.num_kv_heads ({self.num_kv_heads})"
+                f"{path}.num_heads ({self.num_heads}) must be a multiple of "
+                f"{path}.num_kv_heads ({self.num_kv_heads})"
             )
         head_dim = self.head_dim
         if head_dim is None:
@@ -349,9 +355,9 @@ class ModelConfig:
     def _validate(self, path: str) -> None:
         if (self.path is None) == (self.preset is None):
             raise JmarlError(
-                f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face checkpoint) "
-                f"or {_join(path, 'preset')} (a built-in architecture); to switch on the command line, set the "
-                f"other one to null (e.g. {_join(path, 'preset')}=null)"
+                f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face "
+                f"checkpoint) or {_join(path, 'preset')} (a built-in architecture); to switch on the "
+                f"command line, set the other one to null (e.g. {_join(path, 'preset')}=null)"
             )
 
 
@@ -436,14 +442,19 @@ class PoliciesConfig:
             )
         if self.mode == "heterogeneous":
             if not self.models:
-                raise JmarlError(f"{_join(path, 'models')}: mode 'heterogeneous' needs one model entry per policy")
+                raise JmarlError(
+                    f"{_join(path, 'models')}: mode 'heterogeneous' needs one model entry per policy"
+                )
             missing = sorted(used - set(self.models))
             if missing:
                 raise JmarlError(
-                    f"{_join(path, 'agent_to_policy')}: policies {missing} have no entry in {_join(path, 'models')}"
+                    f"{_join(path, 'agent_to_policy')}: policies {missing} have no entry in "
+                    f"{_join(path, 'models')}"
                 )
         elif self.models:
-            raise JmarlError(f"{_join(path, 'models')}: only used with mode 'heterogeneous' (mode is {self.mode!r})")
+            raise JmarlError(
+                f"{_join(path, 'models')}: only used with mode 'heterogeneous' (mode is {self.mode!r})"
+            )
 
 
 @dataclass(frozen=True)
@@ -595,7 +606,8 @@ class Config:
             )
         if self.policies.mode == "heterogeneous" and self.algo.name in ("grpo", "dr_grpo", "dapo", "gspo"):
             raise JmarlError(
-                f"policies.mode: 'heterogeneous' needs a multi-agent algorithm, algo.name is {self.algo.name!r}"
+                "policies.mode: 'heterogeneous' needs a multi-agent algorithm, "
+                f"algo.name is {self.algo.name!r}"
             )
 
 
@@ -603,7 +615,9 @@ def _check_tokenizer(model: ModelConfig, tokenizer: str | None, path: str) -> No
     """A preset model has no tokenizer of its own: one must be named."""
     if tokenizer is None and model.path is None:
         key = _join(path, "tokenizer")
-        raise JmarlError(f"{key}: a preset model needs a tokenizer: set {key}=char or a local tokenizer directory")
+        raise JmarlError(
+            f"{key}: a preset model needs a tokenizer: set {key}=char or a local tokenizer directory"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -750,7 +764,9 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise JmarlError(f"config file {p}: the top level must be a mapping of sections, got {type(data).__name__}")
+        raise JmarlError(
+            f"config file {p}: the top level must be a mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 

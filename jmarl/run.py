@@ -28,7 +28,10 @@ def _parser() -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the merged, validated config as YAML and exit"
     )
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted overrides, values parsed as YAML (train.steps=10)"
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, values parsed as YAML (train.steps=10)",
     )
     return parser
 

@@ -118,7 +118,8 @@ def test_trainer_errors_other_than_jmarl_errors_propagate(tmp_path, monkeypatch,
                   "def train(config):\n    raise JmarlError('model path /m does not exist')\n")
     assert cli.main(["--config", str(ROOT / QUICKSTART)]) == 2
     assert capsys.readouterr().err == "error: model path /m does not exist\n"
-    _fake_trainer(tmp_path, monkeypatch, "jmarl_fake_trainer_bug", "def train(config):\n    raise ValueError('bug')\n")
+    _fake_trainer(tmp_path, monkeypatch, "jmarl_fake_trainer_bug",
+                  "def train(config):\n    raise ValueError('bug')\n")
     with pytest.raises(ValueError, match="bug"):
         cli.main(["--config", str(ROOT / QUICKSTART)])
     # A trainer whose own import fails is a bug in the code, not 'trainer not available'.

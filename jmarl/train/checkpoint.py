@@ -181,7 +181,12 @@ class Checkpointer:
             try:
                 return self._restore_step(target, candidate)
             except _Corrupt as e:
-                log.warning("checkpoint %d in %s is unusable (%s); trying an earlier one", candidate, self.directory, e)
+                log.warning(
+                    "checkpoint %d in %s is unusable (%s); trying an earlier one",
+                    candidate,
+                    self.directory,
+                    e,
+                )
                 problems.append(f"step {candidate}: {e}")
         raise JmarlError(f"no intact checkpoint in {self.directory}: " + "; ".join(problems))
 

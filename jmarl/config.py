@@ -15,6 +15,7 @@ fields live in a `_validate(self, path)` method of the dataclass; `from_dict` ru
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import importlib
@@ -101,9 +102,9 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (tuple, list, Sequence):
+    if origin in (tuple, list, collections.abc.Sequence):
         return "list"
-    if origin in (dict, Mapping):
+    if origin in (dict, collections.abc.Mapping):
         return "mapping"
     if dataclasses.is_dataclass(tp):
         return "mapping (section)"
@@ -176,7 +177,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if len(non_null) == 1:
             raise errors[0]
         raise _wrong_type(path, tp, value)
-    if origin in (tuple, list, Sequence):
+    if origin in (tuple, list, collections.abc.Sequence):
         if not isinstance(value, (list, tuple)):
             raise _wrong_type(path, tp, value)
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis) and args:
@@ -186,7 +187,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         item = args[0] if args else Any
         items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
-    if origin in (dict, Mapping):
+    if origin in (dict, collections.abc.Mapping):
         if not isinstance(value, Mapping):
             raise _wrong_type(path, tp, value)
         ktp, vtp = args if args else (Any, Any)

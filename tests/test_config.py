@@ -6,7 +6,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping, Sequence
 
 import pytest
 
@@ -408,3 +408,17 @@ def test_quickstart_is_cpu_sized():
     assert config.train.warm_start.steps > 0
     assert set(config.policies.agent_to_policy) == {"tool", "planner"}
     assert config.mesh.axes() == {"data": 1, "fsdp": 1, "tensor": 1, "policy": 1}
+
+
+@dataclass(frozen=True)
+class Abstract:
+    seq: Sequence[int] = ()
+    table: Mapping[str, float] = field(default_factory=dict)
+
+
+def test_abstract_sequence_and_mapping_annotations():
+    assert from_dict(Abstract, {"seq": [1, 2], "table": {"a": 1}}) == Abstract(seq=(1, 2), table={"a": 1.0})
+    with pytest.raises(JmarlError, match=r"^seq\[0\]: expected int, got str 'x'"):
+        from_dict(Abstract, {"seq": ["x"]})
+    with pytest.raises(JmarlError, match="^table.a: expected float, got str 'y'"):
+        from_dict(Abstract, {"table": {"a": "y"}})

@@ -612,6 +612,38 @@ class Config:
             )
 
 
+def agent_policy_map(policies: PoliciesConfig, agents: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(policy names, the policy index of each of `agents`) for plans that route samples by agent.
+
+    shared: one policy (named by the map, else 'shared'). per_agent / lora: the map, or with an
+    empty map every agent its own policy named after it. heterogeneous: the policies are the
+    keys of `policies.models` and every agent must be mapped (the `shared` plan of HACPO does
+    not route by agent: every policy answers every prompt).
+    """
+    mapping = policies.agent_to_policy
+    for agent in mapping:
+        if agent not in agents:
+            hint = _suggest(agent, agents)
+            msg = f"policies.agent_to_policy: unknown agent {agent!r}; the env's agents are {', '.join(agents)}"
+            raise JmarlError(msg + (f" — did you mean {hint!r}?" if hint else ""))
+    if policies.mode == "shared":
+        names = tuple(sorted(set(mapping.values()))) or ("shared",)
+        return names, (0,) * len(agents)
+    if policies.mode == "heterogeneous":
+        names = tuple(policies.models)
+    elif mapping:
+        names = tuple(dict.fromkeys(mapping[a] for a in agents if a in mapping))
+    else:
+        return tuple(agents), tuple(range(len(agents)))
+    missing = [a for a in agents if a not in mapping]
+    if missing:
+        raise JmarlError(
+            f"policies.agent_to_policy: agents {missing} have no policy; map every agent "
+            f"({', '.join(agents)}) to a policy"
+        )
+    return names, tuple(names.index(mapping[a]) for a in agents)
+
+
 def _check_tokenizer(model: ModelConfig, tokenizer: str | None, path: str) -> None:
     """A preset model has no tokenizer of its own: one must be named."""
     if tokenizer is None and model.path is None:
@@ -711,16 +743,21 @@ def plan_options(config: Config) -> Any | None:
 
 
 def validate_options(config: Config) -> None:
-    """Checks algo, workflow and env options against their dataclasses where those exist yet."""
+    """Checks algo, workflow and env options (and the agent map) where those parts exist yet."""
     if _registry("jmarl.algos", "CONFIGS") is not None:
         algo_options(config)
     plan_options(config)
-    _validate_env_options(config.env)
+    _validate_env(config)
 
 
-def _validate_env_options(env: EnvConfig) -> None:
-    """Checks env option names and types against the env's dataclass (if the env module exists)."""
+def _validate_env(config: Config) -> None:
+    """Checks env options against the env's dataclass, builds the env and checks the agent map.
+
+    Skipped while the env's module is not in this checkout.
+    """
     from jmarl.envs import base
+
+    env = config.env
 
     module_name, attr = base._REGISTRY[env.name].split(":")
     try:
@@ -745,6 +782,12 @@ def _validate_env_options(env: EnvConfig) -> None:
             raise JmarlError(f"unknown key {dotted!r}; env {env.name!r} takes: {', '.join(names)}")
         if key in hints:
             _convert(hints[key], value, dotted)
+    try:
+        built = base.make(env.name, **env.options)
+    except JmarlError as e:
+        raise JmarlError(f"env.options: {e}") from None
+    if config.workflow.plan != "shared":  # HACPO's shared plan does not route by agent
+        agent_policy_map(config.policies, tuple(built.agents))
 
 
 # --------------------------------------------------------------------------------------------

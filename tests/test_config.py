@@ -373,6 +373,12 @@ def test_env_options_checked_against_the_env_dataclass(monkeypatch):
     message = "^unknown key 'env.options.colour'; env 'toy' takes: size, wall_prob, agents$"
     with pytest.raises(JmarlError, match=message):
         make(env={"name": "toy", "options": {"colour": 1}})
+    # The env is built, and the agent -> policy map is checked against its agents.
+    with pytest.raises(JmarlError, match="unknown agent 'planer'; the env's agents are tool, planner"):
+        make(env={"name": "toy"}, policies={"mode": "per_agent", "agent_to_policy": {"tool": "a", "planer": "b"}})
+    with pytest.raises(JmarlError, match=r"agents \['solver'\] have no policy"):
+        make(env={"name": "toy", "options": {"agents": ["tool", "solver"]}},
+             policies={"mode": "per_agent", "agent_to_policy": {"tool": "a"}})
 
 
 # ------------------------------------------------------------------------------ configs/
@@ -422,3 +428,23 @@ def test_abstract_sequence_and_mapping_annotations():
         from_dict(Abstract, {"seq": ["x"]})
     with pytest.raises(JmarlError, match="^table.a: expected float, got str 'y'"):
         from_dict(Abstract, {"table": {"a": "y"}})
+
+
+def test_agent_policy_map():
+    agents = ("tool", "planner", "critic")
+    shared = C.PoliciesConfig()
+    assert C.agent_policy_map(shared, agents) == (("shared",), (0, 0, 0))
+    own = C.PoliciesConfig(mode="per_agent")
+    assert C.agent_policy_map(own, agents) == (("tool", "planner", "critic"), (0, 1, 2))
+    two = C.PoliciesConfig(mode="lora", agent_to_policy={"critic": "b", "tool": "a", "planner": "b"})
+    assert C.agent_policy_map(two, agents) == (("a", "b"), (0, 1, 1))
+    hetero = C.PoliciesConfig(
+        mode="heterogeneous",
+        agent_to_policy={"tool": "llama", "planner": "qwen", "critic": "qwen"},
+        models={"qwen": C.PolicyModel(C.ModelConfig(path="/q")), "llama": C.PolicyModel(C.ModelConfig(path="/l"))},
+    )
+    assert C.agent_policy_map(hetero, agents) == (("qwen", "llama"), (1, 0, 0))
+    with pytest.raises(JmarlError, match=r"agents \['critic'\] have no policy"):
+        C.agent_policy_map(C.PoliciesConfig(mode="per_agent", agent_to_policy={"tool": "a", "planner": "b"}), agents)
+    with pytest.raises(JmarlError, match="unknown agent 'planer'; the env's agents are .* did you mean 'planner'"):
+        C.agent_policy_map(C.PoliciesConfig(mode="per_agent", agent_to_policy={"planer": "a"}), agents)

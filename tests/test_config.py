@@ -357,6 +357,10 @@ class ToyEnv:
     wall_prob: float = 0.2
     agents: tuple[str, ...] = ("tool", "planner")
 
+    def __post_init__(self):
+        if self.size < 1:
+            raise JmarlError(f"toy: size must be >= 1, got {self.size}")
+
 
 def test_env_options_checked_against_the_env_dataclass(monkeypatch):
     module = types.ModuleType("jmarl_test_toy_env")
@@ -374,6 +378,8 @@ def test_env_options_checked_against_the_env_dataclass(monkeypatch):
     with pytest.raises(JmarlError, match=message):
         make(env={"name": "toy", "options": {"colour": 1}})
     # The env is built, and the agent -> policy map is checked against its agents.
+    with pytest.raises(JmarlError, match="^env.options: toy: size must be >= 1, got 0"):
+        make(env={"name": "toy", "options": {"size": 0}})
     with pytest.raises(JmarlError, match="unknown agent 'planer'; the env's agents are tool, planner"):
         make(env={"name": "toy"}, policies={"mode": "per_agent", "agent_to_policy": {"tool": "a", "planer": "b"}})
     with pytest.raises(JmarlError, match=r"agents \['solver'\] have no policy"):

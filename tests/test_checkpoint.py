@@ -224,3 +224,13 @@ def test_kill_during_save_leaves_directory_restorable(tmp_path):
     # Training can go on: the next save succeeds and becomes the latest.
     ckpt.save(4, target)
     assert ckpt.latest_step() == 4
+
+
+def test_without_checksums_round_trip_still_works(tmp_path):
+    state = make_state(2)
+    with Checkpointer(tmp_path, checksums=False, async_save=True) as ckpt:
+        ckpt.save(1, state, {"a": 1})
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+        restored = ckpt.restore(make_state(0))
+    assert leaf_bytes(restored.state) == leaf_bytes(state) and restored.meta == {"a": 1}

@@ -283,8 +283,9 @@ def to_dict(obj: Any) -> Any:
 # The schema
 # --------------------------------------------------------------------------------------------
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents")
+
 AlgoName = Literal["grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents"]
+ALGOS: tuple[str, ...] = typing.get_args(AlgoName)
 PlanName = Literal["independent", "tree", "joint", "node_wise", "shared"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -344,8 +345,11 @@ class ArchConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Which network to train: a local Hugging Face checkpoint (`path`) or a built-in `preset`."""
+class ModelSpec:
+    """Which network to train: a local Hugging Face checkpoint (`path`) or a built-in `preset`.
+
+    The trainer turns it into a `jmarl.models.ModelConfig` (ModelConfig.from_hf for a path).
+    """
 
     path: str | None = None  # local directory with config.json + safetensors (no downloads)
     preset: ArchConfig | None = None
@@ -415,7 +419,7 @@ class LoraConfig:
 class PolicyModel:
     """One policy of a heterogeneous run: its own network and tokenizer."""
 
-    model: ModelConfig
+    model: ModelSpec
     tokenizer: str | None = None  # None: the tokenizer in model.path
 
 
@@ -575,7 +579,7 @@ class Config:
     resume: bool = False  # continue from the latest checkpoint in output_dir
     env: EnvConfig
     algo: AlgoConfig
-    model: ModelConfig | None = None  # every policy's network (heterogeneous: policies.models)
+    model: ModelSpec | None = None  # every policy's network (heterogeneous: policies.models)
     tokenizer: str | None = None  # 'char', or a local tokenizer directory; None: model.path's
     workflow: WorkflowConfig = _field(factory=WorkflowConfig)
     policies: PoliciesConfig = _field(factory=PoliciesConfig)
@@ -644,7 +648,7 @@ def agent_policy_map(policies: PoliciesConfig, agents: Sequence[str]) -> tuple[t
     return names, tuple(names.index(mapping[a]) for a in agents)
 
 
-def _check_tokenizer(model: ModelConfig, tokenizer: str | None, path: str) -> None:
+def _check_tokenizer(model: ModelSpec, tokenizer: str | None, path: str) -> None:
     """A preset model has no tokenizer of its own: one must be named."""
     if tokenizer is None and model.path is None:
         key = _join(path, "tokenizer")

@@ -447,7 +447,7 @@ def test_agent_policy_map():
     hetero = C.PoliciesConfig(
         mode="heterogeneous",
         agent_to_policy={"tool": "llama", "planner": "qwen", "critic": "qwen"},
-        models={"qwen": C.PolicyModel(C.ModelConfig(path="/q")), "llama": C.PolicyModel(C.ModelConfig(path="/l"))},
+        models={"qwen": C.PolicyModel(C.ModelSpec(path="/q")), "llama": C.PolicyModel(C.ModelSpec(path="/l"))},
     )
     assert C.agent_policy_map(hetero, agents) == (("qwen", "llama"), (1, 0, 0))
     with pytest.raises(JmarlError, match=r"agents \['critic'\] have no policy"):

@@ -283,7 +283,6 @@ def to_dict(obj: Any) -> Any:
 # The schema
 # --------------------------------------------------------------------------------------------
 
-
 AlgoName = Literal["grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents"]
 ALGOS: tuple[str, ...] = typing.get_args(AlgoName)
 PlanName = Literal["independent", "tree", "joint", "node_wise", "shared"]

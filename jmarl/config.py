@@ -15,6 +15,7 @@ fields live in a `_validate(self, path)` method of the dataclass; `from_dict` ru
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import importlib
@@ -44,7 +45,9 @@ class _Loader(yaml.SafeLoader):
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 for _ch in "-+0123456789.":
     _Loader.yaml_implicit_resolvers[_ch] = [
-        (tag, rx) for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, []) if tag != "tag:yaml.org,2002:float"
+        (tag, rx)
+        for tag, rx in _Loader.yaml_implicit_resolvers.get(_ch, [])
+        if tag != "tag:yaml.org,2002:float"
     ]
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -99,9 +102,9 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (tuple, list, Sequence):
+    if origin in (tuple, list, collections.abc.Sequence):
         return "list"
-    if origin in (dict, Mapping):
+    if origin in (dict, collections.abc.Mapping):
         return "mapping"
     if dataclasses.is_dataclass(tp):
         return "mapping (section)"
@@ -174,7 +177,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if len(non_null) == 1:
             raise errors[0]
         raise _wrong_type(path, tp, value)
-    if origin in (tuple, list, Sequence):
+    if origin in (tuple, list, collections.abc.Sequence):
         if not isinstance(value, (list, tuple)):
             raise _wrong_type(path, tp, value)
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis) and args:
@@ -184,7 +187,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         item = args[0] if args else Any
         items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
-    if origin in (dict, Mapping):
+    if origin in (dict, collections.abc.Mapping):
         if not isinstance(value, Mapping):
             raise _wrong_type(path, tp, value)
         ktp, vtp = args if args else (Any, Any)
@@ -221,13 +224,16 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 
     Checks: unknown keys (with a did-you-mean suggestion), missing required keys, types
     (nested dataclasses, Literal choices, Optional, tuples/lists, dicts; int accepted for float,
-    bool never accepted as a number), declared ranges, then `self._validate(path)` if the class defines it (checks across fields).
+    bool never accepted as a number), declared ranges, then `self._validate(path)` (checks across
+    fields) if the class defines it.
     `path` is the dotted prefix used in error messages.
     """
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise JmarlError(f"{path or 'config'}: expected a mapping (section), got {type(data).__name__} {_show(data)}")
+        raise JmarlError(
+            f"{path or 'config'}: expected a mapping (section), got {type(data).__name__} {_show(data)}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     try:
         hints = typing.get_type_hints(cls)
@@ -277,8 +283,8 @@ def to_dict(obj: Any) -> Any:
 # The schema
 # --------------------------------------------------------------------------------------------
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents")
 AlgoName = Literal["grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents"]
+ALGOS: tuple[str, ...] = typing.get_args(AlgoName)
 PlanName = Literal["independent", "tree", "joint", "node_wise", "shared"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -322,7 +328,8 @@ class ArchConfig:
     def _validate(self, path: str) -> None:
         if self.num_heads % self.num_kv_heads:
             raise JmarlError(
-                f"{path}.num_heads ({self.num_heads}) must be a multiple of {path}.num_kv_heads ({self.num_kv_heads})"
+                f"{path}.num_heads ({self.num_heads}) must be a multiple of "
+                f"{path}.num_kv_heads ({self.num_kv_heads})"
             )
         head_dim = self.head_dim
         if head_dim is None:
@@ -337,8 +344,11 @@ class ArchConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Which network to train: a local Hugging Face checkpoint (`path`) or a built-in `preset`."""
+class ModelSpec:
+    """Which network to train: a local Hugging Face checkpoint (`path`) or a built-in `preset`.
+
+    The trainer turns it into a `jmarl.models.ModelConfig` (ModelConfig.from_hf for a path).
+    """
 
     path: str | None = None  # local directory with config.json + safetensors (no downloads)
     preset: ArchConfig | None = None
@@ -349,9 +359,9 @@ class ModelConfig:
     def _validate(self, path: str) -> None:
         if (self.path is None) == (self.preset is None):
             raise JmarlError(
-                f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face checkpoint) "
-                f"or {_join(path, 'preset')} (a built-in architecture); to switch on the command line, set the "
-                f"other one to null (e.g. {_join(path, 'preset')}=null)"
+                f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face "
+                f"checkpoint) or {_join(path, 'preset')} (a built-in architecture); to switch on the "
+                f"command line, set the other one to null (e.g. {_join(path, 'preset')}=null)"
             )
 
 
@@ -408,7 +418,7 @@ class LoraConfig:
 class PolicyModel:
     """One policy of a heterogeneous run: its own network and tokenizer."""
 
-    model: ModelConfig
+    model: ModelSpec
     tokenizer: str | None = None  # None: the tokenizer in model.path
 
 
@@ -436,14 +446,19 @@ class PoliciesConfig:
             )
         if self.mode == "heterogeneous":
             if not self.models:
-                raise JmarlError(f"{_join(path, 'models')}: mode 'heterogeneous' needs one model entry per policy")
+                raise JmarlError(
+                    f"{_join(path, 'models')}: mode 'heterogeneous' needs one model entry per policy"
+                )
             missing = sorted(used - set(self.models))
             if missing:
                 raise JmarlError(
-                    f"{_join(path, 'agent_to_policy')}: policies {missing} have no entry in {_join(path, 'models')}"
+                    f"{_join(path, 'agent_to_policy')}: policies {missing} have no entry in "
+                    f"{_join(path, 'models')}"
                 )
         elif self.models:
-            raise JmarlError(f"{_join(path, 'models')}: only used with mode 'heterogeneous' (mode is {self.mode!r})")
+            raise JmarlError(
+                f"{_join(path, 'models')}: only used with mode 'heterogeneous' (mode is {self.mode!r})"
+            )
 
 
 @dataclass(frozen=True)
@@ -563,7 +578,7 @@ class Config:
     resume: bool = False  # continue from the latest checkpoint in output_dir
     env: EnvConfig
     algo: AlgoConfig
-    model: ModelConfig | None = None  # every policy's network (heterogeneous: policies.models)
+    model: ModelSpec | None = None  # every policy's network (heterogeneous: policies.models)
     tokenizer: str | None = None  # 'char', or a local tokenizer directory; None: model.path's
     workflow: WorkflowConfig = _field(factory=WorkflowConfig)
     policies: PoliciesConfig = _field(factory=PoliciesConfig)
@@ -595,15 +610,50 @@ class Config:
             )
         if self.policies.mode == "heterogeneous" and self.algo.name in ("grpo", "dr_grpo", "dapo", "gspo"):
             raise JmarlError(
-                f"policies.mode: 'heterogeneous' needs a multi-agent algorithm, algo.name is {self.algo.name!r}"
+                "policies.mode: 'heterogeneous' needs a multi-agent algorithm, "
+                f"algo.name is {self.algo.name!r}"
             )
 
 
-def _check_tokenizer(model: ModelConfig, tokenizer: str | None, path: str) -> None:
+def agent_policy_map(policies: PoliciesConfig, agents: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(policy names, the policy index of each of `agents`) for plans that route samples by agent.
+
+    shared: one policy (named by the map, else 'shared'). per_agent / lora: the map, or with an
+    empty map every agent its own policy named after it. heterogeneous: the policies are the
+    keys of `policies.models` and every agent must be mapped (the `shared` plan of HACPO does
+    not route by agent: every policy answers every prompt).
+    """
+    mapping = policies.agent_to_policy
+    for agent in mapping:
+        if agent not in agents:
+            hint = _suggest(agent, agents)
+            msg = f"policies.agent_to_policy: unknown agent {agent!r}; the env's agents are {', '.join(agents)}"
+            raise JmarlError(msg + (f" — did you mean {hint!r}?" if hint else ""))
+    if policies.mode == "shared":
+        names = tuple(sorted(set(mapping.values()))) or ("shared",)
+        return names, (0,) * len(agents)
+    if policies.mode == "heterogeneous":
+        names = tuple(policies.models)
+    elif mapping:
+        names = tuple(dict.fromkeys(mapping[a] for a in agents if a in mapping))
+    else:
+        return tuple(agents), tuple(range(len(agents)))
+    missing = [a for a in agents if a not in mapping]
+    if missing:
+        raise JmarlError(
+            f"policies.agent_to_policy: agents {missing} have no policy; map every agent "
+            f"({', '.join(agents)}) to a policy"
+        )
+    return names, tuple(names.index(mapping[a]) for a in agents)
+
+
+def _check_tokenizer(model: ModelSpec, tokenizer: str | None, path: str) -> None:
     """A preset model has no tokenizer of its own: one must be named."""
     if tokenizer is None and model.path is None:
         key = _join(path, "tokenizer")
-        raise JmarlError(f"{key}: a preset model needs a tokenizer: set {key}=char or a local tokenizer directory")
+        raise JmarlError(
+            f"{key}: a preset model needs a tokenizer: set {key}=char or a local tokenizer directory"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -696,17 +746,21 @@ def plan_options(config: Config) -> Any | None:
 
 
 def validate_options(config: Config) -> None:
-    """Checks algo, workflow and env options against their dataclasses where those exist yet."""
+    """Checks algo, workflow and env options (and the agent map) where those parts exist yet."""
     if _registry("jmarl.algos", "CONFIGS") is not None:
         algo_options(config)
     plan_options(config)
-    _validate_env_options(config.env)
+    _validate_env(config)
 
 
-def _validate_env_options(env: EnvConfig) -> None:
-    """Checks env option names and types against the env's dataclass (if the env module exists)."""
+def _validate_env(config: Config) -> None:
+    """Checks env options against the env's dataclass, builds the env and checks the agent map.
+
+    Skipped while the env's module is not in this checkout.
+    """
     from jmarl.envs import base
 
+    env = config.env
     cls = base.env_class(env.name)
     if not dataclasses.is_dataclass(cls):
         return
@@ -724,6 +778,12 @@ def _validate_env_options(env: EnvConfig) -> None:
             raise JmarlError(f"unknown key {dotted!r}; env {env.name!r} takes: {', '.join(names)}")
         if key in hints:
             _convert(hints[key], value, dotted)
+    try:
+        built = base.make(env.name, **env.options)
+    except JmarlError as e:
+        raise JmarlError(f"env.options: {e}") from None
+    if config.workflow.plan != "shared":  # HACPO's shared plan does not route by agent
+        agent_policy_map(config.policies, tuple(built.agents))
 
 
 # --------------------------------------------------------------------------------------------
@@ -744,7 +804,9 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise JmarlError(f"config file {p}: the top level must be a mapping of sections, got {type(data).__name__}")
+        raise JmarlError(
+            f"config file {p}: the top level must be a mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 

@@ -21,14 +21,24 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jmarl.run",
         description="Train LLM agents with multi-agent RL from a YAML config.",
-        epilog="example: python -m jmarl.run --config configs/quickstart.yaml train.steps=10 optim.lr=1e-5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  python -m jmarl.run --config configs/quickstart.yaml\n"
+            "  python -m jmarl.run --config configs/quickstart.yaml train.steps=10 optim.lr=1e-5\n"
+            "  python -m jmarl.run --config configs/at_grpo/plan_path.yaml model.path=/models/Qwen3-1.7B "
+            "--print-config"
+        ),
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="YAML run config (see configs/)")
     parser.add_argument(
         "--print-config", action="store_true", help="print the merged, validated config as YAML and exit"
     )
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted overrides, values parsed as YAML (train.steps=10)"
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, values parsed as YAML (train.steps=10)",
     )
     return parser
 
@@ -49,7 +59,7 @@ def run_training(config: Config) -> object:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     try:
         config = load_config(args.config, args.overrides)
         if args.print_config:

@@ -67,7 +67,8 @@ def test_logger_writes_jsonl_tensorboard_and_plots(tmp_path):
     assert records[0] == {"step": 0, "reward/tool": 0.25, "reward/planner": 1, "loss/policy": 1.5,
                           "kl": pytest.approx(0.01), "time/generate": 2.0, "time/update": 1.0, "solved": 1}
     decoded = read_metrics(tmp_path)
-    assert math.isnan(decoded[1]["loss/policy"]) and decoded[1]["kl"] == math.inf and decoded[2]["kl"] == -math.inf
+    assert math.isnan(decoded[1]["loss/policy"])
+    assert decoded[1]["kl"] == math.inf and decoded[2]["kl"] == -math.inf
 
     scalars = read_tensorboard_scalars(tmp_path / "tensorboard")
     assert scalars["reward/tool"] == {0: 0.25, 1: 0.5, 2: 1.0}
@@ -108,7 +109,8 @@ def test_metric_must_be_a_scalar(tmp_path):
 
 
 def test_summary_is_standard_json(tmp_path):
-    path = write_summary(tmp_path / "run", {"eval/success": 0.75, "loss": float("nan"), "per_agent": {"tool": 1}})
+    summary = {"eval/success": 0.75, "loss": float("nan"), "per_agent": {"tool": 1}}
+    path = write_summary(tmp_path / "run", summary)
     assert path == tmp_path / "run" / "summary.json"
     assert _strict_json(path.read_text()) == {"eval/success": 0.75, "loss": "nan", "per_agent": {"tool": 1}}
 

@@ -110,10 +110,15 @@ class Checkpointer:
     Keep at least 2 checkpoints so that a corrupt newest one has a fallback.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, *, async_save: bool = False):
+    def __init__(
+        self, directory: str | Path, keep: int = 3, *, async_save: bool = False, checksums: bool = True
+    ):
+        """keep: newest steps kept; async_save: write in a background thread (call `wait` or
+        `close` before exiting); checksums: CRC32 every leaf on save (a host copy of the state)."""
         if keep < 1:
             raise JmarlError(f"checkpoint.keep: must be >= 1, got {keep}")
         self.directory = Path(directory).absolute()
+        self.checksums = checksums
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
@@ -144,7 +149,7 @@ class Checkpointer:
             "format": _FORMAT,
             "step": int(step),
             "meta": dict(meta or {}),
-            "checksums": _checksums(saveable),
+            "checksums": _checksums(saveable) if self.checksums else {},
         }
         if int(step) in self.steps():
             self._manager.delete(int(step))
@@ -181,7 +186,12 @@ class Checkpointer:
             try:
                 return self._restore_step(target, candidate)
             except _Corrupt as e:
-                log.warning("checkpoint %d in %s is unusable (%s); trying an earlier one", candidate, self.directory, e)
+                log.warning(
+                    "checkpoint %d in %s is unusable (%s); trying an earlier one",
+                    candidate,
+                    self.directory,
+                    e,
+                )
                 problems.append(f"step {candidate}: {e}")
         raise JmarlError(f"no intact checkpoint in {self.directory}: " + "; ".join(problems))
 
@@ -206,9 +216,10 @@ class Checkpointer:
         if jax.tree.structure(saved) != jax.tree.structure(saveable_target):
             raise _Corrupt("the saved tree has a different structure than the target")
         expected = document["checksums"]
-        for key, crc in _checksums(saved).items():
-            if expected.get(key) != crc:
-                raise _Corrupt(f"checksum mismatch at {key}")
+        if expected:
+            for key, crc in _checksums(saved).items():
+                if expected.get(key) != crc:
+                    raise _Corrupt(f"checksum mismatch at {key}")
         state = jax.tree.map(_from_saved, target, saved)
         return Restored(step=int(document["step"]), state=state, meta=document["meta"])
 

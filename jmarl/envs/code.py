@@ -290,7 +290,7 @@ _HARNESS_SRC = textwrap.dedent(inspect.getsource(_harness_main)) + "\n_harness_m
 
 
 @dataclass(frozen=True)
-class TestJob:
+class ProgramCheck:
     """A program and the test snippets to run against it (see `run_tests`)."""
 
     program: str
@@ -299,7 +299,7 @@ class TestJob:
     program_mode: bool = False
 
 
-def _harness_input(job: TestJob, nonce: str, test_timeout_s: float) -> str:
+def _harness_input(job: ProgramCheck, nonce: str, test_timeout_s: float) -> str:
     return json.dumps({"nonce": nonce, "program": job.program, "setup": job.setup,
                        "tests": list(job.tests), "timeout": test_timeout_s,
                        "program_mode": job.program_mode})
@@ -319,7 +319,7 @@ def _parse_outcomes(result: SandboxResult, nonce: str, n: int) -> tuple[bool, ..
 
 
 @functools.lru_cache(maxsize=1024)
-def _run_cached(jobs: tuple[TestJob, ...], test_timeout_s: float,
+def _run_cached(jobs: tuple[ProgramCheck, ...], test_timeout_s: float,
                 memory_mb: int) -> tuple[tuple[bool, ...], ...]:
     nonces = [secrets.token_hex(16) for _ in jobs]
     inputs = [_harness_input(job, nonce, test_timeout_s) for job, nonce in zip(jobs, nonces)]
@@ -332,7 +332,7 @@ def _run_cached(jobs: tuple[TestJob, ...], test_timeout_s: float,
                  for r, nonce, job in zip(results, nonces, jobs))
 
 
-def run_tests(jobs: Sequence[TestJob], *, test_timeout_s: float = 1.0,
+def run_tests(jobs: Sequence[ProgramCheck], *, test_timeout_s: float = 1.0,
               memory_mb: int = 512) -> list[tuple[bool, ...]]:
     """Runs each job in its own sandbox (concurrently); per job, one bool per test (passed).
 
@@ -550,8 +550,8 @@ class Code:
         tests = parse_tests(state.codes[1], protected, self.max_code_chars)
         return program, tests
 
-    def _job(self, problem: Problem, program: str, tests: Sequence[str]) -> TestJob:
-        return TestJob(program=program, tests=tuple(tests), setup=problem.setup,
+    def _job(self, problem: Problem, program: str, tests: Sequence[str]) -> ProgramCheck:
+        return ProgramCheck(program=program, tests=tuple(tests), setup=problem.setup,
                        program_mode=problem.entry_point is None)
 
     def _hidden_ratio(self, problem: Problem, program: str) -> float:

@@ -109,7 +109,8 @@ _TEMPLATES: tuple[_Template, ...] = (
         signature=lambda p: "def sum_multiples(n: int) -> int:",
         reference=lambda p: (
             "def sum_multiples(n):\n"
-            f"    return sum(i for i in range(1, n + 1) if i % {p['a']} == 0 or i % {p['b']} == 0)\n"
+            f"    return sum(i for i in range(1, n + 1)\n"
+            f"               if i % {p['a']} == 0 or i % {p['b']} == 0)\n"
         ),
         aux=lambda p: "def aux(n, k):\n    m = n // k\n    return k * m * (m + 1) // 2\n",
         main=lambda p: (
@@ -125,7 +126,9 @@ _TEMPLATES: tuple[_Template, ...] = (
         describe=lambda p: f"Return how many characters of the string s are one of the letters "
         f"{', '.join(repr(c) for c in p['chars'])}.",
         signature=lambda p: "def count_chars(s: str) -> int:",
-        reference=lambda p: f"def count_chars(s):\n    return sum(1 for c in s if c in {p['chars']!r})\n",
+        reference=lambda p: (
+            f"def count_chars(s):\n    return sum(1 for c in s if c in {p['chars']!r})\n"
+        ),
         aux=lambda p: f"def aux(c):\n    return c in {p['chars']!r}\n",
         main=lambda p: "def count_chars(s):\n    return sum(1 for c in s if aux(c))\n",
         sample_args=lambda rng, p: (_word(rng, "abcdefghij xyz", 0, 20),),
@@ -206,7 +209,9 @@ _TEMPLATES: tuple[_Template, ...] = (
             f"        x, y = y, ({p['a']} * y + {p['b']} * x) % {p['m']}\n"
             "    return x\n"
         ),
-        aux=lambda p: f"def aux(prev, prev2):\n    return ({p['a']} * prev + {p['b']} * prev2) % {p['m']}\n",
+        aux=lambda p: (
+            f"def aux(prev, prev2):\n    return ({p['a']} * prev + {p['b']} * prev2) % {p['m']}\n"
+        ),
         main=lambda p: (
             "def recurrence(n):\n"
             f"    x, y = {p['f0']}, {p['f1']}\n"
@@ -250,7 +255,8 @@ _TEMPLATES: tuple[_Template, ...] = (
         reference=lambda p: (
             "def count_pairs(xs):\n"
             "    n = len(xs)\n"
-            f"    return sum(1 for i in range(n) for j in range(i + 1, n) if xs[i] + xs[j] == {p['target']})\n"
+            "    return sum(1 for i in range(n) for j in range(i + 1, n)\n"
+            f"               if xs[i] + xs[j] == {p['target']})\n"
         ),
         aux=lambda p: f"def aux(x, y):\n    return x + y == {p['target']}\n",
         main=lambda p: (
@@ -262,7 +268,8 @@ _TEMPLATES: tuple[_Template, ...] = (
     ),
     _Template(
         name="run_length",
-        sample_params=lambda rng: {"count_first": rng.random() < 0.5, "sep": rng.choice(["", "-", ":"])},
+        sample_params=lambda rng: {"count_first": rng.random() < 0.5,
+                                   "sep": rng.choice(["", "-", ":"])},
         describe=lambda p: "Run-length encode s: for each maximal run of one repeated character, "
         + ("write the run length then the character" if p["count_first"]
            else "write the character then the run length")
@@ -284,7 +291,8 @@ _TEMPLATES: tuple[_Template, ...] = (
         ),
         aux=lambda p: (
             "def aux(ch, count):\n"
-            + ("    return str(count) + ch\n" if p["count_first"] else "    return ch + str(count)\n")
+            + ("    return str(count) + ch\n" if p["count_first"]
+               else "    return ch + str(count)\n")
         ),
         main=lambda p: (
             "def run_length(s):\n"
@@ -345,11 +353,14 @@ _TEMPLATES: tuple[_Template, ...] = (
             f"    return [w.upper() if {p['upper']} else w[::-1] for w in s.split(' ') "
             f"if len(w) >= {p['min_len']}]\n"
         ),
-        aux=lambda p: "def aux(w):\n" + ("    return w.upper()\n" if p["upper"] else "    return w[::-1]\n"),
+        aux=lambda p: "def aux(w):\n" + ("    return w.upper()\n" if p["upper"]
+                                         else "    return w[::-1]\n"),
         main=lambda p: (
-            f"def long_words(s):\n    return [aux(w) for w in s.split(' ') if len(w) >= {p['min_len']}]\n"
+            "def long_words(s):\n"
+            f"    return [aux(w) for w in s.split(' ') if len(w) >= {p['min_len']}]\n"
         ),
-        sample_args=lambda rng, p: (" ".join(_word(rng, "abcde", 1, 7) for _ in range(rng.randint(0, 6))),),
+        sample_args=lambda rng, p: (
+            " ".join(_word(rng, "abcde", 1, 7) for _ in range(rng.randint(0, 6))),),
     ),
 )
 
@@ -371,7 +382,8 @@ def _params_text(params: dict) -> str:
     return ",".join(f"{k}={params[k]!r}" for k in sorted(params))
 
 
-def _builtin_problem(template: _Template, params: dict, rng: random.Random, n_tests: int) -> Problem:
+def _builtin_problem(template: _Template, params: dict, rng: random.Random,
+                     n_tests: int) -> Problem:
     """The problem for `template` with `params`; test inputs are drawn from `rng`.
 
     Hidden tests compare type-strictly (`_same`), so an object that claims equality with
@@ -467,7 +479,8 @@ def _split_check_function(test_source: str) -> tuple[str, tuple[str, ...]]:
     return setup, tuple(f"{head}\n{ast.unparse(a)}" for a in asserts)
 
 
-def _split_references(reference: str | None, entry_point: str | None) -> tuple[str | None, str | None]:
+def _split_references(reference: str | None,
+                      entry_point: str | None) -> tuple[str | None, str | None]:
     """A generic helper/main split of a reference: `aux` does the work, main calls it."""
     if reference is None:
         return None, None

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from jmarl.envs import code_problems
-from jmarl.envs.base import EVAL_SEED_START, eval_seed, make
+from jmarl.envs.base import EVAL_SEED_START, Env, eval_seed, make
 from jmarl.envs.code import Code, CodeState, ProgramCheck, extract_code, parse_tests, run_tests
 from jmarl.errors import JmarlError
 
@@ -311,6 +311,13 @@ def test_humaneval_and_apps_records(jsonl):
         state, _ = joint.step(state, "aux", joint.expert_text(state, "aux"))
         state, r = joint.step(state, "main", joint.expert_text(state, "main"))
         assert r.info["hidden_pass_ratio"] == 1.0 and r.info["uses_aux"], task
+
+
+def test_follows_env_protocol():
+    for variant in ("coder_tester", "helper_main"):
+        env = make("code", variant=variant)
+        assert isinstance(env, Env) and env.name == "code"
+        assert env.turn_order == env.agents and len(env.agents) == 2
 
 
 def test_bad_options_and_files(tmp_path):

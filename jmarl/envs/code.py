@@ -507,11 +507,12 @@ class Code:
             agreed = bool(program.strip()) and bool(results) and all(results)
             state = dataclasses.replace(state, checked=(program, tests), test_results=results)
         else:
-            program = self._joint_program(state)
-            results = self._examples_on(state, program)
-            feedback = self._helper_main_feedback(state, results)
             agreed = False
-            state = dataclasses.replace(state, test_results=results)
+            feedback = ""
+            if turn < self.max_turns:  # feedback is only read by a next turn
+                results = self._examples_on(state, self._joint_program(state))
+                feedback = self._helper_main_feedback(state, results)
+                state = dataclasses.replace(state, test_results=results)
         return dataclasses.replace(state, turn=turn, feedback=feedback,
                                    finished=agreed or turn >= self.max_turns)
 

@@ -186,6 +186,11 @@ def test_tester_rewards_hand_computed(jsonl):
         assert math.isclose(result.info["validity"], validity)
         assert math.isclose(result.local_reward, 0.5 * agreement + 0.5 * validity)
         assert result.team_reward == coder_state.pass_ratio
+    # Agreement alone (the option's other end): the weak test now scores 0, the valid one 1.
+    pure = make("code", path=jsonl, tester_validity_weight=0.0)
+    assert act(pure, partial, "tester", "assert absdiff(1, 4) == 3")[1].local_reward == 0.0
+    assert act(pure, correct, "tester", one_wrong)[1].local_reward == 0.0
+    assert act(pure, partial, "tester", valid)[1].local_reward == 1.0
     # No test at all, or hostile tests, score 0 / fail.
     _, result = act(env, correct, "tester", "print('hello')")
     assert result.local_reward == 0.0 and result.info["num_tests"] == 0
@@ -236,6 +241,7 @@ def test_max_turns_ends_episode():
 def test_helper_main_rewards_hand_computed(jsonl):
     env = make("code", variant="helper_main", path=jsonl)
     assert env.agents == ("aux", "main") and env.max_turns == 1
+    weighted = make("code", variant="helper_main", path=jsonl, joint_weights=(0, 0, 1, 0))
     start = env.reset(seed_of(env, "11"))
     good_aux = "def aux(a, b):\n    return a - b"
     # (aux code, main code) -> (structure, syntax, pass ratio, uses_aux, aux local, main local)
@@ -258,6 +264,8 @@ def test_helper_main_rewards_hand_computed(jsonl):
         state, result = act(env, state, "main", main_code)
         team = 0.1 * structure + 0.1 * syntax + 0.6 * ratio + 0.2 * uses
         assert math.isclose(result.team_reward, team), (main_code, result.info)
+        _, passes_only = act(weighted, state, "main", main_code)
+        assert math.isclose(passes_only.team_reward, ratio)
         assert result.local_reward == main_local
         info = result.info
         assert (info["structure"], info["syntax_ok"], info["hidden_pass_ratio"],
@@ -334,6 +342,10 @@ def test_bad_options_and_files(tmp_path):
         make("code", path=str(bad))
     with pytest.raises(JmarlError, match="max_turns"):
         make("code", max_turns=0)
+    with pytest.raises(JmarlError, match="joint_weights"):
+        make("code", joint_weights=(1.0, 2.0))
+    with pytest.raises(JmarlError, match="tester_validity_weight"):
+        make("code", tester_validity_weight=1.5)
 
 
 # ---------------------------------------------------------------------------- never raises

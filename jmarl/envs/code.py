@@ -5,11 +5,12 @@ Two variants (`variant=`):
 * "coder_tester" (AT-GRPO): agents ("coder", "tester"). The coder writes the function (or, for
   stdin/stdout problems, the program); the tester writes assert-style tests. Rewards:
     coder  local = team = hidden pass ratio of the coder's program (passed / hidden tests);
-    tester local = 0.5 * agreement + 0.5 * validity, where
+    tester local = (1 - w) * agreement + w * validity (w = `tester_validity_weight`, default
+                   0.5; w = 0 scores agreement alone), where
       agreement = 1 if (the coder's program passes all the tester's tests) equals (it passes all
                   hidden tests), else 0;
       validity  = fraction of the tester's tests that the reference solution passes
-                  (without a reference: local = agreement);
+                  (without a reference solution: local = agreement);
       a reply with no test scores 0; team = the coder's hidden pass ratio.
   The tester is scored against the coder's program in the running state (the coder acts first
   in `turn_order`). The episode ends once the coder's program passes all of the tester's
@@ -19,7 +20,8 @@ Two variants (`variant=`):
 * "helper_main" (MAGRPO): agents ("aux", "main"). `aux` writes a helper function named `aux`;
   `main` writes the entry-point function, which may call `aux`. The joint program is the aux
   code followed by the main code. Rewards:
-    team  = 0.1 * structure + 0.1 * syntax + 0.6 * pass_ratio + 0.2 * uses_aux, where
+    team  = 0.1 * structure + 0.1 * syntax + 0.6 * pass_ratio + 0.2 * uses_aux (the weights are
+            the option `joint_weights`), where
       structure  = the aux code defines `aux` and the main code defines the entry point
                    (for stdin/stdout problems: the main code is not empty);
       syntax     = the joint program parses;
@@ -393,7 +395,8 @@ class Code:
     None: built-in problems); max_turns (default 2 for coder_tester, 1 for helper_main);
     eval_fraction (share of problems held out for evaluation seeds); num_hidden_tests
     (built-in problems); test_timeout_s (per test); memory_mb (per program); max_code_chars
-    (longer code scores as non-compiling).
+    (longer code scores as non-compiling); tester_validity_weight (coder_tester); joint_weights
+    (helper_main: weights of structure, syntax, pass ratio, uses_aux).
     """
 
     name: ClassVar[str] = "code"
@@ -405,6 +408,8 @@ class Code:
     test_timeout_s: float = 1.0
     memory_mb: int = 512
     max_code_chars: int = 20_000
+    tester_validity_weight: float = 0.5
+    joint_weights: tuple[float, float, float, float] = (0.1, 0.1, 0.6, 0.2)
     agents: tuple[str, ...] = field(init=False)
     turn_order: tuple[str, ...] = field(init=False)
     parallel: bool = field(default=True, init=False)
@@ -427,6 +432,14 @@ class Code:
             raise JmarlError(f"code: test_timeout_s must be in (0, 60], got {self.test_timeout_s}")
         if not (isinstance(self.memory_mb, int) and self.memory_mb >= 64):
             raise JmarlError(f"code: memory_mb must be an int >= 64, got {self.memory_mb!r}")
+        if not 0.0 <= self.tester_validity_weight <= 1.0:
+            raise JmarlError(f"code: tester_validity_weight must be in [0, 1], got "
+                             f"{self.tester_validity_weight}")
+        weights = tuple(self.joint_weights)
+        if len(weights) != 4 or any(not isinstance(w, (int, float)) or w < 0 for w in weights):
+            raise JmarlError(f"code: joint_weights must be 4 non-negative numbers (structure, "
+                             f"syntax, pass ratio, uses_aux), got {self.joint_weights!r}")
+        object.__setattr__(self, "joint_weights", tuple(float(w) for w in weights))
         agents = _AGENTS[self.variant]
         object.__setattr__(self, "agents", agents)
         object.__setattr__(self, "turn_order", agents)
@@ -602,7 +615,8 @@ class Code:
                     hidden_verdict=hidden_verdict, agreement=agreement)
         if p.reference is not None:
             validity = _ratio(outcomes[1])
-            local = 0.5 * agreement + 0.5 * validity
+            w = self.tester_validity_weight
+            local = (1.0 - w) * agreement + w * validity
             info["validity"] = validity
         else:
             local = agreement
@@ -652,7 +666,8 @@ class Code:
         structure = aux_ok and main_ok
         uses_aux = syntax and aux_ok and _calls(main_tree, "aux")
         ratio = self._hidden_ratio(p, joint) if syntax else 0.0
-        team = 0.1 * structure + 0.1 * syntax + 0.6 * ratio + 0.2 * uses_aux
+        w_structure, w_syntax, w_pass, w_uses = self.joint_weights
+        team = w_structure * structure + w_syntax * syntax + w_pass * ratio + w_uses * uses_aux
         local = float(aux_ok if agent == "aux" else main_ok)
         state = dataclasses.replace(state, pass_ratio=ratio)
         info = {"code": code, "structure": structure, "syntax_ok": syntax,

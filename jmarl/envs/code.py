@@ -24,11 +24,10 @@ Two variants (`variant=`):
             the option `joint_weights`), where
       structure  = the aux code defines `aux` and the main code defines the entry point
                    (for stdin/stdout problems: the main code is not empty);
-      syntax     = the joint program parses;
-      pass_ratio = hidden pass ratio of the joint program (0 if it does not parse);
-      uses_aux   = the main code calls `aux`, the aux code defines it and the joint program
-                   parses;
-    local = 1 if the agent's own code parses and defines its function (`aux` / the entry
+      syntax     = the main code is not empty and the joint program compiles;
+      pass_ratio = hidden pass ratio of the joint program (0 if it does not compile);
+      uses_aux   = the main code calls `aux`, the aux code defines it and syntax holds;
+    local = 1 if the agent's own code compiles and defines its function (`aux` / the entry
             point), else 0.
   team is computed at each step from the latest code of both agents in the running state, so
   after both acted in a turn, main's StepResult holds the joint reward of the joint action.
@@ -37,12 +36,17 @@ Two variants (`variant=`):
 
 Every StepResult's `info` reports the parsed code and each reward component. `step` never
 raises: the code is the ```python fenced blocks of the reply (joined), else any fenced blocks,
-else the text after an unclosed fence, else the whole text; a reply longer than
-`max_code_chars` or that does not parse scores as non-compiling. Programs run in
-`jmarl.envs.sandbox` through a harness that reports each test's outcome on lines tagged with a
-random nonce read from stdin before the program runs, so printing "PASS" or exiting early wins
-nothing; hidden tests of built-in problems compare type-strictly, so an object claiming
-equality with everything fails them.
+else the text after an unclosed fence, else the whole text; code longer than
+`max_code_chars` or that does not compile scores as non-compiling (and is never run).
+
+Programs run in `jmarl.envs.sandbox` through a harness that reports each test's outcome on
+lines tagged with a random nonce read from stdin before the program runs, so printing "PASS",
+exiting early, looping or crashing wins nothing; hidden tests of built-in problems compare
+type-strictly (`_same`), and every test's top-level `assert a == b` is checked as `_eq(a, b)`
+(built-in data only), so an object claiming equality with everything fails; names the program
+rebinds (`_same`, `_eq`) are restored before each test. Known limit: the harness shares the
+program's interpreter, so a program written to inspect the harness's own frames could read
+the nonce and forge reports; the sandbox still contains whatever it does.
 
 Problems: built-in generated ones (default, see `jmarl.envs.code_problems`), or a HumanEval /
 MBPP / APPS JSONL file (`path=`). Training seeds draw training problems and evaluation seeds

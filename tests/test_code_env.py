@@ -37,6 +37,20 @@ RECORDS = [
 ]
 
 
+# Reads the harness's nonce from its frames and reports every test as passed, then exits.
+FORGER = """import os, sys
+def absdiff(a, b):
+    frame = sys._getframe(1)
+    while frame is not None:
+        if 'nonce' in frame.f_locals:
+            nonce = frame.f_locals['nonce']
+            for i in range(4):
+                os.write(1, f'{nonce} {i} PASS\\n'.encode())
+            os._exit(0)
+        frame = frame.f_back
+    return -1"""
+
+
 def fenced(code: str) -> str:
     return f"Here is my answer:\n```python\n{code}\n```\nDone."
 
@@ -89,6 +103,32 @@ def test_parse_tests_keeps_setup_and_protects_the_function():
     assert tests[1].endswith("test_two()") and "return 0" not in tests[1]
     assert parse_tests("assert (", {"f"}, 10_000) == ()
     assert len(parse_tests("\n".join(["assert 1 == 1"] * 50), set(), 10_000)) == 20
+
+
+def test_value_checks_keep_expected_values_out_of_the_sandbox():
+    from jmarl.envs.code import _value_check
+
+    c = _value_check("assert f(1) == [2, 3]")
+    assert (c.source, c.kind, c.expected) == ("__value__ = f(1)", "loose", [2, 3])
+    c = _value_check("assert 'x' == g()")
+    assert (c.source, c.kind, c.expected) == ("__value__ = g()", "loose", "x")
+    c = _value_check("candidate = f\nassert _same(candidate(2), (1, None))")
+    assert (c.source, c.kind, c.expected) == ("candidate = f\n__value__ = candidate(2)",
+                                              "strict", (1, None))
+    c = _value_check("assert _same_lines(run_program('1'), '2\\n')")
+    assert (c.kind, c.expected) == ("lines", "2\n")
+    for test in ("assert abs(f(1) - 2) < 1e-6", "assert f(1) == g(1)", "x = 1", "assert ("):
+        assert _value_check(test).kind == "assert" and _value_check(test).source == test
+    # Strict vs loose comparison, and the forger against value and assert checks.
+    program = "def f(x):\n    return True\n"
+    [result] = run_tests([ProgramCheck(program, ("assert f(0) == 1", "assert _same(f(0), 1)",
+                                                 "assert f(0) is not None"))])
+    assert result == (True, False, True)
+    forged = FORGER.replace("absdiff", "f")
+    [result] = run_tests([ProgramCheck(forged, ("assert f(1, 1) == 0", "assert f(1, 1) != 5",
+                                                "assert f(1, 1) == 0", "assert f(2, 1) == 1"))])
+    # Only the test judged inside the harness (index 1) can be forged; value checks cannot.
+    assert result == (False, True, False, False)
 
 
 # ------------------------------------------------------------------------ built-in problems
@@ -154,6 +194,7 @@ def test_coder_rewards_hand_computed(jsonl):
         "class E:\n    def __eq__(self, o):\n        return True\n"
         "def absdiff(a, b):\n    return E()": 0.0,
         "_eq = lambda a, b: True\ndef absdiff(a, b):\n    return None": 0.0,
+        FORGER: 0.0,
     }
     for code, expected in cases.items():
         new, result = act(env, state, "coder", code)

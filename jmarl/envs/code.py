@@ -41,12 +41,16 @@ else the text after an unclosed fence, else the whole text; code longer than
 
 Programs run in `jmarl.envs.sandbox` through a harness that reports each test's outcome on
 lines tagged with a random nonce read from stdin before the program runs, so printing "PASS",
-exiting early, looping or crashing wins nothing; hidden tests of built-in problems compare
-type-strictly (`_same`), and every test's top-level `assert a == b` is checked as `_eq(a, b)`
-(built-in data only), so an object claiming equality with everything fails; names the program
-rebinds (`_same`, `_eq`) are restored before each test. Known limit: the harness shares the
-program's interpreter, so a program written to inspect the harness's own frames could read
-the nonce and forge reports; the sandbox still contains whatever it does.
+exiting early, looping or crashing wins nothing. A test ending in `assert <expr> == <literal>`
+(or `_same(<expr>, <literal>)`, type-strict, as the built-in hidden tests are written, or
+`_same_lines(run_program(...), <literal>)`) is a value check: the harness only computes
+<expr> and reports its repr (built-in data only), and this process compares it with the
+literal, which never enters the sandbox, so no trick inside the program can fake a pass.
+Other tests (e.g. `assert abs(f(x) - y) < 1e-6`) are judged inside the harness, with a
+top-level `assert a == b` checked as `_eq(a, b)` (built-in data only, so an object claiming
+equality with everything fails) and the helper names restored before each test; a program
+written to inspect the harness's own frames could forge those reports (the sandbox still
+contains whatever it does).
 
 Problems: built-in generated ones (default, see `jmarl.envs.code_problems`), or a HumanEval /
 MBPP / APPS JSONL file (`path=`). Training seeds draw training problems and evaluation seeds
@@ -176,9 +180,11 @@ def parse_tests(code: str, protected: set[str], max_chars: int,
 def _harness_main() -> None:
     """Runs inside the sandbox: reads {nonce, program, tests, ...} from stdin, runs each test.
 
-    Prints "<nonce> <i> PASS|FAIL" per test to fd 1 (the program's own output goes to
-    /dev/null). Each test has a SIGALRM time limit; a test passes if it raises nothing. In a
-    test, a top-level `assert a == b` is checked as `_eq(a, b)` (built-in data only).
+    tests: [source, is_value] pairs. An assert test prints "<nonce> <i> PASS|FAIL" (passed if
+    it raises nothing; a top-level `assert a == b` is checked as `_eq(a, b)`). A value test
+    assigns `__value__`; its repr is printed as "<nonce> <i> VALUE <repr>" when it is built-in
+    data, and the parent compares it with the expected value, which never enters this
+    process. Each test has a SIGALRM time limit; the program's own output goes to /dev/null.
     """
     import ast
     import io
@@ -190,6 +196,7 @@ def _harness_main() -> None:
     payload = json.loads(sys.stdin.read())
     nonce, program, setup = payload["nonce"], payload["program"], payload["setup"]
     tests, limit, program_mode = payload["tests"], payload["timeout"], payload["program_mode"]
+    payload_max_value_chars = payload["max_value_chars"]
     del payload
     write, encode = os.write, str.encode
     setitimer, itimer_real = signal.setitimer, signal.ITIMER_REAL
@@ -276,20 +283,28 @@ def _harness_main() -> None:
         loaded = False
     finally:
         setitimer(itimer_real, 0)
-    for index, test in enumerate(tests):
-        passed = False
+    _repr, max_value_chars = repr, payload_max_value_chars
+    for index, (test, is_value) in enumerate(tests):
+        report = "FAIL"
         if loaded:
             scope = _dict(base)
             scope.update(helpers)  # the program may have rebound these names
             try:
                 setitimer(itimer_real, limit)
                 exec(compile_test(test, f"test_{index}.py"), scope)
-                passed = True
+                if is_value:
+                    value = scope["__value__"]
+                    if _plain(value):
+                        text = _repr(value)
+                        if _len(text) <= max_value_chars and "\n" not in text:
+                            report = "VALUE " + text
+                else:
+                    report = "PASS"
             except BaseException:  # noqa: BLE001 - a failing test
-                passed = False
+                report = "FAIL"
             finally:
                 setitimer(itimer_real, 0)
-        write(1, encode(f"{nonce} {index} {'PASS' if passed else 'FAIL'}\n"))
+        write(1, encode(f"{nonce} {index} {report}\n"))
 
 
 _HARNESS_SRC = textwrap.dedent(inspect.getsource(_harness_main)) + "\n_harness_main()\n"
@@ -305,22 +320,112 @@ class ProgramCheck:
     program_mode: bool = False
 
 
-def _harness_input(job: ProgramCheck, nonce: str, test_timeout_s: float) -> str:
+_MAX_VALUE_CHARS = 100_000
+
+
+@dataclass(frozen=True)
+class _Check:
+    """A test as the harness runs it. kind "assert": pass/fail is reported by the harness;
+    "strict" / "loose" / "lines": the harness reports a value that is compared here with
+    `expected` (type-strictly, with ==, or as program output up to trailing whitespace)."""
+
+    source: str
+    kind: str = "assert"
+    expected: Any = None
+
+
+def _value_check(test: str) -> _Check:
+    """Turns a test ending in `assert <expr> == <literal>`, `assert _same(<expr>, <literal>)` or
+    `assert _same_lines(<expr>, <literal>)` into a value check (else an assert check), so the
+    expected value is never shown to the program."""
+    plain = _Check(test)
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return plain
+    if not tree.body or not isinstance(tree.body[-1], ast.Assert):
+        return plain
+    cond = tree.body[-1].test
+    if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], ast.Eq):
+        pairs = [(cond.left, cond.comparators[0]), (cond.comparators[0], cond.left)]
+        kind = "loose"
+    elif (isinstance(cond, ast.Call) and isinstance(cond.func, ast.Name) and len(cond.args) == 2
+          and not cond.keywords and cond.func.id in ("_same", "_same_lines")):
+        pairs = [(cond.args[0], cond.args[1])]
+        kind = "strict" if cond.func.id == "_same" else "lines"
+    else:
+        return plain
+    for computed, literal in pairs:
+        try:
+            expected = ast.literal_eval(literal)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if kind == "lines" and not isinstance(expected, str):
+            return plain
+        assign = ast.Assign(targets=[ast.Name("__value__", ast.Store())], value=computed)
+        module = ast.Module(body=[*tree.body[:-1], assign], type_ignores=[])
+        try:
+            source = ast.unparse(ast.fix_missing_locations(module))
+        except (RecursionError, ValueError):
+            return plain
+        return _Check(source, kind, expected)
+    return plain
+
+
+def _same_value(value: Any, expected: Any) -> bool:
+    """Equality that also requires identical types, recursively (built-in data)."""
+    if type(value) is not type(expected):
+        return False
+    if isinstance(expected, (list, tuple)):
+        return len(value) == len(expected) and all(map(_same_value, value, expected))
+    if isinstance(expected, dict):
+        return value.keys() == expected.keys() and all(
+            _same_value(value[k], expected[k]) for k in expected)
+    return value == expected
+
+
+def _output_lines(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip("\n").split("\n"))
+
+
+def _check_passed(check: _Check, report: str) -> bool:
+    """Whether the harness's report for `check` ("PASS", "FAIL", "VALUE <repr>") passes."""
+    if check.kind == "assert":
+        return report == "PASS"
+    if not report.startswith("VALUE "):
+        return False
+    try:
+        value = ast.literal_eval(report[len("VALUE "):])
+        if check.kind == "strict":
+            return _same_value(value, check.expected)
+        if check.kind == "lines":
+            return isinstance(value, str) and _output_lines(value) == _output_lines(
+                check.expected)
+        return bool(value == check.expected)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
+def _harness_input(job: ProgramCheck, checks: Sequence[_Check], nonce: str,
+                   test_timeout_s: float) -> str:
     return json.dumps({"nonce": nonce, "program": job.program, "setup": job.setup,
-                       "tests": list(job.tests), "timeout": test_timeout_s,
-                       "program_mode": job.program_mode})
+                       "tests": [[c.source, c.kind != "assert"] for c in checks],
+                       "timeout": test_timeout_s, "program_mode": job.program_mode,
+                       "max_value_chars": _MAX_VALUE_CHARS})
 
 
-def _parse_outcomes(result: SandboxResult, nonce: str, n: int) -> tuple[bool, ...]:
-    passed = [False] * n
+def _parse_outcomes(result: SandboxResult, nonce: str,
+                    checks: Sequence[_Check]) -> tuple[bool, ...]:
+    """One bool per check from the harness's nonce-tagged report lines (missing = failed)."""
+    passed = [False] * len(checks)
     seen = set()
     for line in result.stdout.splitlines():
-        parts = line.split()
+        parts = line.split(" ", 2)
         if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit():
             index = int(parts[1])
-            if index < n and index not in seen:
+            if index < len(checks) and index not in seen:
                 seen.add(index)
-                passed[index] = parts[2] == "PASS"
+                passed[index] = _check_passed(checks[index], parts[2])
     return tuple(passed)
 
 
@@ -328,14 +433,15 @@ def _parse_outcomes(result: SandboxResult, nonce: str, n: int) -> tuple[bool, ..
 def _run_cached(jobs: tuple[ProgramCheck, ...], test_timeout_s: float,
                 memory_mb: int) -> tuple[tuple[bool, ...], ...]:
     nonces = [secrets.token_hex(16) for _ in jobs]
-    inputs = [_harness_input(job, nonce, test_timeout_s) for job, nonce in zip(jobs, nonces)]
+    checks = [[_value_check(t) for t in job.tests] for job in jobs]
+    inputs = [_harness_input(job, c, nonce, test_timeout_s)
+              for job, c, nonce in zip(jobs, checks, nonces)]
     longest = max(len(job.tests) for job in jobs)
     results = run_many([_HARNESS_SRC] * len(jobs), inputs,
                        timeout_s=test_timeout_s * (longest + 2) + 2.0, memory_mb=memory_mb,
-                       max_output_bytes=65536, max_workers=max(1, min(len(jobs), os.cpu_count()
-                                                                      or 1)))
-    return tuple(_parse_outcomes(r, nonce, len(job.tests))
-                 for r, nonce, job in zip(results, nonces, jobs))
+                       max_output_bytes=64 * 1024 + longest * (_MAX_VALUE_CHARS + 64),
+                       max_workers=max(1, min(len(jobs), os.cpu_count() or 1)))
+    return tuple(_parse_outcomes(r, nonce, c) for r, nonce, c in zip(results, nonces, checks))
 
 
 def run_tests(jobs: Sequence[ProgramCheck], *, test_timeout_s: float = 1.0,

@@ -110,7 +110,6 @@ def _launcher_main(config: dict) -> None:
     import os
     import resource
     import signal
-    import sys
 
     libc = ctypes.CDLL(None, use_errno=True)
     clone_newns, clone_newuts, clone_newipc = 0x00020000, 0x04000000, 0x08000000
@@ -231,14 +230,10 @@ def _launcher_main(config: dict) -> None:
             except BaseException as e:  # noqa: BLE001 - report any setup failure, then die
                 os.write(2, f"[sandbox] program setup failed: {e!r}\n".encode())
             os._exit(_SETUP_EXIT)
-        status = None
+        # As PID 1, reap every process of the namespace until the program itself ends.
         while True:
-            try:
-                pid, wstatus = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
+            pid, status = os.waitpid(-1, 0)
             if pid == program:
-                status = wstatus
                 break
         if os.WIFSIGNALED(status):
             msg = f"signal {os.WTERMSIG(status)}"
@@ -263,7 +258,7 @@ def _launcher_main(config: dict) -> None:
         except BaseException as e:  # noqa: BLE001 - report any setup failure, then die
             os.write(2, f"[sandbox] setup failed: {e!r}\n".encode())
         os._exit(_SETUP_EXIT)
-    # Reap I, then every orphan handed to us as subreaper; once I is gone, kill the rest.
+
     def descendants() -> list:
         children = {}
         for entry in os.listdir("/proc"):
@@ -282,6 +277,8 @@ def _launcher_main(config: dict) -> None:
                 todo.append(child)
         return found
 
+    # Reap I; then kill and reap whatever is left below us (orphans come to us as subreaper;
+    # with a PID namespace nothing is left once I, its init, is gone).
     os.waitpid(init, 0)
     for _ in range(100):
         rest = descendants()

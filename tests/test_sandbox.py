@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import resource
+import shutil
 import socket
 import sys
 import tempfile
@@ -28,6 +29,15 @@ LEVEL = sandbox.isolation_level()
 
 def _sandbox_dirs() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "jmarl-sandbox-*")))
+
+
+@pytest.fixture(autouse=True)
+def private_runs(tmp_path_factory, monkeypatch):
+    """Job directories in a private temp dir and a uid range of this test process only, so
+    that concurrent test workers cannot see each other's runs as leftovers."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("jobs")))
+    monkeypatch.setattr(sandbox, "_UID_BASE", 3_000_000_000 + (os.getpid() % 2**16) * 2**12)
+    monkeypatch.setattr(sandbox, "_UID_SPAN", 2**12)
 
 
 def _proc_table() -> list[tuple[int, int, str, int]]:
@@ -306,22 +316,57 @@ def test_files_outside_workdir_are_untouched(guarded, tmp_path):
     for code in attempts:
         r = guarded(code)
         assert r.status == "error", (code, r)
-    if LEVEL == "namespaces":
-        # Raw libc calls bypass the hook: uid drop and read-only mounts stop them.
-        raw = guarded(
-            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            f"print(libc.unlink({str(victim).encode()!r}), ctypes.get_errno())\n"
-            f"print(libc.open({str(outside / 'raw.txt').encode()!r}, 0o101, 0o644),"
-            " ctypes.get_errno())\n"
-            "print(libc.open(b'/tmp/jmarl-sandbox-escape', 0o101, 0o644), ctypes.get_errno())\n"
-        )
-        assert raw.status == "ok"
-        for line in raw.stdout.splitlines():
-            ret, err = map(int, line.split())
-            assert ret == -1 and err in (13, 30)  # EACCES / EROFS
-        assert not os.path.exists("/tmp/jmarl-sandbox-escape")
     assert sorted(os.listdir(outside)) == before
     assert victim.read_text() == "precious"
+
+
+@pytest.mark.skipif(LEVEL != "namespaces", reason="needs the namespaces level (root)")
+def test_raw_syscalls_cannot_touch_files_outside(guarded, tmp_path):
+    # Raw libc calls bypass the audit hook. The host's /tmp is hidden behind the sandbox's own
+    # tmpfs; elsewhere, a world-writable directory is protected by the read-only mounts alone.
+    shared = tempfile.mkdtemp(prefix="jmarl-sbtest-", dir="/var/tmp")
+    try:
+        os.chmod(shared, 0o777)
+        victim = os.path.join(shared, "victim.txt")
+        with open(victim, "w") as f:
+            f.write("precious")
+        os.chmod(victim, 0o666)
+        private = tmp_path / "private.txt"
+        private.write_text("secret")
+        calls = [
+            ("unlink", f"libc.unlink({victim.encode()!r})"),
+            ("open-w", f"libc.open({victim.encode()!r}, 0o1001, 0)"),  # O_WRONLY | O_TRUNC
+            ("create", f"libc.open({os.path.join(shared, 'new').encode()!r}, 0o101, 0o644)"),
+            ("rename", f"libc.rename({victim.encode()!r}, "
+                       f"{os.path.join(shared, 'stolen').encode()!r})"),
+            ("unlink-tmp", f"libc.unlink({str(private).encode()!r})"),
+            ("read-tmp", f"libc.open({str(private).encode()!r}, 0, 0)"),
+        ]
+        code = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n" + "".join(
+            f"print({name!r}, {call}, ctypes.get_errno())\n" for name, call in calls)
+        r = guarded(code)
+        assert r.status == "ok", r.stderr
+        for line in r.stdout.splitlines():
+            name, ret, err = line.split()
+            # EROFS for the read-only mounts; ENOENT for the hidden host /tmp.
+            assert int(ret) == -1 and int(err) in (2, 30), line
+        assert os.listdir(shared) == ["victim.txt"]
+        with open(victim) as f:
+            assert f.read() == "precious"
+        assert private.read_text() == "secret"
+    finally:
+        shutil.rmtree(shared)
+
+
+@pytest.mark.skipif(LEVEL != "namespaces", reason="needs the namespaces level (root)")
+def test_tmp_is_private_and_size_limited(guarded):
+    r = guarded("import os, tempfile\n"
+                "print(os.getcwd(), tempfile.gettempdir(), os.listdir('/tmp'))\n"
+                "with open('fill', 'wb') as f:\n"
+                "    for _ in range(100):\n"
+                "        f.write(b'0' * 2**20)\n")
+    assert r.stdout == "/tmp /tmp []\n"
+    assert r.status == "error" and ("No space left" in r.stderr or "File too large" in r.stderr)
 
 
 def test_segfault_is_killed(guarded):

@@ -14,17 +14,20 @@ How a run is contained (`isolation_level()` says which level this machine achiev
   "namespaces" (running as root): a launcher process puts the program in fresh network, PID,
       mount, IPC and UTS namespaces. The network namespace holds only a downed loopback, so
       no address (not even 127.0.0.1) is reachable. In the mount namespace every mount is
-      remounted read-only and nosuid, the working directory is a fresh size-limited tmpfs
-      (the only writable place), /proc is a new procfs that shows only the sandbox's own
-      processes, and a directory that hides the interpreter (e.g. /root) is covered by an
-      empty tmpfs into which only the interpreter's install tree is bound. The program then
-      drops root for a fresh unprivileged uid/gid (one per run, so runs cannot signal each
-      other and share no process count) with no supplementary groups and no_new_privs.
+      remounted read-only and nosuid; the working directory is a fresh size-limited tmpfs
+      mounted over /tmp (the only writable place; the host's /tmp is hidden), /proc is a new
+      procfs that shows only the sandbox's own processes, and a directory that hides the
+      interpreter from other users (e.g. /root) is covered by an empty tmpfs into which only
+      the interpreter's install tree is bound. The program then drops root for a fresh
+      unprivileged uid/gid (one per run, so runs cannot signal each other and share no
+      process count) with no supplementary groups and no_new_privs.
   "userns" (not root, unprivileged user namespaces allowed): a user namespace carrying the
       same network, PID, IPC and UTS namespaces; no uid change and no read-only filesystem.
-  "rlimits" (no namespaces): resource limits only.
+  "rlimits" (no namespaces): resource limits only (and, as root, the uid drop when the
+      interpreter is reachable by other users).
 
-At every level: a minimal environment (nothing inherited from the parent), `python -I -S -B`,
+At every level: a minimal environment (nothing inherited from the parent), `python -I -S -B`
+reading the source from an inherited file descriptor (no path to the private job directory),
 resource limits (CPU time, address space, file size, open files, processes, no core dumps),
 the launcher as child subreaper with parent-death signals, and an audit hook in the program's
 interpreter that refuses network calls, writes outside the working directory and reading other
@@ -37,7 +40,6 @@ namespace's init dying kills the rest) and reaped, and the temporary directory i
 
 from __future__ import annotations
 
-import errno
 import inspect
 import json
 import math
@@ -108,7 +110,6 @@ def _launcher_main(config: dict) -> None:
     import os
     import resource
     import signal
-    import sys
 
     libc = ctypes.CDLL(None, use_errno=True)
     clone_newns, clone_newuts, clone_newipc = 0x00020000, 0x04000000, 0x08000000
@@ -153,7 +154,8 @@ def _launcher_main(config: dict) -> None:
             os.makedirs(prefix, mode=0o755, exist_ok=True)
             mount(stage, prefix, None, ms_bind | ms_rec)
             check(libc.umount2(stage.encode(), mnt_detach), f"umount {stage}")
-        work = config["work"]
+        # The program's private, size-limited working directory (normally over /tmp).
+        work = config["sandbox_root"]
         mount(
             "tmpfs",
             work,
@@ -184,9 +186,10 @@ def _launcher_main(config: dict) -> None:
         mount("proc", "/proc", "proc", ms_nosuid | ms_nodev | ms_noexec)
         os.chdir(work)
 
-    def become_program() -> None:
+    def become_program(program_fd: int) -> None:
         """In P: limits, identity, then exec the interpreter (never returns)."""
         os.close(status_fd)
+        os.set_inheritable(program_fd, True)
         cpu = limits["cpu_s"]
         rl = [
             (resource.RLIMIT_CPU, (cpu, cpu + 1)),
@@ -200,7 +203,7 @@ def _launcher_main(config: dict) -> None:
         for what, value in rl:
             resource.setrlimit(what, value)
         check(libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-        if level == "namespaces":
+        if config["drop_uid"]:
             os.setgroups([])
             os.setgid(config["gid"])
             os.setuid(config["uid"])
@@ -209,29 +212,28 @@ def _launcher_main(config: dict) -> None:
         check(libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         exe = config["exe"]
-        argv = [exe, "-I", "-S", "-B", "-c", config["runner"], config["program"], level]
+        argv = [exe, "-I", "-S", "-B", "-c", config["runner"], str(program_fd), level]
         os.execve(exe, argv, config["env"])
 
     def init_main() -> None:
         """In I (PID 1 of the new PID namespace, if any): fork P, reap everything, report."""
         check(libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        # The source reaches the interpreter as an open file descriptor: the program needs no
+        # path to the (private, possibly hidden) job directory.
+        program_fd = os.open(config["program"], os.O_RDONLY)
         if level == "namespaces":
             setup_mounts()
         program = os.fork()
         if program == 0:
             try:
-                become_program()
+                become_program(program_fd)
             except BaseException as e:  # noqa: BLE001 - report any setup failure, then die
                 os.write(2, f"[sandbox] program setup failed: {e!r}\n".encode())
             os._exit(_SETUP_EXIT)
-        status = None
+        # As PID 1, reap every process of the namespace until the program itself ends.
         while True:
-            try:
-                pid, wstatus = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
+            pid, status = os.waitpid(-1, 0)
             if pid == program:
-                status = wstatus
                 break
         if os.WIFSIGNALED(status):
             msg = f"signal {os.WTERMSIG(status)}"
@@ -256,7 +258,7 @@ def _launcher_main(config: dict) -> None:
         except BaseException as e:  # noqa: BLE001 - report any setup failure, then die
             os.write(2, f"[sandbox] setup failed: {e!r}\n".encode())
         os._exit(_SETUP_EXIT)
-    # Reap I, then every orphan handed to us as subreaper; once I is gone, kill the rest.
+
     def descendants() -> list:
         children = {}
         for entry in os.listdir("/proc"):
@@ -275,6 +277,8 @@ def _launcher_main(config: dict) -> None:
                 todo.append(child)
         return found
 
+    # Reap I; then kill and reap whatever is left below us (orphans come to us as subreaper;
+    # with a PID namespace nothing is left once I, its init, is gone).
     os.waitpid(init, 0)
     for _ in range(100):
         rest = descendants()
@@ -296,14 +300,14 @@ def _launcher_main(config: dict) -> None:
 def _runner_main() -> None:
     """The program's interpreter (process P): install the audit hook, run the program.
 
-    argv: [program_path, level]. An uncaught MemoryError exits with code 97 after its traceback.
+    argv: [program_fd, level]. An uncaught MemoryError exits with code 97 after its traceback.
     """
     import os
     import sys
     import traceback
 
-    program_path, level = sys.argv[1], sys.argv[2]
-    with open(program_path, "rb") as f:
+    program_fd, level = int(sys.argv[1]), sys.argv[2]
+    with os.fdopen(program_fd, "rb") as f:
         source = f.read()
     root = os.path.realpath(os.getcwd())
     strict = level == "rlimits"
@@ -425,6 +429,15 @@ def _minimal_env(work: str) -> dict[str, str]:
             "LC_ALL": "C.UTF-8"}
 
 
+def _reachable_by_others(path: str) -> bool:
+    """Whether users other than the owner can traverse to and execute `path`."""
+    parts = os.path.realpath(path).strip("/").split("/")
+    for i in range(1, len(parts) + 1):
+        if not os.stat("/" + "/".join(parts[:i])).st_mode & 0o001:
+            return False
+    return True
+
+
 def _python_prefix() -> tuple[str, str]:
     """(interpreter executable, its install prefix), with symlinks resolved."""
     exe = os.path.realpath(sys.executable)
@@ -446,8 +459,7 @@ def _run(
     """Runs `code` at isolation `level` (see the module docstring)."""
     start = time.monotonic()
     exe, prefix = _python_prefix()
-    jobdir = tempfile.mkdtemp(prefix="jmarl-sandbox-")
-    os.chmod(jobdir, 0o711)
+    jobdir = tempfile.mkdtemp(prefix="jmarl-sandbox-")  # mode 0700: private to this process
     work = os.path.join(jobdir, "work")
     stage = os.path.join(jobdir, "stage")
     os.mkdir(work, 0o700)
@@ -455,15 +467,25 @@ def _run(
     program = os.path.join(jobdir, "program.py")
     with open(program, "wb") as f:
         f.write(code.encode("utf-8", errors="surrogatepass"))
-    os.chmod(program, 0o644)
     uid = gid = _UID_BASE + secrets.randbelow(_UID_SPAN)
-    if level == "namespaces":
+    drop_uid = os.geteuid() == 0 and (level == "namespaces" or (
+        level == "rlimits" and _reachable_by_others(exe)))
+    if drop_uid:
         os.chown(work, uid, gid)
+        if level != "namespaces":
+            os.chmod(jobdir, 0o711)  # the program must reach its working directory by path
+    # At the namespaces level the working directory is a fresh tmpfs over /tmp (hiding the
+    # host's /tmp), unless the interpreter itself lives under /tmp.
+    under_tmp = prefix == "/tmp" or prefix.startswith("/tmp/")
+    sandbox_root = "/tmp" if (level == "namespaces" and os.path.isdir("/tmp")
+                              and not os.path.islink("/tmp") and not under_tmp) else work
     config = {
         "level": level,
         "uid": uid,
         "gid": gid,
+        "drop_uid": drop_uid,
         "work": work,
+        "sandbox_root": sandbox_root,
         "stage": stage,
         "program": program,
         "exe": exe,
@@ -471,7 +493,7 @@ def _run(
         "tmpfs_mb": _WORKDIR_TMPFS_MB,
         "parent_pid": os.getpid(),
         "runner": _RUNNER_SRC,
-        "env": _minimal_env(work),
+        "env": _minimal_env(sandbox_root),
         "limits": {
             "cpu_s": max(1, math.ceil(timeout_s)),
             "as_bytes": int(memory_mb) << 20,
@@ -696,8 +718,13 @@ def run_python(
     _check_options(timeout_s, memory_mb, max_output_bytes)
     if not isinstance(code, str) or not isinstance(stdin, str):
         raise JmarlError("run_python takes the program and its stdin as str")
-    return _run(code, stdin, isolation_level(), timeout_s=timeout_s, memory_mb=memory_mb,
-                max_output_bytes=max_output_bytes)
+    start = time.monotonic()
+    try:
+        return _run(code, stdin, isolation_level(), timeout_s=timeout_s, memory_mb=memory_mb,
+                    max_output_bytes=max_output_bytes)
+    except OSError as e:  # the machine could not start a process (no fds, no memory...)
+        return SandboxResult("error", "", f"[sandbox] could not run the program: {e}",
+                             time.monotonic() - start)
 
 
 def run_many(

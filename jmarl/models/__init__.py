@@ -15,10 +15,12 @@ from jmarl.models.model import (
     prefill,
     token_logprobs,
 )
+from jmarl.models.sampler import Generation, generate, generate_stacked, num_compiled_programs, sample_token
 from jmarl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "CharTokenizer",
+    "Generation",
     "HFTokenizer",
     "KVCache",
     "ModelConfig",
@@ -26,13 +28,17 @@ __all__ = [
     "Tokenizer",
     "apply",
     "decode_step",
+    "generate",
+    "generate_stacked",
     "init",
     "init_cache",
     "load_hf",
     "load_tokenizer",
+    "num_compiled_programs",
     "param_shapes",
     "positions_from_mask",
     "prefill",
+    "sample_token",
     "save_hf",
     "token_logprobs",
 ]

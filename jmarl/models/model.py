@@ -28,7 +28,7 @@ Token positions are `cumsum(attention_mask) - 1`, so left- and right-padded batc
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -354,6 +354,7 @@ def decode_step(
     position: jax.Array,
     slot: jax.Array,
     key_mask: jax.Array,
+    layers: Sequence[Params] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
     (a scalar shared by all rows); attends to the cache slots where key_mask bool[B,C] is True
@@ -367,7 +368,12 @@ def decode_step(
     layer_def, layer_state = nnx.split(model.layers)
     keys, values = list(cache.keys), list(cache.values)
     for i in range(config.num_layers):
-        layer = nnx.merge(layer_def, jax.tree.map(lambda a: a[i], layer_state))
+        if layers is None:
+            state_i = jax.tree.map(lambda a: a[i], layer_state)
+        else:
+            state_i = jax.tree.map(lambda a: a, layer_state)
+            nnx.replace_by_pure_dict(state_i, layers[i])
+        layer = nnx.merge(layer_def, state_i)
 
         def attend(q, k, v, i=i):
             k = k.swapaxes(1, 2).astype(keys[i].dtype)  # [B, KV, 1, hd]

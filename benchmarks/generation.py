@@ -6,7 +6,8 @@ For each size (BENCHMARKS.md `cpu-small` / `cpu-medium`, Qwen2 architecture, fp3
 checkpoint is written to a temp dir as HF safetensors and loaded by both sides; the run is gated
 on parity (logits and greedy tokens). Both sides sample at temperature 1 with no top-k/top-p,
 prompt 64 tokens, 64 new tokens, EOS disabled (HF `min_new_tokens = max_new_tokens`, jmarl
-`stop_tokens=()`), at batch 64 and batch 8. Warm-up runs are excluded (jmarl's compile time is
+`stop_tokens=()`), at batch 64 (8 prompts x group 8, the GRPO workload of BENCHMARKS.md; jmarl
+runs the prefill once per distinct prompt, HF once per row) and batch 8 (8 distinct prompts). Warm-up runs are excluded (jmarl's compile time is
 reported separately), then the two sides alternate A B A B for `--repeats` pairs. Rows go to
 `benchmarks/results/generation_<size>.json` (`--quick`: fewer repeats, `_quick` suffix).
 """
@@ -35,6 +36,7 @@ SIZES: dict[str, dict[str, int]] = {
 ROW_NAMES = {64: "generation_vs_hf_generate", 8: "generation_small_batch_vs_hf_generate"}
 PROMPT_LEN = 64
 NEW_TOKENS = 64
+GROUP_SIZE = 8  # batch 64 = 8 prompts x group 8 (BENCHMARKS.md); batch 8 = 8 distinct prompts
 
 
 def machine_info() -> dict[str, Any]:
@@ -112,7 +114,10 @@ def bench_size(size: str, repeats: int, new_tokens: int, batches: tuple[int, ...
         config, params = load_hf(directory)
     rng = np.random.default_rng(0)
     for batch in batches:
-        prompts = rng.integers(3, config.vocab_size, (batch, PROMPT_LEN)).astype(np.int32)
+        # The GRPO workload: `batch // group` distinct prompts, each repeated `group` times.
+        group = GROUP_SIZE if batch >= 64 else 1
+        distinct = rng.integers(3, config.vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32)
+        prompts = np.repeat(distinct, group, axis=0)
         mask = np.ones_like(prompts, bool)
         parity = check_parity(config, params, torch_model, prompts)
         torch_prompts = torch.tensor(prompts.astype(np.int64))
@@ -156,7 +161,7 @@ def bench_size(size: str, repeats: int, new_tokens: int, batches: tuple[int, ...
             "jmarl_min": min(jm), "jmarl_max": max(jm),
             "baseline_min": min(hf), "baseline_max": max(hf),
             "jmarl_compile_s": max(first_call - warm, 0.0),
-            "batch": batch, "prompt_len": PROMPT_LEN, "new_tokens": new_tokens, "repeats": repeats,
+            "batch": batch, "distinct_prompts": batch // group, "prompt_len": PROMPT_LEN, "new_tokens": new_tokens, "repeats": repeats,
             "dtype": "float32", "baseline_impl": "transformers generate (do_sample, eager torch)",
             "params": config.num_params(), **parity,
             "machine": machine_info(), "versions": versions(),

@@ -19,7 +19,7 @@ from jmarl.models import (
     sample_token,
     token_logprobs,
 )
-from jmarl.models.sampler import left_align
+from jmarl.models.sampler import inverse_cdf_sample, left_align, unique_prompts
 
 N_NEW = 12
 
@@ -78,6 +78,23 @@ def test_greedy_matches_transformers_with_left_padding_and_stop_token(tiny):
     full_mask = np.concatenate([mask, got_mask], 1)
     rescored = np.asarray(token_logprobs(config, params, full, full_mask, 1.0))[:, tokens.shape[1]:]
     np.testing.assert_allclose(np.asarray(out.logprobs), np.where(got_mask, rescored, 0), atol=1e-4)
+
+
+def test_repeated_prompts_share_one_prefill_and_match_transformers(tiny):
+    _, config, params, model = tiny
+    distinct, distinct_mask = _prompts([6, 3, 5], 6, seed=5)
+    rows = np.array([0, 1, 2, 1, 0, 0, 2, 1, 1, 0])  # 3 distinct prompts in 10 rows -> 4-row prefill
+    tokens, mask = distinct[rows], distinct_mask[rows]
+    _, unique_mask, index = unique_prompts(*left_align(tokens, mask, 8, 0))
+    assert unique_mask.shape == (4, 8) and index.shape == (10,)
+    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), _hf_greedy(model, tokens, mask, N_NEW))
+    sampled = generate(config, params, tokens, mask, jax.random.key(3), max_new_tokens=N_NEW, temperature=1.0)
+    full = np.concatenate([tokens, np.asarray(sampled.tokens)], 1)
+    full_mask = np.concatenate([mask, np.asarray(sampled.mask)], 1)
+    rescored = np.asarray(token_logprobs(config, params, full, full_mask, 1.0))[:, 6:]
+    np.testing.assert_allclose(np.asarray(sampled.logprobs), rescored, atol=1e-4)
+    assert len({tuple(r) for r in np.asarray(sampled.tokens)}) > 3  # rows of one prompt still differ
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.8)])
@@ -141,6 +158,11 @@ def test_sampling_distribution_matches_softmax_and_truncation():
     assert set(np.flatnonzero(counts)) == set(prefix.tolist())
     kept = p[prefix] / p[prefix].sum()
     assert _chi_square(counts[prefix], kept) < 16.27 + 2 * (len(prefix) - 4)  # p = 0.001 for <= 3 dof
+    # Inverse-CDF draws never pick a zero-weight entry, even at the ends of [0, 1).
+    weights = jnp.asarray(np.tile([0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 1e-30, 0.0, 0.0], (6, 1)), jnp.float32)
+    edges = jnp.asarray([0.0, 1e-9, 0.25, 0.5, 1 - 1e-7, np.nextafter(np.float32(1), np.float32(0))], jnp.float32)
+    picked = np.asarray(inverse_cdf_sample(weights, edges, block=4))
+    assert set(picked.tolist()) <= {2, 4, 7} and picked[0] == 2 and picked[3] == 4
     # Greedy.
     greedy_tokens, greedy_lp = sample_token(batch[:2], jax.random.key(0), jnp.float32(1), jnp.float32(1),
                                             greedy=True, top_k=0, use_top_p=False)

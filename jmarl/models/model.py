@@ -329,13 +329,22 @@ def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
 
 
 def prefill(
-    config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array, cache: KVCache
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    cache: KVCache,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs the prompt tokens [B,S] through the model; writes their keys/values to cache slots
+    """Runs the prompt tokens [U,S] through the model; writes their keys/values to cache slots
     [0, S) and returns (float32 logits of the last slot [B,V], cache). Prompts should be
-    left-padded so every row's last real token sits in slot S-1."""
+    left-padded so every row's last real token sits in slot S-1. Without `rows`, U = B; with
+    rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once)."""
     model = bind(config, params)
     h, (keys, values) = model.hidden(tokens, attention_mask, return_kv=True)
+    h = h[:, -1]
+    if rows is not None:
+        keys, values, h = keys[:, rows], values[:, rows], h[rows]
     dtype = jnp.dtype(config.compute_dtype)
 
     def write(buffers: tuple[jax.Array, ...], stacked: jax.Array) -> tuple[jax.Array, ...]:
@@ -343,7 +352,7 @@ def prefill(
         return tuple(jax.lax.dynamic_update_slice(buf, new[i], (0, 0, 0, 0)) for i, buf in enumerate(buffers))
 
     cache = KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
-    return model.logits(h[:, -1]), cache
+    return model.logits(h), cache
 
 
 def decode_step(

@@ -34,7 +34,7 @@ from flax import struct
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import KVCache, Params, decode_step, prefill
+from jmarl.models.model import KVCache, Params, decode_step, empty_cache, prefill
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
 
 _TRACES = {"count": 0}
@@ -232,15 +232,7 @@ def _program(
     return jax.jit(program, donate_argnums=(1,))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _empty_cache(config: ModelConfig, leading: tuple[int, ...], capacity: int) -> KVCache:
-    shape = leading + (config.num_kv_heads, capacity, config.head_dim)
-    dtype = jnp.dtype(config.compute_dtype)
-    layers = range(config.num_layers)
-    return KVCache(
-        keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
-        values=tuple(jnp.zeros(shape, dtype) for _ in layers),
-    )
+_empty_cache = jax.jit(empty_cache, static_argnums=(0, 1, 2))
 
 
 # ---------------------------------------------------------------------------------- host side

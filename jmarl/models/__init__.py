@@ -1,0 +1,44 @@
+"""Decoder-only LMs (Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX with a pure functional API, HF
+checkpoint interop, tokenizers and a KV-cache sampler."""
+
+from jmarl.models.config import ModelConfig
+from jmarl.models.hf import load_hf, save_hf
+from jmarl.models.model import (
+    KVCache,
+    Params,
+    apply,
+    decode_step,
+    init,
+    init_cache,
+    param_shapes,
+    positions_from_mask,
+    prefill,
+    token_logprobs,
+)
+from jmarl.models.sampler import Generation, generate, generate_stacked, num_compiled_programs, sample_token
+from jmarl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "CharTokenizer",
+    "Generation",
+    "HFTokenizer",
+    "KVCache",
+    "ModelConfig",
+    "Params",
+    "Tokenizer",
+    "apply",
+    "decode_step",
+    "generate",
+    "generate_stacked",
+    "init",
+    "init_cache",
+    "load_hf",
+    "load_tokenizer",
+    "num_compiled_programs",
+    "param_shapes",
+    "positions_from_mask",
+    "prefill",
+    "sample_token",
+    "save_hf",
+    "token_logprobs",
+]

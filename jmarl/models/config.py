@@ -1,0 +1,273 @@
+"""`ModelConfig`: the static description of a decoder-only LM (Llama 3.x, Qwen2/2.5, Qwen3).
+
+One frozen, hashable dataclass, so it can be a static argument of `jax.jit` and a cache key.
+`ModelConfig.from_hf` reads a Hugging Face `config.json` in both styles: `rope_theta` +
+`rope_scaling` (as in released checkpoints) and `rope_parameters` (as transformers 5 writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from jmarl.errors import JmarlError
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and numerics of one decoder-only transformer.
+
+    Family switches: `qkv_bias` (Qwen2: biases on q/k/v), `o_bias` (Llama/Qwen3
+    `attention_bias=True`: biases on q/k/v/o), `qk_norm` (Qwen3: RMSNorm over each head of q and
+    k before RoPE). `rope_type` is "default", "linear" or "llama3" (with `rope_factor`,
+    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_position`).
+    `param_dtype` is how parameters are stored, `compute_dtype` how matmuls run; norms,
+    softmax and log-probs always run in float32. `remat` recomputes each layer's activations in
+    the backward pass instead of storing them.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise JmarlError(
+                f"unsupported model_type {self.model_type!r}; jmarl supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise JmarlError(
+                f"unsupported RoPE scaling type {self.rope_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise JmarlError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise JmarlError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise JmarlError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    # ----------------------------------------------------------------------------- derived
+    @property
+    def num_groups(self) -> int:
+        """Query heads per key/value head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (e.g. `param_dtype="bfloat16"`, `remat=True`)."""
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Total parameter count."""
+        d, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attn = d * q + 2 * d * kv + q * d
+        attn += (q + 2 * kv) * (self.qkv_bias or self.o_bias) + d * self.o_bias
+        attn += 2 * hd * self.qk_norm
+        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    def inv_frequencies(self) -> np.ndarray:
+        """RoPE inverse frequencies float32[head_dim // 2], scaled as `rope_type` says."""
+        exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim
+        inv_freq = (1.0 / (np.float32(self.rope_theta) ** exponents)).astype(np.float32)
+        if self.rope_type == "linear":
+            return (inv_freq / np.float32(self.rope_factor)).astype(np.float32)
+        if self.rope_type == "llama3":
+            return _llama3_scaled(inv_freq, self)
+        return inv_freq
+
+    # ----------------------------------------------------------------------------- HF interop
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> "ModelConfig":
+        """Reads a HF config (a dict, a checkpoint directory, or a config.json path).
+
+        `overrides` set jmarl-only fields such as `param_dtype`, `compute_dtype`, `remat`.
+        """
+        hf = _read_hf_dict(path_or_dict)
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise JmarlError(
+                f"unsupported model_type {model_type!r} in the HF config; jmarl supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        try:
+            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+            fields: dict[str, Any] = dict(
+                model_type=model_type,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+            )
+        except KeyError as missing:
+            raise JmarlError(f"HF config is missing the required key {missing}") from None
+        fields["num_kv_heads"] = int(hf.get("num_key_value_heads") or heads)
+        fields["head_dim"] = int(hf.get("head_dim") or hidden // heads)
+        fields["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
+        fields["max_position_embeddings"] = int(hf.get("max_position_embeddings", 32768))
+        fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+        attention_bias = bool(hf.get("attention_bias", False))
+        fields["qkv_bias"] = model_type == "qwen2" or attention_bias
+        fields["o_bias"] = model_type != "qwen2" and attention_bias
+        fields["qk_norm"] = model_type == "qwen3"
+        if hf.get("mlp_bias"):
+            raise JmarlError("HF config sets mlp_bias=True, which jmarl does not support")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise JmarlError(f"HF config has hidden_act={hf['hidden_act']!r}; jmarl supports 'silu' only")
+        if hf.get("use_sliding_window"):
+            raise JmarlError("HF config enables use_sliding_window; jmarl supports full attention only")
+        fields.update(_rope_fields(hf))
+        for key in ("bos_token_id", "pad_token_id"):
+            if isinstance(hf.get(key), int):
+                fields[key] = hf[key]
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, int):
+            fields["eos_token_id"] = eos
+        elif isinstance(eos, list) and eos:
+            fields["eos_token_id"] = tuple(int(e) for e in eos)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict (transformers 4 and 5 both read it)."""
+        rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_type == "linear":
+            rope["factor"] = self.rope_factor
+        elif self.rope_type == "llama3":
+            rope.update(
+                factor=self.rope_factor,
+                low_freq_factor=self.rope_low_freq_factor,
+                high_freq_factor=self.rope_high_freq_factor,
+                original_max_position_embeddings=self.rope_original_max_position,
+            )
+        hf: dict[str, Any] = {
+            "architectures": [_HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_type == "default" else dict(rope),
+            "rope_parameters": rope,
+            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "llama":
+            hf["attention_bias"] = self.o_bias
+            hf["mlp_bias"] = False
+        elif self.model_type == "qwen3":
+            hf["attention_bias"] = self.o_bias
+            hf["use_sliding_window"] = False
+        else:
+            hf["use_sliding_window"] = False
+        return hf
+
+
+def _read_hf_dict(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise JmarlError(f"HF config not found: {path} (expected a checkpoint directory with config.json)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise JmarlError(f"HF config {path} is not valid JSON: {err}") from None
+
+
+def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE fields from either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = hf.get("rope_parameters")
+    scaling = dict(params) if isinstance(params, Mapping) else dict(hf.get("rope_scaling") or {})
+    theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise JmarlError(
+            f"unsupported RoPE scaling type {rope_type!r} in the HF config; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        fields["rope_factor"] = float(scaling.get("factor", 1.0))
+    if rope_type == "llama3":
+        fields["rope_low_freq_factor"] = float(scaling.get("low_freq_factor", 1.0))
+        fields["rope_high_freq_factor"] = float(scaling.get("high_freq_factor", 4.0))
+        fields["rope_original_max_position"] = int(
+            scaling.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+        )
+    return fields
+
+
+def _llama3_scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short ones kept,
+    a smooth blend in between."""
+    factor = np.float32(config.rope_factor)
+    low, high = np.float32(config.rope_low_freq_factor), np.float32(config.rope_high_freq_factor)
+    old_len = np.float32(config.rope_original_max_position)
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, blended, scaled).astype(np.float32)

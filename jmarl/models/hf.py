@@ -1,0 +1,230 @@
+"""Hugging Face checkpoint interop: `load_hf` / `save_hf` for safetensors checkpoints.
+
+Reads `config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json`.
+Tensor files are memory-mapped (no full read into memory first): each tensor is copied once,
+from the mapped file into its slot of the stacked jmarl parameter, then handed to JAX. The
+safetensors format is read and written here directly (8-byte header length, JSON header, raw
+little-endian data), so bfloat16 works through `ml_dtypes` although NumPy has no bfloat16.
+HF stores linear weights as [out, in]; jmarl kernels are [in, out] (transposed on the way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jmarl.errors import JmarlError
+from jmarl.models.config import ModelConfig
+from jmarl.models.model import Params, param_shapes
+
+_SAFETENSORS_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+
+# (jmarl path under layers/, HF name under model.layers.{i}., is a [out, in] linear weight)
+_LAYER_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
+    (("attn_norm", "scale"), "input_layernorm.weight", False),
+    (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", True),
+    (("attn", "q_proj", "bias"), "self_attn.q_proj.bias", False),
+    (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", True),
+    (("attn", "k_proj", "bias"), "self_attn.k_proj.bias", False),
+    (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", True),
+    (("attn", "v_proj", "bias"), "self_attn.v_proj.bias", False),
+    (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", True),
+    (("attn", "o_proj", "bias"), "self_attn.o_proj.bias", False),
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
+    (("mlp_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", True),
+    (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", True),
+    (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", True),
+)
+_TOP_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
+    (("embed", "embedding"), "model.embed_tokens.weight", False),
+    (("final_norm", "scale"), "model.norm.weight", False),
+    (("lm_head", "kernel"), "lm_head.weight", True),
+)
+
+
+# ------------------------------------------------------------------------------ safetensors
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Memory-mapped, read-only arrays of one .safetensors file, by tensor name."""
+    if not os.path.isfile(path):
+        raise JmarlError(f"safetensors file not found: {path}")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    if data.size < 8:
+        raise JmarlError(f"{path} is not a safetensors file (shorter than its header)")
+    header_len = int.from_bytes(data[:8].tobytes(), "little")
+    try:
+        header = json.loads(data[8 : 8 + header_len].tobytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise JmarlError(f"{path} is not a safetensors file (unreadable header)") from None
+    base = 8 + header_len
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise JmarlError(f"tensor {name} in {path} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        tensors[name] = data[base + start : base + end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Writes arrays (any of the safetensors dtypes, bfloat16 included) to one .safetensors file."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = {}
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in _DTYPE_NAMES:
+            raise JmarlError(f"cannot write tensor {name} of dtype {arr.dtype} to safetensors")
+        header[name] = {
+            "dtype": _DTYPE_NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        arrays[name] = arr
+        offset += arr.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for arr in arrays.values():
+            f.write(arr.tobytes())
+
+
+def _checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory (single file or sharded index), memory-mapped."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return read_safetensors(single)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = os.path.join(path, shard)
+            if not os.path.isfile(shard_path):
+                raise JmarlError(f"checkpoint shard {shard} listed in {index} is missing")
+            tensors.update(read_safetensors(shard_path))
+        return tensors
+    raise JmarlError(
+        f"no weights in {path}: expected model.safetensors or model.safetensors.index.json "
+        "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)"
+    )
+
+
+def _tensor_specs(config: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, bool, int | None]]:
+    """(jmarl path, HF name, transposed, layer index or None) for every parameter of `config`."""
+    shapes = param_shapes(config)
+
+    def exists(path: tuple[str, ...]) -> bool:
+        node: Any = shapes
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return False
+            node = node[key]
+        return True
+
+    for path, name, transposed in _TOP_TENSORS:
+        if exists(path):
+            yield path, name, transposed, None
+    for path, name, transposed in _LAYER_TENSORS:
+        if exists(("layers",) + path):
+            for i in range(config.num_layers):
+                yield ("layers",) + path, f"model.layers.{i}.{name}", transposed, i
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+# ------------------------------------------------------------------------------ public API
+def load_hf(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig, Params]:
+    """Loads a HF Llama/Qwen2/Qwen3 checkpoint directory -> (config, params).
+
+    `dtype` (e.g. "bfloat16") sets both the parameter and the compute dtype; by default they are
+    the dtype the checkpoint stores its embedding in.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise JmarlError(f"checkpoint directory not found: {path}")
+    config = ModelConfig.from_hf(path)
+    tensors = _checkpoint_tensors(path)
+    embed = tensors.get("model.embed_tokens.weight")
+    if dtype is None:
+        dtype = embed.dtype if embed is not None else np.float32
+    dtype_name = np.dtype(dtype).name
+    config = config.replace(param_dtype=dtype_name, compute_dtype=dtype_name)
+    shapes = param_shapes(config)
+    target = np.dtype(dtype)
+    host: dict = {}
+    for path_, name, transposed, layer in _tensor_specs(config):
+        full_shape = _get(shapes, path_).shape
+        shape = full_shape if layer is None else full_shape[1:]
+        hf_shape = tuple(reversed(shape)) if transposed else tuple(shape)
+        if name not in tensors:
+            raise JmarlError(f"checkpoint {path} is missing tensor {name} (expected shape {list(hf_shape)})")
+        src = tensors[name]
+        if tuple(src.shape) != hf_shape:
+            raise JmarlError(
+                f"tensor {name} in {path} has shape {list(src.shape)}, expected {list(hf_shape)} "
+                "for this config.json"
+            )
+        value = src.T if transposed else src
+        if layer is None:
+            host_value = np.array(value, dtype=target)
+            _set(host, path_, host_value)
+        else:
+            if layer == 0:
+                _set(host, path_, np.empty(full_shape, target))
+            _get(host, path_)[layer] = value
+    params = jax.tree.map(jnp.asarray, host)
+    return config, params
+
+
+def save_hf(path: str | os.PathLike, config: ModelConfig, params: Params) -> None:
+    """Writes config.json + model.safetensors that `transformers.AutoModelForCausalLM` loads."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    host = jax.tree.map(np.asarray, jax.device_get(params))
+    tensors: dict[str, np.ndarray] = {}
+    dtype = np.dtype(_get(host, ("embed", "embedding")).dtype)
+    for path_, name, transposed, layer in _tensor_specs(config):
+        value = _get(host, path_)
+        value = value if layer is None else value[layer]
+        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    hf = config.to_hf()
+    hf["torch_dtype"] = hf["dtype"] = dtype.name
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    write_safetensors(os.path.join(path, "model.safetensors"), tensors)

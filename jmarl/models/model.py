@@ -1,0 +1,419 @@
+"""One decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX, behind a pure API.
+
+The NNX modules below define the network; the public functions (`init`, `apply`,
+`token_logprobs`, and the KV-cache pair `prefill` / `decode_step`) take the parameters as a
+plain nested dict of arrays and rebuild the modules inside the trace with `nnx.merge`, so every
+function is pure and `jax.jit` / `jax.vmap` / `jax.grad`-able over the parameters.
+
+Parameter paths (stable; sharding rules and LoRA key on them). L = layers, D = hidden, V = vocab,
+Hq = num_heads * head_dim, Hkv = num_kv_heads * head_dim, F = intermediate size:
+
+    embed/embedding                 [V, D]
+    layers/attn_norm/scale          [L, D]
+    layers/attn/q_proj/kernel       [L, D, Hq]     (+ bias [L, Hq] when qkv_bias or o_bias)
+    layers/attn/k_proj/kernel       [L, D, Hkv]    (+ bias)
+    layers/attn/v_proj/kernel       [L, D, Hkv]    (+ bias)
+    layers/attn/o_proj/kernel       [L, Hq, D]     (+ bias [L, D] when o_bias)
+    layers/attn/q_norm/scale        [L, head_dim]  (Qwen3 only; also k_norm)
+    layers/mlp_norm/scale           [L, D]
+    layers/mlp/{gate,up}_proj/kernel [L, D, F];  layers/mlp/down_proj/kernel [L, F, D]
+    final_norm/scale                [D]
+    lm_head/kernel                  [D, V]         (absent when embeddings are tied)
+
+Decoder layers are stacked on a leading axis and run with `jax.lax.scan`, so compile time does
+not grow with depth; `config.remat` wraps each layer in `jax.checkpoint`.
+Token positions are `cumsum(attention_mask) - 1`, so left- and right-padded batches are exact.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jmarl.models.config import ModelConfig
+
+Params = dict[str, Any]
+# Large negative score for masked keys: a fully masked row becomes uniform instead of NaN.
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Upper bound on the elements of one fp32 [B, chunk, V] logits block in `token_logprobs`.
+_LOGPROB_CHUNK_ELEMENTS = 1 << 24
+
+# attend(q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd]) -> (out [B,T,H,hd], aux)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+# ---------------------------------------------------------------------------------- modules
+def _normal(stddev: float = 0.02):
+    return nnx.initializers.normal(stddev)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last axis, computed in float32 (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: Any):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _linear(c: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        dtype=jnp.dtype(c.compute_dtype),
+        param_dtype=jnp.dtype(c.param_dtype),
+        kernel_init=_normal(),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE (+ Qwen2 q/k/v biases, + Qwen3 q/k RMSNorm)."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        hq, hkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        in_bias = c.qkv_bias or c.o_bias
+        self.q_proj = _linear(c, c.hidden_size, hq, in_bias, rngs)
+        self.k_proj = _linear(c, c.hidden_size, hkv, in_bias, rngs)
+        self.v_proj = _linear(c, c.hidden_size, hkv, in_bias, rngs)
+        self.o_proj = _linear(c, hq, c.hidden_size, c.o_bias, rngs)
+        pdt = jnp.dtype(c.param_dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pdt) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pdt) if c.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn):
+        """x [B,T,D], cos/sin [B,T,hd] -> (out [B,T,D], whatever `attend` returns beside)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, aux = attend(q, k, v)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), aux
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
+        self.up_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
+        self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        pdt = jnp.dtype(c.param_dtype)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pdt)
+        self.attn = Attention(c, rngs)
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pdt)
+        self.mlp = MLP(c, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn):
+        """x [B,T,D] -> (x [B,T,D], aux from `attend`)."""
+        h, aux = self.attn(self.attn_norm(x), cos, sin, attend)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), aux
+
+
+class Transformer(nnx.Module):
+    """Embedding, L stacked decoder layers (leading axis L), final norm, LM head."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        self.config = c
+        self.embed = nnx.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            dtype=jnp.dtype(c.compute_dtype),
+            param_dtype=jnp.dtype(c.param_dtype),
+            embedding_init=_normal(),
+            rngs=rngs,
+        )
+
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(layer_rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(c, layer_rngs)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, jnp.dtype(c.param_dtype))
+        self.lm_head = None if c.tie_word_embeddings else _linear(c, c.hidden_size, c.vocab_size, False, rngs)
+
+    def head_kernel(self) -> jax.Array:
+        """The output projection [D, V] in the compute dtype (the embedding when tied)."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        if self.lm_head is None:
+            return self.embed.embedding[...].astype(dtype).T
+        return self.lm_head.kernel[...].astype(dtype)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [..., D] (final-normed) -> float32 logits [..., V]."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        return jnp.dot(h.astype(dtype), self.head_kernel(), preferred_element_type=jnp.float32)
+
+    def hidden(
+        self, tokens: jax.Array, attention_mask: jax.Array, *, return_kv: bool = False
+    ) -> tuple[jax.Array, Any]:
+        """tokens/mask [B,T] -> (final-normed hidden [B,T,D], (keys, values) [L,B,T,KV,hd] or None)."""
+        c = self.config
+        positions = positions_from_mask(attention_mask)
+        cos, sin = rope_tables(c, positions)
+        t = tokens.shape[1]
+        allowed = jnp.tril(jnp.ones((t, t), bool))[None] & attention_mask.astype(bool)[:, None, :]
+
+        def attend(q, k, v):
+            return masked_attention(q, k, v, allowed), ((k, v) if return_kv else None)
+
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(x, state):
+            return nnx.merge(layer_def, state)(x, cos, sin, attend)
+
+        if c.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        x, kv = jax.lax.scan(body, self.embed(tokens), layer_state)
+        return self.final_norm(x), kv
+
+
+# ---------------------------------------------------------------------------------- helpers
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """int32[B,T]: index of each token among the real tokens of its row (0 on leading pads)."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions int[B,T] -> (cos, sin) float32[B,T,head_dim] (HF `rotate_half` layout)."""
+    inv_freq = jnp.asarray(config.inv_frequencies())
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x [B,T,N,hd] by cos/sin [B,T,hd]."""
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax attention. q [B,T,H,hd], k/v [B,S,KV,hd], allowed bool[B,T,S] -> [B,T,H,hd]."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(allowed[:, None, None], scores * hd**-0.5, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
+
+
+@functools.lru_cache(maxsize=32)
+def _skeleton(config: ModelConfig) -> tuple[Any, Any]:
+    """(graphdef, abstract state) of a `Transformer` with this config; no arrays allocated."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def bind(config: ModelConfig, params: Params) -> Transformer:
+    """The NNX `Transformer` holding `params` (use inside a trace; modules are not pytrees)."""
+    graphdef, abstract = _skeleton(config)
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The params pytree of `jax.ShapeDtypeStruct`s for this config."""
+    return nnx.to_pure_dict(_skeleton(config)[1])
+
+
+# ---------------------------------------------------------------------------------- public API
+def init(config: ModelConfig, rng: jax.Array) -> Params:
+    """Random parameters (normal(0, 0.02) weights, unit norm scales, zero biases) as a dict."""
+    model = Transformer(config, nnx.Rngs(params=rng))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def apply(config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Logits float32[B,T,V] for tokens int[B,T] with attention_mask bool[B,T] (any padding side)."""
+    model = bind(config, params)
+    h, _ = model.hidden(tokens, attention_mask)
+    return model.logits(h)
+
+
+def token_logprobs(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    *,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    """float32[B,T]: out[:, t] = log p(tokens[:, t] | tokens[:, :t]) under softmax(logits / T).
+
+    out[:, t] is 0 where token t is padding or has no real token before it (so out[:, 0] = 0).
+    The full-vocabulary log-softmax is computed `chunk_size` positions at a time (by default as
+    many as keep a [B, chunk, V] float32 block under 2**24 elements) and recomputed in the
+    backward pass, so memory stays O(B * chunk * V) for the forward and the gradient.
+    """
+    model = bind(config, params)
+    h, _ = model.hidden(tokens, attention_mask)
+    b, t = tokens.shape
+    v = config.vocab_size
+    n = t - 1
+    if n == 0:
+        return jnp.zeros((b, t), jnp.float32)
+    if chunk_size is None:
+        chunk_size = max(1, min(n, _LOGPROB_CHUNK_ELEMENTS // (b * v)))
+    num_chunks = -(-n // chunk_size)
+    pad = num_chunks * chunk_size - n
+    h_prev = jnp.pad(h[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
+    h_chunks = h_prev.reshape(b, num_chunks, chunk_size, -1).swapaxes(0, 1)
+    target_chunks = targets.reshape(b, num_chunks, chunk_size).swapaxes(0, 1)
+    kernel = model.head_kernel()
+
+    @jax.checkpoint
+    def chunk_logprobs(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
+        logits = jnp.dot(h_c, kernel, preferred_element_type=jnp.float32) / temperature
+        picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    lp = jax.lax.map(lambda xs: chunk_logprobs(*xs), (h_chunks, target_chunks))
+    lp = lp.swapaxes(0, 1).reshape(b, -1)[:, :n]
+    out = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp], axis=1)
+    mask = attention_mask.astype(bool)
+    has_context = mask & (positions_from_mask(attention_mask) > 0)
+    return jnp.where(has_context, out, 0.0)
+
+
+# ---------------------------------------------------------------------------------- KV cache
+@struct.dataclass
+class KVCache:
+    """Per-layer buffers in the compute dtype (C = capacity): keys [B, KV, head_dim, C] (stored
+    transposed, so the query-key product reads them in their natural layout), values
+    [B, KV, C, head_dim]."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+
+    @property
+    def capacity(self) -> int:
+        """C, the number of token slots."""
+        return int(self.values[0].shape[2])
+
+
+def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
+    """Zeroed KV cache for `batch_size` rows of up to `capacity` tokens."""
+    return empty_cache(config, (batch_size,), capacity)
+
+
+def empty_cache(config: ModelConfig, leading: tuple[int, ...], capacity: int) -> KVCache:
+    """Zeroed KV cache whose buffers have the batch shape `leading` (e.g. (P, B) when stacked)."""
+    kv, hd, dtype = config.num_kv_heads, config.head_dim, jnp.dtype(config.compute_dtype)
+    layers = range(config.num_layers)
+    return KVCache(
+        keys=tuple(jnp.zeros(leading + (kv, hd, capacity), dtype) for _ in layers),
+        values=tuple(jnp.zeros(leading + (kv, capacity, hd), dtype) for _ in layers),
+    )
+
+
+def prefill(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    cache: KVCache,
+    rows: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Runs the prompt tokens [U,S] through the model; writes their keys/values to cache slots
+    [0, S) and returns (float32 logits of the last slot [B,V], cache). Prompts should be
+    left-padded so every row's last real token sits in slot S-1. Without `rows`, U = B; with
+    rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once)."""
+    model = bind(config, params)
+    h, (keys, values) = model.hidden(tokens, attention_mask, return_kv=True)
+    h = h[:, -1]
+    if rows is not None:
+        keys, values, h = keys[:, rows], values[:, rows], h[rows]
+    dtype = jnp.dtype(config.compute_dtype)
+
+    def write(buffers: tuple[jax.Array, ...], new: jax.Array) -> tuple[jax.Array, ...]:
+        new = new.astype(dtype)
+        return tuple(jax.lax.dynamic_update_slice(buf, new[i], (0, 0, 0, 0)) for i, buf in enumerate(buffers))
+
+    keys = keys.transpose(0, 1, 3, 4, 2)  # [L, B, S, KV, hd] -> [L, B, KV, hd, S]
+    values = values.swapaxes(2, 3)  # -> [L, B, KV, S, hd]
+    cache = KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
+    return model.logits(h), cache
+
+
+def decode_step(
+    config: ModelConfig,
+    params: Params,
+    cache: KVCache,
+    token: jax.Array,
+    position: jax.Array,
+    slot: jax.Array,
+    key_mask: jax.Array,
+    layers: Sequence[Params] | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
+    (a scalar shared by all rows); attends to the cache slots where key_mask bool[B,C] is True
+    (the slot itself included). Returns (float32 logits [B,V], updated cache).
+
+    Layers run as an unrolled Python loop over per-layer cache buffers, so each buffer is updated
+    in place and read directly by the attention (no per-step copy of the cache)."""
+    model = bind(config, params)
+    cos, sin = rope_tables(config, position[:, None])
+    x = model.embed(token[:, None])
+    layer_def, layer_state = nnx.split(model.layers)
+    keys, values = list(cache.keys), list(cache.values)
+    for i in range(config.num_layers):
+        if layers is None:
+            state_i = jax.tree.map(lambda a: a[i], layer_state)
+        else:
+            state_i = jax.tree.map(lambda a: a, layer_state)
+            nnx.replace_by_pure_dict(state_i, layers[i])
+        layer = nnx.merge(layer_def, state_i)
+
+        def attend(q, k, v, i=i):
+            k = k.transpose(0, 2, 3, 1).astype(keys[i].dtype)  # [B, KV, hd, 1]
+            v = v.swapaxes(1, 2).astype(values[i].dtype)  # [B, KV, 1, hd]
+            k_buf = jax.lax.dynamic_update_slice(keys[i], k, (0, 0, 0, slot))
+            v_buf = jax.lax.dynamic_update_slice(values[i], v, (0, 0, slot, 0))
+            return cached_attention(q, k_buf, v_buf, key_mask), (k_buf, v_buf)
+
+        x, (keys[i], values[i]) = layer(x, cos, sin, attend)
+    h = model.final_norm(x[:, 0])
+    return model.logits(h), KVCache(keys=tuple(keys), values=tuple(values))
+
+
+def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array) -> jax.Array:
+    """One query per row over the cache. q [B,1,H,hd], keys [B,KV,hd,C], values [B,KV,C,hd],
+    key_mask bool[B,C] -> [B,1,H,hd]."""
+    b, _, h, hd = q.shape
+    kv = keys.shape[1]
+    q = q.reshape(b, kv, h // kv, hd).astype(keys.dtype)
+    scores = jnp.einsum("bkgd,bkdc->bkgc", q, keys, preferred_element_type=jnp.float32)
+    scores = jnp.where(key_mask[:, None, None, :], scores * hd**-0.5, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("bkgc,bkcd->bkgd", probs, values).reshape(b, 1, h, hd)

@@ -1,0 +1,383 @@
+"""KV-cache sampler: `generate` (one policy) and `generate_stacked` (P policies, one call).
+
+One compiled program per (static settings, bucketed prompt length, batch size): prefill writes
+the prompt's keys/values into a preallocated, donated KV cache, then a `lax.while_loop` decodes
+one token per row per step until every row has emitted a stop token or `max_new_tokens` is
+reached. No Python runs per token and nothing returns to the host until the end.
+
+Prompts are left-aligned on the host (real tokens moved to the end of the row) and left-padded
+to a bucket length (`jmarl.rollouts.bucket_length`), so prompts of varied lengths reuse a few
+compiled programs. Positions come from the prompt mask, so padding never shifts RoPE.
+
+Log-probs: `Generation.logprobs[:, i]` is the log-probability of the sampled token under
+softmax(logits / temperature) BEFORE top-k/top-p truncation, i.e. exactly what
+`token_logprobs(..., temperature=T)` gives when re-scoring the same tokens. That is the
+behaviour-policy probability the importance ratio pi_new / pi_old needs: the learner scores
+tokens without truncation, so the sampler reports the same quantity. With `temperature=0`
+(greedy, argmax) the log-probs are taken under temperature 1.
+
+Many policies: `generate_stacked` takes parameters stacked on a leading policy axis [P, ...]
+and prompts [P, B, S]; the program is `jax.vmap`ped over policies, so a whole multi-agent turn
+is one device call. Policy p draws its randomness from `jax.random.fold_in(rng, p)`: its rows
+equal `generate(config, params_p, prompts_p, masks_p, jax.random.fold_in(rng, p), ...)`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jmarl.errors import JmarlError
+from jmarl.models.config import ModelConfig
+from jmarl.models.model import KVCache, Params, decode_step, empty_cache, prefill
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
+
+_TRACES = {"count": 0}
+
+
+@struct.dataclass
+class Generation:
+    """Sampled completions. tokens int32[..., B, N] (pad_id after a stop), logprobs
+    float32[..., B, N] (0 where masked), mask bool[..., B, N] (True up to and including the stop
+    token), lengths int32[..., B] (number of True in mask)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+
+
+def num_compiled_programs() -> int:
+    """How many generation programs have been traced (= compiled) in this process so far."""
+    return _TRACES["count"]
+
+
+# ---------------------------------------------------------------------------------- sampling
+def sample_token(
+    logits: jax.Array,
+    rng: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    *,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """logits float32[B,V] -> (token int32[B], log-prob float32[B] under softmax(logits / T),
+    before truncation). Greedy: argmax, log-prob at T=1. Else top-k, then top-p (the smallest
+    set of most likely tokens whose probability reaches top_p), then one draw per row by
+    inverse-CDF sampling (one uniform per row instead of a Gumbel per vocabulary entry)."""
+    logits = logits.astype(jnp.float32)
+    scaled = logits if greedy else logits / temperature
+    peak = jnp.max(scaled, axis=-1, keepdims=True)
+    weights = jnp.exp(scaled - peak)  # unnormalized softmax(scaled)
+    log_normalizer = peak[:, 0] + jnp.log(jnp.sum(weights, axis=-1))
+    if greedy:
+        token = first_argmax(scaled)
+    else:
+        if 0 < top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+            weights = jnp.where(scaled >= kth, weights, 0.0)
+        if use_top_p:
+            descending = -jnp.sort(-weights, axis=-1)
+            mass_before = jnp.cumsum(descending, axis=-1) - descending
+            total = jnp.sum(weights, axis=-1, keepdims=True)
+            kept = mass_before < top_p * total
+            threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
+            weights = jnp.where(weights >= threshold, weights, 0.0)
+        uniform = jax.random.uniform(rng, (logits.shape[0],), jnp.float32)
+        token = inverse_cdf_sample(weights, uniform)
+    picked = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+    return token, picked - log_normalizer
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32[B]: the first index of the maximum of each row of x [B,V] (two plain reductions,
+    which XLA:CPU runs much faster than argmax's (value, index) reduction)."""
+    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, iota, x.shape[-1]), axis=-1).astype(jnp.int32)
+
+
+def inverse_cdf_sample(weights: jax.Array, uniform: jax.Array, block: int = 256) -> jax.Array:
+    """Index i drawn with probability weights[b, i] / sum(weights[b]) for weights float32[B,V]
+    >= 0 and uniform float32[B] in [0, 1) -> int32[B]. Entries of weight 0 are never drawn.
+
+    Two levels: a cumulative sum over blocks of `block` entries picks the block, a cumulative
+    sum inside that block picks the entry (no full-vocabulary scan)."""
+    b, v = weights.shape
+    block = min(block, v)
+    num_blocks = -(-v // block)
+    blocks = jnp.pad(weights, ((0, 0), (0, num_blocks * block - v))).reshape(b, num_blocks, block)
+    block_mass = jnp.sum(blocks, axis=-1)
+    cum = jnp.cumsum(block_mass, axis=-1)
+    target = uniform * cum[:, -1]
+    block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
+    chosen = jnp.sum(cum <= target[:, None], axis=-1).astype(jnp.int32)
+    last_nonempty = jnp.max(jnp.where(block_mass > 0, block_ids, 0), axis=-1)
+    chosen = jnp.minimum(chosen, last_nonempty)  # only reachable through rounding at the top end
+    before = jnp.where(chosen > 0, jnp.take_along_axis(cum, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inside = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]
+    entry = jnp.sum(jnp.cumsum(inside, axis=-1) <= (target - before)[:, None], axis=-1).astype(jnp.int32)
+    last_positive = jnp.max(jnp.where(inside > 0, jnp.arange(block, dtype=jnp.int32), 0), axis=-1)
+    return chosen * block + jnp.minimum(entry, last_positive)
+
+
+def _generate_one(
+    config: ModelConfig,
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    mask: jax.Array,
+    rows: jax.Array | None,
+    rng: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    *,
+    max_new_tokens: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    stop_tokens: tuple[int, ...],
+    pad_id: int,
+) -> tuple[Generation, KVCache]:
+    """Prefill + while-loop decode for left-aligned prompts tokens/mask [U,S] (one policy);
+    row b of the batch continues prompt rows[b] (rows None: U = B, row b continues prompt b).
+
+    Returns (Generation, final cache); the cache is returned so that the donated input buffer
+    is updated in place instead of copied."""
+    prompt_tokens, prompt_mask = tokens, mask.astype(bool)
+    mask = prompt_mask if rows is None else prompt_mask[rows]
+    b, s = mask.shape
+    n = max_new_tokens
+    compute = jnp.dtype(config.compute_dtype)
+    params = jax.tree.map(lambda a: a.astype(compute) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+    config = config.replace(param_dtype=config.compute_dtype)
+    prompt_len = mask.sum(axis=1).astype(jnp.int32)
+    stops = jnp.asarray(stop_tokens, jnp.int32)
+
+    def choose(logits, step, done):
+        token, logprob = sample_token(
+            logits, jax.random.fold_in(rng, step), temperature, top_p,
+            greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+        )
+        token = jnp.where(done, pad_id, token)
+        logprob = jnp.where(done, 0.0, logprob)
+        return token, logprob, done | jnp.isin(token, stops)
+
+    logits, cache = prefill(config, params, prompt_tokens, prompt_mask, cache, rows)
+    layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
+    not_done = jnp.zeros((b,), bool)
+    token, logprob, done = choose(logits, 0, not_done)
+    out_tokens = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token)
+    out_logprobs = jnp.zeros((b, n), jnp.float32).at[:, 0].set(logprob)
+    lengths = jnp.ones((b,), jnp.int32)
+
+    def cond(carry):
+        step, _, _, done, *_ = carry
+        return (step < n) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, token, done, out_tokens, out_logprobs, lengths = carry
+        generated = jnp.broadcast_to(jnp.arange(n - 1)[None, :] < step, (b, n - 1))
+        key_mask = jnp.concatenate([mask, generated], axis=1)  # [B, S + N - 1]
+        logits, cache = decode_step(
+            config, params, cache, token, prompt_len + step - 1, s + step - 1, key_mask, layers
+        )
+        lengths = lengths + (~done).astype(jnp.int32)
+        token, logprob, done = choose(logits, step, done)
+        out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, step))
+        out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, logprob[:, None], (0, step))
+        return step + 1, cache, token, done, out_tokens, out_logprobs, lengths
+
+    carry = (jnp.int32(1), cache, token, done, out_tokens, out_logprobs, lengths)
+    _, cache, _, _, out_tokens, out_logprobs, lengths = jax.lax.while_loop(cond, body, carry)
+    out_mask = jnp.arange(n)[None, :] < lengths[:, None]
+    generation = Generation(tokens=out_tokens, logprobs=out_logprobs, mask=out_mask, lengths=lengths)
+    return generation, cache
+
+
+@functools.lru_cache(maxsize=None)
+def _program(
+    config: ModelConfig,
+    stacked: bool,
+    max_new_tokens: int,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+    stop_tokens: tuple[int, ...],
+    pad_id: int,
+):
+    """The jitted generation program for one set of static settings (cache donated)."""
+    core = functools.partial(
+        _generate_one, config, max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
+        use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id,
+    )
+
+    def program(params, cache, tokens, mask, rows, rng, temperature, top_p):
+        _TRACES["count"] += 1  # runs once per trace, i.e. once per compiled program
+        if stacked:
+            rngs = jax.vmap(lambda p: jax.random.fold_in(rng, p))(jnp.arange(tokens.shape[0]))
+            rows_axis = None if rows is None else 0
+            return jax.vmap(core, in_axes=(0, 0, 0, 0, rows_axis, 0, None, None))(
+                params, cache, tokens, mask, rows, rngs, temperature, top_p
+            )
+        return core(params, cache, tokens, mask, rows, rng, temperature, top_p)
+
+    return jax.jit(program, donate_argnums=(1,))
+
+
+_empty_cache = jax.jit(empty_cache, static_argnums=(0, 1, 2))
+
+
+# ---------------------------------------------------------------------------------- host side
+def left_align(
+    tokens: np.ndarray, mask: np.ndarray, length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Moves each row's real tokens (mask True, order kept) to the end of a [..., length] row;
+    returns (tokens int32[..., length], mask bool[..., length])."""
+    lead = tokens.shape[:-1]
+    tokens = tokens.reshape(-1, tokens.shape[-1])
+    mask = mask.reshape(-1, mask.shape[-1])
+    counts = mask.sum(axis=1)
+    order = np.argsort(~mask, axis=1, kind="stable")  # real tokens first, in order
+    real_first = np.take_along_axis(tokens, order, axis=1)
+    source = np.arange(length)[None, :] - (length - counts[:, None])
+    valid = source >= 0
+    picked = np.take_along_axis(real_first, np.clip(source, 0, tokens.shape[1] - 1), axis=1)
+    out = np.where(valid, picked, pad_id).astype(np.int32)
+    return out.reshape(lead + (length,)), valid.reshape(lead + (length,))
+
+
+def unique_prompts(
+    tokens: np.ndarray, mask: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Finds repeated prompts (GRPO groups repeat each prompt G times) so the prefill runs once
+    per distinct prompt. tokens/mask [..., B, S] -> (tokens [..., U, S], mask [..., U, S],
+    rows int32[..., B] or None), U the number of distinct rows rounded up to a power of two
+    (padded with copies of a real prompt). None (and the inputs unchanged) when U would be B."""
+    *lead, b, s = tokens.shape
+    flat_t = tokens.reshape(-1, b, s)
+    flat_m = mask.reshape(-1, b, s)
+    found = [np.unique(np.concatenate([t, m], axis=1), axis=0, return_inverse=True) for t, m in zip(flat_t, flat_m)]
+    distinct = max(len(u) for u, _ in found)
+    padded = 1 << (distinct - 1).bit_length()
+    if padded >= b:
+        return tokens, mask, None
+    out_t = np.empty((len(found), padded, s), tokens.dtype)
+    out_m = np.empty((len(found), padded, s), bool)
+    rows = np.empty((len(found), b), np.int32)
+    for i, (uniq, inverse) in enumerate(found):
+        uniq = np.concatenate([uniq, np.repeat(uniq[:1], padded - len(uniq), axis=0)])
+        out_t[i], out_m[i] = uniq[:, :s], uniq[:, s:].astype(bool)
+        rows[i] = inverse.reshape(-1)
+    shape = tuple(lead)
+    return out_t.reshape(shape + (padded, s)), out_m.reshape(shape + (padded, s)), rows.reshape(shape + (b,))
+
+
+def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    if int(max_new_tokens) < 1:
+        raise JmarlError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise JmarlError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise JmarlError(f"top_p must be in (0, 1], got {top_p}")
+    if int(top_k) < 0:
+        raise JmarlError(f"top_k must be >= 0 (0 = off), got {top_k}")
+
+
+def _run(
+    config: ModelConfig,
+    params: Params,
+    prompt_tokens,
+    prompt_mask,
+    rng: jax.Array,
+    *,
+    stacked: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    stop_tokens: Sequence[int],
+    pad_id: int,
+    buckets: Sequence[int],
+) -> Generation:
+    _check_options(max_new_tokens, temperature, top_p, top_k)
+    tokens = np.asarray(prompt_tokens)
+    mask = np.asarray(prompt_mask).astype(bool)
+    want = 3 if stacked else 2
+    if tokens.ndim != want or tokens.shape != mask.shape:
+        axes = "[P, B, S]" if stacked else "[B, S]"
+        raise JmarlError(
+            f"prompt_tokens and prompt_mask must both be {axes}; got {tokens.shape} and {mask.shape}"
+        )
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+        raise JmarlError(f"prompt token ids must be in [0, {config.vocab_size}), the model's vocabulary")
+    length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), buckets)
+    tokens, mask = left_align(tokens, mask, length, pad_id)
+    batch_shape = tokens.shape[:-1]
+    tokens, mask, rows = unique_prompts(tokens, mask)
+    greedy = float(temperature) == 0.0
+    program = _program(
+        config, stacked, int(max_new_tokens), greedy, int(top_k), float(top_p) < 1.0,
+        tuple(int(t) for t in stop_tokens), int(pad_id),
+    )
+    cache = _empty_cache(config, batch_shape, length + int(max_new_tokens) - 1)
+    temp = jnp.float32(1.0 if greedy else temperature)
+    generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p))
+    return generation
+
+
+def generate(
+    config: ModelConfig,
+    params: Params,
+    prompt_tokens,
+    prompt_mask,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int = 0,
+    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+) -> Generation:
+    """Samples up to max_new_tokens per prompt. prompt_tokens int[B,S], prompt_mask bool[B,S]
+    (any padding side) -> Generation with [B, max_new_tokens] fields. temperature 0 = greedy;
+    top_k 0 and top_p 1 disable truncation; a row stops after emitting any of stop_tokens."""
+    return _run(
+        config, params, prompt_tokens, prompt_mask, rng, stacked=False,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets,
+    )
+
+
+def generate_stacked(
+    config: ModelConfig,
+    stacked_params: Params,
+    prompt_tokens,
+    prompt_mask,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int = 0,
+    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+) -> Generation:
+    """P policies of one architecture in one device call: stacked_params with a leading [P]
+    axis, prompt_tokens/prompt_mask [P,B,S] -> Generation with [P, B, max_new_tokens] fields.
+    Policy p uses jax.random.fold_in(rng, p)."""
+    return _run(
+        config, stacked_params, prompt_tokens, prompt_mask, rng, stacked=True,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets,
+    )

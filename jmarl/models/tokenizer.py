@@ -1,0 +1,151 @@
+"""Tokenizers behind one small interface: HF tokenizers from a local directory, and a built-in
+character tokenizer for offline tasks and tests.
+
+Interface (both classes): `encode(text) -> list[int]` (no special tokens added),
+`decode(ids, skip_special_tokens=True) -> str`, `apply_chat_template(messages,
+add_generation_prompt=True, tokenize=False)`, `pad_id`, `eos_id`, `bos_id`, `vocab_size`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from jmarl.errors import JmarlError
+
+# A plain-text chat template: "role: content" per line, then "assistant: " to prompt a reply.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+class Tokenizer(Protocol):
+    """What the rest of jmarl needs from a tokenizer."""
+
+    pad_id: int
+    eos_id: int
+    bos_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]: ...
+
+
+class CharTokenizer:
+    """One token per character: pad 0, eos 1, bos 2, then the 95 printable ASCII characters
+    (space to '~') and newline. Other characters encode as '?'. `save(path)` writes an
+    equivalent HF `PreTrainedTokenizerFast` so transformers/TRL load the same tokenizer."""
+
+    PAD, EOS, BOS = "<pad>", "</s>", "<s>"
+    UNKNOWN_CHAR = "?"
+
+    def __init__(self) -> None:
+        chars = [chr(c) for c in range(32, 127)] + ["\n"]
+        self.specials = [self.PAD, self.EOS, self.BOS]
+        self.id_to_piece = self.specials + chars
+        self.piece_to_id = {p: i for i, p in enumerate(self.id_to_piece)}
+        self.pad_id, self.eos_id, self.bos_id = 0, 1, 2
+        self.vocab_size = len(self.id_to_piece)
+        self.chat_template = PLAIN_CHAT_TEMPLATE
+
+    def encode(self, text: str) -> list[int]:
+        """Character ids; no special tokens are added."""
+        unknown = self.piece_to_id[self.UNKNOWN_CHAR]
+        return [self.piece_to_id.get(ch, unknown) for ch in text]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Concatenated characters; special tokens dropped unless `skip_special_tokens=False`."""
+        pieces = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise JmarlError(f"token id {i} is outside CharTokenizer's vocabulary of {self.vocab_size}")
+            if i < len(self.specials) and skip_special_tokens:
+                continue
+            pieces.append(self.id_to_piece[i])
+        return "".join(pieces)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        """`role: content` lines (+ `assistant: `), the same text as `PLAIN_CHAT_TEMPLATE`."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "assistant: "
+        return self.encode(text) if tokenize else text
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (HF format)."""
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = dict(self.piece_to_id)
+        backend = HFTokenizer(models.WordLevel(vocab, unk_token=self.UNKNOWN_CHAR))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            pad_token=self.PAD,
+            eos_token=self.EOS,
+            bos_token=self.BOS,
+        )  # no unk_token here: '?' must stay an ordinary (non-special) character
+        hf.chat_template = self.chat_template
+        os.makedirs(path, exist_ok=True)
+        hf.save_pretrained(os.fspath(path))
+
+
+class HFTokenizer:
+    """A transformers tokenizer (and its chat template) behind the jmarl interface."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.hf = tokenizer
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id
+        if eos is None and pad is None:
+            raise JmarlError("the tokenizer defines neither an eos nor a pad token; set one in tokenizer_config.json")
+        self.eos_id = int(eos if eos is not None else pad)
+        self.pad_id = int(pad if pad is not None else self.eos_id)
+        self.bos_id = None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; no special tokens are added."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        """The tokenizer's own chat template applied to `messages`."""
+        if not getattr(self.hf, "chat_template", None):
+            raise JmarlError("this tokenizer has no chat_template; add one to tokenizer_config.json")
+        text = self.hf.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return self.encode(text) if tokenize else text
+
+
+def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """The HF tokenizer (with its chat template) saved in a local directory."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise JmarlError(f"tokenizer directory not found: {path}")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise JmarlError(f"no tokenizer.json or tokenizer_config.json in {path}")
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError, json.JSONDecodeError) as err:
+        raise JmarlError(f"could not load the tokenizer in {path}: {err}") from None

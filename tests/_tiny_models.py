@@ -1,0 +1,82 @@
+"""Builders of tiny random HF checkpoints (Llama with llama3 RoPE scaling, Qwen2, Qwen3) for
+tests; each directory also holds the CharTokenizer, saved in HF format."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+VOCAB_SIZE = 99  # CharTokenizer's vocabulary
+
+_BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def hf_config(family: str, **overrides: Any):
+    """A tiny `transformers` config of `family` ("llama", "qwen2", "qwen3")."""
+    import transformers
+
+    kwargs = dict(_BASE)
+    if family == "llama":
+        cls = transformers.LlamaConfig
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        kwargs["rope_theta"] = 500000.0
+    elif family == "qwen2":
+        cls = transformers.Qwen2Config
+        kwargs["rope_theta"] = 1000000.0
+    elif family == "qwen3":
+        cls = transformers.Qwen3Config
+        kwargs["head_dim"] = 24  # explicit head_dim != hidden / heads
+        kwargs["rope_theta"] = 1000000.0
+    else:
+        raise ValueError(f"unknown family {family}")
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def make_tiny_torch_model(family: str, seed: int = 0, **overrides: Any):
+    """A random tiny `transformers` causal LM in eval mode (fp32, eager attention)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(family, **overrides)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # non-trivial norm weights and biases, so they are tested too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def make_tiny_checkpoint(tmp_path: str | os.PathLike, family: str, seed: int = 0, **overrides: Any) -> str:
+    """Saves a random tiny `family` model + the CharTokenizer to `tmp_path/family`; returns it."""
+    from jmarl.models.tokenizer import CharTokenizer
+
+    path = os.path.join(os.fspath(tmp_path), f"{family}-{seed}")
+    model = make_tiny_torch_model(family, seed, **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    CharTokenizer().save(path)
+    return path

@@ -1,0 +1,60 @@
+"""CharTokenizer, its HF twin written by `save`, and `load_tokenizer`."""
+
+import pytest
+import transformers
+
+from jmarl.errors import JmarlError
+from jmarl.models import CharTokenizer, load_tokenizer
+
+TEXTS = ["Hello, world!", "line one\nline two\n", "  spaced  ~{}|", "x = 3 * (4 + 5)", "caf\u00e9 \u2603"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?\nAnswer:"}]
+
+
+def test_char_tokenizer_layout_and_round_trip():
+    tok = CharTokenizer()
+    assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.vocab_size) == (0, 1, 2, 99)
+    assert tok.encode(" ") == [3] and tok.encode("~") == [97] and tok.encode("\n") == [98]
+    for text in TEXTS[:4]:
+        ids = tok.encode(text)
+        assert len(ids) == len(text) and min(ids) >= 3
+        assert tok.decode(ids) == text
+    assert tok.decode(tok.encode("caf\u00e9")) == "caf?"  # non-ASCII maps to '?'
+    assert tok.decode([2, 43, 1, 0]) == "H"
+    assert tok.decode([2, 43, 1], skip_special_tokens=False) == "<s>H</s>"
+    with pytest.raises(JmarlError, match="outside"):
+        tok.decode([99])
+    chat = tok.apply_chat_template(MESSAGES)
+    assert chat == "system: Be brief.\nuser: 2+2?\nAnswer:\nassistant: "
+    assert tok.apply_chat_template(MESSAGES, add_generation_prompt=False, tokenize=True) == tok.encode(
+        "system: Be brief.\nuser: 2+2?\nAnswer:\n"
+    )
+
+
+def test_saved_char_tokenizer_is_the_same_in_transformers(tmp_path):
+    tok = CharTokenizer()
+    tok.save(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (hf.pad_token_id, hf.eos_token_id, hf.bos_token_id, len(hf)) == (0, 1, 2, 99)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert hf.encode(text, add_special_tokens=False) == ids
+        assert hf(text)["input_ids"] == ids  # no special tokens added by default either
+        assert hf.decode(ids) == tok.decode(ids)
+    assert hf.decode([2, 40, 41, 1, 0], skip_special_tokens=True) == tok.decode([2, 40, 41, 1, 0])
+    for gen in (True, False):
+        assert hf.apply_chat_template(MESSAGES, add_generation_prompt=gen, tokenize=False) == (
+            tok.apply_chat_template(MESSAGES, add_generation_prompt=gen)
+        )
+    ours = load_tokenizer(tmp_path)
+    assert (ours.pad_id, ours.eos_id, ours.bos_id, ours.vocab_size) == (0, 1, 2, 99)
+    for text in TEXTS:
+        assert ours.encode(text) == tok.encode(text)
+        assert ours.decode(ours.encode(text)) == tok.decode(tok.encode(text))
+    assert ours.apply_chat_template(MESSAGES, tokenize=True) == tok.apply_chat_template(MESSAGES, tokenize=True)
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(JmarlError, match="not found"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(JmarlError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)

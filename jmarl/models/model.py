@@ -309,7 +309,9 @@ def token_logprobs(
 # ---------------------------------------------------------------------------------- KV cache
 @struct.dataclass
 class KVCache:
-    """Per-layer key/value buffers, each [B, KV, C, head_dim] in the compute dtype (C = capacity)."""
+    """Per-layer buffers in the compute dtype (C = capacity): keys [B, KV, head_dim, C] (stored
+    transposed, so the query-key product reads them in their natural layout), values
+    [B, KV, C, head_dim]."""
 
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
@@ -317,33 +319,51 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """C, the number of token slots."""
-        return int(self.keys[0].shape[2])
+        return int(self.values[0].shape[2])
 
 
 def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
     """Zeroed KV cache for `batch_size` rows of up to `capacity` tokens."""
-    shape = (batch_size, config.num_kv_heads, capacity, config.head_dim)
-    dtype = jnp.dtype(config.compute_dtype)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return KVCache(keys=zeros, values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)))
+    return empty_cache(config, (batch_size,), capacity)
+
+
+def empty_cache(config: ModelConfig, leading: tuple[int, ...], capacity: int) -> KVCache:
+    """Zeroed KV cache whose buffers have the batch shape `leading` (e.g. (P, B) when stacked)."""
+    kv, hd, dtype = config.num_kv_heads, config.head_dim, jnp.dtype(config.compute_dtype)
+    layers = range(config.num_layers)
+    return KVCache(
+        keys=tuple(jnp.zeros(leading + (kv, hd, capacity), dtype) for _ in layers),
+        values=tuple(jnp.zeros(leading + (kv, capacity, hd), dtype) for _ in layers),
+    )
 
 
 def prefill(
-    config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array, cache: KVCache
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    cache: KVCache,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs the prompt tokens [B,S] through the model; writes their keys/values to cache slots
+    """Runs the prompt tokens [U,S] through the model; writes their keys/values to cache slots
     [0, S) and returns (float32 logits of the last slot [B,V], cache). Prompts should be
-    left-padded so every row's last real token sits in slot S-1."""
+    left-padded so every row's last real token sits in slot S-1. Without `rows`, U = B; with
+    rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once)."""
     model = bind(config, params)
     h, (keys, values) = model.hidden(tokens, attention_mask, return_kv=True)
+    h = h[:, -1]
+    if rows is not None:
+        keys, values, h = keys[:, rows], values[:, rows], h[rows]
     dtype = jnp.dtype(config.compute_dtype)
 
-    def write(buffers: tuple[jax.Array, ...], stacked: jax.Array) -> tuple[jax.Array, ...]:
-        new = stacked.swapaxes(2, 3).astype(dtype)  # [L, B, KV, S, hd]
+    def write(buffers: tuple[jax.Array, ...], new: jax.Array) -> tuple[jax.Array, ...]:
+        new = new.astype(dtype)
         return tuple(jax.lax.dynamic_update_slice(buf, new[i], (0, 0, 0, 0)) for i, buf in enumerate(buffers))
 
+    keys = keys.transpose(0, 1, 3, 4, 2)  # [L, B, S, KV, hd] -> [L, B, KV, hd, S]
+    values = values.swapaxes(2, 3)  # -> [L, B, KV, S, hd]
     cache = KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
-    return model.logits(h[:, -1]), cache
+    return model.logits(h), cache
 
 
 def decode_step(
@@ -376,9 +396,9 @@ def decode_step(
         layer = nnx.merge(layer_def, state_i)
 
         def attend(q, k, v, i=i):
-            k = k.swapaxes(1, 2).astype(keys[i].dtype)  # [B, KV, 1, hd]
-            v = v.swapaxes(1, 2).astype(values[i].dtype)
-            k_buf = jax.lax.dynamic_update_slice(keys[i], k, (0, 0, slot, 0))
+            k = k.transpose(0, 2, 3, 1).astype(keys[i].dtype)  # [B, KV, hd, 1]
+            v = v.swapaxes(1, 2).astype(values[i].dtype)  # [B, KV, 1, hd]
+            k_buf = jax.lax.dynamic_update_slice(keys[i], k, (0, 0, 0, slot))
             v_buf = jax.lax.dynamic_update_slice(values[i], v, (0, 0, slot, 0))
             return cached_attention(q, k_buf, v_buf, key_mask), (k_buf, v_buf)
 
@@ -388,12 +408,12 @@ def decode_step(
 
 
 def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array) -> jax.Array:
-    """One query per row over the cache. q [B,1,H,hd], keys/values [B,KV,C,hd], key_mask
-    bool[B,C] -> [B,1,H,hd]."""
+    """One query per row over the cache. q [B,1,H,hd], keys [B,KV,hd,C], values [B,KV,C,hd],
+    key_mask bool[B,C] -> [B,1,H,hd]."""
     b, _, h, hd = q.shape
     kv = keys.shape[1]
     q = q.reshape(b, kv, h // kv, hd).astype(keys.dtype)
-    scores = jnp.einsum("bkgd,bkcd->bkgc", q, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkgd,bkdc->bkgc", q, keys, preferred_element_type=jnp.float32)
     scores = jnp.where(key_mask[:, None, None, :], scores * hd**-0.5, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     return jnp.einsum("bkgc,bkcd->bkgd", probs, values).reshape(b, 1, h, hd)

@@ -34,10 +34,9 @@ from flax import struct
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import KVCache, Params, decode_step, prefill
+from jmarl.models.model import KVCache, Params, decode_step, empty_cache, prefill
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
 
-_NEG_INF = -jnp.inf
 _TRACES = {"count": 0}
 
 
@@ -71,26 +70,62 @@ def sample_token(
 ) -> tuple[jax.Array, jax.Array]:
     """logits float32[B,V] -> (token int32[B], log-prob float32[B] under softmax(logits / T),
     before truncation). Greedy: argmax, log-prob at T=1. Else top-k, then top-p (the smallest
-    set of most likely tokens whose probability reaches top_p), then a categorical draw."""
+    set of most likely tokens whose probability reaches top_p), then one draw per row by
+    inverse-CDF sampling (one uniform per row instead of a Gumbel per vocabulary entry)."""
     logits = logits.astype(jnp.float32)
+    scaled = logits if greedy else logits / temperature
+    peak = jnp.max(scaled, axis=-1, keepdims=True)
+    weights = jnp.exp(scaled - peak)  # unnormalized softmax(scaled)
+    log_normalizer = peak[:, 0] + jnp.log(jnp.sum(weights, axis=-1))
     if greedy:
-        token = jnp.argmax(logits, axis=-1)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-    scaled = logits / temperature
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    allowed = scaled
-    if 0 < top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-        allowed = jnp.where(scaled >= kth, allowed, _NEG_INF)
-    if use_top_p:
-        descending = -jnp.sort(-allowed, axis=-1)
-        probs = jax.nn.softmax(descending, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        threshold = jnp.min(jnp.where(mass_before < top_p, descending, jnp.inf), axis=-1, keepdims=True)
-        allowed = jnp.where(allowed >= threshold, allowed, _NEG_INF)
-    token = jax.random.categorical(rng, allowed, axis=-1).astype(jnp.int32)
-    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+        token = first_argmax(scaled)
+    else:
+        if 0 < top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+            weights = jnp.where(scaled >= kth, weights, 0.0)
+        if use_top_p:
+            descending = -jnp.sort(-weights, axis=-1)
+            mass_before = jnp.cumsum(descending, axis=-1) - descending
+            total = jnp.sum(weights, axis=-1, keepdims=True)
+            kept = mass_before < top_p * total
+            threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
+            weights = jnp.where(weights >= threshold, weights, 0.0)
+        uniform = jax.random.uniform(rng, (logits.shape[0],), jnp.float32)
+        token = inverse_cdf_sample(weights, uniform)
+    picked = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+    return token, picked - log_normalizer
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32[B]: the first index of the maximum of each row of x [B,V] (two plain reductions,
+    which XLA:CPU runs much faster than argmax's (value, index) reduction)."""
+    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, iota, x.shape[-1]), axis=-1).astype(jnp.int32)
+
+
+def inverse_cdf_sample(weights: jax.Array, uniform: jax.Array, block: int = 256) -> jax.Array:
+    """Index i drawn with probability weights[b, i] / sum(weights[b]) for weights float32[B,V]
+    >= 0 and uniform float32[B] in [0, 1) -> int32[B]. Entries of weight 0 are never drawn.
+
+    Two levels: a cumulative sum over blocks of `block` entries picks the block, a cumulative
+    sum inside that block picks the entry (no full-vocabulary scan)."""
+    b, v = weights.shape
+    block = min(block, v)
+    num_blocks = -(-v // block)
+    blocks = jnp.pad(weights, ((0, 0), (0, num_blocks * block - v))).reshape(b, num_blocks, block)
+    block_mass = jnp.sum(blocks, axis=-1)
+    cum = jnp.cumsum(block_mass, axis=-1)
+    target = uniform * cum[:, -1]
+    block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
+    chosen = jnp.sum(cum <= target[:, None], axis=-1).astype(jnp.int32)
+    last_nonempty = jnp.max(jnp.where(block_mass > 0, block_ids, 0), axis=-1)
+    chosen = jnp.minimum(chosen, last_nonempty)  # only reachable through rounding at the top end
+    before = jnp.where(chosen > 0, jnp.take_along_axis(cum, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inside = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]
+    entry = jnp.sum(jnp.cumsum(inside, axis=-1) <= (target - before)[:, None], axis=-1).astype(jnp.int32)
+    last_positive = jnp.max(jnp.where(inside > 0, jnp.arange(block, dtype=jnp.int32), 0), axis=-1)
+    return chosen * block + jnp.minimum(entry, last_positive)
 
 
 def _generate_one(
@@ -99,6 +134,7 @@ def _generate_one(
     cache: KVCache,
     tokens: jax.Array,
     mask: jax.Array,
+    rows: jax.Array | None,
     rng: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
@@ -110,16 +146,18 @@ def _generate_one(
     stop_tokens: tuple[int, ...],
     pad_id: int,
 ) -> tuple[Generation, KVCache]:
-    """Prefill + while-loop decode for left-aligned prompts tokens/mask [B,S] (one policy).
+    """Prefill + while-loop decode for left-aligned prompts tokens/mask [U,S] (one policy);
+    row b of the batch continues prompt rows[b] (rows None: U = B, row b continues prompt b).
 
     Returns (Generation, final cache); the cache is returned so that the donated input buffer
     is updated in place instead of copied."""
-    b, s = tokens.shape
+    prompt_tokens, prompt_mask = tokens, mask.astype(bool)
+    mask = prompt_mask if rows is None else prompt_mask[rows]
+    b, s = mask.shape
     n = max_new_tokens
     compute = jnp.dtype(config.compute_dtype)
     params = jax.tree.map(lambda a: a.astype(compute) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
     config = config.replace(param_dtype=config.compute_dtype)
-    mask = mask.astype(bool)
     prompt_len = mask.sum(axis=1).astype(jnp.int32)
     stops = jnp.asarray(stop_tokens, jnp.int32)
 
@@ -132,7 +170,7 @@ def _generate_one(
         logprob = jnp.where(done, 0.0, logprob)
         return token, logprob, done | jnp.isin(token, stops)
 
-    logits, cache = prefill(config, params, tokens, mask, cache)
+    logits, cache = prefill(config, params, prompt_tokens, prompt_mask, cache, rows)
     layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
     not_done = jnp.zeros((b,), bool)
     token, logprob, done = choose(logits, 0, not_done)
@@ -181,27 +219,20 @@ def _program(
         use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id,
     )
 
-    def program(params, cache, tokens, mask, rng, temperature, top_p):
+    def program(params, cache, tokens, mask, rows, rng, temperature, top_p):
         _TRACES["count"] += 1  # runs once per trace, i.e. once per compiled program
         if stacked:
             rngs = jax.vmap(lambda p: jax.random.fold_in(rng, p))(jnp.arange(tokens.shape[0]))
-            return jax.vmap(core, in_axes=(0, 0, 0, 0, 0, None, None))(
-                params, cache, tokens, mask, rngs, temperature, top_p
+            rows_axis = None if rows is None else 0
+            return jax.vmap(core, in_axes=(0, 0, 0, 0, rows_axis, 0, None, None))(
+                params, cache, tokens, mask, rows, rngs, temperature, top_p
             )
-        return core(params, cache, tokens, mask, rng, temperature, top_p)
+        return core(params, cache, tokens, mask, rows, rng, temperature, top_p)
 
     return jax.jit(program, donate_argnums=(1,))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _empty_cache(config: ModelConfig, leading: tuple[int, ...], capacity: int) -> KVCache:
-    shape = leading + (config.num_kv_heads, capacity, config.head_dim)
-    dtype = jnp.dtype(config.compute_dtype)
-    layers = range(config.num_layers)
-    return KVCache(
-        keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
-        values=tuple(jnp.zeros(shape, dtype) for _ in layers),
-    )
+_empty_cache = jax.jit(empty_cache, static_argnums=(0, 1, 2))
 
 
 # ---------------------------------------------------------------------------------- host side
@@ -221,6 +252,32 @@ def left_align(
     picked = np.take_along_axis(real_first, np.clip(source, 0, tokens.shape[1] - 1), axis=1)
     out = np.where(valid, picked, pad_id).astype(np.int32)
     return out.reshape(lead + (length,)), valid.reshape(lead + (length,))
+
+
+def unique_prompts(
+    tokens: np.ndarray, mask: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Finds repeated prompts (GRPO groups repeat each prompt G times) so the prefill runs once
+    per distinct prompt. tokens/mask [..., B, S] -> (tokens [..., U, S], mask [..., U, S],
+    rows int32[..., B] or None), U the number of distinct rows rounded up to a power of two
+    (padded with copies of a real prompt). None (and the inputs unchanged) when U would be B."""
+    *lead, b, s = tokens.shape
+    flat_t = tokens.reshape(-1, b, s)
+    flat_m = mask.reshape(-1, b, s)
+    found = [np.unique(np.concatenate([t, m], axis=1), axis=0, return_inverse=True) for t, m in zip(flat_t, flat_m)]
+    distinct = max(len(u) for u, _ in found)
+    padded = 1 << (distinct - 1).bit_length()
+    if padded >= b:
+        return tokens, mask, None
+    out_t = np.empty((len(found), padded, s), tokens.dtype)
+    out_m = np.empty((len(found), padded, s), bool)
+    rows = np.empty((len(found), b), np.int32)
+    for i, (uniq, inverse) in enumerate(found):
+        uniq = np.concatenate([uniq, np.repeat(uniq[:1], padded - len(uniq), axis=0)])
+        out_t[i], out_m[i] = uniq[:, :s], uniq[:, s:].astype(bool)
+        rows[i] = inverse.reshape(-1)
+    shape = tuple(lead)
+    return out_t.reshape(shape + (padded, s)), out_m.reshape(shape + (padded, s)), rows.reshape(shape + (b,))
 
 
 def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
@@ -263,14 +320,16 @@ def _run(
         raise JmarlError(f"prompt token ids must be in [0, {config.vocab_size}), the model's vocabulary")
     length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), buckets)
     tokens, mask = left_align(tokens, mask, length, pad_id)
+    batch_shape = tokens.shape[:-1]
+    tokens, mask, rows = unique_prompts(tokens, mask)
     greedy = float(temperature) == 0.0
     program = _program(
         config, stacked, int(max_new_tokens), greedy, int(top_k), float(top_p) < 1.0,
         tuple(int(t) for t in stop_tokens), int(pad_id),
     )
-    cache = _empty_cache(config, tokens.shape[:-1], length + int(max_new_tokens) - 1)
+    cache = _empty_cache(config, batch_shape, length + int(max_new_tokens) - 1)
     temp = jnp.float32(1.0 if greedy else temperature)
-    generation, _ = program(params, cache, tokens, mask, rng, temp, jnp.float32(top_p))
+    generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p))
     return generation
 
 

@@ -1,0 +1,250 @@
+"""KV-cache sampler: parity with `transformers` generate, log-prob consistency, sampling law,
+truncation, determinism, compile reuse across prompt lengths, stacked policies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
+from jmarl.errors import JmarlError
+from jmarl.models import (
+    apply,
+    generate,
+    generate_stacked,
+    init,
+    load_hf,
+    num_compiled_programs,
+    sample_token,
+    token_logprobs,
+)
+from jmarl.models.sampler import inverse_cdf_sample, left_align, unique_prompts
+
+N_NEW = 12
+
+
+def _prompts(lengths, width, seed=0):
+    """Left-padded prompts [B, width] with the given real lengths."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((len(lengths), width), np.int64)
+    mask = np.zeros((len(lengths), width), bool)
+    for i, n in enumerate(lengths):
+        tokens[i, width - n:] = rng.integers(3, VOCAB_SIZE, n)
+        mask[i, width - n:] = True
+    return tokens, mask
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny(request, tmp_path_factory):
+    family = request.param
+    config, params = load_hf(make_tiny_checkpoint(tmp_path_factory.mktemp(family), family))
+    return family, config, params, make_tiny_torch_model(family)
+
+
+def _hf_greedy(model, tokens, mask, n, stop=None):
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
+            do_sample=False, max_new_tokens=n, pad_token_id=0,
+            eos_token_id=stop, min_new_tokens=0 if stop is not None else n,
+        )[:, tokens.shape[1]:].numpy()
+    return np.pad(out, ((0, 0), (0, n - out.shape[1])))  # HF stops early when all rows ended
+
+
+def test_greedy_matches_transformers_with_left_padding_and_stop_token(tiny):
+    _, config, params, model = tiny
+    tokens, mask = _prompts([9, 4, 7, 1], 9)
+    free = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(free.tokens), _hf_greedy(model, tokens, mask, N_NEW))
+    assert np.asarray(free.mask).all() and (np.asarray(free.lengths) == N_NEW).all()
+    # Stop on the token row 0 emits at step 4 (other rows may or may not emit it).
+    stop = int(free.tokens[0, 4])
+    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0,
+                   stop_tokens=(stop,), pad_id=0)
+    ref = _hf_greedy(model, tokens, mask, N_NEW, stop=stop)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref)
+    got_tokens, got_mask, lengths = np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.lengths)
+    assert lengths[0] <= 5 and got_tokens[0, lengths[0] - 1] == stop
+    for row in range(len(tokens)):
+        hits = np.flatnonzero(np.asarray(free.tokens)[row] == stop)
+        expected = hits[0] + 1 if hits.size else N_NEW
+        assert lengths[row] == expected
+        assert got_mask[row].tolist() == [i < expected for i in range(N_NEW)]
+        assert (got_tokens[row, expected:] == 0).all()
+        assert (np.asarray(out.logprobs)[row, expected:] == 0).all()
+    # Greedy log-probs are taken under temperature 1.
+    full = np.concatenate([tokens, got_tokens], 1)
+    full_mask = np.concatenate([mask, got_mask], 1)
+    rescored = np.asarray(token_logprobs(config, params, full, full_mask, 1.0))[:, tokens.shape[1]:]
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.where(got_mask, rescored, 0), atol=1e-4)
+
+
+def test_repeated_prompts_share_one_prefill_and_match_transformers(tiny):
+    _, config, params, model = tiny
+    distinct, distinct_mask = _prompts([6, 3, 5], 6, seed=5)
+    rows = np.array([0, 1, 2, 1, 0, 0, 2, 1, 1, 0])  # 3 distinct prompts in 10 rows -> 4-row prefill
+    tokens, mask = distinct[rows], distinct_mask[rows]
+    _, unique_mask, index = unique_prompts(*left_align(tokens, mask, 8, 0))
+    assert unique_mask.shape == (4, 8) and index.shape == (10,)
+    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), _hf_greedy(model, tokens, mask, N_NEW))
+    sampled = generate(config, params, tokens, mask, jax.random.key(3), max_new_tokens=N_NEW, temperature=1.0)
+    full = np.concatenate([tokens, np.asarray(sampled.tokens)], 1)
+    full_mask = np.concatenate([mask, np.asarray(sampled.mask)], 1)
+    rescored = np.asarray(token_logprobs(config, params, full, full_mask, 1.0))[:, 6:]
+    np.testing.assert_allclose(np.asarray(sampled.logprobs), rescored, atol=1e-4)
+    assert len({tuple(r) for r in np.asarray(sampled.tokens)}) > 3  # rows of one prompt still differ
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.8)])
+def test_sampled_logprobs_equal_rescoring_and_truncation_is_respected(tiny, top_k, top_p):
+    _, config, params, _ = tiny
+    tokens, mask = _prompts([6, 3, 8, 8, 5, 2], 8, seed=1)
+    temperature = 0.7
+    out = generate(config, params, tokens, mask, jax.random.key(5), max_new_tokens=N_NEW,
+                   temperature=temperature, top_k=top_k, top_p=top_p)
+    full = np.concatenate([tokens, np.asarray(out.tokens)], 1)
+    full_mask = np.concatenate([mask, np.asarray(out.mask)], 1)
+    # Log-probs are under the untruncated softmax(logits / T): re-scoring reproduces them.
+    rescored = np.asarray(token_logprobs(config, params, full, full_mask, temperature))[:, 8:]
+    np.testing.assert_allclose(np.asarray(out.logprobs), rescored, atol=1e-4)
+    if top_k:
+        logits = np.asarray(apply(config, params, full, full_mask))[:, 7:-1] / temperature  # predicts new tokens
+        sampled = np.asarray(out.tokens)
+        ranks = (logits > np.take_along_axis(logits, sampled[..., None], -1)).sum(-1)
+        assert (ranks < top_k).all()  # inside the top k
+        order = np.sort(logits, axis=-1)[..., ::-1][..., :top_k]
+        probs = np.exp(order - order.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        mass_before = np.cumsum(probs, -1) - probs
+        assert (mass_before[np.arange(len(ranks))[:, None], np.arange(N_NEW)[None], ranks] < top_p).all()
+
+
+def _chi_square(counts, probs):
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampling_distribution_matches_softmax_and_truncation():
+    logits = jnp.asarray([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3]])
+    n = 40000
+    batch = jnp.broadcast_to(logits, (n, 8))
+    temperature = 0.8
+
+    def draw(**kw):
+        fn = jax.jit(lambda lg, key: sample_token(lg, key, jnp.float32(temperature), jnp.float32(kw.get("top_p", 1.0)),
+                                                  greedy=False, top_k=kw.get("top_k", 0), use_top_p="top_p" in kw))
+        tokens, logprob = fn(batch, jax.random.key(123))  # logits as an argument: no constant folding
+        return np.asarray(tokens), np.asarray(logprob)
+
+    p = np.asarray(jax.nn.softmax(logits[0] / temperature), np.float64)
+    tokens, logprob = draw()
+    counts = np.bincount(tokens, minlength=8)
+    assert _chi_square(counts, p) < 24.32  # chi-square, 7 dof, p = 0.001
+    np.testing.assert_allclose(logprob, np.log(p)[tokens], rtol=1e-5)
+    # top-k = 3 keeps tokens {0, 1, 2}; the kept mass renormalized.
+    tokens, logprob = draw(top_k=3)
+    counts = np.bincount(tokens, minlength=8)
+    assert set(np.flatnonzero(counts)) <= {0, 1, 2}
+    kept = p[[0, 1, 2]] / p[[0, 1, 2]].sum()
+    assert _chi_square(counts[[0, 1, 2]], kept) < 13.82  # 2 dof
+    np.testing.assert_allclose(logprob, np.log(p)[tokens], rtol=1e-5)  # untruncated log-probs
+    # top-p = 0.75: sorted probs of the first tokens -> the smallest prefix reaching 0.75.
+    order = np.argsort(-p)
+    prefix = order[: int(np.searchsorted(np.cumsum(p[order]), 0.75) + 1)]
+    tokens, _ = draw(top_p=0.75)
+    counts = np.bincount(tokens, minlength=8)
+    assert set(np.flatnonzero(counts)) == set(prefix.tolist())
+    kept = p[prefix] / p[prefix].sum()
+    assert _chi_square(counts[prefix], kept) < 16.27 + 2 * (len(prefix) - 4)  # p = 0.001 for <= 3 dof
+    # Inverse-CDF draws never pick a zero-weight entry, even at the ends of [0, 1).
+    weights = jnp.asarray(np.tile([0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 1e-30, 0.0, 0.0], (6, 1)), jnp.float32)
+    edges = jnp.asarray([0.0, 1e-9, 0.25, 0.5, 1 - 1e-7, np.nextafter(np.float32(1), np.float32(0))], jnp.float32)
+    picked = np.asarray(inverse_cdf_sample(weights, edges, block=4))
+    assert set(picked.tolist()) <= {2, 4, 7} and picked[0] == 2 and picked[3] == 4
+    # Greedy.
+    greedy_tokens, greedy_lp = sample_token(batch[:2], jax.random.key(0), jnp.float32(1), jnp.float32(1),
+                                            greedy=True, top_k=0, use_top_p=False)
+    assert np.asarray(greedy_tokens).tolist() == [0, 0]
+    np.testing.assert_allclose(greedy_lp, np.log(np.asarray(jax.nn.softmax(logits[0])))[0], rtol=1e-6)
+
+
+def test_same_rng_same_output_and_padding_side_does_not_matter(tiny):
+    _, config, params, _ = tiny
+    tokens, mask = _prompts([5, 2, 7], 7, seed=2)
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0)
+    a = generate(config, params, tokens, mask, jax.random.key(7), **kw)
+    b = generate(config, params, tokens, mask, jax.random.key(7), **kw)
+    c = generate(config, params, tokens, mask, jax.random.key(8), **kw)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    # The same prompts right-padded (and with extra pad columns) give the same result.
+    right = np.zeros((3, 10), np.int64)
+    right_mask = np.zeros((3, 10), bool)
+    for i in range(3):
+        n = mask[i].sum()
+        right[i, :n] = tokens[i, mask[i]]
+        right_mask[i, :n] = True
+    d = generate(config, params, right, right_mask, jax.random.key(7), **kw)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(d.tokens))
+
+
+def test_left_align():
+    tokens = np.array([[5, 6, 0, 0], [0, 7, 8, 9], [1, 0, 2, 0]])
+    mask = tokens > 0
+    out, out_mask = left_align(tokens, mask, 5, pad_id=0)
+    assert out.tolist() == [[0, 0, 0, 5, 6], [0, 0, 7, 8, 9], [0, 0, 0, 1, 2]]
+    assert out_mask.tolist() == (out > 0).tolist()
+
+
+def test_varied_prompt_lengths_reuse_bucketed_programs(tiny):
+    _, config, params, _ = tiny
+    buckets = (8, 16, 32)
+    rng = np.random.default_rng(0)
+    before = num_compiled_programs()
+    used = set()
+    for i in range(20):
+        lengths = rng.integers(1, 31, size=4)
+        width = int(lengths.max()) + int(rng.integers(0, 3))
+        tokens, mask = _prompts(lengths, width, seed=i)
+        out = generate(config, params, tokens, mask, jax.random.key(i), max_new_tokens=4, temperature=1.0,
+                       buckets=buckets)
+        assert out.tokens.shape == (4, 4)
+        used.add(min(b for b in buckets if b >= lengths.max()))
+    assert num_compiled_programs() - before <= len(used) <= len(buckets)
+
+
+def test_stacked_policies_equal_separate_calls(tiny):
+    _, config, params, _ = tiny
+    other = init(config, jax.random.key(11))
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)
+    t0, m0 = _prompts([4, 6, 2], 6, seed=3)
+    t1, m1 = _prompts([6, 1, 5], 6, seed=4)
+    tokens, mask = np.stack([t0, t1]), np.stack([m0, m1])
+    rng = jax.random.key(21)
+    kw = dict(max_new_tokens=N_NEW, temperature=0.9, stop_tokens=(5, 6, 7))
+    both = generate_stacked(config, stacked, tokens, mask, rng, **kw)
+    assert both.tokens.shape == (2, 3, N_NEW) and both.lengths.shape == (2, 3)
+    for p, single_params in enumerate([params, other]):
+        alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(rng, p), **kw)
+        for field in ("tokens", "mask", "lengths"):
+            np.testing.assert_array_equal(np.asarray(getattr(both, field)[p]), np.asarray(getattr(alone, field)))
+        np.testing.assert_allclose(np.asarray(both.logprobs[p]), np.asarray(alone.logprobs), atol=1e-5)
+
+
+def test_bad_options_raise(tiny):
+    _, config, params, _ = tiny
+    tokens, mask = _prompts([3], 3)
+    key = jax.random.key(0)
+    with pytest.raises(JmarlError, match="max_new_tokens"):
+        generate(config, params, tokens, mask, key, max_new_tokens=0)
+    with pytest.raises(JmarlError, match="top_p"):
+        generate(config, params, tokens, mask, key, max_new_tokens=2, top_p=0.0)
+    with pytest.raises(JmarlError, match="temperature"):
+        generate(config, params, tokens, mask, key, max_new_tokens=2, temperature=-1.0)
+    with pytest.raises(JmarlError, match=r"\[B, S\]"):
+        generate(config, params, tokens[0], mask[0], key, max_new_tokens=2)
+    with pytest.raises(JmarlError, match="vocabulary"):
+        generate(config, params, tokens + VOCAB_SIZE, mask, key, max_new_tokens=2)

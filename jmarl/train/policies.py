@@ -82,27 +82,6 @@ class PolicySet:
         raise JmarlError(f"no policy with id {policy_id}")
 
 
-def resolve_agent_policy(mode: str, agents: Sequence[str], agent_to_policy: dict[str, str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(policy names, agent_policy ids) from the config's map; missing agents get defaults.
-
-    Defaults: `shared` puts every agent on one policy named 'shared'; other modes give each
-    agent its own policy named after it.
-    """
-    unknown = sorted(set(agent_to_policy) - set(agents))
-    if unknown:
-        raise JmarlError(
-            f"policies.agent_to_policy names unknown agents {unknown}; the env's agents are {list(agents)}"
-        )
-    names: list[str] = []
-    ids: list[int] = []
-    for agent in agents:
-        name = agent_to_policy.get(agent, "shared" if mode == "shared" else agent)
-        if name not in names:
-            names.append(name)
-        ids.append(names.index(name))
-    return tuple(names), tuple(ids)
-
-
 def build_tokenizer(spec: str | None, model_path: str | None) -> Any:
     """'char' -> the built-in CharTokenizer; a directory -> its HF tokenizer; None -> model_path's."""
     if spec == "char":

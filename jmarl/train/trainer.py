@@ -27,23 +27,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl import algos, envs, models
-from jmarl.config import Config, algo_options, dump_yaml
+from jmarl.config import Config, agent_policy_map, algo_options, dump_yaml, plan_options
 from jmarl.errors import JmarlError
 from jmarl.rollouts import Rollouts, select
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.lora import init_lora, merge_lora
 from jmarl.train.metrics import MetricsLogger, write_summary
 from jmarl.train.optim import make_optimizer
-from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_tokenizer, resolve_agent_policy, stack
+from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_tokenizer, stack
 from jmarl.train.progress import ProgressBar
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
 from jmarl.train.step import TrainState, init_train_state, jit_update, make_update
-from jmarl.workflows import build_rollouts, run_plan, summarize
+from jmarl.workflows import PLANS, build_rollouts, run_plan, summarize
 
 log = logging.getLogger(__name__)
 
-# the plan option that carries workflow.group_size
-GROUP_SIZE_OPTION = {"independent": "num_episodes", "tree": "num_candidates", "joint": "num_samples"}
+# sampling plans whose samples the trainer routes by agent (shared/node_wise: see issue 9)
+TRAINER_PLANS = ("independent", "tree", "joint")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ GROUP_SIZE_OPTION = {"independent": "num_episodes", "tree": "num_candidates", "j
 def build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool) -> PolicySet:
     """The run's policies (see `jmarl.train.policies`), optimizer states initialised."""
     pc = config.policies
-    names, agent_policy = resolve_agent_policy(pc.mode, agents, dict(pc.agent_to_policy))
+    names, agent_policy = agent_policy_map(pc, tuple(agents))
     ids = tuple(range(len(names)))
     groups: list[PolicyGroup] = []
     if pc.mode == "heterogeneous":
@@ -98,21 +98,6 @@ def init_state(trainable, optimizer, stacked: bool) -> TrainState:
     if stacked:
         return jax.vmap(lambda p: init_train_state(p, optimizer))(trainable)
     return init_train_state(trainable, optimizer)
-
-
-def plan_options(config: Config, *, group_size: int | None = None, max_turns: int | None = None) -> dict[str, Any]:
-    """The sampling plan's keyword options: workflow.options + group size + turn limit."""
-    plan = config.workflow.plan
-    if plan not in GROUP_SIZE_OPTION:
-        raise JmarlError(
-            f"workflow.plan {plan!r} is not wired into the trainer yet; use one of {sorted(GROUP_SIZE_OPTION)}"
-        )
-    opts = dict(config.workflow.options)
-    opts[GROUP_SIZE_OPTION[plan]] = group_size or config.workflow.group_size
-    turns = max_turns or config.workflow.max_turns
-    if turns is not None:
-        opts["max_turns"] = turns
-    return opts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,8 +228,13 @@ class Trainer:
         self.env = envs.make(config.env.name, **dict(config.env.options))
         self.method = algos.get_method(config.algo.name)
         self.algo_cfg = algo_options(config)
-        if config.workflow.plan not in GROUP_SIZE_OPTION:
-            plan_options(config)  # raises the clear error
+        self.plan_fn = PLANS[config.workflow.plan][0]
+        self.plan_opts = plan_options(config)
+        if config.workflow.plan not in TRAINER_PLANS:
+            raise JmarlError(
+                f"workflow.plan {config.workflow.plan!r} is not wired into the trainer yet; "
+                f"use one of {sorted(TRAINER_PLANS)}"
+            )
         self.key = jax.random.key(config.seed)
         o = config.optim
         self.optimizer = make_optimizer(
@@ -384,9 +374,7 @@ class Trainer:
         key = jax.random.fold_in(self.key, self.step)
         seeds = [envs.train_seed(self.step * cfg.workflow.num_tasks + i) for i in range(cfg.workflow.num_tasks)]
         self.sampler.new_tokens = 0
-        result = run_plan(
-            cfg.workflow.plan, self.env, seeds, self.policies.agent_policy, self.sampler, key, **plan_options(cfg)
-        )
+        result = self.plan_fn(self.env, seeds, self.policies.agent_policy, self.sampler, key, self.plan_opts)
         t_gen = time.perf_counter() - t0
         metrics: dict[str, float] = {f"rollout/{k}": v for k, v in summarize(result.episodes).items()}
         metrics["rollout/samples"] = float(len(result.records))

@@ -10,7 +10,6 @@ import typing
 
 import _np_reference as ref
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings

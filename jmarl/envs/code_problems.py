@@ -26,6 +26,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from jmarl.envs.common import read_jsonl
 from jmarl.errors import JmarlError
 
 NUM_HIDDEN_TESTS = 8
@@ -594,23 +595,8 @@ def load_jsonl(path: str) -> tuple[Problem, ...]:
     The format is detected per record: HumanEval has `canonical_solution` and `test`, MBPP has
     `test_list`, APPS has `input_output`.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise JmarlError(f"cannot read code problems from {path!r}: {e.strerror}; pass path= a "
-                         "HumanEval/MBPP/APPS-style JSONL file") from None
     problems = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise JmarlError(f"{where} is not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise JmarlError(f"{where} is not a JSON object")
+    for where, record in read_jsonl(path, "code"):
         try:
             if "canonical_solution" in record and "test" in record:
                 problems.append(_humaneval(record))

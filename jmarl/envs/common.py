@@ -9,6 +9,7 @@ item can occur in training, whatever the seeds.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping
@@ -149,3 +150,27 @@ def file_stamp(path: str, env: str) -> tuple[str, float, int]:
         raise JmarlError(f"{env}: data file {path!r} not found; pass path= an existing JSONL file")
     st = os.stat(path)
     return os.path.abspath(path), st.st_mtime, st.st_size
+
+
+def read_jsonl(path: str, env: str) -> Iterator[tuple[str, dict]]:
+    """("file:line", object) for every non-blank line of a JSONL file.
+
+    Raises JmarlError naming the file (and line) when it cannot be read, a line is not JSON,
+    or a line is not a JSON object.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise JmarlError(f"{env}: cannot read {path!r} ({e.strerror}); pass path= an existing JSONL file") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise JmarlError(f"{env}: {where} is not valid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise JmarlError(f"{env}: {where} is not a JSON object")
+        yield where, record

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import random
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar
 
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
-from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory,
+from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory, read_jsonl,
                                memory_block, split_items)
 from jmarl.envs.parsing import (answers_match, canonical_answer, extract_answer, extract_boxed,
                                 extract_python, run_program)
@@ -154,22 +153,15 @@ def final_answer_of(answer: Any) -> str:
 @functools.lru_cache(maxsize=16)
 def _load_jsonl(path: str, mtime: float, size: int) -> tuple[Problem, ...]:
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise JmarlError(f"math: {path}:{lineno} is not valid JSON ({e})") from None
-            q = next((row[k] for k in _QUESTION_KEYS if isinstance(row, dict) and k in row), None)
-            a = next((row[k] for k in _ANSWER_KEYS if isinstance(row, dict) and k in row), None)
-            if q is None or a is None:
-                raise JmarlError(f"math: {path}:{lineno} needs a question field (one of "
-                                 f"{_QUESTION_KEYS}) and an answer field (one of {_ANSWER_KEYS})")
-            full = str(a)
-            explanation = full.rsplit("####", 1)[0].strip() if "####" in full else ""
-            problems.append(Problem(str(q), final_answer_of(full), explanation))
+    for where, row in read_jsonl(path, "math"):
+        q = next((row[k] for k in _QUESTION_KEYS if k in row), None)
+        a = next((row[k] for k in _ANSWER_KEYS if k in row), None)
+        if q is None or a is None:
+            raise JmarlError(f"math: {where} needs a question field (one of "
+                             f"{_QUESTION_KEYS}) and an answer field (one of {_ANSWER_KEYS})")
+        full = str(a)
+        explanation = full.rsplit("####", 1)[0].strip() if "####" in full else ""
+        problems.append(Problem(str(q), final_answer_of(full), explanation))
     if not problems:
         raise JmarlError(f"math: {path} holds no problems")
     return tuple(problems)

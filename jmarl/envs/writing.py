@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import random
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
-from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory,
+from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory, read_jsonl,
                                memory_block, split_items)
 from jmarl.errors import JmarlError
 
@@ -131,19 +130,11 @@ def generate_paragraph(rng: random.Random) -> str:
 @functools.lru_cache(maxsize=16)
 def _load_jsonl(path: str, mtime: float, size: int) -> tuple[str, ...]:
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise JmarlError(f"writing: {path}:{lineno} is not valid JSON ({e})") from None
-            text = next((row[k] for k in _TEXT_KEYS if isinstance(row, dict) and k in row), None)
-            if not isinstance(text, str) or not text.strip():
-                raise JmarlError(f"writing: {path}:{lineno} needs a non-empty text field (one "
-                                 f"of {_TEXT_KEYS})")
-            texts.append(text.strip())
+    for where, row in read_jsonl(path, "writing"):
+        text = next((row[k] for k in _TEXT_KEYS if k in row), None)
+        if not isinstance(text, str) or not text.strip():
+            raise JmarlError(f"writing: {where} needs a non-empty text field (one of {_TEXT_KEYS})")
+        texts.append(text.strip())
     if not texts:
         raise JmarlError(f"writing: {path} holds no texts")
     return tuple(texts)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jmarl import models
 from jmarl.errors import JmarlError
-from jmarl.train.lora import init_lora, merge_lora
+from jmarl.train.lora import merge_lora
 from jmarl.train.step import TrainState
 
 Params = Any

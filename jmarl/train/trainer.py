@@ -385,6 +385,7 @@ class Trainer:
         rollouts = build_rollouts(result.records, pad_id=self.policies.groups[0].tokenizer.pad_id)
         rewards = np.asarray(rollouts.reward)
         metrics["rollout/reward_mean"] = float(np.mean(rewards[np.isfinite(rewards)])) if np.isfinite(rewards).any() else float("nan")
+        metrics["rollout/reward_std"] = float(np.std(rewards[np.isfinite(rewards)])) if np.isfinite(rewards).any() else float("nan")
         metrics["rollout/nonfinite_rewards"] = float(np.sum(~np.isfinite(rewards)))
 
         t_score = t_update = 0.0

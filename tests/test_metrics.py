@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jmarl.train import metrics as metrics_mod
 from jmarl.train.metrics import MetricsLogger, metric_series, read_metrics, write_summary
 from jmarl.train.progress import ProgressBar
 

@@ -66,6 +66,11 @@ class Env(Protocol):
       parallel: True if the agents of a turn all observe the state after the previous turn;
         False if each sees the actions already taken in this turn (sequential).
       max_turns: the episode ends after this many turns at the latest.
+
+    Optional: `is_active(state, agent) -> bool`, for hierarchical envs where only some agents
+    act in a turn (Router: the master and the sub-agent it routed to). Plans that visit agent
+    nodes one at a time (`node_wise`) skip inactive agents; envs without it have every agent
+    active.
     """
 
     name: str

@@ -223,10 +223,14 @@ def test_stacked_policies_equal_separate_calls(tiny):
     t0, m0 = _prompts([4, 6, 2], 6, seed=3)
     t1, m1 = _prompts([6, 1, 5], 6, seed=4)
     tokens, mask = np.stack([t0, t1]), np.stack([m0, m1])
+    # Each policy sees two prompts, each twice (the prefill is shared across repeats).
+    tokens = np.stack([t0[[0, 2, 2, 0]], t1[[0, 1, 0, 1]]])
+    mask = np.stack([m0[[0, 2, 2, 0]], m1[[0, 1, 0, 1]]])
+    assert unique_prompts(*left_align(tokens, mask, 8, 0))[2].shape == (2, 4)  # shared prefill in use
     rng = jax.random.key(21)
     kw = dict(max_new_tokens=N_NEW, temperature=0.9, stop_tokens=(5, 6, 7))
     both = generate_stacked(config, stacked, tokens, mask, rng, **kw)
-    assert both.tokens.shape == (2, 3, N_NEW) and both.lengths.shape == (2, 3)
+    assert both.tokens.shape == (2, 4, N_NEW) and both.lengths.shape == (2, 4)
     for p, single_params in enumerate([params, other]):
         alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(rng, p), **kw)
         for field in ("tokens", "mask", "lengths"):

@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 SIZES: dict[str, dict[str, int]] = {

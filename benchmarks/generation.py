@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 SIZES: dict[str, dict[str, int]] = {
@@ -119,7 +118,7 @@ def bench_size(size: str, repeats: int, new_tokens: int, batches: tuple[int, ...
         distinct = rng.integers(3, config.vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32)
         prompts = np.repeat(distinct, group, axis=0)
         mask = np.ones_like(prompts, bool)
-        parity = check_parity(config, params, torch_model, prompts)
+        parity = check_parity(config, params, torch_model, distinct)
         torch_prompts = torch.tensor(prompts.astype(np.int64))
         torch_mask = torch.ones_like(torch_prompts)
 

@@ -35,11 +35,26 @@ def _prompts(lengths, width, seed=0):
     return tokens, mask
 
 
+_LOADED = {}
+
+
+def _load(family, tmp_path_factory):
+    if family not in _LOADED:
+        config, params = load_hf(make_tiny_checkpoint(tmp_path_factory.mktemp(family), family))
+        _LOADED[family] = (family, config, params, make_tiny_torch_model(family))
+    return _LOADED[family]
+
+
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def tiny(request, tmp_path_factory):
-    family = request.param
-    config, params = load_hf(make_tiny_checkpoint(tmp_path_factory.mktemp(family), family))
-    return family, config, params, make_tiny_torch_model(family)
+    """Both families: for the parity tests against transformers."""
+    return _load(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """One family: for the tests of sampler mechanics (the model code is shared)."""
+    return _load("qwen2", tmp_path_factory)
 
 
 def _hf_greedy(model, tokens, mask, n, stop=None):
@@ -98,8 +113,8 @@ def test_repeated_prompts_share_one_prefill_and_match_transformers(tiny):
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.8)])
-def test_sampled_logprobs_equal_rescoring_and_truncation_is_respected(tiny, top_k, top_p):
-    _, config, params, _ = tiny
+def test_sampled_logprobs_equal_rescoring_and_truncation_is_respected(qwen2, top_k, top_p):
+    _, config, params, _ = qwen2
     tokens, mask = _prompts([6, 3, 8, 8, 5, 2], 8, seed=1)
     temperature = 0.7
     out = generate(config, params, tokens, mask, jax.random.key(5), max_new_tokens=N_NEW,
@@ -170,8 +185,8 @@ def test_sampling_distribution_matches_softmax_and_truncation():
     np.testing.assert_allclose(greedy_lp, np.log(np.asarray(jax.nn.softmax(logits[0])))[0], rtol=1e-6)
 
 
-def test_same_rng_same_output_and_padding_side_does_not_matter(tiny):
-    _, config, params, _ = tiny
+def test_same_rng_same_output_and_padding_side_does_not_matter(qwen2):
+    _, config, params, _ = qwen2
     tokens, mask = _prompts([5, 2, 7], 7, seed=2)
     kw = dict(max_new_tokens=N_NEW, temperature=1.0)
     a = generate(config, params, tokens, mask, jax.random.key(7), **kw)
@@ -199,8 +214,8 @@ def test_left_align():
     assert out_mask.tolist() == (out > 0).tolist()
 
 
-def test_varied_prompt_lengths_reuse_bucketed_programs(tiny):
-    _, config, params, _ = tiny
+def test_varied_prompt_lengths_reuse_bucketed_programs(qwen2):
+    _, config, params, _ = qwen2
     buckets = (8, 16, 32)
     rng = np.random.default_rng(0)
     before = num_compiled_programs()
@@ -216,17 +231,21 @@ def test_varied_prompt_lengths_reuse_bucketed_programs(tiny):
     assert num_compiled_programs() - before <= len(used) <= len(buckets)
 
 
-def test_stacked_policies_equal_separate_calls(tiny):
-    _, config, params, _ = tiny
+def test_stacked_policies_equal_separate_calls(qwen2):
+    _, config, params, _ = qwen2
     other = init(config, jax.random.key(11))
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)
     t0, m0 = _prompts([4, 6, 2], 6, seed=3)
     t1, m1 = _prompts([6, 1, 5], 6, seed=4)
     tokens, mask = np.stack([t0, t1]), np.stack([m0, m1])
+    # Each policy sees two prompts, each twice (the prefill is shared across repeats).
+    tokens = np.stack([t0[[0, 2, 2, 0]], t1[[0, 1, 0, 1]]])
+    mask = np.stack([m0[[0, 2, 2, 0]], m1[[0, 1, 0, 1]]])
+    assert unique_prompts(*left_align(tokens, mask, 8, 0))[2].shape == (2, 4)  # shared prefill in use
     rng = jax.random.key(21)
     kw = dict(max_new_tokens=N_NEW, temperature=0.9, stop_tokens=(5, 6, 7))
     both = generate_stacked(config, stacked, tokens, mask, rng, **kw)
-    assert both.tokens.shape == (2, 3, N_NEW) and both.lengths.shape == (2, 3)
+    assert both.tokens.shape == (2, 4, N_NEW) and both.lengths.shape == (2, 4)
     for p, single_params in enumerate([params, other]):
         alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(rng, p), **kw)
         for field in ("tokens", "mask", "lengths"):
@@ -234,8 +253,8 @@ def test_stacked_policies_equal_separate_calls(tiny):
         np.testing.assert_allclose(np.asarray(both.logprobs[p]), np.asarray(alone.logprobs), atol=1e-5)
 
 
-def test_bad_options_raise(tiny):
-    _, config, params, _ = tiny
+def test_bad_options_raise(qwen2):
+    _, config, params, _ = qwen2
     tokens, mask = _prompts([3], 3)
     key = jax.random.key(0)
     with pytest.raises(JmarlError, match="max_new_tokens"):

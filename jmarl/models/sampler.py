@@ -1,6 +1,7 @@
 """KV-cache sampler: `generate` (one policy) and `generate_stacked` (P policies, one call).
 
-One compiled program per (static settings, bucketed prompt length, batch size): prefill writes
+One compiled program per static settings and input shape (batch size, bucketed prompt length,
+number of distinct prompts rounded up to a power of two): prefill writes
 the prompt's keys/values into a preallocated, donated KV cache, then a `lax.while_loop` decodes
 one token per row per step until every row has emitted a stop token or `max_new_tokens` is
 reached. No Python runs per token and nothing returns to the host until the end.
@@ -8,6 +9,12 @@ reached. No Python runs per token and nothing returns to the host until the end.
 Prompts are left-aligned on the host (real tokens moved to the end of the row) and left-padded
 to a bucket length (`jmarl.rollouts.bucket_length`), so prompts of varied lengths reuse a few
 compiled programs. Positions come from the prompt mask, so padding never shifts RoPE.
+Identical prompt rows (a GRPO group repeats its prompt G times) are prefilled once and their
+keys/values copied to every row of the group. Each decode step runs the layers as an unrolled
+loop over per-layer cache buffers (updated in place) and per-layer parameter slices taken once
+before the loop (this holds one extra copy of the layer weights while generating).
+Sampling draws one uniform per row and inverts the CDF (top-k/top-p applied to the weights
+first), which is much cheaper on CPU than a Gumbel variate per vocabulary entry.
 
 Log-probs: `Generation.logprobs[:, i]` is the log-probability of the sampled token under
 softmax(logits / temperature) BEFORE top-k/top-p truncation, i.e. exactly what

@@ -261,6 +261,9 @@ class Trainer:
             )
             for g in self.policies.groups
         ]
+        from jmarl.sharding import shard_trainer
+
+        self.mesh = shard_trainer(self)  # config.mesh: shard states, run updates with in/out shardings
         self.checkpointer = Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False

@@ -30,6 +30,7 @@ SETUP = textwrap.dedent(
     CONFIG = models.ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
     OPT = make_optimizer(1e-3, total_steps=10, eps=1e-6)
+    FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # faster CPU compiles
 
     def loss_fn(params, frozen, batch, m):
         lp = models.token_logprobs(CONFIG, params, batch["tokens"], batch["attention_mask"])
@@ -63,7 +64,7 @@ WORKER = textwrap.dedent(
     params = sharding.shard_params(CONFIG, models.init(CONFIG, jax.random.key(0)), mesh)
     state = sharding.shard_train_state(CONFIG, init_train_state(params, OPT), mesh)
     shardings = sharding.train_state_shardings(CONFIG, state, mesh)
-    step = sharding.sharded_update(make_update(loss_fn, OPT, num_minibatches=2), mesh, shardings)
+    step = sharding.sharded_update(make_update(loss_fn, OPT, num_minibatches=2), mesh, shardings, compiler_options=FAST)
     state, metrics = step(state, None, make_batch())
     kernel = state.params["layers"]["mlp"]["gate_proj"]["kernel"]
     assert not kernel.is_fully_addressable and kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
@@ -109,7 +110,7 @@ def test_two_processes_match_single_process(tmp_path):
     # the single-process reference: the same step, unsharded
     scope: dict = {}
     exec(SETUP, scope)
-    update = jax.jit(make_update(scope["loss_fn"], scope["OPT"], num_minibatches=2))
+    update = jax.jit(make_update(scope["loss_fn"], scope["OPT"], num_minibatches=2), compiler_options=scope["FAST"])
     ref_state, ref_metrics = update(
         init_train_state(models.init(scope["CONFIG"], jax.random.key(0)), scope["OPT"]), None, scope["make_batch"]()
     )

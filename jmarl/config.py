@@ -553,7 +553,11 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axis sizes; their product must equal the device count (data -1: the rest)."""
+    """Device mesh axis sizes (see `jmarl.sharding.make_mesh`); data -1: all remaining devices.
+
+    The product may be smaller than the device count (the mesh then uses the first devices),
+    never larger. The default (all 1) runs unsharded on one device.
+    """
 
     data: int = _field(1, ge=-1)
     fsdp: int = _field(1, ge=1)
@@ -567,6 +571,29 @@ class MeshConfig:
     def axes(self) -> dict[str, int]:
         """Axis name -> size, in mesh order."""
         return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "policy": self.policy}
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host runs: how `jax.distributed.initialize` is called before any device is used.
+
+    initialize: 'auto' initializes when a coordinator is given here or the environment names one
+    (JAX_COORDINATOR_ADDRESS, a multi-task SLURM/Open MPI job, a multi-host TPU slice); 'always'
+    calls it even without (a TPU pod finds its peers itself); 'never' runs single-process.
+    """
+
+    initialize: Literal["auto", "always", "never"] = "auto"
+    coordinator_address: str | None = None  # host:port of process 0; None: from the environment
+    num_processes: int | None = _field(None, ge=1)
+    process_id: int | None = _field(None, ge=0)
+
+    def _validate(self, path: str) -> None:
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise JmarlError(
+                f"{_join(path, 'process_id')}: must be < num_processes ({self.num_processes}), got {self.process_id}"
+            )
+        if self.coordinator_address is not None and self.initialize == "never":
+            raise JmarlError(f"{_join(path, 'initialize')}: 'never' contradicts coordinator_address; remove one")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -589,6 +616,7 @@ class Config:
     checkpoint: CheckpointConfig = _field(factory=CheckpointConfig)
     logging: LoggingConfig = _field(factory=LoggingConfig)
     mesh: MeshConfig = _field(factory=MeshConfig)
+    distributed: DistributedConfig = _field(factory=DistributedConfig)
 
     def _validate(self, path: str) -> None:
         if self.policies.mode == "heterogeneous":

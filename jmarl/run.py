@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_training(config: Config) -> object:
     """Calls `jmarl.train.trainer.train(config)` (imported here, so --print-config stays light)."""
+    from jmarl.sharding import maybe_initialize_distributed
+
+    maybe_initialize_distributed(config)  # multi-host: before anything touches devices
     try:
         trainer = importlib.import_module(_TRAINER)
     except ModuleNotFoundError as e:

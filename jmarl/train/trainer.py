@@ -30,6 +30,7 @@ from jmarl import algos, envs, models
 from jmarl.config import Config, agent_policy_map, algo_options, dump_yaml, plan_options
 from jmarl.errors import JmarlError
 from jmarl.rollouts import Rollouts, select
+from jmarl.sharding import shard_trainer, to_host
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.lora import init_lora, merge_lora
 from jmarl.train.metrics import MetricsLogger, write_summary
@@ -261,6 +262,7 @@ class Trainer:
             )
             for g in self.policies.groups
         ]
+        self.mesh = shard_trainer(self)  # config.mesh: shard states, run updates with in/out shardings
         self.checkpointer = Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False
@@ -469,7 +471,7 @@ class Trainer:
         for pid, name in enumerate(self.policies.policy_names):
             group = self.policies.group_of(pid)
             path = root / name
-            models.save_hf(path, group.model_config, jax.device_get(group.policy_params(pid)))
+            models.save_hf(path, group.model_config, to_host(group.policy_params(pid)))
             save_tok = getattr(group.tokenizer, "save", None) or getattr(group.tokenizer, "save_pretrained", None)
             if save_tok is not None:
                 save_tok(str(path))

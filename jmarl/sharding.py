@@ -1,0 +1,607 @@
+"""Sharding: device meshes, partition rules, sharded updates and sampling, multi-host, memory plans.
+
+JAX is the distributed engine: a `jax.sharding.Mesh` with four named axes, `PartitionSpec`s
+derived from parameter paths, `jax.jit` with in/out shardings, and `jax.distributed` across
+hosts. The same code runs on one CPU, 8 simulated CPU devices, a GPU host or a TPU pod slice.
+
+Mesh axes (device-grid order, `tensor` innermost so it lands on the fastest links):
+
+    data    batch rows (pure data parallelism: parameters replicated)
+    policy  the stacked per-agent policy axis [P, ...] (per-agent policies / LoRA adapters)
+    fsdp    batch rows AND parameter/gradient/optimizer-state shards (ZeRO-3 style)
+    tensor  attention heads / MLP hidden units / vocabulary (Megatron-style tensor parallelism)
+
+Partition rules (for the trailing axes of each parameter; leading axes such as the stacked
+layer axis L are not sharded, a stacked policy axis P is sharded on `policy`):
+
+    embed/embedding [V, D]               (tensor, fsdp)
+    attn/{q,k,v}_proj/kernel [D, H]      (fsdp, tensor)     bias [H] (tensor)
+    attn/o_proj/kernel [H, D]            (tensor, fsdp)     bias [D] replicated
+    mlp/{gate,up}_proj/kernel [D, F]     (fsdp, tensor)
+    mlp/down_proj/kernel [F, D]          (tensor, fsdp)
+    lm_head/kernel [D, V]                (fsdp, tensor)
+    */scale (RMSNorm, q/k norms)         replicated
+    LoRA {kernel}/a [in, r], {kernel}/b [r, out]: a keeps the kernel's `in` axis, b its `out` axis
+
+An axis that does not divide a dimension is dropped for that dimension (the array is then
+replicated along it), so every spec is valid for every model size and mesh. Optimizer state
+leaves are matched to parameters by the trailing dict-key path (optax states mirror the
+parameter tree), so `adam.mu['layers']['attn']['q_proj']['kernel']` is sharded like the kernel.
+
+    mesh = make_mesh(fsdp=4, tensor=2)
+    params = shard_params(config, params, mesh)        # a notebook shards a model in two lines
+
+Memory planning: `python -m jmarl.sharding plan --model qwen3-8b --mesh fsdp=8 --mesh data=2,fsdp=4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import math
+import os
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jmarl.errors import JmarlError
+
+log = logging.getLogger(__name__)
+
+Params = Any
+MESH_AXES: tuple[str, ...] = ("data", "policy", "fsdp", "tensor")
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+
+# trailing-axis rules keyed by (module name, parameter name); None = not sharded
+_IN_OUT = ("fsdp", "tensor")  # kernels [D, X]: input on fsdp, output on tensor
+_OUT_IN = ("tensor", "fsdp")  # kernels [X, D]
+_RULES: dict[tuple[str, str], tuple[Any, ...]] = {
+    ("embed", "embedding"): ("tensor", "fsdp"),
+    ("lm_head", "kernel"): _IN_OUT,
+    **{(m, "kernel"): _IN_OUT for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
+    **{(m, "kernel"): _OUT_IN for m in ("o_proj", "down_proj")},
+    **{(m, "bias"): ("tensor",) for m in ("q_proj", "k_proj", "v_proj")},
+    ("o_proj", "bias"): (None,),
+}
+_LORA_LEAVES = ("a", "b")
+
+
+# ---------------------------------------------------------------------------------- meshes
+def make_mesh(
+    data: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    policy: int = 1,
+    *,
+    devices: Sequence[Any] | None = None,
+) -> Mesh:
+    """A `Mesh` with axes ("data", "policy", "fsdp", "tensor") of the given sizes.
+
+    `data=-1` takes all devices the other axes leave. The product may be smaller than the
+    number of devices (the first devices are used), never larger. `devices` defaults to
+    `jax.devices()` (all processes' devices in a multi-host run). Axes are `Auto`, so code
+    without sharding annotations runs unchanged and XLA propagates the input shardings.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data": int(data), "fsdp": int(fsdp), "tensor": int(tensor), "policy": int(policy)}
+    for name, size in sizes.items():
+        if size < 1 and not (name == "data" and size == -1):
+            raise JmarlError(f"mesh.{name} must be >= 1 (data may be -1: all remaining devices), got {size}")
+    rest = sizes["fsdp"] * sizes["tensor"] * sizes["policy"]
+    if sizes["data"] == -1:
+        if len(devices) % rest:
+            raise JmarlError(
+                f"mesh.data=-1: {len(devices)} devices do not split into fsdp*tensor*policy = {rest}; "
+                "choose axis sizes whose product divides the device count"
+            )
+        sizes["data"] = len(devices) // rest
+    total = sizes["data"] * rest
+    if total > len(devices):
+        raise JmarlError(
+            f"the mesh {format_mesh(sizes)} needs {total} devices but only {len(devices)} are available; "
+            "lower mesh.* (mesh.data=-1 uses whatever the other axes leave)"
+        )
+    grid = np.asarray(devices[:total], dtype=object).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_from_config(mesh_cfg: Any, *, devices: Sequence[Any] | None = None) -> Mesh:
+    """The mesh of a `jmarl.config.MeshConfig` (the `mesh:` section of a run config)."""
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, mesh_cfg.policy, devices=devices)
+
+
+def axis_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
+    """Axis name -> size for a mesh (or a dict of sizes, as the memory planner uses)."""
+    if isinstance(mesh, Mesh):
+        return dict(mesh.shape)
+    return {a: int(mesh.get(a, 1)) for a in MESH_AXES}
+
+
+def format_mesh(sizes: Mapping[str, int]) -> str:
+    """'data=2,fsdp=4' (axes of size 1 left out; '1 device' when all are)."""
+    text = ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes.get(a, 1) != 1)
+    return text or "1 device"
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'fsdp=4,tensor=2' -> {'data': 1, 'policy': 1, 'fsdp': 4, 'tensor': 2}."""
+    sizes = {a: 1 for a in MESH_AXES}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.lstrip("-").isdigit():
+            raise JmarlError(f"mesh {text!r}: expected axis=size pairs over {', '.join(MESH_AXES)}, e.g. fsdp=4,tensor=2")
+        sizes[name] = int(value)
+    return sizes
+
+
+# ---------------------------------------------------------------------------------- partition rules
+def _dict_names(path: tuple) -> tuple[str, ...]:
+    """The trailing run of dict keys of a pytree path (optax/TrainState wrappers stripped)."""
+    names: list[str] = []
+    for key in reversed(path):
+        if not isinstance(key, jax.tree_util.DictKey):
+            break
+        names.append(str(key.key))
+    return tuple(reversed(names))
+
+
+@functools.lru_cache(maxsize=32)
+def _model_ndims(config: Any) -> dict[tuple[str, ...], int]:
+    """Parameter path -> number of axes of the unstacked parameter, for `config`'s model."""
+    from jmarl.models import param_shapes
+
+    flat = jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]
+    return {_dict_names(path): len(leaf.shape) for path, leaf in flat}
+
+
+def _match(names: tuple[str, ...], ndims: Mapping[tuple[str, ...], int]) -> tuple[tuple[str, ...], str | None] | None:
+    """(parameter path, LoRA leaf 'a'/'b' or None) that `names` ends with, or None."""
+    lora = names[-1] if names and names[-1] in _LORA_LEAVES else None
+    base = names[:-1] if lora else names
+    for start in range(len(base)):
+        if base[start:] in ndims:
+            return base[start:], lora
+    return None
+
+
+def _trailing_rule(param_path: tuple[str, ...], lora: str | None) -> tuple[Any, ...]:
+    """The mesh axes of the trailing dims of a parameter (or of its LoRA factor)."""
+    rule = _RULES.get(param_path[-2:]) if len(param_path) >= 2 else None
+    if rule is None:
+        return ()  # norms (scale) and anything unknown: replicated
+    if lora == "a":  # [in, rank]
+        return (rule[0], None)
+    if lora == "b":  # [rank, out]
+        return (None, rule[-1])
+    return rule
+
+
+def _fit(entries: Sequence[Any], shape: Sequence[int], sizes: Mapping[str, int] | None) -> P:
+    """A PartitionSpec for `shape` from per-dim axis entries (None, 'axis' or a tuple of axes).
+
+    With `sizes`, axes of size 1 are dropped and so are axes whose product would not divide
+    the dimension (last axis first), so the spec is valid on that mesh."""
+    out = []
+    for entry, dim in zip(entries, shape):
+        axes = [] if entry is None else ([entry] if isinstance(entry, str) else list(entry))
+        if sizes is not None:
+            axes = [a for a in axes if sizes.get(a, 1) > 1]
+            while axes and dim % math.prod(sizes[a] for a in axes):
+                axes.pop()
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def tree_specs(config: Any, tree: Any, mesh: Mesh | Mapping[str, int] | None = None) -> Any:
+    """PartitionSpecs for any tree holding `config`'s parameters: params, LoRA adapters, a
+    `TrainState` (optimizer moments included), stacked on a leading policy axis or not.
+
+    A leaf whose trailing dict-key path is a parameter path gets that parameter's rule; one
+    axis more than the parameter means a leading policy axis ("policy"). Other leaves (step
+    counters, optax counts) are replicated, or sharded on "policy" along a leading axis of the
+    stacked size. With a mesh (or axis sizes) the specs are fitted to it (see `_fit`)."""
+    ndims = _model_ndims(config)
+    sizes = None if mesh is None else axis_sizes(mesh)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    matches = [_match(_dict_names(path), ndims) for path, _ in flat]
+    stacked_sizes = {
+        leaf.shape[0]
+        for (_, leaf), m in zip(flat, matches)
+        if m is not None and len(leaf.shape) == ndims[m[0]] + 1
+    }
+    num_policies = stacked_sizes.pop() if len(stacked_sizes) == 1 else None
+    specs = []
+    for (_, leaf), m in zip(flat, matches):
+        shape = tuple(getattr(leaf, "shape", ()))
+        if m is None:
+            lead = ("policy",) if num_policies is not None and shape[:1] == (num_policies,) else ()
+            specs.append(_fit(lead, shape, sizes))
+            continue
+        expected = ndims[m[0]]
+        if len(shape) not in (expected, expected + 1):
+            specs.append(P())  # an unexpected shape: replicate rather than guess
+            continue
+        rule = _trailing_rule(*m)
+        lead = (None,) * (len(shape) - len(rule))
+        if len(shape) == expected + 1:
+            lead = ("policy",) + lead[1:]
+        specs.append(_fit(lead + rule, shape, sizes))
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def param_specs(config: Any, params: Params, mesh: Mesh | Mapping[str, int] | None = None) -> Params:
+    """PartitionSpec per parameter of `config`'s model (also LoRA adapters, stacked trees)."""
+    return tree_specs(config, params, mesh)
+
+
+def batch_spec(shape: Sequence[int], mesh: Mesh | Mapping[str, int], *, stacked: bool = False) -> P:
+    """The spec of one batch array: rows on ("data", "fsdp"); [P, N, ...] with `stacked`
+    (policy axis on "policy"). Without a policy axis, "policy" devices split rows too."""
+    if stacked:
+        return _fit(("policy", BATCH_AXES), shape, axis_sizes(mesh))
+    return _fit((BATCH_AXES + ("policy",),), shape, axis_sizes(mesh))
+
+
+def cache_specs(cache: Any, mesh: Mesh | Mapping[str, int], *, stacked: bool = False) -> Any:
+    """Specs of a `KVCache` (keys [.., B, KV, hd, C], values [.., B, KV, C, hd]): rows like the
+    batch, key/value heads on "tensor", a leading policy axis on "policy" when `stacked`."""
+    sizes = axis_sizes(mesh)
+    rows = ("policy", BATCH_AXES) if stacked else (BATCH_AXES + ("policy",),)
+    return jax.tree.map(lambda x: _fit(rows + ("tensor",), x.shape, sizes), cache)
+
+
+# ---------------------------------------------------------------------------------- placing arrays
+def shardings(mesh: Mesh, specs: Any) -> Any:
+    """NamedSharding per PartitionSpec of a spec tree."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def put(tree: Any, sharding_tree: Any) -> Any:
+    """Places every leaf with its sharding. In a multi-host run a host (numpy or local) value
+    must be the same on every process; each process then fills its own shards from it."""
+
+    def place(x, sharding):
+        if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, tree, sharding_tree)
+
+
+def shard_params(config: Any, params: Params, mesh: Mesh) -> Params:
+    """`params` (or LoRA adapters, stacked or not) placed on `mesh` by the partition rules."""
+    return put(params, shardings(mesh, param_specs(config, params, mesh)))
+
+
+def train_state_shardings(config: Any, state: Any, mesh: Mesh) -> Any:
+    """NamedShardings of a `TrainState` (optimizer state sharded like its parameters)."""
+    return shardings(mesh, tree_specs(config, state, mesh))
+
+
+def shard_train_state(config: Any, state: Any, mesh: Mesh) -> Any:
+    """A `TrainState` placed on `mesh`: params, optimizer moments, counters."""
+    return put(state, train_state_shardings(config, state, mesh))
+
+
+def batch_shardings(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
+    """NamedSharding per batch array (see `batch_spec`)."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, batch_spec(np.shape(x), mesh, stacked=stacked)), batch)
+
+
+def shard_batch(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
+    """A dict of [N, ...] (or [P, N, ...] with `stacked`) arrays placed with rows on data/fsdp."""
+    return put(batch, batch_shardings(batch, mesh, stacked=stacked))
+
+
+def to_host(tree: Any) -> Any:
+    """Numpy copies of every leaf, gathering the shards of other processes when needed."""
+    from jax.experimental import multihost_utils
+
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(fetch, tree)
+
+
+# ---------------------------------------------------------------------------------- sharded update
+def sharded_update(
+    update_fn: Callable,
+    mesh: Mesh,
+    state_shardings: Any,
+    batch_shardings_: Any = None,
+    *,
+    frozen_shardings: Any = None,
+    stacked: bool = False,
+    vmap_policies: bool = False,
+    frozen_stacked: bool = False,
+    donate: bool = True,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> Callable:
+    """`update(state, frozen, batch) -> (state, metrics)` jitted with in/out shardings on `mesh`.
+
+    update_fn: from `jmarl.train.step.make_update` (per policy; `vmap_policies=True` vmaps it
+    over a stacked policy axis like `jit_update` does), or an already vmapped/jitted update.
+    state_shardings: `train_state_shardings(...)`; the new state comes out with the same ones
+    and the old state is donated. batch_shardings_: a sharding tree/prefix for the batch, or
+    None to derive them from each batch's shapes (`batch_shardings`, `stacked` says whether
+    batch arrays carry a leading policy axis). frozen_shardings: for the frozen tree (the LoRA
+    base), None to keep its placement. Inputs are placed before the call (a no-op when they
+    already are), so host numpy batches work. Metrics come back replicated. compiler_options
+    go to `jax.jit` (XLA options such as {"xla_backend_optimization_level": 0}).
+    """
+    fn = update_fn
+    if vmap_policies:
+        fn = jax.vmap(update_fn, in_axes=(0, 0 if frozen_stacked else None, 0))
+    replicated = NamedSharding(mesh, P())
+    jitted = jax.jit(
+        fn,
+        in_shardings=(state_shardings, frozen_shardings, batch_shardings_),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,) if donate else (),
+        compiler_options=None if compiler_options is None else dict(compiler_options),
+    )
+
+    def update(state, frozen, batch):
+        state = put(state, state_shardings)
+        if frozen is not None and frozen_shardings is not None:
+            frozen = put(frozen, frozen_shardings)
+        placement = batch_shardings_ if batch_shardings_ is not None else batch_shardings(batch, mesh, stacked=stacked)
+        return jitted(state, frozen, put(batch, placement))
+
+    update.jitted = jitted  # type: ignore[attr-defined]
+    return update
+
+
+def shard_trainer(trainer: Any) -> Mesh:
+    """Puts a `jmarl.train.trainer.Trainer` on the mesh of its config: every policy group's
+    train state, LoRA base and reference parameters are sharded and its updates run through
+    `sharded_update`. A one-device mesh (the default config) changes nothing. Returns the mesh."""
+    mesh = mesh_from_config(trainer.config.mesh)
+    if mesh.size == 1:
+        return mesh
+    for group, fns in zip(trainer.policies.groups, trainer.fns):
+        config = group.model_config
+        group.state = shard_train_state(config, group.state, mesh)
+        frozen_sh = None
+        if group.base is not None:
+            frozen_sh = shardings(mesh, param_specs(config, group.base, mesh))
+            group.base = put(group.base, frozen_sh)
+        if group.ref is not None:
+            group.ref = shard_params(config, group.ref, mesh)
+        state_sh = train_state_shardings(config, group.state, mesh)
+        fns.update = sharded_update(fns.update, mesh, state_sh, frozen_shardings=frozen_sh, stacked=group.stacked)
+    log.info("sharded the policies over the mesh %s", format_mesh(axis_sizes(mesh)))
+    return mesh
+
+
+# ---------------------------------------------------------------------------------- sharded sampling
+def generate(
+    config: Any,
+    params: Params,
+    prompt_tokens: Any,
+    prompt_mask: Any,
+    rng: jax.Array,
+    mesh: Mesh,
+    *,
+    stacked: bool = False,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int = 0,
+) -> Any:
+    """`jmarl.models.generate` (or `generate_stacked` with `stacked`) on `mesh`: parameters
+    sharded by the partition rules, prompt rows and the KV cache sharded on data/fsdp (cache
+    heads on tensor, policies on policy). prompt_tokens/mask [B, S] ([P, B, S] stacked) ->
+    `Generation` with [(P,) B, max_new_tokens] fields, the same tokens as unsharded."""
+    from jmarl.models import model as model_lib
+    from jmarl.models import sampler
+    from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
+
+    sampler._check_options(max_new_tokens, temperature, top_p, top_k)
+    tokens = np.asarray(prompt_tokens)
+    mask = np.asarray(prompt_mask).astype(bool)
+    if tokens.ndim != (3 if stacked else 2) or tokens.shape != mask.shape:
+        raise JmarlError(f"prompt_tokens/prompt_mask must be {'[P, B, S]' if stacked else '[B, S]'}; got {tokens.shape}, {mask.shape}")
+    length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), DEFAULT_LENGTH_BUCKETS)
+    tokens, mask = sampler.left_align(tokens, mask, length, pad_id)
+    greedy = float(temperature) == 0.0
+    program = sampler._program(
+        config, stacked, int(max_new_tokens), greedy, int(top_k), float(top_p) < 1.0,
+        tuple(int(t) for t in stop_tokens), int(pad_id),
+    )
+    params = shard_params(config, params, mesh)
+    prompts = shard_batch({"tokens": tokens, "mask": mask}, mesh, stacked=stacked)
+    capacity = length + int(max_new_tokens) - 1
+    abstract = jax.eval_shape(lambda: model_lib.empty_cache(config, tokens.shape[:-1], capacity))
+    cache_sh = shardings(mesh, cache_specs(abstract, mesh, stacked=stacked))
+    cache = jax.jit(lambda: model_lib.empty_cache(config, tokens.shape[:-1], capacity), out_shardings=cache_sh)()
+    temp = jnp.float32(1.0 if greedy else temperature)
+    generation, _ = program(params, cache, prompts["tokens"], prompts["mask"], None, rng, temp, jnp.float32(top_p))
+    return generation
+
+
+# ---------------------------------------------------------------------------------- multi-host
+def _cluster_in_environment() -> str | None:
+    """The name of the multi-process launcher found in the environment, or None."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    if env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI"
+    if "," in env.get("TPU_WORKER_HOSTNAMES", "") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return "TPU pod"
+    return None
+
+
+def maybe_initialize_distributed(cfg: Any) -> bool:
+    """Calls `jax.distributed.initialize` as the config's `distributed:` section says; must run
+    before anything touches devices (`jmarl.run` calls it first). Returns True when this is
+    (now) a multi-process run. Accepts a `Config` or its `DistributedConfig`.
+
+    initialize 'auto' (default): only when `coordinator_address` is set or the environment
+    names a cluster (JAX_COORDINATOR_ADDRESS, SLURM with several tasks, Open MPI, a multi-host
+    TPU slice). 'always': unconditionally (JAX detects TPU pods / SLURM itself). 'never': no.
+    """
+    dist = getattr(cfg, "distributed", cfg)
+    if jax.distributed.is_initialized():
+        return True
+    mode = getattr(dist, "initialize", "auto")
+    address = getattr(dist, "coordinator_address", None)
+    if mode == "never":
+        return False
+    found = _cluster_in_environment()
+    if mode == "auto" and address is None and found is None:
+        return False
+    kwargs = {
+        k: v
+        for k, v in (
+            ("coordinator_address", address),
+            ("num_processes", getattr(dist, "num_processes", None)),
+            ("process_id", getattr(dist, "process_id", None)),
+        )
+        if v is not None
+    }
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise JmarlError(
+            f"jax.distributed.initialize({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed "
+            f"({found or 'config'}): {str(e).splitlines()[0] if str(e) else type(e).__name__}; check "
+            "distributed.coordinator_address / num_processes / process_id"
+        ) from e
+    log.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+    return True
+
+
+# ---------------------------------------------------------------------------------- memory plan
+def preset_configs() -> dict[str, Any]:
+    """Published shapes as `ModelConfig`s (bfloat16 parameters): qwen3-1.7b, qwen3-8b, llama3-8b."""
+    from jmarl.models import ModelConfig
+
+    common = dict(num_kv_heads=8, head_dim=128, param_dtype="bfloat16", compute_dtype="bfloat16")
+    qwen3 = dict(model_type="qwen3", vocab_size=151936, qk_norm=True, rope_theta=1e6, max_position_embeddings=40960,
+                 rms_norm_eps=1e-6, **common)
+    return {
+        "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                                  tie_word_embeddings=True, **qwen3),
+        "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                                tie_word_embeddings=False, **qwen3),
+        "llama3-8b": ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                 num_layers=32, num_heads=32, rope_theta=500000.0, max_position_embeddings=8192,
+                                 rms_norm_eps=1e-5, **common),
+    }
+
+
+def bytes_per_device(config: Any, tree: Any, mesh: Mesh | Mapping[str, int]) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under the partition rules."""
+    sizes = axis_sizes(mesh)
+    total = 0
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(tree_specs(config, tree, sizes), is_leaf=lambda x: isinstance(x, P))):
+        split = math.prod(sizes[a] for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry))
+        total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
+    return total
+
+
+def memory_plan(
+    config: Any,
+    mesh: Mesh | Mapping[str, int],
+    *,
+    num_policies: int = 1,
+    lora_rank: int | None = None,
+    optimizer: Any = None,
+) -> dict[str, int]:
+    """Bytes per device of parameters, gradients and optimizer state for training on `mesh`,
+    from `jax.eval_shape` (nothing is allocated). num_policies > 1 stacks per-agent copies
+    (of the adapters, with `lora_rank`: the base is then shared and frozen). optimizer defaults
+    to the trainer's AdamW + clipping. Activations are not included (see `config.remat`).
+    Returns {'params', 'frozen', 'grads', 'optimizer', 'total'}."""
+    from jmarl.models import param_shapes
+    from jmarl.train.lora import init_lora
+    from jmarl.train.optim import make_optimizer
+
+    optimizer = optimizer or make_optimizer(1e-6, total_steps=1)
+    base = param_shapes(config)
+    frozen = None
+    trainable = base
+    if lora_rank is not None:
+        frozen = base
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        trainable = jax.eval_shape(lambda: init_lora(base, jax.random.key(0), rank=lora_rank, target_modules=targets))
+    if num_policies > 1:
+        trainable = jax.tree.map(lambda s: jax.ShapeDtypeStruct((num_policies, *s.shape), s.dtype), trainable)
+    opt_state = jax.eval_shape(optimizer.init, trainable)
+    out = {
+        "params": bytes_per_device(config, trainable, mesh),
+        "frozen": 0 if frozen is None else bytes_per_device(config, frozen, mesh),
+        "grads": bytes_per_device(config, trainable, mesh),
+        "optimizer": bytes_per_device(config, opt_state, mesh),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def plan_table(model: str, meshes: Sequence[str], *, num_policies: int = 1, lora_rank: int | None = None,
+               param_dtype: str | None = None) -> str:
+    """The markdown table `python -m jmarl.sharding plan` prints (GiB per device)."""
+    presets = preset_configs()
+    if model not in presets:
+        raise JmarlError(f"unknown model {model!r}; choose one of {', '.join(presets)}")
+    config = presets[model]
+    if param_dtype:
+        config = config.replace(param_dtype=param_dtype)
+    gib = 2.0**30
+    lines = [
+        f"{model}: {config.num_params() / 1e9:.2f}B parameters ({config.param_dtype}), policies={num_policies}"
+        + (f", LoRA rank {lora_rank}" if lora_rank else ""),
+        "",
+        "| mesh | devices | params | frozen base | grads | AdamW state | total GiB/device |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for text in meshes:
+        sizes = parse_mesh(text)
+        plan = memory_plan(config, sizes, num_policies=num_policies, lora_rank=lora_rank)
+        cells = [f"{plan[k] / gib:.2f}" for k in ("params", "frozen", "grads", "optimizer", "total")]
+        lines.append(f"| {format_mesh(sizes)} | {math.prod(sizes.values())} | " + " | ".join(cells) + " |")
+    lines += ["", "Activations are extra: they scale with batch x sequence / (data*fsdp) and per layer; "
+              "model.remat=true recomputes each layer in the backward pass so only layer inputs are kept."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jmarl.sharding plan --model qwen3-8b --mesh fsdp=8 --mesh data=2,fsdp=4`."""
+    parser = argparse.ArgumentParser(prog="python -m jmarl.sharding", description="Sharding tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="bytes per device of params, grads and optimizer state")
+    plan.add_argument("--model", default="qwen3-8b", help="qwen3-1.7b, qwen3-8b or llama3-8b")
+    plan.add_argument("--mesh", action="append", help="axis=size,... (repeatable), e.g. fsdp=8 or data=2,fsdp=4")
+    plan.add_argument("--policies", type=int, default=1, help="stacked per-agent policies")
+    plan.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank")
+    plan.add_argument("--param-dtype", default=None, help="float32 or bfloat16 (default: bfloat16)")
+    args = parser.parse_args(argv)
+    try:
+        print(plan_table(args.model, args.mesh or ["fsdp=8"], num_policies=args.policies,
+                         lora_rank=args.lora_rank, param_dtype=args.param_dtype))
+    except JmarlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -365,12 +365,12 @@ def test_capability_window_is_immutable_and_keeps_the_last_k_steps():
     w0 = hacpo.CapabilityWindow(size=3)
     w = w0
     for step in ([0.0, 1.0], [0.5, 1.0], [1.0, 0.0], [1.0, 0.5]):
-        w = hacpo.push_success(w, step)
+        w = hacpo.update_capabilities(w, step)
     assert w0.history == ()  # the original value is untouched
     # last 3 steps: agent 0 (0.5 + 1 + 1)/3 = 0.8333, agent 1 (1 + 0 + 0.5)/3 = 0.5
     np.testing.assert_allclose(hacpo.capabilities(w), [2.5 / 3, 0.5], rtol=1e-6)
     with pytest.raises(JmarlError, match="agents"):
-        hacpo.push_success(w, [0.5])
+        hacpo.update_capabilities(w, [0.5])
     with pytest.raises(JmarlError, match="empty"):
         hacpo.capabilities(w0)
 

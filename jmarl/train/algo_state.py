@@ -98,6 +98,17 @@ def shared_options(options: SharedOptions, tokenizers: Mapping[int, Any]) -> Sha
     return dataclasses.replace(options, num_policies=len(tokenizers), tokenizers=dict(tokenizers))
 
 
+def node_wise_group_size(options: NodeWiseOptions, group_size: int, *, explicit: bool) -> NodeWiseOptions:
+    """The `node_wise` plan's options with G = workflow.group_size (the algorithm's
+    num_generations), unless workflow.options.num_alternatives is set, which must then agree."""
+    if explicit and options.num_alternatives != group_size:
+        raise JmarlError(
+            f"workflow.options.num_alternatives ({options.num_alternatives}) and workflow.group_size "
+            f"({group_size}) disagree; set only workflow.group_size"
+        )
+    return dataclasses.replace(options, num_alternatives=group_size)
+
+
 def node_wise_options(options: NodeWiseOptions, cfg: joyagents.JoyAgentsConfig, state: AlgoState, *, top_k_set: bool) -> NodeWiseOptions:
     """The `node_wise` plan's options for this step: the current memory injected into prompts
     and, unless workflow.options.top_k is given, the algorithm's `top_k_groups`."""

@@ -37,6 +37,7 @@ from jmarl.train.algo_state import (
     hacpo_inputs,
     hacpo_mode_config,
     init_algo_state,
+    node_wise_group_size,
     node_wise_options,
     shared_options,
 )
@@ -229,10 +230,14 @@ def policy_batch(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.
     }
 
 
-def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int) -> tuple[dict[str, np.ndarray], list[int]]:
-    """The group's batch: [P, N, ...] when stacked, else [N, ...]; N a power of two x parts."""
+def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The group's batch: [P, N, ...] when stacked, else [N, ...]; N a power of two x parts.
+
+    `min_rows`: a bound on any policy's samples per step known from the plan (0: none); N is
+    then fixed across steps, so the update is compiled once per sequence-length bucket.
+    """
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
-    size = _round_up(_pow2(max(max(counts), 1)), parts)
+    size = _round_up(_pow2(max(max(counts), min_rows, 1)), parts)
     batches = [policy_batch(rollouts, p, size) for p in group.policy_ids]
     if group.stacked:
         return {k: np.stack([b[k] for b in batches]) for k in batches[0]}, counts
@@ -264,6 +269,9 @@ class Trainer:
             if self.method is not algos.hacpo:
                 raise JmarlError(f"workflow.plan 'shared' needs algo.name hacpo (its cross samples), got {config.algo.name!r}")
             self.algo_cfg = hacpo_mode_config(self.algo_cfg, self.plan_opts.mode)
+        if config.workflow.plan == "node_wise":
+            explicit = "num_alternatives" in config.workflow.options
+            self.plan_opts = node_wise_group_size(self.plan_opts, config.workflow.group_size, explicit=explicit)
         self.key = jax.random.key(config.seed)
         o = config.optim
         self.optimizer = make_optimizer(
@@ -433,7 +441,7 @@ class Trainer:
 
         t_score = t_update = 0.0
         for gi, (group, fns) in enumerate(zip(self.policies.groups, self.fns)):
-            batch, counts = group_batch(group, rollouts, self.parts)
+            batch, counts = group_batch(group, rollouts, self.parts, self._rows_bound())
             if not any(counts):
                 continue
             t1 = time.perf_counter()
@@ -452,6 +460,14 @@ class Trainer:
         tokens = float(np.sum(np.asarray(rollouts.attention_mask)))
         metrics["perf/train_tokens_per_s"] = tokens / max(t_score + t_update, 1e-9)
         return metrics
+
+    def _rows_bound(self) -> int:
+        """Samples per learner per step where the plan fixes them, else 0. shared: tasks x
+        policies x G (2G for gspo_2x; lossy cross samples dropped make it an upper bound)."""
+        if self.config.workflow.plan == "shared":
+            opts = self.plan_opts
+            return self.config.workflow.num_tasks * opts.num_policies * opts.samples_per_policy
+        return 0
 
     def _step_plan_options(self) -> Any:
         """The plan's options for this step (node_wise: the current memory injected)."""

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jmarl import models
-from jmarl.algos import hacpo
+from jmarl import envs, models
+from jmarl.algos import hacpo, joyagents
 from jmarl.config import load_config
 from jmarl.errors import JmarlError
 from jmarl.train import trainer as trainer_mod
@@ -55,6 +55,8 @@ def test_hacpo_tiny_heterogeneous_pair_trains_and_resumes_its_capability_window(
     assert qwen.tokenizer.encode(text) != llama.tokenizer.encode(text)
     assert len(qwen.tokenizer.encode(text)) != len(llama.tokenizer.encode(text))
     assert trainer.plan_opts.num_policies == 2 and trainer.plan_opts.tokenizers[1] is llama.tokenizer
+    # the warm start teaches both policies (the shared plan has one agent, played by each)
+    assert sorted({pid for pid, *_ in trainer.demonstrations([envs.train_seed(0)])}) == [0, 1]
 
     summary = trainer.run()
     steps = _train_steps(_metrics(out))
@@ -146,8 +148,12 @@ def test_hacpo_modes_switch_mechanisms_and_count_rollouts():
     # an ablation switch set in algo.options stays off in every mode
     no_clip = hacpo_mode_config(hacpo.HACPOConfig(stepwise_clip=False), "hacpo")
     assert no_clip.capability_baseline and no_clip.discrepancy and not no_clip.stepwise_clip
-    assert init_algo_state("hacpo", hacpo.HACPOConfig(capability_window=4)).capability.size == 4
-    assert init_algo_state("grpo", None) == AlgoState()
+    assert init_algo_state("hacpo", hacpo.HACPOConfig(capability_window=4), "shared").capability.size == 4
+    assert init_algo_state("grpo", None, "independent") == AlgoState()
+    joy = joyagents.JoyAgentsConfig()
+    assert init_algo_state("joyagents", joy, "node_wise").memory == memory_store.Memory(memory_options(joy))
+    assert init_algo_state("joyagents", joy, "independent") == AlgoState()  # no node groups to learn from
+    assert init_algo_state("joyagents", dataclasses.replace(joy, use_memory=False), "node_wise") == AlgoState()
 
 
 def test_shared_plan_needs_two_heterogeneous_policies(tmp_path):
@@ -189,7 +195,7 @@ def test_hacpo_three_scripted_steps_match_hand_computed_values():
     from jmarl.workflows import SharedOptions, build_rollouts, sample_shared
 
     cfg = hacpo.HACPOConfig(capability_window=2)
-    state = init_algo_state("hacpo", cfg)
+    state = init_algo_state("hacpo", cfg, "shared")
     for step, (script, hand) in enumerate(zip(SCRIPT, HAND)):
         def answer(policy, prompt, j, script=script):
             s = seed_of(prompt)
@@ -243,3 +249,20 @@ def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
     _, metrics = update(state, None, {"mask": np.ones((3, 4), bool)})
     assert float(metrics["cross_clip_fraction"]) == pytest.approx(1 / 3)  # clipped at m = 2 only
     assert float(metrics["cross_ratio_mean"]) == pytest.approx(0.827, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode, rows, generated", [("hacpo", 16, 16), ("naive", 16, 16), ("gspo", 8, 16), ("gspo_2x", 16, 32)])
+def test_hacpo_modes_in_the_trainer(tmp_path, monkeypatch, mode, rows, generated):
+    monkeypatch.chdir(REPO)
+    config = load_config(
+        REPO / "configs/hacpo/math_tiny.yaml",
+        [f"output_dir={tmp_path}", "workflow.num_tasks=2", f"workflow.options.mode={mode}", "algo.options.discrepancy=false"],
+    )
+    trainer = trainer_mod.Trainer(config)
+    cfg = trainer.algo_cfg
+    # naive switches every mechanism off; elsewhere only the ablation set in algo.options is off
+    assert cfg.capability_baseline == cfg.stepwise_clip == (mode != "naive") and not cfg.discrepancy
+    # rows per learner per step: 2 tasks x 2 policies x G (sharing) or its own G / 2G only;
+    # rollouts generated per step: 2 tasks x 2 policies x G (2G for gspo_2x)
+    assert trainer._rows_bound() == rows
+    assert 2 * 2 * trainer.plan_opts.samples_per_policy == generated

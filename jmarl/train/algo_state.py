@@ -77,11 +77,12 @@ def memory_options(cfg: joyagents.JoyAgentsConfig) -> memory_store.MemoryOptions
     )
 
 
-def init_algo_state(algo_name: str, algo_cfg: Any) -> AlgoState:
-    """The state at step 0: an empty window (hacpo) or an empty memory (joyagents with memory)."""
+def init_algo_state(algo_name: str, algo_cfg: Any, plan: str) -> AlgoState:
+    """The state at step 0: an empty window (hacpo) or an empty memory (joyagents with memory,
+    on the node_wise plan, whose node groups feed it)."""
     if algo_name == "hacpo":
         return AlgoState(capability=hacpo.CapabilityWindow(size=algo_cfg.capability_window))
-    if algo_name == "joyagents" and algo_cfg.use_memory:
+    if algo_name == "joyagents" and algo_cfg.use_memory and plan == "node_wise":
         return AlgoState(memory=memory_store.Memory(memory_options(algo_cfg)))
     return AlgoState()
 

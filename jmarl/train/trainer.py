@@ -10,6 +10,10 @@ Per step (host layer, calling the device layer with fixed-shape batches):
 Everything that decides a step's data is a function of (config, step): task seeds are
 `train_seed(step * num_tasks + i)` and the step's key is `fold_in(key(seed), step)`, so a run
 resumed from a checkpoint continues exactly where the killed one would have gone.
+
+Algorithm state kept across steps (HACPO's capability window, JoyAgents-R1's memory, the
+rollout count) is an `AlgoState` (`jmarl.train.algo_state`), updated right after each step's
+plan and saved in the checkpoint metadata (the memory also as output_dir/memory.json).
 """
 
 from __future__ import annotations
@@ -287,7 +291,7 @@ class Trainer:
         if config.workflow.plan == "shared":
             tokenizers = {p: self.policies.group_of(p).tokenizer for p in range(len(self.policies.policy_names))}
             self.plan_opts = shared_options(self.plan_opts, tokenizers)
-        self.algo_state: AlgoState = init_algo_state(config.algo.name, self.algo_cfg)
+        self.algo_state: AlgoState = init_algo_state(config.algo.name, self.algo_cfg, config.workflow.plan)
         s = config.sampling
         self.temperature = s.temperature if s.temperature > 0 else 1.0
         self.sampler = ModelSampler(
@@ -359,6 +363,8 @@ class Trainer:
                 state = env.end_turn(state)
                 if env.done(state):
                     break
+        if self.config.workflow.plan == "shared":  # every policy plays the one agent
+            out = [(p, obs, text) for _, obs, text in out for p in range(len(self.policies.policy_names))]
         return out
 
     def warm_start(self) -> None:
@@ -463,10 +469,12 @@ class Trainer:
 
     def _rows_bound(self) -> int:
         """Samples per learner per step where the plan fixes them, else 0. shared: tasks x
-        policies x G (2G for gspo_2x; lossy cross samples dropped make it an upper bound)."""
+        policies x G when sharing (hacpo, naive; lossy cross samples dropped make it an upper
+        bound), tasks x G (gspo) or tasks x 2G (gspo_2x) otherwise."""
         if self.config.workflow.plan == "shared":
             opts = self.plan_opts
-            return self.config.workflow.num_tasks * opts.num_policies * opts.samples_per_policy
+            sources = opts.num_policies if opts.shares else 1
+            return self.config.workflow.num_tasks * sources * opts.samples_per_policy
         return 0
 
     def _step_plan_options(self) -> Any:

@@ -7,6 +7,7 @@ import functools
 import math
 import types
 import typing
+import warnings
 
 import _np_reference as ref
 import jax
@@ -18,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 from jmarl.algos import CONFIGS, METHODS, at_grpo, dapo, get_method, hacpo, joyagents, magrpo
 from jmarl.errors import JmarlError
+from jmarl.workflows import memory as jmemory
 
 SETTINGS = settings(max_examples=20, deadline=None)
 
@@ -364,12 +366,12 @@ def test_capability_window_is_immutable_and_keeps_the_last_k_steps():
     w0 = hacpo.CapabilityWindow(size=3)
     w = w0
     for step in ([0.0, 1.0], [0.5, 1.0], [1.0, 0.0], [1.0, 0.5]):
-        w = hacpo.push_success(w, step)
+        w = hacpo.update_capabilities(w, step)
     assert w0.history == ()  # the original value is untouched
     # last 3 steps: agent 0 (0.5 + 1 + 1)/3 = 0.8333, agent 1 (1 + 0 + 0.5)/3 = 0.5
     np.testing.assert_allclose(hacpo.capabilities(w), [2.5 / 3, 0.5], rtol=1e-6)
     with pytest.raises(JmarlError, match="agents"):
-        hacpo.push_success(w, [0.5])
+        hacpo.update_capabilities(w, [0.5])
     with pytest.raises(JmarlError, match="empty"):
         hacpo.capabilities(w0)
 
@@ -457,19 +459,55 @@ def test_joyagents_memory_thresholds_hand_worked():
 def test_joyagents_entry_score_and_memory_bookkeeping():
     # score = 1 * exp(-0.1 * age) + 1 * reward_gap: age 0, gap 0.5 -> 1.5; age 10, gap 1 -> e^-1 + 1 = 1.3679
     np.testing.assert_allclose(joyagents.entry_score(np.array([0, 10]), np.array([0.5, 1.0])), [1.5, math.exp(-1) + 1], rtol=1e-6)
-    e = lambda q, gap, step: joyagents.MemoryEntry(q, "s-" + q, gap, step)  # noqa: E731
-    mem = joyagents.admit(joyagents.Memory(capacity=2), [e("a", 0.5, 0), e("b", 1.0, 0)], step=0)
-    assert [x.query for x in mem.entries] == ["a", "b"]
+    # the bookkeeping lives in the one memory store (jmarl.workflows.memory), which scores with
+    # this entry_score: decay 0.1 per step = tau 10 steps
+    opts = jmemory.MemoryOptions(capacity=2, tau=10.0, top_m=3)
+    mem = jmemory.Memory(opts)
+    for q, gap in (("a", 0.5), ("b", 1.0)):
+        mem = jmemory.admit(mem, "x", q, "s-" + q, reward=gap, baseline=0.0, step=0)
+    assert [x.query for x in mem.entries("x")] == ["a", "b"]
+    np.testing.assert_allclose(jmemory.entry_scores(mem, "x", 10), [math.exp(-1) + 0.5, math.exp(-1) + 1], rtol=1e-6)
     # at step 10: a scores e^-1 + 0.5 = 0.868, b e^-1 + 1 = 1.368, new c (step 10, gap 0.2) 1 + 0.2 = 1.2 -> a dropped
-    mem2 = joyagents.admit(mem, [e("c", 0.2, 10)], step=10)
-    assert [x.query for x in mem2.entries] == ["b", "c"] and len(mem.entries) == 2
-    assert [x.query for x in joyagents.evict(mem2, [0]).entries] == ["c"]
-    with pytest.raises(JmarlError, match="evict"):
-        joyagents.evict(mem2, [5])
-    np.testing.assert_array_equal(joyagents.retrieve([0.1, 0.9, 0.5, 0.9], top_m=3), [1, 3, 2])
-    assert joyagents.memory_from_state(joyagents.memory_to_state(mem2)) == mem2
-    with pytest.raises(JmarlError, match="memory state"):
-        joyagents.memory_from_state({"entries": [{"query": "x"}]})
+    mem2 = jmemory.admit(mem, "x", "c", "s-c", reward=0.2, baseline=0.0, step=10)
+    assert [x.query for x in mem2.entries("x")] == ["b", "c"] and len(mem.entries("x")) == 2
+    b_id = mem2.entries("x")[0].id
+    assert [x.query for x in jmemory.evict(mem2, "x", [b_id]).entries("x")] == ["c"]
+    assert jmemory.evict(mem2, "x", [99]) == mem2  # unknown ids: nothing to evict
+    # retrieval: most similar first, ties by lower id (equal reward gaps)
+    big = jmemory.Memory(jmemory.MemoryOptions(capacity=8, top_m=3))
+    for q in ("zzzz qqqq", "the quick fox", "the quick fox jumps", "the quick fox"):
+        big = jmemory.admit(big, "x", q, "s" + str(len(big.entries("x"))), reward=1.0, baseline=0.0, step=0)
+    assert [e.id for e in jmemory.retrieve(big, "x", "the quick fox")] == [1, 3, 2]
+    assert jmemory.Memory.from_json(mem2.to_json()) == mem2
+    with pytest.raises(JmarlError, match="malformed memory"):
+        jmemory.Memory.from_json('{"format": "jmarl.memory", "agents": {"x": [{"query": "x"}]}}')
+
+
+def test_joyagents_memory_math_has_one_implementation():
+    # the store calls the algorithm's threshold math instead of re-implementing it
+    assert not any(hasattr(joyagents, name) for name in ("Memory", "MemoryEntry", "admit", "evict", "retrieve"))
+    rewards = [0, 0, 0, 0, 0, 0, 0, 5.0]
+    upper, lower = joyagents.memory_thresholds(np.array(rewards, np.float32), np.zeros(8, np.int32), num_groups=1)
+    assert jmemory.group_thresholds(rewards, 1.96, 1) == pytest.approx((float(upper[0]), float(lower[0])))
+
+
+def test_joyagents_group_size_too_small_for_the_memory_warns():
+    # Samuelson: one sample of G is at most (G - 1) / sqrt(G) sigmas away: 1.79 at G = 5, 2.04 at G = 6
+    assert joyagents.min_group_size_for_memory(1.96, 1) == 6
+    assert joyagents.min_group_size_for_memory(1.96, 0) == 5  # sqrt(G - 1) > 1.96 from G = 5
+    assert joyagents.Config().num_generations == 8
+    with pytest.warns(joyagents.MemoryGroupSizeWarning, match="group_size >= 6"):
+        joyagents.Config(num_generations=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        joyagents.Config(num_generations=6)
+        joyagents.Config(num_generations=4, use_memory=False)  # no memory: any G >= 2
+        joyagents.Config(num_generations=4, memory_z=1.0)  # (4 - 1) / 2 = 1.5 > 1
+    # and it is exact: at G = 6 an outlier is admitted, at G = 5 never
+    for g, admitted in ((6, True), (5, False)):
+        r = np.zeros(g, np.float32)
+        r[-1] = 1.0
+        assert bool(joyagents.admission_mask(r, np.zeros(g, np.int32), num_groups=1).any()) == admitted
 
 
 def test_joyagents_top_k_node_groups_and_reward():

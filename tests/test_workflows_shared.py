@@ -19,18 +19,18 @@ import pytest
 
 from jmarl import JmarlError
 from jmarl.envs.base import StepResult
+from jmarl.algos import hacpo
+from jmarl.algos.hacpo import CapabilityWindow, capabilities, update_capabilities
 from jmarl.workflows import (
-    CapabilityWindow,
     Completion,
     SharedOptions,
     TextTokenizer,
     build_rollouts,
-    capabilities,
     mode_switches,
     run_plan,
     sample_shared,
-    update_capabilities,
 )
+from jmarl import workflows
 from jmarl.workflows.shared import retokenize, seq_logprob
 
 KEY = jax.random.key(0)
@@ -323,6 +323,14 @@ def test_capability_window_three_steps_hand_computed():
     np.testing.assert_allclose(
         capabilities(update_capabilities(CapabilityWindow(), out.stats["success_rate"])),
         (2 / 3, 1 / 3), rtol=1e-6)
+
+
+def test_capability_window_has_one_implementation():
+    # the plan re-exports HACPO's algorithm state rather than defining its own
+    assert workflows.CapabilityWindow is hacpo.CapabilityWindow
+    assert workflows.update_capabilities is hacpo.update_capabilities
+    assert workflows.capabilities is hacpo.capabilities
+    assert not hasattr(hacpo, "push_success")
 
 
 def test_capability_window_json_and_errors():

@@ -3,7 +3,8 @@
 n agents answer the same prompts; learner k trains on its own G rollouts ("self" samples) and
 on every other agent's rollouts for that prompt ("cross" samples). Rewards are verified 0/1.
 1. Capability P^j: agent j's mean success rate over the last K steps (`CapabilityWindow`, a
-   host-side immutable value, pushed before advantages are computed).
+   host-side immutable value updated by `update_capabilities` before advantages are computed;
+   the trainer keeps it as algorithm state and saves it with checkpoints via `to_json`).
 2. Capability-aware advantage (`capability_advantages`): omega^{k,j} = clip(P^k / P^j, 0.1, 10),
    baseline mu^k = mean over the mixed group of omega^{k,source} * r; if mu^k exceeds the maximum
    reward it falls back to learner k's own mean; A = (r - mu^k) / (std_ddof1 + 1e-6).
@@ -19,7 +20,8 @@ Ablation switches: `capability_baseline`, `discrepancy`, `stepwise_clip` (all Fa
 sharing: plain mean baseline, weight 1, cross samples treated like self GSPO samples).
 """
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import jax
@@ -86,30 +88,60 @@ Config = HACPOConfig
 
 @dataclass(frozen=True)
 class CapabilityWindow:
-    """Success rates of n agents over the last `size` steps: history[s][j], newest step last."""
+    """Per-policy success rates of the last `size` steps: history[s][j], the newest step last.
+
+    HACPO's algorithm state (a host-side immutable value): `update_capabilities` returns a new
+    window, `capabilities(w)[j]` is P^j, `to_json`/`from_json` save it with checkpoints.
+    """
 
     size: int = 5
-    history: tuple[tuple[float, ...], ...] = ()
+    history: tuple[tuple[float, ...], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise JmarlError(f"CapabilityWindow.size must be an int >= 1, got {self.size!r}")
+
+    def to_json(self) -> str:
+        """The window as a JSON string (saved in checkpoint metadata)."""
+        return json.dumps({"size": self.size, "history": [list(row) for row in self.history]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "CapabilityWindow":
+        """The window written by `to_json`."""
+        try:
+            data = json.loads(text)
+            rows = tuple(tuple(float(x) for x in row) for row in data["history"])
+            window = cls(size=int(data["size"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise JmarlError(
+                f"malformed capability window JSON ({err}); expected {{'size': int, "
+                "'history': [[float, ...], ...]}"
+            ) from None
+        for row in rows:
+            window = update_capabilities(window, row)
+        return window
 
 
-def push_success(window: CapabilityWindow, success: Sequence[float]) -> CapabilityWindow:
-    """A new window with this step's per-agent success rates [n] appended (oldest dropped past `size`)."""
+def update_capabilities(window: CapabilityWindow, success: Sequence[float]) -> CapabilityWindow:
+    """A new window with this step's per-policy success fractions f[n] (each in [0, 1]) appended;
+    steps older than the last `size` are dropped."""
     row = tuple(float(x) for x in np.asarray(success, np.float64).reshape(-1))
     if window.history and len(row) != len(window.history[0]):
         raise JmarlError(
-            f"push_success got success rates for {len(row)} agents, "
-            f"the window tracks {len(window.history[0])}"
+            f"update_capabilities got success fractions for {len(row)} agents but the window "
+            f"tracks {len(window.history[0])}"
         )
-    if any(not 0.0 <= x <= 1.0 for x in row):
-        raise JmarlError(f"success rates must lie in [0, 1], got {row}")
+    if not row or any(not 0.0 <= x <= 1.0 for x in row):
+        raise JmarlError(f"success fractions must be a non-empty list in [0, 1], got {row}")
     return CapabilityWindow(window.size, (window.history + (row,))[-window.size :])
 
 
 def capabilities(window: CapabilityWindow) -> np.ndarray:
-    """P f32[n]: mean success rate per agent over the steps in the window."""
+    """P f32[n]: each policy's mean success fraction over the steps in the window."""
     if not window.history:
         raise JmarlError(
-            "the capability window is empty: push this step's success rates before computing advantages"
+            "the capability window is empty: call update_capabilities with this step's success "
+            "fractions before computing advantages"
         )
     return np.mean(np.asarray(window.history, np.float64), axis=0).astype(np.float32)
 

@@ -9,21 +9,25 @@ The paper publishes only the recipe; everything below is jmarl's own realization
   (default K=2) produce gradients; their agents are the ones updated this step.
 - Advantage and loss: GRPO blocks (std-normalised mean baseline, token ratio clip 0.2/0.2,
   `seq_mean_token_mean`, no KL).
-- Adaptive memory (host side, immutable `Memory` values): a (query, strategy) entry is admitted
-  when its reward is above mu + 1.96 sigma of its group (`admission_mask`) and entries whose
-  retrieval led to rewards below mu - 1.96 sigma are evicted (`eviction_mask`, `evict`).
-  Entries are scored by time_weight * exp(-decay * age) + reward_weight * (reward - group mean)
-  (`entry_score`); retrieval is by similarity (computed by the caller), top-m into the prompt
-  (`retrieve`). When the memory is full the lowest-scoring entries are dropped. sigma uses
-  `ddof` (default 1), so a group of G samples can admit only if (G - 1) / sqrt(G) > z (G >= 6).
+- Adaptive memory: this module holds its math only: thresholds mu +- z sigma of a node group
+  (`memory_thresholds`), which samples are admitted (`admission_mask`: reward above mu + 1.96
+  sigma) or evict the entries retrieved for them (`eviction_mask`: below mu - 1.96 sigma), and
+  the entry score time_weight * exp(-decay * age) + reward_weight * (reward - group mean)
+  (`entry_score`). The store itself (entries, retrieval, capacity, JSON) is the host-side
+  `jmarl.workflows.memory`, which calls these functions.
+- Group size: sigma uses `ddof` (default 1), and one sample of a group of G is at most
+  (G - 1) / sqrt(G) sigmas from the mean, so with z = 1.96 nothing is ever admitted or
+  evicted for G <= 5. The default G is therefore 8 (as HACPO's), and `JoyAgentsConfig` warns
+  (`MemoryGroupSizeWarning`, at config time) when the memory is on (`use_memory`) and G is too
+  small for its z (`min_group_size_for_memory`): training still works, the memory stays empty.
 """
 
+import math
+import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jmarl.algos import _checks
 from jmarl.algos.advantages import _segments, _stats, top_k_groups
@@ -38,14 +42,8 @@ __all__ = [
     "admission_mask",
     "eviction_mask",
     "entry_score",
-    "MemoryEntry",
-    "Memory",
-    "admit",
-    "evict",
-    "score_entries",
-    "retrieve",
-    "memory_to_state",
-    "memory_from_state",
+    "min_group_size_for_memory",
+    "MemoryGroupSizeWarning",
     "advantages",
     "keep_mask",
     "loss",
@@ -54,9 +52,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class JoyAgentsConfig:
-    """JoyAgents-R1 defaults (jmarl's realization): G=4, top-2 groups, memory z 1.96, score weights 1/1, GRPO loss."""
+    """JoyAgents-R1 defaults (jmarl's realization): G=8, top-2 groups, memory z 1.96, score weights 1/1, GRPO loss.
 
-    num_generations: int = 4
+    use_memory: whether agents keep, retrieve and update a memory (the trainer's switch).
+    memory_decay: time decay per step of an entry's score (the memory store's tau = 1 / decay).
+    """
+
+    num_generations: int = 8
     top_k_groups: int = 2
     cost_weight: float = 1.0
     memory_z: float = 1.96
@@ -65,6 +67,7 @@ class JoyAgentsConfig:
     memory_decay: float = 0.1
     memory_top_m: int = 3
     memory_capacity: int = 64
+    use_memory: bool = True
     baseline: str = "mean"
     normalize: str = "std"
     ddof: int = 1
@@ -88,6 +91,18 @@ class JoyAgentsConfig:
         _checks.check_range(self, "memory_decay", low=0.0)
         _checks.check_int(self, "memory_top_m", low=0)
         _checks.check_int(self, "memory_capacity", low=1)
+        _checks.check_bool(self, "use_memory")
+        need = min_group_size_for_memory(self.memory_z, self.ddof)
+        if self.use_memory and self.num_generations < need:
+            warnings.warn(
+                f"JoyAgents-R1: num_generations (the group size G) = {self.num_generations} is too small for the memory: "
+                f"one sample of a group of G is at most (G - 1) / sqrt(G) standard deviations (ddof "
+                f"{self.ddof}) from the mean, so with memory_z = {self.memory_z} nothing could ever be "
+                f"admitted or evicted; set workflow.group_size >= {need}, lower algo.options.memory_z, or "
+                "turn the memory off with algo.options.use_memory=false",
+                MemoryGroupSizeWarning,
+                stacklevel=3,
+            )
 
 
 Config = JoyAgentsConfig
@@ -113,6 +128,23 @@ def memory_thresholds(
     stats = _stats(rewards, seg, valid, num_groups, ddof)
     mu, sigma = stats.mean[seg], stats.std[seg]
     return mu + z * sigma, mu - z * sigma
+
+
+class MemoryGroupSizeWarning(UserWarning):
+    """The group size G is too small for the memory's z: nothing can be admitted or evicted."""
+
+
+def min_group_size_for_memory(z: float, ddof: int = 1) -> int:
+    """The smallest group size G whose most extreme sample can pass mu +- z * sigma.
+
+    A single outlier among G - 1 equal rewards has |r - mu| / sigma = sqrt((G - 1)(G - ddof) / G)
+    ((G - 1) / sqrt(G) with ddof 1, sqrt(G - 1) with ddof 0), the largest z-score any sample of
+    G can reach (Samuelson's inequality); admission needs it strictly above z.
+    """
+    g = max(2, ddof + 1)
+    while math.sqrt((g - 1) * (g - ddof) / g) <= z:
+        g += 1
+    return g
 
 
 def _informative(rewards: jax.Array, groups: jax.Array, num_groups: int) -> jax.Array:
@@ -148,84 +180,6 @@ def entry_score(
     """Entry score f32[E] = time_weight * exp(-decay * age) + reward_weight * reward_gap (age in steps)."""
     age = jnp.asarray(age, jnp.float32)
     return time_weight * jnp.exp(-decay * age) + reward_weight * jnp.asarray(reward_gap, jnp.float32)
-
-
-# ---------------------------------------------------------------- memory bookkeeping (host)
-
-
-@dataclass(frozen=True)
-class MemoryEntry:
-    """One remembered (query, strategy) with its reward minus its group mean and its admission step."""
-
-    query: str
-    strategy: str
-    reward_gap: float
-    step: int
-
-
-@dataclass(frozen=True)
-class Memory:
-    """An agent's memory: an immutable tuple of entries with a capacity."""
-
-    capacity: int = 64
-    entries: tuple[MemoryEntry, ...] = ()
-
-
-def score_entries(memory: Memory, *, step: int, cfg: JoyAgentsConfig = JoyAgentsConfig()) -> np.ndarray:
-    """Scores f32[E] of the memory's entries at training step `step`."""
-    if not memory.entries:
-        return np.zeros((0,), np.float32)
-    age = np.asarray([step - e.step for e in memory.entries], np.float32)
-    gap = np.asarray([e.reward_gap for e in memory.entries], np.float32)
-    score = cfg.memory_time_weight * np.exp(-cfg.memory_decay * age) + cfg.memory_reward_weight * gap
-    return score.astype(np.float32)
-
-
-def admit(
-    memory: Memory, candidates: Iterable[MemoryEntry], *, step: int, cfg: JoyAgentsConfig = JoyAgentsConfig()
-) -> Memory:
-    """A new memory with `candidates` added; past capacity the lowest-scoring entries are dropped
-    (ties: the older entry goes first). Order of the kept entries is preserved."""
-    entries = memory.entries + tuple(candidates)
-    if len(entries) > memory.capacity:
-        score = score_entries(Memory(memory.capacity, entries), step=step, cfg=cfg)
-        order = np.lexsort((np.arange(len(entries)), -score))  # best first, earlier index on ties
-        keep = np.sort(order[: memory.capacity])
-        entries = tuple(entries[i] for i in keep)
-    return Memory(memory.capacity, entries)
-
-
-def evict(memory: Memory, indices: Iterable[int]) -> Memory:
-    """A new memory without the entries at `indices`."""
-    drop = set(int(i) for i in indices)
-    if any(i < 0 or i >= len(memory.entries) for i in drop):
-        raise JmarlError(
-            f"evict got entry indices {sorted(drop)} for a memory of {len(memory.entries)} entries"
-        )
-    return Memory(memory.capacity, tuple(e for i, e in enumerate(memory.entries) if i not in drop))
-
-
-def retrieve(similarity: Sequence[float], *, top_m: int) -> np.ndarray:
-    """Indices int[min(m, E)] of the most similar entries, most similar first (ties: lower index)."""
-    sim = np.asarray(similarity, np.float64)
-    return np.lexsort((np.arange(sim.shape[0]), -sim))[:top_m].astype(np.int64)
-
-
-def memory_to_state(memory: Memory) -> dict[str, Any]:
-    """A JSON-serialisable dict of the memory (saved with checkpoints)."""
-    return {"capacity": memory.capacity, "entries": [e.__dict__.copy() for e in memory.entries]}
-
-
-def memory_from_state(state: dict[str, Any]) -> Memory:
-    """The memory stored by `memory_to_state`."""
-    try:
-        entries = tuple(
-            MemoryEntry(str(e["query"]), str(e["strategy"]), float(e["reward_gap"]), int(e["step"]))
-            for e in state["entries"]
-        )
-        return Memory(int(state["capacity"]), entries)
-    except (KeyError, TypeError, ValueError) as err:
-        raise JmarlError(f"malformed JoyAgents memory state ({err}); expected capacity and entries") from err
 
 
 # ---------------------------------------------------------------- uniform method interface

@@ -10,6 +10,10 @@ Per step (host layer, calling the device layer with fixed-shape batches):
 Everything that decides a step's data is a function of (config, step): task seeds are
 `train_seed(step * num_tasks + i)` and the step's key is `fold_in(key(seed), step)`, so a run
 resumed from a checkpoint continues exactly where the killed one would have gone.
+
+Algorithm state kept across steps (HACPO's capability window, JoyAgents-R1's memory, the
+rollout count) is an `AlgoState` (`jmarl.train.algo_state`), updated right after each step's
+plan and saved in the checkpoint metadata (the memory also as output_dir/memory.json).
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ from jmarl.config import Config, agent_policy_map, algo_options, dump_yaml, plan
 from jmarl.errors import JmarlError
 from jmarl.rollouts import Rollouts, select
 from jmarl.sharding import shard_trainer, to_host
+from jmarl.train.algo_state import (
+    AlgoState,
+    after_plan,
+    hacpo_batch_fn,
+    hacpo_inputs,
+    hacpo_mode_config,
+    init_algo_state,
+    node_wise_group_size,
+    node_wise_options,
+    shared_options,
+)
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.lora import init_lora, merge_lora
 from jmarl.train.metrics import MetricsLogger, write_summary
@@ -40,11 +55,13 @@ from jmarl.train.progress import ProgressBar
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
 from jmarl.train.step import TrainState, init_train_state, jit_update, make_update
 from jmarl.workflows import PLANS, build_rollouts, run_plan, summarize
+from jmarl.workflows import memory as memory_store
 
 log = logging.getLogger(__name__)
 
-# sampling plans whose samples the trainer routes by agent (shared/node_wise: see issue 9)
-TRAINER_PLANS = ("independent", "tree", "joint")
+# sampling plans the trainer runs (shared: HACPO, every policy answers every prompt;
+# node_wise: JoyAgents-R1, the plan keeps only the top-K node groups)
+TRAINER_PLANS = ("independent", "tree", "joint", "shared", "node_wise")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,7 +71,7 @@ TRAINER_PLANS = ("independent", "tree", "joint")
 def build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool) -> PolicySet:
     """The run's policies (see `jmarl.train.policies`), optimizer states initialised."""
     pc = config.policies
-    names, agent_policy = agent_policy_map(pc, tuple(agents))
+    names, agent_policy = _policy_map(config, tuple(agents))
     ids = tuple(range(len(names)))
     groups: list[PolicyGroup] = []
     if pc.mode == "heterogeneous":
@@ -82,6 +99,19 @@ def build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimi
         return PolicySet(names, agent_policy, [group])
     # shared / per_agent: every policy starts from the same weights
     return PolicySet(names, agent_policy, [_group(pc.mode, mcfg, tok, ids, params, optimizer, need_ref=need_ref)])
+
+
+def _policy_map(config: Config, agents: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(policy names, agent -> policy); the `shared` plan does not route by agent: every policy
+    of `policies.models` answers every prompt, so its single agent maps to policy 0."""
+    if config.workflow.plan != "shared":
+        return agent_policy_map(config.policies, agents)
+    if config.policies.mode != "heterogeneous" or len(config.policies.models) < 2:
+        raise JmarlError(
+            "workflow.plan 'shared' (HACPO) trains two or more different models: set policies.mode="
+            "heterogeneous and give each one under policies.models.<name>"
+        )
+    return tuple(config.policies.models), (0,) * len(agents)
 
 
 def _group(name, mcfg, tok, ids, params, optimizer, *, need_ref: bool) -> PolicyGroup:
@@ -205,10 +235,14 @@ def policy_batch(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.
     }
 
 
-def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int) -> tuple[dict[str, np.ndarray], list[int]]:
-    """The group's batch: [P, N, ...] when stacked, else [N, ...]; N a power of two x parts."""
+def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The group's batch: [P, N, ...] when stacked, else [N, ...]; N a power of two x parts.
+
+    `min_rows`: a bound on any policy's samples per step known from the plan (0: none); N is
+    then fixed across steps, so the update is compiled once per sequence-length bucket.
+    """
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
-    size = _round_up(_pow2(max(max(counts), 1)), parts)
+    size = _round_up(_pow2(max(max(counts), min_rows, 1)), parts)
     batches = [policy_batch(rollouts, p, size) for p in group.policy_ids]
     if group.stacked:
         return {k: np.stack([b[k] for b in batches]) for k in batches[0]}, counts
@@ -236,6 +270,13 @@ class Trainer:
                 f"workflow.plan {config.workflow.plan!r} is not wired into the trainer yet; "
                 f"use one of {sorted(TRAINER_PLANS)}"
             )
+        if config.workflow.plan == "shared":
+            if self.method is not algos.hacpo:
+                raise JmarlError(f"workflow.plan 'shared' needs algo.name hacpo (its cross samples), got {config.algo.name!r}")
+            self.algo_cfg = hacpo_mode_config(self.algo_cfg, self.plan_opts.mode)
+        if config.workflow.plan == "node_wise":
+            explicit = "num_alternatives" in config.workflow.options
+            self.plan_opts = node_wise_group_size(self.plan_opts, config.workflow.group_size, explicit=explicit)
         self.key = jax.random.key(config.seed)
         o = config.optim
         self.optimizer = make_optimizer(
@@ -248,6 +289,10 @@ class Trainer:
         self.policies = build_policies(
             config, self.env.agents, jax.random.fold_in(self.key, 10**6), self.optimizer, need_ref=self.need_ref
         )
+        if config.workflow.plan == "shared":
+            tokenizers = {p: self.policies.group_of(p).tokenizer for p in range(len(self.policies.policy_names))}
+            self.plan_opts = shared_options(self.plan_opts, tokenizers)
+        self.algo_state: AlgoState = init_algo_state(config.algo.name, self.algo_cfg, config.workflow.plan)
         s = config.sampling
         self.temperature = s.temperature if s.temperature > 0 else 1.0
         self.sampler = ModelSampler(
@@ -278,9 +323,14 @@ class Trainer:
             g.state = st
 
     def save(self) -> None:
-        meta = {"step": self.step, "warm_started": self.warm_started, "config": json.loads(json.dumps(_plain(self.config)))}
+        meta = {
+            "step": self.step, "warm_started": self.warm_started, "config": json.loads(json.dumps(_plain(self.config))),
+            "algo_state": self.algo_state.to_meta(),
+        }
         self.checkpointer.save(self.step, self.state_tree(), meta)
         self.checkpointer.wait()
+        if self.algo_state.memory is not None:  # readable copy of JoyAgents-R1's memory
+            memory_store.save(self.algo_state.memory, self.out / "memory.json")
 
     def maybe_resume(self) -> bool:
         if not self.config.resume or self.checkpointer.latest_step() is None:
@@ -289,6 +339,8 @@ class Trainer:
         self.load_state_tree(restored.state)
         self.step = int(restored.meta.get("step", restored.step))
         self.warm_started = bool(restored.meta.get("warm_started", True))
+        if "algo_state" in restored.meta:
+            self.algo_state = AlgoState.from_meta(restored.meta["algo_state"])
         log.info("resumed from step %d", self.step)
         return True
 
@@ -313,6 +365,8 @@ class Trainer:
                 state = env.end_turn(state)
                 if env.done(state):
                     break
+        if self.config.workflow.plan == "shared":  # every policy plays the one agent
+            out = [(p, obs, text) for _, obs, text in out for p in range(len(self.policies.policy_names))]
         return out
 
     def warm_start(self) -> None:
@@ -376,9 +430,13 @@ class Trainer:
         key = jax.random.fold_in(self.key, self.step)
         seeds = [envs.train_seed(self.step * cfg.workflow.num_tasks + i) for i in range(cfg.workflow.num_tasks)]
         self.sampler.new_tokens = 0
-        result = self.plan_fn(self.env, seeds, self.policies.agent_policy, self.sampler, key, self.plan_opts)
+        result = self.plan_fn(self.env, seeds, self.policies.agent_policy, self.sampler, key, self._step_plan_options())
         t_gen = time.perf_counter() - t0
         metrics: dict[str, float] = {f"rollout/{k}": v for k, v in summarize(result.episodes).items()}
+        # HACPO: this step's success rates enter the capability window before any advantage;
+        # JoyAgents-R1: the memory learns from this step's node groups
+        self.algo_state, algo_metrics = after_plan(self.algo_state, result, self.step)
+        metrics.update(algo_metrics)
         metrics["rollout/samples"] = float(len(result.records))
         metrics["time/generate"] = t_gen
         metrics["rollout/new_tokens_per_s"] = self.sampler.new_tokens / max(t_gen, 1e-9)
@@ -392,7 +450,7 @@ class Trainer:
 
         t_score = t_update = 0.0
         for gi, (group, fns) in enumerate(zip(self.policies.groups, self.fns)):
-            batch, counts = group_batch(group, rollouts, self.parts)
+            batch, counts = group_batch(group, rollouts, self.parts, self._rows_bound())
             if not any(counts):
                 continue
             t1 = time.perf_counter()
@@ -412,12 +470,47 @@ class Trainer:
         metrics["perf/train_tokens_per_s"] = tokens / max(t_score + t_update, 1e-9)
         return metrics
 
+    def _rows_bound(self) -> int:
+        """Samples per learner per step where the plan fixes them, else 0. shared: tasks x
+        policies x G when sharing (hacpo, naive; lossy cross samples dropped make it an upper
+        bound), tasks x G (gspo) or tasks x 2G (gspo_2x) otherwise."""
+        if self.config.workflow.plan == "shared":
+            opts = self.plan_opts
+            sources = opts.num_policies if opts.shares else 1
+            return self.config.workflow.num_tasks * sources * opts.samples_per_policy
+        return 0
+
+    def _step_plan_options(self) -> Any:
+        """The plan's options for this step (node_wise: the current memory injected)."""
+        if self.config.workflow.plan == "node_wise" and self.method is algos.joyagents:
+            top_k_set = "top_k" in self.config.workflow.options
+            return node_wise_options(self.plan_opts, self.algo_cfg, self.algo_state, top_k_set=top_k_set)
+        return self.plan_opts
+
     def _score(self, group: PolicyGroup, fns: GroupFns, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Adds old/ref log-probs, advantages and the keep filter to a group's batch."""
+        """Adds old/ref log-probs, advantages and the keep filter to a group's batch.
+
+        HACPO: advantages, discrepancy weights, the keep filter and is_cross come from one
+        jitted function over the learner's mixed groups; cross samples (whose behaviour
+        log-probs under the learner are unknown) are always scored by the learner.
+        """
         cfg = self.config
         tokens, attn = batch["tokens"], batch["attention_mask"]
-        if cfg.train.recompute_old_logprobs:
+        hacpo_terms = None
+        if self.method is algos.hacpo:
+            capability = algos.hacpo.capabilities(self.algo_state.capability)
+            fn = hacpo_batch_fn(self.algo_cfg, batch["reward"].shape[-1], group.stacked)
+            adv, weight, keep, is_cross = fn(*hacpo_inputs(batch, group.policy_ids, group.stacked, capability))
+            hacpo_terms = {
+                "is_cross": is_cross, "discrepancy": weight,
+                "source_seq_logprob": jnp.asarray(batch["source_seq_logprob"]),
+            }
+        else:
+            adv, keep = self._advantages(batch["reward"], batch["group"], stacked=group.stacked)
+        if cfg.train.recompute_old_logprobs or hacpo_terms is not None:
             old = fns.score(group.state.params, group.base, tokens, attn)
+            if not cfg.train.recompute_old_logprobs:
+                old = jnp.where(hacpo_terms["is_cross"][..., None], old, jnp.asarray(batch["behavior_logprobs"]))
         else:
             old = jnp.asarray(batch["behavior_logprobs"])
         out = {
@@ -425,22 +518,40 @@ class Trainer:
         }
         if group.ref is not None:
             out["ref_logprobs"] = fns.score_ref(group.ref, tokens, attn)
-        adv, keep = self._advantages(batch["reward"], batch["group"], stacked=group.stacked)
         out["advantages"] = adv
         out["loss_mask"] = jnp.asarray(batch["loss_mask"]) & keep[..., None]
-        if self.method is algos.hacpo:
-            raise JmarlError("algo.name 'hacpo' needs the 'shared' sampling plan, which the trainer does not wire yet")
+        if hacpo_terms is not None:
+            out.update(hacpo_terms)
         return out
 
     def _advantages(self, reward: np.ndarray, group: np.ndarray, *, stacked: bool):
         n = reward.shape[-1]
-        fn = _advantage_fn(self.method, self.algo_cfg, n, stacked)
+        # node_wise: the plan already kept only the top-K node groups of each task
+        keep_all = self.config.workflow.plan == "node_wise"
+        fn = _advantage_fn(self.method, self.algo_cfg, n, stacked, keep_all)
         return fn(jnp.asarray(reward), jnp.asarray(group))
 
     # ---- evaluation
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy success on held-out seeds (and pass@k when eval.pass_k > 1)."""
+        """Greedy success on held-out seeds (and pass@k when eval.pass_k > 1).
+
+        With the `shared` plan (HACPO) every policy is evaluated on its own: eval/<policy>/...,
+        and eval/<metric> is the mean over the policies.
+        """
+        if self.config.workflow.plan != "shared":
+            return self._evaluate(self.policies.agent_policy)
+        out: dict[str, float] = {}
+        per = []
+        for pid, name in enumerate(self.policies.policy_names):
+            got = self._evaluate((pid,) * len(self.env.agents))
+            per.append(got)
+            out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in got.items()})
+        for k in per[0]:
+            out[k] = float(np.mean([g[k] for g in per]))
+        return out
+
+    def _evaluate(self, agent_policy: Sequence[int]) -> dict[str, float]:
         ec = self.config.eval
         seeds = [envs.eval_seed(i) for i in range(ec.num_episodes)]
         key = jax.random.fold_in(self.key, -1 % (2**31))
@@ -449,11 +560,11 @@ class Trainer:
         try:
             if ec.greedy:
                 self.sampler.settings = dataclasses.replace(saved, temperature=0.0)
-            res = run_plan("independent", self.env, seeds, self.policies.agent_policy, self.sampler, key, num_episodes=1, max_turns=self.config.workflow.max_turns)
+            res = run_plan("independent", self.env, seeds, agent_policy, self.sampler, key, num_episodes=1, max_turns=self.config.workflow.max_turns)
             out.update({f"eval/{k}": v for k, v in summarize(res.episodes).items()})
             if ec.pass_k > 1:
                 self.sampler.settings = saved
-                res = run_plan("independent", self.env, seeds, self.policies.agent_policy, self.sampler, key, num_episodes=ec.pass_k, max_turns=self.config.workflow.max_turns)
+                res = run_plan("independent", self.env, seeds, agent_policy, self.sampler, key, num_episodes=ec.pass_k, max_turns=self.config.workflow.max_turns)
                 solved = {}
                 for e in res.episodes:
                     solved[e.env] = solved.get(e.env, False) or e.success
@@ -472,7 +583,8 @@ class Trainer:
             group = self.policies.group_of(pid)
             path = root / name
             models.save_hf(path, group.model_config, to_host(group.policy_params(pid)))
-            save_tok = getattr(group.tokenizer, "save", None) or getattr(group.tokenizer, "save_pretrained", None)
+            tok = group.tokenizer
+            save_tok = getattr(tok, "save", None) or getattr(tok, "save_pretrained", None) or getattr(getattr(tok, "hf", None), "save_pretrained", None)
             if save_tok is not None:
                 save_tok(str(path))
             paths.append(path)
@@ -517,6 +629,7 @@ class Trainer:
             "success_after": final.get("eval/success_rate", 0.0),
             "steps": self.step,
             "wall_seconds": time.perf_counter() - t_start,
+            "rollouts_generated": self.algo_state.rollouts_generated,
             **{k.replace("eval/", "eval_"): v for k, v in final.items()},
         }
         write_summary(self.out, summary)
@@ -524,15 +637,18 @@ class Trainer:
         return summary
 
 
-def _advantage_fn(method, algo_cfg, n: int, stacked: bool):
-    key = (method.__name__, algo_cfg, n, stacked)
+def _advantage_fn(method, algo_cfg, n: int, stacked: bool, keep_all: bool = False):
+    key = (method.__name__, algo_cfg, n, stacked, keep_all)
     if key not in _ADV_CACHE:
         def one(reward, group):
             # a non-finite reward must not pass as "no signal": its advantage is NaN, so the
             # update's non-finite guard skips (and counts) the mini-batch that holds it
             adv = method.advantages(algo_cfg, reward, group, num_groups=n)
             adv = jnp.where(jnp.isfinite(reward), adv, jnp.nan)
-            keep = method.keep_mask(algo_cfg, reward, group, num_groups=n)
+            if keep_all:
+                keep = algos.filter_groups(reward, group, num_groups=n)
+            else:
+                keep = method.keep_mask(algo_cfg, reward, group, num_groups=n)
             return adv, keep
 
         _ADV_CACHE[key] = jax.jit(jax.vmap(one) if stacked else one)

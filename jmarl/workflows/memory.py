@@ -30,7 +30,10 @@ Rules (defaults in `MemoryOptions`):
   every entry retrieved into a node group's prompt, then eviction, then admission, over every
   node group of the step (those dropped by top-K selection included).
 
-Memory is saved with checkpoints as an inspectable JSON file (`save`/`load`).
+The threshold and score math is `jmarl.algos.joyagents` (`memory_thresholds`,
+`admission_mask`, `eviction_mask`, `entry_score`); this module is the host-side store around it.
+Memory is saved with checkpoints as an inspectable JSON file (`save`/`load`); the trainer also
+keeps it in the checkpoint metadata and writes `output_dir/memory.json`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from jmarl.algos import joyagents
 from jmarl.errors import JmarlError
 
 _FORMAT = "jmarl.memory"
@@ -177,12 +181,17 @@ def load(path: str | os.PathLike) -> Memory:
 
 def entry_scores(memory: Memory, agent: str, now: int) -> np.ndarray:
     """f64[E] per entry of `agent`: time_weight * exp(-(now - step) / tau)
-    + reward_weight * (reward - baseline)."""
+    + reward_weight * (reward - baseline) (`jmarl.algos.joyagents.entry_score`, decay 1 / tau)."""
     opts = memory.options
     es = memory.entries(agent)
+    if not es:
+        return np.zeros((0,), np.float64)
     age = np.array([now - e.step for e in es], np.float64)
     gap = np.array([e.reward - e.baseline for e in es], np.float64)
-    return opts.time_weight * np.exp(-age / opts.tau) + opts.reward_weight * gap
+    score = joyagents.entry_score(
+        age, gap, decay=1.0 / opts.tau, time_weight=opts.time_weight, reward_weight=opts.reward_weight
+    )
+    return np.asarray(score, np.float64)
 
 
 def ngram_counts(text: str, n: int = 3) -> Counter:
@@ -295,14 +304,27 @@ def mark_used(memory: Memory, agent: str, ids: Iterable[int]) -> Memory:
 
 
 def group_thresholds(rewards: Sequence[float], z: float, ddof: int) -> tuple[float, float]:
-    """(mu + z * sigma, mu - z * sigma) of rewards f[G]; (inf, -inf) if sigma is 0 or undefined."""
-    r = np.asarray(rewards, np.float64)
-    if r.size <= ddof:
+    """(mu + z * sigma, mu - z * sigma) of rewards f[G] (`jmarl.algos.joyagents.memory_thresholds`);
+    (inf, -inf) if sigma is 0 or undefined."""
+    r = np.asarray(rewards, np.float32).reshape(-1)
+    if r.size <= ddof or r.size < 2 or r.max() == r.min():
         return math.inf, -math.inf
-    mu, sigma = float(r.mean()), float(r.std(ddof=ddof))
-    if sigma == 0.0:
-        return math.inf, -math.inf
-    return mu + z * sigma, mu - z * sigma
+    upper, lower = joyagents.memory_thresholds(r, np.zeros(r.shape, np.int32), num_groups=1, z=z, ddof=ddof)
+    return float(upper[0]), float(lower[0])
+
+
+def _outliers(groups: Sequence[Any], z: float, ddof: int) -> tuple[np.ndarray, np.ndarray]:
+    """(admit, evict) bool[sum of group sizes] over every node group's rewards, concatenated
+    (`jmarl.algos.joyagents.admission_mask` / `eviction_mask`, one call for the whole step)."""
+    rewards = np.concatenate([np.asarray(g.rewards, np.float32).reshape(-1) for g in groups])
+    ids = np.concatenate([np.full(len(g.rewards), i, np.int32) for i, g in enumerate(groups)])
+    if ddof > 0:  # a group too small for its ddof has no sigma: it neither admits nor evicts
+        sizes = np.array([len(g.rewards) for g in groups])
+        ids = np.where(sizes[ids] > ddof, ids, -1).astype(np.int32)
+    n = len(groups)
+    up = joyagents.admission_mask(rewards, ids, num_groups=n, z=z, ddof=ddof)
+    down = joyagents.eviction_mask(rewards, ids, num_groups=n, z=z, ddof=ddof)
+    return np.asarray(up), np.asarray(down)
 
 
 def update_memory(memory: Memory, plan_result: Any, step: int) -> Memory:
@@ -320,15 +342,17 @@ def update_memory(memory: Memory, plan_result: Any, step: int) -> Memory:
     opts = memory.options
     for g in groups:
         memory = mark_used(memory, g.agent_name, g.memory_ids)
-    for g in groups:
-        _, lower = group_thresholds(g.rewards, opts.z, opts.ddof)
-        if any(r < lower for r in g.rewards):
+    if not groups:
+        return memory
+    admitted, evicting = _outliers(groups, opts.z, opts.ddof)
+    starts = np.cumsum([0] + [len(g.rewards) for g in groups])
+    for i, g in enumerate(groups):
+        if evicting[starts[i] : starts[i + 1]].any():
             memory = evict(memory, g.agent_name, g.memory_ids)
-    for g in groups:
-        upper, _ = group_thresholds(g.rewards, opts.z, opts.ddof)
+    for i, g in enumerate(groups):
         mu = float(np.mean(g.rewards))
-        for text, r in zip(g.texts, g.rewards):
-            if r > upper:
+        for text, r, up in zip(g.texts, g.rewards, admitted[starts[i] : starts[i + 1]]):
+            if up:
                 memory = admit(
                     memory, g.agent_name, g.query, text, reward=r, baseline=mu, step=step
                 )

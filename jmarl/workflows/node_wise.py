@@ -74,7 +74,8 @@ QueryFn = Callable[[Any, Any, str], str]
 class NodeWiseOptions:
     """Options of the `node_wise` plan (see the module docstring).
 
-    num_alternatives: G >= 1 per node; top_k: groups that produce records (>= 1);
+    num_alternatives: G >= 1 per node (default 8: the memory's mu + 1.96 sigma admission needs
+    G >= 6, see `jmarl.algos.joyagents.min_group_size_for_memory`); top_k: groups that produce records (>= 1);
     top_k_scope: "task" | "batch"; team_weight/local_weight: reward weights; max_turns: cap
     (None: `env.max_turns`); base_sampler: sampler of the base trajectory and of re-runs
     (None: the plan's);
@@ -82,7 +83,7 @@ class NodeWiseOptions:
     without memory).
     """
 
-    num_alternatives: int = 4
+    num_alternatives: int = 8
     top_k: int = 2
     top_k_scope: str = "task"
     team_weight: float = 1.0

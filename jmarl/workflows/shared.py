@@ -35,18 +35,19 @@ Capability (HACPO step 1). `stats["success_rate"]` holds, per policy, the fracti
 generations this step with reward > 0. The trainer pushes it into a `CapabilityWindow`
 (`update_capabilities`) before computing advantages; `capabilities(window)` is P^j, the mean
 success over the last K (default 5) steps, the current one included. The window is an
-immutable value with `to_json`/`from_json` for checkpoints.
+immutable value with `to_json`/`from_json` for checkpoints; it lives in `jmarl.algos.hacpo`
+(HACPO's algorithm state) and is re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
 
+from jmarl.algos.hacpo import CapabilityWindow, capabilities, update_capabilities
 from jmarl.errors import JmarlError
 from jmarl.workflows.base import (
     Completion,
@@ -60,6 +61,11 @@ from jmarl.workflows.base import (
     check_agent_policy,
     check_choice,
 )
+
+__all__ = [
+    "MODES", "CapabilityWindow", "SharedOptions", "TextTokenizer", "capabilities", "mode_switches",
+    "retokenize", "sample_shared", "seq_logprob", "update_capabilities",
+]
 
 MODES = ("hacpo", "naive", "gspo", "gspo_2x")
 
@@ -277,65 +283,3 @@ def retokenize(
         logprobs=np.zeros(tokens.shape, np.float32),
     )
     return routed, lossless
-
-
-# ---------------------------------------------------------------- capability window (HACPO 1.)
-
-
-@dataclass(frozen=True)
-class CapabilityWindow:
-    """Per-policy success rates of the last `size` steps: history[s][j], the newest step last.
-
-    An immutable value: `update_capabilities` returns a new window. P^j = `capabilities(w)[j]`.
-    """
-
-    size: int = 5
-    history: tuple[tuple[float, ...], ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 1:
-            raise JmarlError(f"CapabilityWindow.size must be an int >= 1, got {self.size!r}")
-
-    def to_json(self) -> str:
-        """The window as a JSON string (saved with checkpoints)."""
-        return json.dumps({"size": self.size, "history": [list(row) for row in self.history]})
-
-    @classmethod
-    def from_json(cls, text: str) -> "CapabilityWindow":
-        """The window written by `to_json`."""
-        try:
-            data = json.loads(text)
-            rows = tuple(tuple(float(x) for x in row) for row in data["history"])
-            window = cls(size=int(data["size"]))
-        except (KeyError, TypeError, ValueError) as err:
-            raise JmarlError(
-                f"malformed capability window JSON ({err}); expected {{'size': int, "
-                "'history': [[float, ...], ...]}"
-            ) from None
-        for row in rows:
-            window = update_capabilities(window, row)
-        return window
-
-
-def update_capabilities(window: CapabilityWindow, success: Sequence[float]) -> CapabilityWindow:
-    """A new window with this step's per-policy success fractions f[n] (each in [0, 1]) appended;
-    steps older than the last `size` are dropped."""
-    row = tuple(float(x) for x in np.asarray(success, np.float64).reshape(-1))
-    if window.history and len(row) != len(window.history[0]):
-        raise JmarlError(
-            f"update_capabilities got success fractions for {len(row)} policies but the window "
-            f"tracks {len(window.history[0])}"
-        )
-    if not row or any(not 0.0 <= x <= 1.0 for x in row):
-        raise JmarlError(f"success fractions must be a non-empty list in [0, 1], got {row}")
-    return CapabilityWindow(window.size, (window.history + (row,))[-window.size :])
-
-
-def capabilities(window: CapabilityWindow) -> np.ndarray:
-    """P f32[n]: each policy's mean success fraction over the steps in the window."""
-    if not window.history:
-        raise JmarlError(
-            "the capability window is empty: call update_capabilities with this step's success "
-            "fractions before computing advantages"
-        )
-    return np.mean(np.asarray(window.history, np.float64), axis=0).astype(np.float32)

@@ -1,0 +1,268 @@
+"""HACPO (shared plan, heterogeneous policies) and JoyAgents-R1 (node_wise plan, memory) in the
+trainer: the tiny configs train on CPU, metrics move, and a resumed run restores the capability
+window and the memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jmarl import envs, models
+from jmarl.algos import hacpo, joyagents
+from jmarl.config import load_config
+from jmarl.errors import JmarlError
+from jmarl.train import trainer as trainer_mod
+from jmarl.train.algo_state import AlgoState, hacpo_mode_config, init_algo_state, memory_options
+from jmarl.workflows import memory as memory_store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_steps(lines: list[dict]) -> list[dict]:
+    return [x for x in lines if "rollout/generated" in x]
+
+
+@pytest.mark.slow
+def test_hacpo_tiny_heterogeneous_pair_trains_and_resumes_its_capability_window(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the config's data and tokenizer paths are relative to the repo
+    out = tmp_path / "hacpo"
+    common = [
+        f"output_dir={out}", "train.steps=3", "train.warm_start.steps=12", "workflow.num_tasks=2",
+        "eval.num_episodes=8", "eval.greedy=false", "checkpoint.every=1", "logging.progress=false",
+        "algo.options.capability_window=2",
+    ]
+    config = load_config(REPO / "configs/hacpo/math_tiny.yaml", common)
+    trainer = trainer_mod.Trainer(config)
+
+    # two learners with different architectures AND vocabularies
+    qwen, llama = (trainer.policies.group_of(p) for p in (0, 1))
+    assert trainer.policies.policy_names == ("qwen", "llama")
+    assert (qwen.model_config.model_type, llama.model_config.model_type) == ("qwen3", "llama")
+    assert qwen.model_config.qk_norm and not llama.model_config.qk_norm
+    assert qwen.model_config.hidden_size != llama.model_config.hidden_size
+    assert isinstance(qwen.tokenizer, models.CharTokenizer) and not isinstance(llama.tokenizer, models.CharTokenizer)
+    assert qwen.model_config.vocab_size != llama.model_config.vocab_size
+    text = "The answer is \\boxed{7}."
+    assert qwen.tokenizer.encode(text) != llama.tokenizer.encode(text)
+    assert len(qwen.tokenizer.encode(text)) != len(llama.tokenizer.encode(text))
+    assert trainer.plan_opts.num_policies == 2 and trainer.plan_opts.tokenizers[1] is llama.tokenizer
+    # the warm start teaches both policies (the shared plan has one agent, played by each)
+    assert sorted({pid for pid, *_ in trainer.demonstrations([envs.train_seed(0)])}) == [0, 1]
+
+    summary = trainer.run()
+    steps = _train_steps(_metrics(out))
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    # rollout cost: 2 tasks x 2 policies x G=4 per step, counted
+    assert [x["rollout/generated"] for x in steps] == [16.0] * 3
+    assert steps[-1]["rollout/generated_total"] == 48.0 == summary["rollouts_generated"]
+    # the rewards are not constant (some but not all answers right in some step) and both
+    # learners get a non-zero loss and gradient
+    assert any(0.0 < x["rollout/reward_mean"] < 1.0 for x in steps)
+    for name in ("qwen", "llama"):
+        assert any(abs(x[f"train/{name}/loss"]) > 0 and x[f"train/{name}/grad_norm"] > 0 for x in steps), name
+    # cross samples reach the learners (re-tokenised), with the stepwise-clipped ratio
+    assert any(x["train/llama/cross_fraction"] > 0 for x in steps)
+    # capability P^j = mean success of the last K=2 steps, the current one included
+    for i, x in enumerate(steps):
+        for p in (0, 1):
+            window = [steps[j][f"hacpo/success_{p}"] for j in range(max(0, i - 1), i + 1)]
+            assert x[f"hacpo/capability_{p}"] == pytest.approx(np.mean(window), abs=1e-6)
+    # both policies evaluated, each on its own
+    final = _metrics(out)[-1]
+    assert {"eval/qwen/success_rate", "eval/llama/success_rate", "eval/success_rate"} <= set(final)
+    assert (out / "export" / "llama" / "tokenizer.json").exists()
+
+    # stop, then resume: the window (and rollout count) come back from the checkpoint metadata
+    saved = trainer.algo_state
+    assert len(saved.capability.history) == 2 and saved.capability.size == 2
+    resumed = trainer_mod.Trainer(load_config(REPO / "configs/hacpo/math_tiny.yaml", common + ["resume=true", "train.steps=4"]))
+    assert resumed.algo_state.capability.history == ()
+    assert resumed.maybe_resume() and resumed.step == 3
+    assert resumed.algo_state == saved
+    np.testing.assert_array_equal(hacpo.capabilities(resumed.algo_state.capability), hacpo.capabilities(saved.capability))
+
+
+@pytest.mark.slow
+def test_joyagents_tiny_router_trains_and_resumes_its_memory(tmp_path):
+    out = tmp_path / "joy"
+    common = [
+        f"output_dir={out}", "train.steps=3", "train.warm_start.steps=0", "workflow.num_tasks=1",
+        "sampling.max_new_tokens=16", "sampling.max_prompt_len=160",
+        "eval.num_episodes=1", "eval.greedy=false", "checkpoint.every=1", "logging.progress=false",
+    ]
+    config = load_config(REPO / "configs/joyagents/router_tiny.yaml", common)
+    trainer = trainer_mod.Trainer(config)
+    assert trainer.policies.policy_names == ("master", "math", "tool", "qa")
+    trainer.run()
+    steps = _train_steps(_metrics(out))
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    # node-wise: per task B base nodes + G alternatives each (+ re-runs); top-2 groups x G records
+    assert all(x["rollout/samples"] <= 2 * 8 for x in steps)
+    assert all(x["rollout/generated"] >= 2 + 2 * 8 for x in steps)
+    # rewards (accuracy + format - cost) are not constant, and the selected groups give gradients
+    rewards = [x["rollout/reward_mean"] for x in steps]
+    assert max(rewards) > min(rewards)
+    assert any(x["train/grad_norm"] > 0 for x in steps)
+
+    # the memory learned something, is injected into the next step's prompts and was saved
+    memory = trainer.algo_state.memory
+    assert memory is not None and memory.options == memory_options(trainer.algo_cfg)
+    assert steps[-1]["memory/entries"] == sum(len(es) for _, es in memory.banks) > 0
+    assert trainer._step_plan_options().memory is memory
+    assert memory_store.load(out / "memory.json") == memory
+
+    resumed = trainer_mod.Trainer(load_config(REPO / "configs/joyagents/router_tiny.yaml", common + ["resume=true", "train.steps=4"]))
+    assert resumed.algo_state.memory == memory_store.Memory(memory.options)
+    assert resumed.maybe_resume() and resumed.step == 3
+    assert resumed.algo_state == trainer.algo_state
+    assert resumed.algo_state.rollouts_generated == sum(x["rollout/generated"] for x in steps)
+
+
+def test_algo_state_round_trips_through_json_meta():
+    window = hacpo.CapabilityWindow(size=3)
+    for row in [(0.5, 0.25), (1.0, 0.0)]:
+        window = hacpo.update_capabilities(window, row)
+    mem = memory_store.admit(memory_store.Memory(), "master", "q", "ROUTE: math", reward=1.0, baseline=0.2, step=4)
+    state = AlgoState(capability=window, memory=mem, rollouts_generated=96)
+    meta = json.loads(json.dumps(state.to_meta()))  # what the checkpoint stores
+    assert AlgoState.from_meta(meta) == state
+    assert AlgoState.from_meta(AlgoState().to_meta()) == AlgoState()
+    with pytest.raises(JmarlError, match="malformed"):
+        AlgoState.from_meta({"capability": '{"size": 2}'})
+
+
+def test_hacpo_modes_switch_mechanisms_and_count_rollouts():
+    cfg = hacpo.HACPOConfig()
+    assert hacpo_mode_config(cfg, "hacpo") == cfg
+    naive = hacpo_mode_config(cfg, "naive")
+    assert not (naive.capability_baseline or naive.discrepancy or naive.stepwise_clip)
+    # an ablation switch set in algo.options stays off in every mode
+    no_clip = hacpo_mode_config(hacpo.HACPOConfig(stepwise_clip=False), "hacpo")
+    assert no_clip.capability_baseline and no_clip.discrepancy and not no_clip.stepwise_clip
+    assert init_algo_state("hacpo", hacpo.HACPOConfig(capability_window=4), "shared").capability.size == 4
+    assert init_algo_state("grpo", None, "independent") == AlgoState()
+    joy = joyagents.JoyAgentsConfig()
+    assert init_algo_state("joyagents", joy, "node_wise").memory == memory_store.Memory(memory_options(joy))
+    assert init_algo_state("joyagents", joy, "independent") == AlgoState()  # no node groups to learn from
+    assert init_algo_state("joyagents", dataclasses.replace(joy, use_memory=False), "node_wise") == AlgoState()
+
+
+def test_shared_plan_needs_two_heterogeneous_policies(tmp_path):
+    config = load_config(REPO / "configs/hacpo/math_tiny.yaml", [f"output_dir={tmp_path}"])
+    names, agent_policy = trainer_mod._policy_map(config, ("solver",))
+    assert names == ("qwen", "llama") and agent_policy == (0,)  # the shared plan does not route by agent
+    only_qwen = dataclasses.replace(config.policies, models={"qwen": config.policies.models["qwen"]})
+    with pytest.raises(JmarlError, match="two or more"):
+        trainer_mod._policy_map(dataclasses.replace(config, policies=only_qwen), ("solver",))
+
+
+# ---------------------------------------------------------------- HACPO over three scripted steps
+
+# step -> policy -> which of its G=2 answers are right (QuizEnv: reward 1 for seed + 1)
+SCRIPT = [
+    {0: (1, 1), 1: (0, 0)},  # success (1, 0)
+    {0: (1, 1), 1: (1, 0)},  # success (1, 0.5)
+    {0: (0, 1), 1: (0, 0)},  # success (0.5, 0)
+]
+# hand-worked with K = 2. Mixed group of learner k: sources (0, 0, 1, 1).
+# step 1: P = (1, 0). omega^{0,1} = 1/0 -> 10, omega^{1,0} = clip(0) = 0.1; r = (1, 1, 0, 0), std .57735
+#   learner 0: mu = (1 + 1) / 4 = .5; learner 1: mu = (.1 + .1) / 4 = .05
+# step 2: P = (1, .25). omega^{0,1} = 4, omega^{1,0} = .25; r = (1, 1, 1, 0), std .5
+#   learner 0: mu = (1 + 1 + 4) / 4 = 1.5 > max reward 1 -> fallback to its own mean 1
+#   learner 1: mu = (.25 + .25 + 1) / 4 = .375
+# step 3 (step 1 leaves the window): P = (.75, .25). omega^{0,1} = 3, omega^{1,0} = 1/3; r = (0, 1, 0, 0), std .5
+#   learner 0: mu = 1 / 4 = .25; learner 1: mu = (1/3) / 4 = 1/12
+HAND = [
+    dict(P=(1.0, 0.0), base=(0.5, 0.05), std=1 / np.sqrt(3), w=(0.1, 10.0), r=(1, 1, 0, 0)),
+    dict(P=(1.0, 0.25), base=(1.0, 0.375), std=0.5, w=(0.25, 4.0), r=(1, 1, 1, 0)),
+    dict(P=(0.75, 0.25), base=(0.25, 1 / 12), std=0.5, w=(1 / 3, 3.0), r=(0, 1, 0, 0)),
+]
+
+
+def test_hacpo_three_scripted_steps_match_hand_computed_values():
+    from test_workflows_shared import TOKS, QuizEnv, TokSampler, seed_of
+
+    from jmarl.train.algo_state import after_plan, hacpo_batch_fn, hacpo_inputs
+    from jmarl.workflows import SharedOptions, build_rollouts, sample_shared
+
+    cfg = hacpo.HACPOConfig(capability_window=2)
+    state = init_algo_state("hacpo", cfg, "shared")
+    for step, (script, hand) in enumerate(zip(SCRIPT, HAND)):
+        def answer(policy, prompt, j, script=script):
+            s = seed_of(prompt)
+            return str(s + 1 if script[policy][j] else s + 7)
+
+        opts = SharedOptions(num_samples=2, num_policies=2, tokenizers=TOKS)
+        result = sample_shared(QuizEnv(), [3 + step], (0,), TokSampler(TOKS, answer), jax.random.key(step), opts)
+        state, metrics = after_plan(state, result, step)
+        np.testing.assert_allclose(hacpo.capabilities(state.capability), hand["P"], rtol=1e-6)
+        assert metrics["rollout/generated_total"] == 4 * (step + 1)
+        rollouts = build_rollouts(result.records)
+        for k in (0, 1):
+            batch = trainer_mod.policy_batch(rollouts, k, 8)
+            adv, weight, keep, is_cross = hacpo_batch_fn(cfg, 8, False)(
+                *hacpo_inputs(batch, (k,), False, hacpo.capabilities(state.capability))
+            )
+            np.testing.assert_array_equal(batch["source_policy"][:4], [0, 0, 1, 1])
+            np.testing.assert_array_equal(batch["reward"][:4], hand["r"])
+            expected = (np.asarray(hand["r"]) - hand["base"][k]) / (hand["std"] + cfg.eps)
+            np.testing.assert_allclose(np.asarray(adv)[:4], expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(np.asarray(adv)[4:], 0.0)  # padding rows
+            own = np.array([0, 0, 1, 1]) == k
+            np.testing.assert_allclose(np.asarray(weight)[:4][~own], hand["w"][k], rtol=1e-6)
+            np.testing.assert_allclose(np.asarray(weight)[:4][own], 1.0)
+            np.testing.assert_array_equal(np.asarray(is_cross)[:4], ~own)
+            np.testing.assert_array_equal(np.asarray(keep), [True] * 4 + [False] * 4)
+
+
+def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
+    """Three mini-batches of one update see m = 0, 1, 2: bounds [0.8, 1], [0.825, 1], [0.85, 1]."""
+    import jax.numpy as jnp
+    import optax
+
+    from jmarl.train.step import make_update
+
+    cfg = hacpo.HACPOConfig()
+    for m, low in enumerate((0.8, 0.825, 0.85)):
+        assert tuple(map(float, hacpo.stepwise_clip_bounds(m, delta=0.2, delta_step=0.025))) == pytest.approx((low, 1.0))
+    # a cross sample whose ratio s = exp(-0.19) = 0.827 lies inside the bounds at m = 0 and 1 only
+    lp0 = np.log(0.827)
+
+    def loss_fn(params, frozen, batch, m):
+        lp = params["lp"] + jnp.zeros(batch["mask"].shape)
+        return hacpo.loss(
+            cfg, lp, lp, jnp.ones(lp.shape[0]), batch["mask"], is_cross=jnp.ones(lp.shape[0], bool),
+            source_seq_logprob=jnp.zeros(lp.shape[0]), minibatch_index=m,
+        )
+
+    update = jax.jit(make_update(loss_fn, optax.sgd(0.0), num_minibatches=3))
+    state = trainer_mod.init_train_state({"lp": jnp.asarray(lp0, jnp.float32)}, optax.sgd(0.0))
+    _, metrics = update(state, None, {"mask": np.ones((3, 4), bool)})
+    assert float(metrics["cross_clip_fraction"]) == pytest.approx(1 / 3)  # clipped at m = 2 only
+    assert float(metrics["cross_ratio_mean"]) == pytest.approx(0.827, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode, rows, generated", [("hacpo", 16, 16), ("naive", 16, 16), ("gspo", 8, 16), ("gspo_2x", 16, 32)])
+def test_hacpo_modes_in_the_trainer(tmp_path, monkeypatch, mode, rows, generated):
+    monkeypatch.chdir(REPO)
+    config = load_config(
+        REPO / "configs/hacpo/math_tiny.yaml",
+        [f"output_dir={tmp_path}", "workflow.num_tasks=2", f"workflow.options.mode={mode}", "algo.options.discrepancy=false"],
+    )
+    trainer = trainer_mod.Trainer(config)
+    cfg = trainer.algo_cfg
+    # naive switches every mechanism off; elsewhere only the ablation set in algo.options is off
+    assert cfg.capability_baseline == cfg.stepwise_clip == (mode != "naive") and not cfg.discrepancy
+    # rows per learner per step: 2 tasks x 2 policies x G (sharing) or its own G / 2G only;
+    # rollouts generated per step: 2 tasks x 2 policies x G (2G for gspo_2x)
+    assert trainer._rows_bound() == rows
+    assert 2 * 2 * trainer.plan_opts.samples_per_policy == generated

@@ -519,7 +519,26 @@ class Trainer:
         }
         write_summary(self.out, summary)
         self.checkpointer.close()
+        print(results_table(summary, cfg, self.out), flush=True)
         return summary
+
+
+def results_table(summary: dict[str, Any], config: Config, out: Path) -> str:
+    """The before/after table printed at the end of a run (held-out greedy success)."""
+    before, after = float(summary["success_before"]), float(summary["success_after"])
+    start = "after warm start" if config.train.warm_start.steps > 0 else "initial model"
+    rows = [
+        (start, f"{100 * before:5.1f}%"),
+        (f"after {summary['steps']} {config.algo.name} steps", f"{100 * after:5.1f}%"),
+        ("change", f"{100 * (after - before):+5.1f} points"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    title = f"held-out success on {config.env.name} ({config.eval.num_episodes} episodes, "
+    title += "greedy)" if config.eval.greedy else "sampled)"
+    lines = [title] + [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines.append(f"  wall time {summary.get('wall_seconds', 0.0):.0f} s; outputs in {out}: summary.json, "
+                 "metrics.jsonl, plots/, checkpoints/, export/")
+    return "\n".join(lines)
 
 
 def _advantage_fn(method, algo_cfg, n: int, stacked: bool):

@@ -2,6 +2,7 @@
 
     python scripts/quickstart_seeds.py                       # seeds 0 1 2 -> results/quickstart_seeds.json
     python scripts/quickstart_seeds.py --seeds 0 1 --out /tmp/qs.json train.steps=10
+    python scripts/quickstart_seeds.py --jobs 3             # all seeds at once (timings then shared)
 
 Each seed is one `python -m jmarl.run --config configs/quickstart.yaml seed=S
 output_dir=runs/quickstart_seeds/seed_S [overrides]` in its own process (so the wall and CPU
@@ -16,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -27,26 +27,38 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("success_before", "success_after", "improvement", "wall_seconds", "cpu_seconds")
 
 
-def run_seed(seed: int, config: str, out_root: Path, overrides: list[str]) -> dict[str, float]:
-    """One quickstart run in a child process; its summary plus wall/CPU seconds."""
-    out = out_root / f"seed_{seed}"
-    cmd = [sys.executable, "-m", "jmarl.run", "--config", config, f"seed={seed}", f"output_dir={out}",
-           "resume=false", *overrides]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    summary = json.loads((out / "summary.json").read_text())
+def start_seed(seed: int, config: str, out_root: Path, overrides: list[str]) -> subprocess.Popen:
+    """Starts one quickstart run (seed `seed`) in a child process."""
+    cmd = [sys.executable, "-m", "jmarl.run", "--config", config, f"seed={seed}",
+           f"output_dir={out_root / f'seed_{seed}'}", "resume=false", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def finish_seed(seed: int, proc: subprocess.Popen, started: float, out_root: Path) -> dict[str, float]:
+    """Waits for the run; its summary plus wall and CPU (user + system) seconds of that process."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"seed {seed}: the run failed (exit status {os.waitstatus_to_exitcode(status)})")
+    summary = json.loads((out_root / f"seed_{seed}" / "summary.json").read_text())
     return {
         "seed": seed,
         "success_before": summary["success_before"],
         "success_after": summary["success_after"],
         "improvement": summary["success_after"] - summary["success_before"],
         "wall_seconds": round(wall, 1),
-        "cpu_seconds": round(cpu, 1),
+        "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
     }
+
+
+def run_seeds(seeds: list[int], config: str, out_root: Path, overrides: list[str], jobs: int) -> list[dict]:
+    """Runs the seeds, `jobs` at a time, in order; one result row per seed."""
+    rows, pending = [], list(seeds)
+    while pending:
+        batch, pending = pending[:jobs], pending[jobs:]
+        running = [(s, start_seed(s, config, out_root, overrides), time.perf_counter()) for s in batch]
+        rows += [finish_seed(s, proc, t0, out_root) for s, proc, t0 in running]
+    return rows
 
 
 def aggregate(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -64,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/quickstart.yaml")
     parser.add_argument("--runs", default="runs/quickstart_seeds", help="parent of the per-seed output dirs")
     parser.add_argument("--out", default="results/quickstart_seeds.json")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (1: the timings of a lone run)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed on to every run")
     args = parser.parse_args(argv)
-    rows = [run_seed(s, args.config, ROOT / args.runs, args.overrides) for s in args.seeds]
+    rows = run_seeds(args.seeds, args.config, ROOT / args.runs, args.overrides, max(1, args.jobs))
     result = {
         "command": f"python -m jmarl.run --config {args.config} seed=S " + " ".join(args.overrides),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} "
                    f"{platform.python_version()}",
+        "jobs": max(1, args.jobs),
         "seeds": rows,
         "aggregate": aggregate(rows),
     }

@@ -38,8 +38,10 @@ def finish_seed(seed: int, proc: subprocess.Popen, started: float, out_root: Pat
     """Waits for the run; its summary plus wall and CPU (user + system) seconds of that process."""
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"seed {seed}: the run failed (exit status {os.waitstatus_to_exitcode(status)})")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:  # recorded, so the other seeds' results are still written (-9: killed, e.g. out of memory)
+        return {"seed": seed, "error": f"exit status {code}", "wall_seconds": round(wall, 1),
+                "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1)}
     summary = json.loads((out_root / f"seed_{seed}" / "summary.json").read_text())
     return {
         "seed": seed,
@@ -64,6 +66,9 @@ def run_seeds(seeds: list[int], config: str, out_root: Path, overrides: list[str
 def aggregate(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """Mean and sample standard deviation (0 for one row) of every field over the rows."""
     out = {}
+    rows = [r for r in rows if "error" not in r]
+    if not rows:
+        return out
     for f in FIELDS:
         values = [r[f] for r in rows]
         out[f] = {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
@@ -93,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'seed':>4}  {'before':>7}  {'after':>7}  {'change':>7}  {'wall s':>7}  {'cpu s':>7}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['seed']:>4}  failed: {r['error']}")
+            continue
         print(f"{r['seed']:>4}  {r['success_before']:7.3f}  {r['success_after']:7.3f}  {r['improvement']:+7.3f}  "
               f"{r['wall_seconds']:7.0f}  {r['cpu_seconds']:7.0f}")
     a = result["aggregate"]
+    if not a:
+        print(f"every run failed; wrote {path}")
+        return 1
     print(f"mean  {a['success_before']['mean']:7.3f}  {a['success_after']['mean']:7.3f}  "
           f"{a['improvement']['mean']:+7.3f}  (std of change {a['improvement']['std']:.3f}); wrote {path}")
     return 0

@@ -31,6 +31,8 @@ SHORT = [
 @pytest.mark.slow
 def test_shortened_quickstart_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 99, "rollout/success_rate": 1.0}\n')  # an older run's
     assert main(["--config", str(QUICKSTART), f"output_dir={out}", *SHORT]) == 0
     config = load_config(QUICKSTART, [f"output_dir={out}", *SHORT])
 
@@ -42,7 +44,7 @@ def test_shortened_quickstart_end_to_end(tmp_path, capsys):
     assert summary["success_after"] == summary["eval_success_rate"]
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "rollout/success_rate" in r] == [1, 2]
+    assert [r["step"] for r in records if "rollout/success_rate" in r] == [1, 2]  # a fresh run starts a fresh file
     assert any("eval/success_rate" in r for r in records)
 
     plots = {p.name for p in (out / "plots").glob("*.png")}

@@ -32,7 +32,7 @@ from jmarl.errors import JmarlError
 from jmarl.rollouts import Rollouts, select
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.lora import init_lora, merge_lora
-from jmarl.train.metrics import MetricsLogger, write_summary
+from jmarl.train.metrics import METRICS_FILE, MetricsLogger, write_summary
 from jmarl.train.optim import make_optimizer
 from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_tokenizer, stack
 from jmarl.train.progress import ProgressBar
@@ -483,6 +483,8 @@ class Trainer:
         t_start = time.perf_counter()
         (self.out / "config.yaml").write_text(dump_yaml(cfg))
         resumed = self.maybe_resume()
+        if not resumed:  # a fresh run into a used output_dir: do not append to the old run's curves
+            (self.out / METRICS_FILE).unlink(missing_ok=True)
         logger = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, plots=cfg.logging.plots)
         summary_path = self.out / "summary.json"
         before = None

@@ -48,7 +48,7 @@ from jmarl.train.algo_state import (
 )
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.lora import init_lora, merge_lora
-from jmarl.train.metrics import MetricsLogger, write_summary
+from jmarl.train.metrics import METRICS_FILE, MetricsLogger, write_summary
 from jmarl.train.optim import make_optimizer
 from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_tokenizer, stack
 from jmarl.train.progress import ProgressBar
@@ -597,6 +597,8 @@ class Trainer:
         t_start = time.perf_counter()
         (self.out / "config.yaml").write_text(dump_yaml(cfg))
         resumed = self.maybe_resume()
+        if not resumed:  # a fresh run into a used output_dir: do not append to the old run's curves
+            (self.out / METRICS_FILE).unlink(missing_ok=True)
         logger = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, plots=cfg.logging.plots)
         summary_path = self.out / "summary.json"
         before = None
@@ -634,7 +636,26 @@ class Trainer:
         }
         write_summary(self.out, summary)
         self.checkpointer.close()
+        print(results_table(summary, cfg, self.out), flush=True)
         return summary
+
+
+def results_table(summary: dict[str, Any], config: Config, out: Path) -> str:
+    """The before/after table printed at the end of a run (held-out greedy success)."""
+    before, after = float(summary["success_before"]), float(summary["success_after"])
+    start = "after warm start" if config.train.warm_start.steps > 0 else "initial model"
+    rows = [
+        (start, f"{100 * before:5.1f}%"),
+        (f"after {summary['steps']} {config.algo.name} steps", f"{100 * after:5.1f}%"),
+        ("change", f"{100 * (after - before):+5.1f} points"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    title = f"held-out success on {config.env.name} ({config.eval.num_episodes} episodes, "
+    title += "greedy)" if config.eval.greedy else "sampled)"
+    lines = [title] + [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines.append(f"  wall time {summary.get('wall_seconds', 0.0):.0f} s; outputs in {out}: summary.json, "
+                 "metrics.jsonl, plots/, checkpoints/, export/")
+    return "\n".join(lines)
 
 
 def _advantage_fn(method, algo_cfg, n: int, stacked: bool, keep_all: bool = False):

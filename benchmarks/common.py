@@ -40,6 +40,10 @@ PROMPT_LEN = 64
 NEW_TOKENS = 64
 LR = 1e-6
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+# The tokenizer lives in its own sub-directory: next to a Qwen2 `config.json`, transformers 5's
+# AutoTokenizer loads the char tokenizer as a `Qwen2Tokenizer` (byte-level pre-tokenizer: spaces
+# dropped, 54 instead of 64 prompt tokens), on every side that loads it from the model directory.
+TOKENIZER_SUBDIR = "tokenizer"
 
 
 def hf_config(shape: str, **overrides: Any):
@@ -53,9 +57,9 @@ def hf_config(shape: str, **overrides: Any):
 
 
 def write_checkpoint(shape: str, directory: str, *, seed: int = 0, tokenizer: bool = True):
-    """Writes a random `shape` model (HF safetensors, fp32) and, with `tokenizer`, the one
-    character per token `PreTrainedTokenizerFast` (pad 0, eos 1, bos 2, plain chat template)
-    to `directory`; returns the torch model (eval mode)."""
+    """Writes a random `shape` model (HF safetensors, fp32) to `directory` and, with `tokenizer`,
+    the one character per token `PreTrainedTokenizerFast` (pad 0, eos 1, bos 2, plain chat
+    template) to `directory/TOKENIZER_SUBDIR`; returns the torch model (eval mode)."""
     import torch
     import transformers
 
@@ -65,7 +69,7 @@ def write_checkpoint(shape: str, directory: str, *, seed: int = 0, tokenizer: bo
     model = transformers.AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.float32).eval()
     model.save_pretrained(directory, safe_serialization=True)
     if tokenizer:
-        CharTokenizer().save(directory)
+        CharTokenizer().save(os.path.join(directory, TOKENIZER_SUBDIR))
     return model
 
 

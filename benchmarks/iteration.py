@@ -31,8 +31,8 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, Paired, make_row, timed,
-                               write_checkpoint)
+from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, Paired, make_row,
+                               timed, write_checkpoint)
 from benchmarks.workload import comlrl_reward, templated_prompts, trl_reward
 
 
@@ -49,6 +49,7 @@ def jmarl_trainer(checkpoint: str, out_dir: str, *, num_agents: int, new_tokens:
         "env": {"name": "benchmarks.workload:BenchTask", "options": {"num_agents": num_agents}},
         "algo": {"name": "magrpo" if multi else "grpo"},
         "model": {"path": checkpoint},
+        "tokenizer": os.path.join(checkpoint, TOKENIZER_SUBDIR),
         "workflow": {"plan": "joint" if multi else "independent", "group_size": group_size, "num_tasks": num_prompts},
         "policies": {"mode": "per_agent" if multi else "shared"},
         "sampling": {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
@@ -84,7 +85,8 @@ def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS)
         run_jmarl = jmarl_runner(trainer)
         first, warm = run_jmarl(0), run_jmarl(1)
 
-        tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
+        tok.padding_side = "left"
         steps = repeats + 1
         prompts = templated_prompts(tok, range(NUM_PROMPTS * steps))
         args = GRPOConfig(
@@ -106,7 +108,7 @@ def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS)
                 times["trl"].append(time.perf_counter() - self.start)
                 times["jmarl"].append(run_jmarl(len(times["jmarl"]) + 2))
 
-        trl = GRPOTrainer(model=ckpt, reward_funcs=[trl_reward], args=args,
+        trl = GRPOTrainer(model=ckpt, reward_funcs=[trl_reward], args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Pair()])
         trl.train()
     paired = Paired(jmarl=times["jmarl"][1:], baseline=times["trl"][1:], jmarl_first_s=first, jmarl_warm_s=warm,
@@ -130,7 +132,7 @@ def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TO
         run_jmarl = jmarl_runner(trainer)
         first, warm = run_jmarl(0), run_jmarl(1)
 
-        tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
         tok.padding_side = "left"
         args = MAGRPOConfig(
             num_train_epochs=1, agent_learning_rate=LR, num_agents=2, num_generations=GROUP_SIZE,

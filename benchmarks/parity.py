@@ -163,10 +163,10 @@ def check_parity(torch_model, config, params, *, rows: int = 4, prompt_len: int 
         grads_t = _grads_in_jmarl_layout(torch_model, d)
 
     jb = {k: jnp.asarray(v) for k, v in batch.as_dict().items()}
-    logits_j = np.asarray(models.apply(config, params, jb["tokens"], jb["attention_mask"]))
-    lp_j = np.asarray(models.token_logprobs(config, params, jb["tokens"], jb["attention_mask"]))
+    logits_j = np.asarray(jax.jit(lambda p, b: models.apply(config, p, b["tokens"], b["attention_mask"]))(params, jb))
+    lp_j = np.asarray(jax.jit(lambda p, b: models.token_logprobs(config, p, b["tokens"], b["attention_mask"]))(params, jb))
     loss_fn = jmarl_loss_fn(config)
-    (loss_j, _), grads_j = jax.value_and_grad(loss_fn, has_aux=True)(params, None, jb, jnp.int32(0))
+    (loss_j, _), grads_j = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, None, jb, jnp.int32(0))
 
     errors = {
         "logits_rel_err": _rel_err(logits_j, logits_t),

@@ -114,9 +114,16 @@ def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS)
     paired = Paired(jmarl=times["jmarl"][1:], baseline=times["trl"][1:], jmarl_first_s=first, jmarl_warm_s=warm,
                     baseline_first_s=times["trl"][0])
     completions = float(NUM_PROMPTS * GROUP_SIZE)
-    return make_row("grpo_iteration_vs_trl", "completions_per_s", shape, completions, paired,
-                    completions_per_iteration=completions, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
-                    group_size=GROUP_SIZE, baseline_impl="trl.GRPOTrainer (eager torch, HF generate)")
+    row = make_row("grpo_iteration_vs_trl", "completions_per_s", shape, completions, paired,
+                   completions_per_iteration=completions, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
+                   group_size=GROUP_SIZE, baseline_impl="trl.GRPOTrainer (eager torch, HF generate)")
+    _report(row)
+    return row
+
+
+def _report(row: dict[str, Any]) -> None:
+    print(f"[{row['name']} {row['size']}] jmarl {row['jmarl']:.1f} completions/s, baseline {row['baseline']:.1f}, "
+          f"ratio {row['paired_ratio_median']:.2f} (jmarl compile {row['jmarl_compile_s']:.0f}s)", flush=True)
 
 
 def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
@@ -159,9 +166,11 @@ def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TO
             b.append(run_comlrl(100 + r))
     paired = Paired(jmarl=a, baseline=b, jmarl_first_s=first, jmarl_warm_s=warm, baseline_first_s=base_first)
     completions = float(2 * NUM_PROMPTS * GROUP_SIZE)
-    return make_row("magrpo_iteration_vs_comlrl", "completions_per_s", shape, completions, paired,
-                    completions_per_iteration=completions, agents=2, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
-                    group_size=GROUP_SIZE, baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)")
+    row = make_row("magrpo_iteration_vs_comlrl", "completions_per_s", shape, completions, paired,
+                   completions_per_iteration=completions, agents=2, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
+                   group_size=GROUP_SIZE, baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)")
+    _report(row)
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:

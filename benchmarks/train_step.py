@@ -92,6 +92,8 @@ def bench_train_step(shape: str, repeats: int, *, peak_flops: float | None = Non
                        batch=rows, seq_len=prompt_len + new_tokens, dtype="float32",
                        baseline_impl=f"transformers model + minimal GRPO step, torch {mode}",
                        params=config.num_params(), flops_per_token=flops_per_token, **parity)
+        if out:  # jmarl compiled in the first comparison; later ones reuse the program
+            row["jmarl_compile_s"] = out[0]["jmarl_compile_s"]
         row["jmarl_flops"] = row["jmarl"] * flops_per_token
         row["baseline_flops"] = row["baseline"] * flops_per_token
         if peak_flops:

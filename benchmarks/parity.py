@@ -147,7 +147,6 @@ def check_parity(torch_model, config, params, *, rows: int = 4, prompt_len: int 
     reference's largest magnitude; fp32). Returns the errors; raises `ParityError` otherwise."""
     import jax
     import jax.numpy as jnp
-    import torch
 
     from jmarl import models
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import tempfile
-from typing import Any
-
 from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, make_row,
                                paired_times, timed, train_flops_per_token, write_checkpoint)
 from benchmarks.parity import GrpoBatch, check_parity, jmarl_loss_fn, make_batch, torch_batch, torch_loss_of

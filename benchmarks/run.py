@@ -82,12 +82,15 @@ def run_cpu(args, results: dict[str, Any]) -> None:
             kw = dict(rows=16) if args.quick else {}
             out = _attempt(errors, "train_step", shape, lambda: bench_train_step(shape, args.repeats, peak_flops=peak, **kw))
             rows.extend(out or [])
+            _write(args, results)
         if "generation" in args.only:
             rows.extend(_attempt(errors, "generation", shape, lambda: generation_rows(shape, args.repeats, new_tokens)) or [])
+            _write(args, results)
         if "grpo" in args.only:
             row = _attempt(errors, "grpo_iteration_vs_trl", shape,
                            lambda: bench_grpo_vs_trl(shape, args.repeats, new_tokens=new_tokens))
             rows.extend([row] if row else [])
+            _write(args, results)
         if "magrpo" in args.only:
             row = _attempt(errors, "magrpo_iteration_vs_comlrl", shape,
                            lambda: bench_magrpo_vs_comlrl(shape, args.repeats, new_tokens=new_tokens))

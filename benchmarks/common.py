@@ -1,0 +1,207 @@
+"""What every benchmark shares: reference shapes, the checkpoint both sides load, the machine and
+library versions, paired A B A B timing and the result row.
+
+A result row (one per comparison, BENCHMARKS.md) holds `name`, `metric`, `jmarl`, `baseline`,
+`ratio` = jmarl / baseline throughput (of the medians), `paired_ratio_median` (the median of the
+per-pair ratios, the figure the README quotes), min/median/max of both sides, compile / warm-up
+time separately, the shape and the settings.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# Reference shapes (BENCHMARKS.md). Qwen2 architecture, untied head, fp32 on CPU.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=64),
+    "cpu-small": dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=768),
+    "cpu-medium": dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                       num_key_value_heads=4, intermediate_size=1536),
+    # GPU/TPU shapes (random weights, bf16): Qwen2.5-0.5B-, 1.5B-, 7B-like and Llama-3-8B-like.
+    "gpu-0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, intermediate_size=4864),
+    "gpu-1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, intermediate_size=8960),
+    "gpu-8b": dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, intermediate_size=14336),
+}
+
+# The GRPO workload (BENCHMARKS.md): 8 prompts x group 8, prompt 64 tokens, 64 new tokens.
+NUM_PROMPTS = 8
+GROUP_SIZE = 8
+PROMPT_LEN = 64
+NEW_TOKENS = 64
+LR = 1e-6
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+# The tokenizer lives in its own sub-directory: next to a Qwen2 `config.json`, transformers 5's
+# AutoTokenizer loads the char tokenizer as a `Qwen2Tokenizer` (byte-level pre-tokenizer: spaces
+# dropped, 54 instead of 64 prompt tokens), on every side that loads it from the model directory.
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+def hf_config(shape: str, **overrides: Any):
+    """The `transformers.Qwen2Config` of a reference shape (special ids of the char tokenizer)."""
+    import transformers
+
+    fields = dict(SHAPES[shape], max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=False,
+                  bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    fields.update(overrides)
+    return transformers.Qwen2Config(**fields)
+
+
+def write_checkpoint(shape: str, directory: str, *, seed: int = 0, tokenizer: bool = True):
+    """Writes a random `shape` model (HF safetensors, fp32) to `directory` and, with `tokenizer`,
+    the one character per token `PreTrainedTokenizerFast` (pad 0, eos 1, bos 2, plain chat
+    template) to `directory/TOKENIZER_SUBDIR`; returns the torch model (eval mode)."""
+    import torch
+    import transformers
+
+    from jmarl.models import CharTokenizer
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.float32).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer:
+        CharTokenizer().save(os.path.join(directory, TOKENIZER_SUBDIR))
+    return model
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine the figures were measured on."""
+    import jax
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "jax_devices": [str(d) for d in jax.devices()],
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            info["cpu_model"] = names[0]
+    except OSError:
+        pass
+    try:
+        info["load_average_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries on both sides (absent packages are left out)."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "trl", "comlrl", "accelerate"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+@dataclass
+class Paired:
+    """Seconds per repeat of both sides, run A B A B after warm-up."""
+
+    jmarl: list[float]
+    baseline: list[float]
+    jmarl_first_s: float  # first call: compile + one run
+    jmarl_warm_s: float  # second call
+    baseline_first_s: float
+
+
+def paired_times(run_jmarl: Callable[[int], float], run_baseline: Callable[[int], float], repeats: int,
+                 *, warmup: int = 1) -> Paired:
+    """Times both sides: each callable gets a repeat index and returns its own seconds (so it can
+    exclude setup). One compile call + `warmup` runs of each side first, then A B A B."""
+    first = run_jmarl(0)
+    warm = run_jmarl(1)
+    for w in range(warmup - 1):
+        run_jmarl(2 + w)
+    base_first = run_baseline(0)
+    for w in range(warmup - 1):
+        run_baseline(1 + w)
+    a, b = [], []
+    for r in range(repeats):
+        a.append(run_jmarl(100 + r))
+        b.append(run_baseline(100 + r))
+    return Paired(a, b, first, warm, base_first)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds `fn()` takes (it must block until its result is ready)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def make_row(name: str, metric: str, shape: str, work: float, paired: Paired, **extra: Any) -> dict[str, Any]:
+    """A result row: throughputs are `work / seconds` of every repeat."""
+    jm = [work / t for t in paired.jmarl]
+    bl = [work / t for t in paired.baseline]
+    row = {
+        "name": name,
+        "metric": metric,
+        "size": shape,
+        "jmarl": statistics.median(jm),
+        "baseline": statistics.median(bl),
+        "ratio": statistics.median(jm) / statistics.median(bl),
+        "paired_ratio_median": statistics.median(a / b for a, b in zip(jm, bl)),
+        "jmarl_min": min(jm), "jmarl_max": max(jm),
+        "baseline_min": min(bl), "baseline_max": max(bl),
+        "repeats": len(jm),
+        "jmarl_compile_s": max(paired.jmarl_first_s - paired.jmarl_warm_s, 0.0),
+        "jmarl_first_call_s": paired.jmarl_first_s,
+        "baseline_first_call_s": paired.baseline_first_s,
+        "jmarl_seconds": paired.jmarl, "baseline_seconds": paired.baseline,
+    }
+    row.update(extra)
+    return row
+
+
+def train_flops_per_token(shape: str, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward): 6 * (matmul parameters, LM head
+    included, embedding excluded) + 12 * layers * hidden_q * seq_len (attention scores and
+    values, the usual non-causal count of the PaLM / MFU convention)."""
+    s = SHAPES[shape]
+    d, f, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    hd = d // s["num_attention_heads"]
+    hq, hkv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    per_layer = d * hq + 2 * d * hkv + hq * d + 3 * d * f
+    matmul_params = layers * per_layer + d * s["vocab_size"]
+    return 6.0 * matmul_params + 12.0 * layers * hq * seq_len
+
+
+def forward_flops_per_token(shape: str, context: int) -> float:
+    """Model FLOPs of one forward token at `context` keys: 2 * matmul parameters + 4 * L * Hq * ctx."""
+    s = SHAPES[shape]
+    d, layers = s["hidden_size"], s["num_hidden_layers"]
+    hq = s["num_attention_heads"] * (d // s["num_attention_heads"])
+    return train_flops_per_token(shape, 0) / 3.0 + 4.0 * layers * hq * context
+
+
+def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """This machine's fp32 matmul throughput through XLA: the best of `repeats` timed [n, n] x
+    [n, n] products (FLOPs 2 n^3), after a compile call."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    jax.block_until_ready(mm(a, b))
+    times = [timed(lambda: jax.block_until_ready(mm(a, b))) for _ in range(repeats)]
+    flops = 2.0 * n**3
+    return {"matmul_peak_flops": flops / min(times), "matmul_median_flops": flops / statistics.median(times),
+            "matmul_n": n}

@@ -1,0 +1,195 @@
+"""Whole RL iterations (generate, reward, score, update), completions/s: jmarl's trainer vs TRL's
+`GRPOTrainer` (single-agent GRPO) and vs CoMLRL's `MAGRPOTrainer` (two agents).
+
+    python -m benchmarks.iteration [--shape cpu-small] [--which grpo|magrpo|all] [--repeats 5]
+
+Same checkpoint and char tokenizer on every side (`benchmarks.common.write_checkpoint`), same
+prompts and reward (`benchmarks.workload`), 8 prompts x 8 completions per policy per iteration,
+64-token prompts, 64 new tokens (the baselines get `min_new_tokens=64`; jmarl stops a row at EOS,
+which a random model emits ~1/vocab of the time, but its batch still runs all 64 decode steps
+and trains on the same padded shape), temperature 1, no top-k / top-p, AdamW lr 1e-6 with
+weight decay 0.01 and grad-norm clip 1.0, one optimizer step per policy per iteration, no KL.
+
+jmarl: `jmarl.train.trainer.Trainer.rl_step` (ModelSampler -> plan -> Rollouts -> advantages ->
+jitted update) with `train.recompute_old_logprobs=false` (TRL with one iteration per generation
+likewise takes the old log-probs as the detached current ones; neither side runs an extra
+scoring pass). GRPO: `independent` plan, group 8. MAGRPO: `joint` plan (aligned), two
+per-agent policies stacked in one program.
+
+Pairing: TRL runs `trainer.train()` for warm-up + repeats steps; a callback times each step
+(`on_step_begin` -> `on_step_end`: generation, reward, loss, backward, AdamW) and runs one jmarl
+iteration after it, so the two alternate A B A B; TRL's first step is excluded. CoMLRL: each
+repeat is one `trainer.train()` over 8 prompts (one epoch: 8 x 2 x 8 completions, one update
+per agent), alternated with one jmarl iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, Paired, make_row,
+                               timed, write_checkpoint)
+from benchmarks.workload import comlrl_reward, templated_prompts, trl_reward
+
+
+def jmarl_trainer(checkpoint: str, out_dir: str, *, num_agents: int, new_tokens: int = NEW_TOKENS,
+                  num_prompts: int = NUM_PROMPTS, group_size: int = GROUP_SIZE):
+    """A jmarl `Trainer` on the benchmark task: GRPO (1 agent) or MAGRPO (2 agents)."""
+    from jmarl.config import config_from_dict
+    from jmarl.train.trainer import Trainer
+
+    multi = num_agents > 1
+    data = {
+        "seed": 0,
+        "output_dir": out_dir,
+        "env": {"name": "benchmarks.workload:BenchTask", "options": {"num_agents": num_agents}},
+        "algo": {"name": "magrpo" if multi else "grpo"},
+        "model": {"path": checkpoint},
+        "tokenizer": os.path.join(checkpoint, TOKENIZER_SUBDIR),
+        "workflow": {"plan": "joint" if multi else "independent", "group_size": group_size, "num_tasks": num_prompts},
+        "policies": {"mode": "per_agent" if multi else "shared"},
+        "sampling": {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                     "max_prompt_len": PROMPT_LEN},
+        "optim": {"lr": LR, "weight_decay": 0.01, "grad_clip": 1.0},
+        "train": {"steps": 10**6, "recompute_old_logprobs": False},
+        "logging": {"progress": False, "tensorboard": False, "plots": False},
+    }
+    return Trainer(config_from_dict(data))
+
+
+def jmarl_runner(trainer) -> Any:
+    """run(i) -> seconds of one `rl_step` (it returns host metrics, so it has finished)."""
+
+    def run(i: int) -> float:
+        seconds = timed(trainer.rl_step)
+        trainer.step += 1
+        return seconds
+
+    return run
+
+
+def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
+    """The `grpo_iteration_vs_trl` row."""
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "model")
+        write_checkpoint(shape, ckpt)
+        trainer = jmarl_trainer(ckpt, os.path.join(d, "jmarl"), num_agents=1, new_tokens=new_tokens)
+        run_jmarl = jmarl_runner(trainer)
+        first, warm = run_jmarl(0), run_jmarl(1)
+
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
+        tok.padding_side = "left"
+        steps = repeats + 1
+        prompts = templated_prompts(tok, range(NUM_PROMPTS * steps))
+        args = GRPOConfig(
+            output_dir=os.path.join(d, "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False, beta=0.0,
+            loss_type="grpo", num_generations=GROUP_SIZE, per_device_train_batch_size=NUM_PROMPTS * GROUP_SIZE,
+            gradient_accumulation_steps=1, max_completion_length=new_tokens,
+            generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
+            learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
+            max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+            seed=0, dataloader_num_workers=0,
+        )
+        times = {"trl": [], "jmarl": []}
+
+        class Pair(transformers.TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                times["trl"].append(time.perf_counter() - self.start)
+                times["jmarl"].append(run_jmarl(len(times["jmarl"]) + 2))
+
+        trl = GRPOTrainer(model=ckpt, reward_funcs=[trl_reward], args=args, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Pair()])
+        trl.train()
+    paired = Paired(jmarl=times["jmarl"][1:], baseline=times["trl"][1:], jmarl_first_s=first, jmarl_warm_s=warm,
+                    baseline_first_s=times["trl"][0])
+    completions = float(NUM_PROMPTS * GROUP_SIZE)
+    row = make_row("grpo_iteration_vs_trl", "completions_per_s", shape, completions, paired,
+                   completions_per_iteration=completions, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
+                   group_size=GROUP_SIZE, baseline_impl="trl.GRPOTrainer (eager torch, HF generate)")
+    _report(row)
+    return row
+
+
+def _report(row: dict[str, Any]) -> None:
+    print(f"[{row['name']} {row['size']}] jmarl {row['jmarl']:.1f} completions/s, baseline {row['baseline']:.1f}, "
+          f"ratio {row['paired_ratio_median']:.2f} (jmarl compile {row['jmarl_compile_s']:.0f}s)", flush=True)
+
+
+def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
+    """The `magrpo_iteration_vs_comlrl` row (completions of both agents per second)."""
+    import transformers
+    from comlrl.trainers.reinforce.magrpo import MAGRPOConfig, MAGRPOTrainer
+    from datasets import Dataset
+
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "model")
+        write_checkpoint(shape, ckpt)
+        trainer = jmarl_trainer(ckpt, os.path.join(d, "jmarl"), num_agents=2, new_tokens=new_tokens)
+        run_jmarl = jmarl_runner(trainer)
+        first, warm = run_jmarl(0), run_jmarl(1)
+
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
+        tok.padding_side = "left"
+        args = MAGRPOConfig(
+            num_train_epochs=1, agent_learning_rate=LR, num_agents=2, num_generations=GROUP_SIZE,
+            max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_turns=1,
+            early_termination_threshold=None, eval_interval=0, eval_num_samples=0,
+            rollout_buffer_size=NUM_PROMPTS, train_batch_size=NUM_PROMPTS, logging_steps=1,
+        )
+        models = [transformers.AutoModelForCausalLM.from_pretrained(ckpt) for _ in range(2)]
+        seed_base = [0]
+
+        def run_comlrl(i: int) -> float:
+            seeds = range(seed_base[0], seed_base[0] + NUM_PROMPTS)
+            seed_base[0] += NUM_PROMPTS
+            data = Dataset.from_dict({"prompt": templated_prompts(tok, seeds)})
+            baseline = MAGRPOTrainer(agents=models, num_agents=2, tokenizer=tok, train_dataset=data,
+                                     reward_func=comlrl_reward, args=args)
+            baseline.verbose = False
+            return timed(lambda: baseline.train(min_new_tokens=new_tokens))
+
+        base_first = run_comlrl(0)
+        a, b = [], []
+        for r in range(repeats):
+            a.append(run_jmarl(100 + r))
+            b.append(run_comlrl(100 + r))
+    paired = Paired(jmarl=a, baseline=b, jmarl_first_s=first, jmarl_warm_s=warm, baseline_first_s=base_first)
+    completions = float(2 * NUM_PROMPTS * GROUP_SIZE)
+    row = make_row("magrpo_iteration_vs_comlrl", "completions_per_s", shape, completions, paired,
+                   completions_per_iteration=completions, agents=2, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
+                   group_size=GROUP_SIZE, baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)")
+    _report(row)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="cpu-small")
+    parser.add_argument("--which", choices=["grpo", "magrpo", "all"], default="all")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    args = parser.parse_args(argv)
+    rows = []
+    if args.which in ("grpo", "all"):
+        rows.append(bench_grpo_vs_trl(args.shape, args.repeats, new_tokens=args.new_tokens))
+    if args.which in ("magrpo", "all"):
+        rows.append(bench_magrpo_vs_comlrl(args.shape, args.repeats, new_tokens=args.new_tokens))
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if not k.endswith("_seconds")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""One command for a benchmark suite: JSON results and the README table.
+
+    python -m benchmarks.run --suite cpu              # full CPU suite (cpu-small, cpu-medium)
+    python -m benchmarks.run --suite cpu --quick      # smoke run: cpu-small, 2 repeats, 16 new tokens
+    python -m benchmarks.run --suite cpu --shapes cpu-small --only train_step,generation
+    python -m benchmarks.run --suite gpu              # 0.5B-8B shapes, bf16, MFU (needs an accelerator)
+
+Writes `benchmarks/results/<suite>.json` (`<suite>_quick.json` with --quick): machine, versions,
+the measured matmul peak, the command, and one row per comparison (BENCHMARKS.md row names;
+`name`, `metric`, `jmarl`, `baseline`, `ratio`, min/median/max over >= 5 paired A B A B repeats
+after warm-up, compile time separately). A full run then rewrites the README table between
+`<!-- bench:<suite>:start -->` and `<!-- bench:<suite>:end -->` (`--readme PATH`, `--no-readme`).
+
+Each shape is gated on parity first (`benchmarks.parity`): if jmarl and PyTorch disagree, that
+shape reports no figures (its failure is recorded under `errors`). A benchmark that raises is
+recorded under `errors` too and the suite goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import traceback
+from typing import Any, Callable
+
+from benchmarks.common import machine_info, measure_matmul_peak, versions
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+CPU_SHAPES = ("cpu-small", "cpu-medium")
+CPU_PARTS = ("train_step", "generation", "grpo", "magrpo")
+
+
+def _attempt(errors: list[dict], name: str, size: str, fn: Callable[[], Any]) -> Any:
+    """fn(), or None with the failure appended to `errors`."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a failing benchmark must not hide the others
+        traceback.print_exc()
+        errors.append({"name": name, "size": size, "error": f"{type(e).__name__}: {e}"[:500]})
+        return None
+
+
+def shape_parity(shape: str) -> dict[str, float]:
+    """The parity gate of `shape` (raises `ParityError` when the two sides disagree)."""
+    from benchmarks.common import write_checkpoint
+    from benchmarks.parity import check_parity
+    from jmarl.models import load_hf
+
+    with tempfile.TemporaryDirectory() as d:
+        torch_model = write_checkpoint(shape, d, tokenizer=False)
+        config, params = load_hf(d)
+    return check_parity(torch_model, config, params)
+
+
+def generation_rows(shape: str, repeats: int, new_tokens: int) -> list[dict]:
+    """Rows of `benchmarks.generation` (batch 64 and batch 8) for a cpu-* shape."""
+    from benchmarks import generation
+
+    return generation.bench_size(shape.removeprefix("cpu-"), repeats, new_tokens, batches=(64, 8))
+
+
+def run_cpu(args, results: dict[str, Any]) -> None:
+    """The CPU suite: for each shape, parity gate, then the selected parts."""
+    from benchmarks.iteration import bench_grpo_vs_trl, bench_magrpo_vs_comlrl
+    from benchmarks.train_step import bench_train_step
+
+    rows, errors = results["rows"], results["errors"]
+    peak = results["matmul_peak"]["matmul_peak_flops"]
+    new_tokens = 16 if args.quick else 64
+    for shape in args.shapes:
+        parity = _attempt(errors, "parity_gate", shape, lambda: shape_parity(shape))
+        if parity is None:
+            continue
+        results.setdefault("parity", {})[shape] = parity
+        print(f"[parity {shape}] {parity}", flush=True)
+        if "train_step" in args.only:
+            kw = dict(rows=16) if args.quick else {}
+            out = _attempt(errors, "train_step", shape, lambda: bench_train_step(shape, args.repeats, peak_flops=peak, **kw))
+            rows.extend(out or [])
+            _write(args, results)
+        if "generation" in args.only:
+            rows.extend(_attempt(errors, "generation", shape, lambda: generation_rows(shape, args.repeats, new_tokens)) or [])
+            _write(args, results)
+        if "grpo" in args.only:
+            row = _attempt(errors, "grpo_iteration_vs_trl", shape,
+                           lambda: bench_grpo_vs_trl(shape, args.repeats, new_tokens=new_tokens))
+            rows.extend([row] if row else [])
+            _write(args, results)
+        if "magrpo" in args.only:
+            row = _attempt(errors, "magrpo_iteration_vs_comlrl", shape,
+                           lambda: bench_magrpo_vs_comlrl(shape, args.repeats, new_tokens=new_tokens))
+            rows.extend([row] if row else [])
+        _write(args, results)  # partial results survive a later crash
+
+
+def run_gpu(args, results: dict[str, Any]) -> None:
+    """The accelerator suite (see `benchmarks.gpu`)."""
+    from benchmarks import gpu
+
+    rows, errors = results["rows"], results["errors"]
+    on_cpu = gpu.accelerator() is None
+    settings = gpu.tiny_cpu_settings() if on_cpu else {"batch": gpu.GPU_BATCH, "seq": gpu.GPU_SEQ, "dtype": "bfloat16"}
+    parity = _attempt(errors, "parity_gate", "tiny", gpu.gpu_parity)
+    if parity is None:
+        return
+    results["parity"] = {"tiny": parity}
+    peak = results["matmul_peak"]["matmul_peak_flops"]
+    for shape in args.shapes:
+        row = _attempt(errors, "train_step_mfu", shape, lambda: gpu.bench_train_mfu(
+            shape, args.repeats, peak, batch=settings["batch"], seq=settings["seq"], dtype=settings["dtype"]))
+        rows.extend([row] if row else [])
+        if "generation" in args.only:
+            row = _attempt(errors, "generation", shape, lambda: gpu.bench_generation(
+                shape, args.repeats, batch=8 if on_cpu else 64, dtype=settings["dtype"]))
+            rows.extend([row] if row else [])
+        _write(args, results)
+
+
+def _path(args) -> str:
+    return os.path.join(args.out_dir, f"{args.suite}{'_quick' if args.quick else ''}.json")
+
+
+def _write(args, results: dict[str, Any]) -> str:
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = _path(args)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--quick", action="store_true", help="smoke run: one small shape, 2 repeats, 16 new tokens")
+    parser.add_argument("--shapes", default=None, help="comma-separated shapes (default: the suite's)")
+    parser.add_argument("--only", default=",".join(CPU_PARTS), help=f"comma-separated parts of {CPU_PARTS}")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per side (>= 5 unless --quick)")
+    parser.add_argument("--out-dir", default=RESULTS_DIR)
+    parser.add_argument("--readme", default=README, help="README whose table is rewritten after a full run")
+    parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--allow-cpu", action="store_true", help="gpu suite: run the tiny shape on the CPU")
+    args = parser.parse_args(argv)
+    args.only = tuple(p for p in args.only.split(",") if p)
+    unknown = set(args.only) - set(CPU_PARTS)
+    if unknown:
+        parser.error(f"--only: unknown parts {sorted(unknown)}; choose from {CPU_PARTS}")
+    if args.shapes:
+        args.shapes = tuple(args.shapes.split(","))
+    elif args.suite == "cpu":
+        args.shapes = ("cpu-small",) if args.quick else CPU_SHAPES
+    else:
+        from benchmarks.gpu import GPU_SHAPES
+
+        args.shapes = GPU_SHAPES
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    elif args.repeats < 5:
+        parser.error("--repeats must be >= 5 for a reported run (use --quick for a smoke run)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.suite == "gpu":
+        from benchmarks import gpu
+
+        if gpu.accelerator() is None:
+            if not args.allow_cpu:
+                print("benchmarks.run --suite gpu: no GPU/TPU backend in JAX (jax.default_backend() is "
+                      f"{__import__('jax').default_backend()!r}); run it on an accelerator machine, or pass "
+                      "--allow-cpu to smoke-test the code path on the tiny shape", file=sys.stderr)
+                return 2
+            args.shapes = gpu.tiny_cpu_settings()["shapes"]
+        if gpu.accelerator() is None:  # the --allow-cpu smoke run computes in float32
+            peak = measure_matmul_peak(n=1024) | {"dtype": "float32"}
+        else:
+            peak = gpu.measure_bf16_peak()
+    else:
+        peak = measure_matmul_peak() | {"dtype": "float32"}
+    results: dict[str, Any] = {
+        "suite": args.suite,
+        "quick": args.quick,
+        "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine_info(),
+        "versions": versions(),
+        "matmul_peak": peak,
+        "rows": [],
+        "errors": [],
+    }
+    print(f"[peak] {peak['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s ({peak.get('dtype')})", flush=True)
+    (run_gpu if args.suite == "gpu" else run_cpu)(args, results)
+    path = _write(args, results)
+    print(f"wrote {path}")
+    if not args.quick and not args.no_readme:
+        from benchmarks.table import update_readme
+
+        try:
+            update_readme(args.readme, results)
+            print(f"updated the {args.suite} table in {args.readme}")
+        except (OSError, ValueError) as e:
+            print(f"README not updated: {e}", file=sys.stderr)
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

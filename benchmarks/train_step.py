@@ -1,0 +1,125 @@
+"""Train step (GRPO loss, backward, AdamW) tokens/s: jmarl vs PyTorch eager and `torch.compile`.
+
+    python -m benchmarks.train_step [--shape cpu-small] [--repeats 5] [--quick]
+
+Both sides load the same safetensors checkpoint and are gated on parity (`benchmarks.parity`).
+Work per step: 64 sequences (8 prompts x group 8) of 64 prompt + 64 completion tokens, fp32;
+the GRPO loss of `jmarl.algos.grpo` on the completion tokens, its gradient, global-norm
+clipping at 1.0 and AdamW (lr 1e-6, betas 0.9/0.999, eps 1e-8, weight decay 0.01).
+
+jmarl runs what its trainer runs: `jmarl.train.step.make_update` over `jmarl.models.token_logprobs`
+and `jmarl.algos.grpo.loss` with `jmarl.train.optim.make_optimizer`, jitted with the state
+donated. PyTorch runs the minimal step: HF forward, log-softmax gather, the same loss,
+`backward`, `clip_grad_norm_`, `torch.optim.AdamW.step`, `zero_grad`; once eager and once with
+the loss function (forward + loss; backward through AOTAutograd) under `torch.compile`.
+Tokens/s counts every token of the batch (prompt and completion go through forward and
+backward); model FLOP/s = tokens/s x `train_flops_per_token`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import tempfile
+from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, make_row,
+                               paired_times, timed, train_flops_per_token, write_checkpoint)
+from benchmarks.parity import GrpoBatch, check_parity, jmarl_loss_fn, make_batch, torch_batch, torch_loss_of
+
+
+def jmarl_step(config, params, batch: GrpoBatch):
+    """(run(i) -> seconds, state holder): one jitted GRPO update per call, state donated."""
+    import jax
+    import jax.numpy as jnp
+
+    from jmarl.train.optim import make_optimizer
+    from jmarl.train.step import init_train_state, jit_update, make_update
+
+    optimizer = make_optimizer(LR, total_steps=10**6, weight_decay=0.01, grad_clip=1.0)
+    update = jit_update(make_update(jmarl_loss_fn(config), optimizer))
+    holder = {"state": init_train_state(jax.tree.map(jnp.array, params), optimizer)}
+    device_batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.as_dict().items()})
+
+    def once() -> None:
+        holder["state"], metrics = update(holder["state"], None, device_batch)
+        jax.block_until_ready((holder["state"].params, metrics))
+
+    return lambda i: timed(once), holder
+
+
+def torch_step(torch_model, batch: GrpoBatch, *, compile: bool):
+    """run(i) -> seconds of one PyTorch GRPO step (eager, or the loss under `torch.compile`)."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(torch_model).float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    tb = torch_batch(batch)
+    loss_of = functools.partial(torch_loss_of, model)
+    if compile:
+        loss_of = torch.compile(loss_of)
+
+    def once() -> None:
+        loss = loss_of(tb)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return lambda i: timed(once)
+
+
+def bench_train_step(shape: str, repeats: int, *, peak_flops: float | None = None, rows: int = NUM_PROMPTS * GROUP_SIZE,
+                     prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS, modes=("eager", "compile")) -> list[dict]:
+    """Paired jmarl vs PyTorch train-step rows for `shape` (gated on parity)."""
+    from jmarl.models import load_hf
+
+    with tempfile.TemporaryDirectory() as d:
+        torch_model = write_checkpoint(shape, d, tokenizer=False)
+        config, params = load_hf(d)
+    parity = check_parity(torch_model, config, params, prompt_len=min(prompt_len, 64), new_tokens=min(new_tokens, 64))
+    batch = make_batch(config.vocab_size, rows, prompt_len, new_tokens, group_size=GROUP_SIZE)
+    tokens = float(batch.tokens.size)
+    flops_per_token = train_flops_per_token(shape, prompt_len + new_tokens)
+    run_jmarl, _ = jmarl_step(config, params, batch)
+    out = []
+    for mode in modes:
+        run_torch = torch_step(torch_model, batch, compile=(mode == "compile"))
+        paired = paired_times(run_jmarl, run_torch, repeats, warmup=2 if mode == "compile" else 1)
+        row = make_row(f"train_step_vs_torch_{mode}", "train_tokens_per_s", shape, tokens, paired,
+                       batch=rows, seq_len=prompt_len + new_tokens, dtype="float32",
+                       baseline_impl=f"transformers model + minimal GRPO step, torch {mode}",
+                       params=config.num_params(), flops_per_token=flops_per_token, **parity)
+        if out:  # jmarl compiled in the first comparison; later ones reuse the program
+            row["jmarl_compile_s"] = out[0]["jmarl_compile_s"]
+        row["jmarl_flops"] = row["jmarl"] * flops_per_token
+        row["baseline_flops"] = row["baseline"] * flops_per_token
+        if peak_flops:
+            row["matmul_peak_flops"] = peak_flops
+            row["jmarl_fraction_of_peak"] = row["jmarl_flops"] / peak_flops
+            row["baseline_fraction_of_peak"] = row["baseline_flops"] / peak_flops
+        print(f"[train step {shape} vs {mode}] jmarl {row['jmarl']:.0f} tok/s "
+              f"({row['jmarl_flops'] / 1e9:.0f} GFLOP/s), torch {row['baseline']:.0f} tok/s, "
+              f"ratio {row['paired_ratio_median']:.2f}", flush=True)
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    from benchmarks.common import measure_matmul_peak
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="cpu-small")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    peak = measure_matmul_peak()["matmul_peak_flops"]
+    rows = bench_train_step(args.shape, 2 if args.quick else args.repeats, peak_flops=peak,
+                            **(dict(rows=16) if args.quick else {}))
+    print(json.dumps([{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The benchmark harness: the parity gate on a tiny shape (it passes on equal weights and fails on
+different ones), FLOP counts by hand, the row statistics, and the README table generator on a
+temporary README. No speed is asserted."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import common, table
+from benchmarks.parity import ParityError, check_parity, make_batch, torch_batch, torch_grpo_loss
+from jmarl.models import load_hf
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model = common.write_checkpoint("tiny", str(d))
+    config, params = load_hf(str(d))
+    return model, config, params, d
+
+
+def test_parity_gate_passes_on_the_same_weights(tiny_checkpoint):
+    model, config, params, _ = tiny_checkpoint
+    errors = check_parity(model, config, params, rows=2, prompt_len=8, new_tokens=8)
+    assert set(errors) == {"logits_rel_err", "logprobs_rel_err", "loss_abs_err", "grads_rel_err"}
+    assert all(0 <= v < 2e-3 for v in errors.values())
+
+
+def test_parity_gate_fails_when_one_weight_differs(tiny_checkpoint):
+    model, config, params, _ = tiny_checkpoint
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    with pytest.raises(ParityError, match="parity gate failed"):
+        check_parity(other, config, params, rows=2, prompt_len=8, new_tokens=8)
+
+
+def test_checkpoint_carries_the_char_tokenizer(tiny_checkpoint):
+    import transformers
+
+    _, config, _, d = tiny_checkpoint
+    from benchmarks.workload import templated_prompts
+    from jmarl.models import load_tokenizer
+
+    tok_dir = d / common.TOKENIZER_SUBDIR
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    assert config.vocab_size == common.SHAPES["tiny"]["vocab_size"]
+    prompt = templated_prompts(tok, [3])[0]
+    # both sides see the same 64 prompt tokens
+    assert tok(prompt).input_ids == load_tokenizer(tok_dir).encode(prompt)
+    assert len(tok(prompt).input_ids) == common.PROMPT_LEN
+
+
+def test_torch_grpo_loss_matches_a_hand_computed_value():
+    lp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -1.0, -1.0]])
+    old = torch.tensor([[0.0, -1.5, -2.0], [0.0, -1.0, -0.5]])
+    mask = torch.tensor([[False, True, True], [False, True, True]])
+    adv = torch.tensor([1.0, -1.0])
+    # row 0: ratios e^0.5 (clipped to 1.2 for A>0 -> -1.2), 1 -> -1; mean -1.1
+    # row 1: ratios 1 -> 1, e^-0.5 = 0.6065 (A<0: max(0.6065, 0.8) = 0.8); mean 0.9
+    expected = (-1.1 + 0.9) / 2
+    assert float(torch_grpo_loss(lp, old, adv, mask)) == pytest.approx(expected, abs=1e-6)
+
+
+def test_make_batch_shapes_and_groups():
+    b = make_batch(100, rows=16, prompt_len=4, new_tokens=3, group_size=8, seed=0)
+    assert b.tokens.shape == (16, 7) and b.loss_mask[:, 4:].all() and not b.loss_mask[:, :4].any()
+    assert (b.tokens[:8, :4] == b.tokens[0, :4]).all() and not (b.tokens[8, :4] == b.tokens[0, :4]).all()
+    np.testing.assert_allclose(b.advantages.reshape(2, 8).mean(1), 0.0, atol=1e-5)
+    tb = torch_batch(b)
+    assert tb["tokens"].dtype == torch.int64 and tb["loss_mask"].dtype == torch.bool
+
+
+def test_flops_per_token_by_hand():
+    # tiny: d=32, 4 heads (hd 8), 2 kv heads, F=64, L=2, V=128
+    per_layer = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64
+    matmul = 2 * per_layer + 32 * 128
+    assert common.train_flops_per_token("tiny", 10) == 6 * matmul + 12 * 2 * 32 * 10
+    assert common.forward_flops_per_token("tiny", 10) == pytest.approx(2 * matmul + 4 * 2 * 32 * 10)
+
+
+def test_make_row_statistics():
+    paired = common.Paired(jmarl=[1.0, 2.0, 4.0], baseline=[2.0, 2.0, 2.0], jmarl_first_s=5.0, jmarl_warm_s=1.0,
+                           baseline_first_s=3.0)
+    row = common.make_row("x", "tokens_per_s", "tiny", 8.0, paired)
+    assert row["jmarl"] == 4.0 and row["baseline"] == 4.0 and row["ratio"] == 1.0
+    assert (row["jmarl_min"], row["jmarl_max"]) == (2.0, 8.0)
+    assert row["paired_ratio_median"] == 1.0 and row["jmarl_compile_s"] == 4.0
+
+
+def _results(rows):
+    return {"suite": "cpu", "quick": False, "created": "2026-11-21 08:00 UTC", "command": "python -m benchmarks.run",
+            "machine": {"cpu_count": 2, "processor": "x86_64", "jax_devices": ["TFRT_CPU_0"]},
+            "versions": {"jax": "0.10.2", "torch": "2.13.0"}, "matmul_peak": {"matmul_peak_flops": 2.3e11},
+            "rows": rows, "errors": [{"name": "magrpo_iteration_vs_comlrl", "size": "cpu-small", "error": "boom"}]}
+
+
+def test_table_generator_replaces_only_between_markers(tmp_path):
+    rows = [
+        {"name": "train_step_vs_torch_eager", "metric": "train_tokens_per_s", "size": "cpu-small", "jmarl": 9000.0,
+         "baseline": 6000.0, "ratio": 1.5, "paired_ratio_median": 1.48, "jmarl_min": 8800.0, "jmarl_max": 9100.0,
+         "baseline_min": 5900.0, "baseline_max": 6100.0, "jmarl_flops": 1.9e11, "jmarl_fraction_of_peak": 0.83},
+        {"name": "generation_vs_hf_generate", "metric": "new_tokens_per_s", "size": "cpu-small", "jmarl": 10000.0,
+         "baseline": 5000.0, "ratio": 2.0, "paired_ratio_median": 2.1},
+    ]
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n\nbefore\n<!-- bench:cpu:start -->\nold table\n<!-- bench:cpu:end -->\nafter\n")
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(_results(rows)))
+    table.main([str(path), str(readme)])
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n<!-- bench:cpu:start -->\n") and text.endswith("<!-- bench:cpu:end -->\nafter\n")
+    assert "old table" not in text
+    lines = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| `")}
+    assert "1.48x" in lines["`train_step_vs_torch_eager`"] and lines["`train_step_vs_torch_eager`"].rstrip().endswith("| yes |")
+    assert "83% of peak" in lines["`train_step_vs_torch_eager`"]
+    assert lines["`generation_vs_hf_generate`"].rstrip().endswith("| no |")  # 2.1x < 2.5x
+    assert "boom" in lines["`magrpo_iteration_vs_comlrl`"]
+    # running it again is idempotent
+    table.main([str(path), str(readme)])
+    assert readme.read_text() == text
+
+
+def test_table_generator_requires_the_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="bench:cpu:start"):
+        table.update_readme(str(readme), _results([]))
+    assert readme.read_text() == "# no markers\n"
+
+
+def test_gpu_suite_refuses_without_an_accelerator(capsys):
+    from benchmarks import run
+
+    assert run.main(["--suite", "gpu"]) == 2
+    assert "no GPU/TPU backend" in capsys.readouterr().err

@@ -58,3 +58,21 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path / "missing")
     with pytest.raises(JmarlError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_char_tokenizer_beside_a_qwen_model_loads_as_itself(tmp_path):
+    """An exported policy directory (config.json of a qwen2 model + the saved CharTokenizer)
+    loads the same tokenizer, not the class config.json's model_type would pick."""
+    import jax
+
+    from jmarl import models
+
+    tok = models.CharTokenizer()
+    cfg = models.ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32,
+                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    models.save_hf(tmp_path, cfg, models.init(cfg, jax.random.key(0)))
+    tok.save(tmp_path)
+    loaded = models.load_tokenizer(tmp_path)
+    text = "user: a b c\nassistant: R R D\n"
+    assert loaded.encode(text) == tok.encode(text)
+    assert loaded.decode(tok.encode(text)) == text

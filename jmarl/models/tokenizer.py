@@ -136,6 +136,18 @@ class HFTokenizer:
         return self.encode(text) if tokenize else text
 
 
+_GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _declared_class(path: str) -> str | None:
+    """The `tokenizer_class` in a directory's tokenizer_config.json, if any."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     """The HF tokenizer (with its chat template) saved in a local directory."""
     path = os.fspath(path)
@@ -143,9 +155,15 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
         raise JmarlError(f"tokenizer directory not found: {path}")
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         raise JmarlError(f"no tokenizer.json or tokenizer_config.json in {path}")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
+        # A tokenizer saved as the generic fast class (CharTokenizer.save, or any tokenizer.json
+        # without a model-specific class) is loaded as exactly that: AutoTokenizer would
+        # otherwise pick the class of config.json's model_type (e.g. Qwen2Tokenizer) when the
+        # tokenizer sits beside a model, and re-tokenise differently.
+        if _declared_class(path) in _GENERIC_FAST_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return HFTokenizer(PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True))
         return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
     except (OSError, ValueError, json.JSONDecodeError) as err:
         raise JmarlError(f"could not load the tokenizer in {path}: {err}") from None

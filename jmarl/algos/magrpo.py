@@ -21,13 +21,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl.algos import _checks
-from jmarl.algos.advantages import filter_groups, group_advantages
-from jmarl.algos.grpo import validate_policy_fields
+from jmarl.algos.advantages import filter_groups
+from jmarl.algos.grpo import advantages, validate_policy_fields
 from jmarl.algos.losses import policy_loss
 from jmarl.errors import JmarlError
 
 JOINT_MODES = ("aligned", "cross")
 JOINT_AGGREGATES = ("sum", "mean")
+
+
+__all__ = [
+    "MAGRPOConfig",
+    "Config",
+    "joint_action_index",
+    "completion_returns",
+    "tree_returns",
+    "advantages",  # GRPO's group advantage over MAGRPO's groups (one per agent per node)
+    "keep_mask",
+    "loss",
+]
 
 
 @dataclass(frozen=True)
@@ -119,19 +131,6 @@ def tree_returns(rewards: jax.Array, parent: jax.Array, *, gamma: float, max_dep
         return rewards + gamma * child_mean
 
     return jax.lax.fori_loop(0, max_depth, sweep, rewards)
-
-
-def advantages(cfg: MAGRPOConfig, rewards: jax.Array, groups: jax.Array, *, num_groups: int) -> jax.Array:
-    """Advantages f32[N] from completion returns f32[N] and group ids int[N] (one group per agent per node)."""
-    return group_advantages(
-        rewards,
-        groups,
-        num_groups=num_groups,
-        baseline=cfg.baseline,
-        normalize=cfg.normalize,
-        ddof=cfg.ddof,
-        eps=cfg.eps,
-    )
 
 
 def keep_mask(cfg: MAGRPOConfig, rewards: jax.Array, groups: jax.Array, *, num_groups: int) -> jax.Array:

@@ -72,6 +72,20 @@ def jmarl_runner(trainer) -> Any:
     return run
 
 
+def _prepare(shape: str, workdir: str, *, num_agents: int, new_tokens: int):
+    """(checkpoint dir, left-padding HF tokenizer, jmarl iteration runner, its first and warm call seconds)."""
+    import transformers
+
+    ckpt = os.path.join(workdir, "model")
+    write_checkpoint(shape, ckpt)
+    trainer = jmarl_trainer(ckpt, os.path.join(workdir, "jmarl"), num_agents=num_agents, new_tokens=new_tokens)
+    run_jmarl = jmarl_runner(trainer)
+    first, warm = run_jmarl(0), run_jmarl(1)
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
+    tok.padding_side = "left"
+    return ckpt, tok, run_jmarl, first, warm
+
+
 def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
     """The `grpo_iteration_vs_trl` row."""
     import transformers
@@ -79,14 +93,7 @@ def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS)
     from trl import GRPOConfig, GRPOTrainer
 
     with tempfile.TemporaryDirectory() as d:
-        ckpt = os.path.join(d, "model")
-        write_checkpoint(shape, ckpt)
-        trainer = jmarl_trainer(ckpt, os.path.join(d, "jmarl"), num_agents=1, new_tokens=new_tokens)
-        run_jmarl = jmarl_runner(trainer)
-        first, warm = run_jmarl(0), run_jmarl(1)
-
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
-        tok.padding_side = "left"
+        ckpt, tok, run_jmarl, first, warm = _prepare(shape, d, num_agents=1, new_tokens=new_tokens)
         steps = repeats + 1
         prompts = templated_prompts(tok, range(NUM_PROMPTS * steps))
         args = GRPOConfig(
@@ -133,14 +140,7 @@ def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TO
     from datasets import Dataset
 
     with tempfile.TemporaryDirectory() as d:
-        ckpt = os.path.join(d, "model")
-        write_checkpoint(shape, ckpt)
-        trainer = jmarl_trainer(ckpt, os.path.join(d, "jmarl"), num_agents=2, new_tokens=new_tokens)
-        run_jmarl = jmarl_runner(trainer)
-        first, warm = run_jmarl(0), run_jmarl(1)
-
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
-        tok.padding_side = "left"
+        ckpt, tok, run_jmarl, first, warm = _prepare(shape, d, num_agents=2, new_tokens=new_tokens)
         args = MAGRPOConfig(
             num_train_epochs=1, agent_learning_rate=LR, num_agents=2, num_generations=GROUP_SIZE,
             max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_turns=1,

@@ -308,3 +308,50 @@ def test_tool_program_path():
     planner_view = env.observe(dataclasses.replace(state, proposal=after.proposal,
                                                    proposal_note="program ok"), "planner")
     assert "[program ok]" in planner_view
+
+
+# ---- prompt styles and the single-agent baseline ---------------------------------------------
+
+
+def test_plan_path_compact_prompt_is_exact_and_short():
+    env = make("plan_path", size=4, max_turns=2, prompt_style="compact")
+    state = path_state()
+    assert env.observe(state, "tool") == "A...\n.#..\n..G.\n....\nA0,0 G2,2\nturn 1/2\ntool:"
+    assert env.expert_text(state, "tool") in ("RRDD", "DDRR", "RDRD", "DRDR", "RDDR", "DRRD")
+    after, r = env.step(state, "tool", "RRDD")  # compact answers parse like "R R D D"
+    assert r.local_reward == pytest.approx(1.86) and after.proposal == ("R", "R", "D", "D")
+    assert env.observe(after, "planner").endswith("A0,0 G2,2\nturn 1/2\ntool: RRDD\nplan:")
+    moved, r = env.step(after, "planner", "RR")
+    moved = env.end_turn(moved)
+    assert r.team_reward == 0.0 and moved.board == (0, 2)
+    assert env.observe(moved, "tool") == "..A.\n.#..\n..G.\n....\nA0,2 G2,2\nturn 2/2 prev RR\ntool:"
+    full = make("plan_path", size=4, max_turns=2)
+    assert len(env.observe(after, "planner")) * 4 < len(full.observe(after, "planner"))
+
+
+def test_compact_and_full_styles_share_puzzles_and_rewards():
+    for name in ("plan_path", "sokoban", "sudoku"):
+        full, compact = make(name), make(name, prompt_style="compact")
+        for seed in range(5):
+            a, b = full.reset(seed), compact.reset(seed)
+            assert a == b
+            # the expert's compact answer earns exactly what its full answer earns
+            fa, ra = full.step(a, "planner", full.expert_text(a, "planner"))
+            fb, rb = compact.step(b, "planner", compact.expert_text(b, "planner"))
+            assert (ra.local_reward, ra.team_reward, full.success(fa)) == (rb.local_reward, rb.team_reward, compact.success(fb))
+            assert compact.success(fb)
+    with pytest.raises(JmarlError, match="prompt_style"):
+        make("plan_path", prompt_style="tiny")
+
+
+def test_single_agent_mode_has_only_the_planner():
+    env = make("plan_path", size=4, single_agent=True, prompt_style="compact")
+    assert env.agents == env.turn_order == ("planner",)
+    state = path_state()
+    assert env.observe(state, "planner").endswith("turn 1/3\nplan:")  # no tool line
+    assert "Tool agent" not in make("plan_path", size=4, single_agent=True).observe(state, "planner")
+    with pytest.raises(JmarlError, match="unknown agent 'tool'"):
+        env.step(state, "tool", "RRDD")
+    done, r = env.step(state, "planner", "RRDD")
+    assert env.success(done) and r.team_reward == pytest.approx(1.5)
+    assert make("plan_path").agents == ("tool", "planner")

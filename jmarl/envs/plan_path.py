@@ -48,6 +48,8 @@ class PlanPath(PuzzleEnv):
     shortest_bonus: float = 0.5
     malformed_reward: float = -0.5
     program_timeout_s: float = 5.0
+    prompt_style: str = "full"  # "full" | "compact" (see jmarl.envs.puzzle.PROMPT_STYLES)
+    single_agent: bool = False  # True: the planner alone (no tool agent), the single-agent baseline
 
     def __post_init__(self) -> None:
         self._check_options()
@@ -102,6 +104,15 @@ class PlanPath(PuzzleEnv):
         rows.append(f"A is at row {board[0]}, column {board[1]}; G is at row {puzzle.goal[0]}, "
                     f"column {puzzle.goal[1]}.")
         return "\n".join(rows)
+
+    def _render_compact(self, puzzle: PathPuzzle, board: Cell) -> str:
+        """Rows without spaces, then "A<row>,<col> G<row>,<col>"."""
+        rows = self._render(puzzle, board).split("\n")[: puzzle.size]
+        return "\n".join(r.replace(" ", "") for r in rows) + (
+            f"\nA{board[0]},{board[1]} G{puzzle.goal[0]},{puzzle.goal[1]}")
+
+    def _format_compact(self, action: tuple[str, ...]) -> str:
+        return "".join(action)
 
     def _parse_action(self, text: str) -> tuple[str, ...] | None:
         return parse_moves(text, max_moves=4 * self.size * self.size)

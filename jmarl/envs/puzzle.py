@@ -28,6 +28,11 @@ from jmarl.envs.parsing import extract_python, run_program
 from jmarl.errors import JmarlError
 
 AGENTS = ("tool", "planner")
+# "full": instructions, the board, turn, feedback and the agent's role in sentences (the
+# papers' prompts). "compact": the board and one short line per fact, e.g. for Plan-Path
+#   A...#\n.#..G\n...\nA0,0 G1,4 turn 1/2\ntool: RRDD\nplan:
+# and answers without the "Actions:" label: 5-10x fewer tokens for small CPU models.
+PROMPT_STYLES = ("full", "compact")
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,17 @@ class PuzzleEnv:
     """Base class of the tool + planner puzzle envs (subclasses are frozen dataclasses)."""
 
     name = "puzzle"
-    agents = AGENTS
-    turn_order = AGENTS
+    single_agent: bool = False  # subclasses' dataclass field: True drops the tool agent
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        """("tool", "planner"), or ("planner",) with `single_agent` (the papers' single-agent
+        baseline: one model reads the board and writes the executed action)."""
+        return ("planner",) if self.single_agent else AGENTS
+
+    @property
+    def turn_order(self) -> tuple[str, ...]:
+        return self.agents
     parallel = False
     max_turns: int = 3
     malformed_reward: float = -0.5
@@ -113,14 +127,33 @@ class PuzzleEnv:
     def _format_action(self, action: Any) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _render_compact(self, puzzle: Any, board: Any) -> str:
+        """The board for `prompt_style="compact"` prompts (default: the full rendering)."""
+        return self._render(puzzle, board)
+
+    def _format_compact(self, action: Any) -> str:
+        """An action as written in `prompt_style="compact"` prompts and demonstrations."""
+        return self._format_action(action)
+
+    def _format(self, action: Any) -> str:
+        """An action in this env's prompt style."""
+        return self._format_compact(action) if self._compact else self._format_action(action)
+
+    @property
+    def _compact(self) -> bool:
+        return getattr(self, "prompt_style", "full") == "compact"
+
     def _feedback(self, action: Any, applied: Applied) -> str:
         """One line on an executed action for later prompts."""
-        return self._format_action(action) + (" (solved)" if applied.solved else "")
+        return self._format(action) + (" (solved)" if applied.solved else "")
 
     # ---- protocol ----------------------------------------------------------------------------
     def _check_options(self) -> None:
         if self.max_turns < 1:
             raise JmarlError(f"{self.name}: max_turns must be >= 1, got {self.max_turns}")
+        style = getattr(self, "prompt_style", "full")
+        if style not in PROMPT_STYLES:
+            raise JmarlError(f"{self.name}: prompt_style must be one of {PROMPT_STYLES}, got {style!r}")
 
     def reset(self, seed: int) -> PuzzleState:
         """The initial state for `seed` (train/eval items are disjoint by content hash)."""
@@ -138,6 +171,8 @@ class PuzzleEnv:
     def observe(self, state: PuzzleState, agent: str) -> str:
         """The prompt: task, board, turn, feedback, (planner) the tool's proposal, format."""
         self._check_agent(agent)
+        if self._compact:
+            return self._observe_compact(state, agent)
         lines = [self._instructions(), "", self._render(state.puzzle, state.board), ""]
         lines.append(f"Turn {state.turn + 1} of {self.max_turns}.")
         if state.history:
@@ -149,13 +184,33 @@ class PuzzleEnv:
             lines.append("You are the tool agent. Propose the action, either directly or as a "
                          "```python program that reads the board from stdin and prints it.")
         else:
-            if state.proposal is not None:
-                proposed = self._format_action(state.proposal)
-            else:
-                proposed = "(none)"
-            note = f" [{state.proposal_note}]" if state.proposal_note else ""
-            lines.append(f"Tool agent's proposal{note}: {proposed}")
+            if not self.single_agent:
+                if state.proposal is not None:
+                    proposed = self._format_action(state.proposal)
+                else:
+                    proposed = "(none)"
+                note = f" [{state.proposal_note}]" if state.proposal_note else ""
+                lines.append(f"Tool agent's proposal{note}: {proposed}")
             lines.append("You are the planner. Write the final action; it will be executed.")
+        return "\n".join(lines)
+
+    def _observe_compact(self, state: PuzzleState, agent: str) -> str:
+        """The compact prompt (see PROMPT_STYLES); ends with "tool:" or "plan:"."""
+        lines = [self._render_compact(state.puzzle, state.board)]
+        turn = f"turn {state.turn + 1}/{self.max_turns}"
+        if state.history:
+            turn += " prev " + "|".join(h.split(": ", 1)[-1] for h in state.history[-3:])
+        lines.append(turn)
+        memory = memory_block(state, agent)
+        if memory:
+            lines.append(memory.rstrip("\n"))
+        if agent == "tool":
+            lines.append("tool:")
+        else:
+            if not self.single_agent:
+                proposed = "?" if state.proposal is None else self._format_compact(state.proposal)
+                lines.append(f"tool: {proposed}")
+            lines.append("plan:")
         return "\n".join(lines)
 
     def step(self, state: PuzzleState, agent: str, text: str) -> tuple[PuzzleState, StepResult]:
@@ -220,8 +275,10 @@ class PuzzleEnv:
         """The solving action from the current board, written in the direct format."""
         self._check_agent(agent)
         action = self._expert_action(state.puzzle, state.board)
+        if self._compact:
+            return self._format_compact(action)
         return f"{self.answer_label}:\n{self._format_action(action)}"
 
     def _check_agent(self, agent: str) -> None:
-        if agent not in AGENTS:
-            raise JmarlError(f"{self.name}: unknown agent {agent!r}; agents are {AGENTS}")
+        if agent not in self.agents:
+            raise JmarlError(f"{self.name}: unknown agent {agent!r}; agents are {self.agents}")

@@ -89,6 +89,8 @@ class Sokoban(PuzzleEnv):
     solved_reward: float = 10.0
     malformed_reward: float = -0.5
     program_timeout_s: float = 5.0
+    prompt_style: str = "full"  # "full" | "compact" (see jmarl.envs.puzzle.PROMPT_STYLES)
+    single_agent: bool = False  # True: the planner alone (no tool agent), the single-agent baseline
 
     def __post_init__(self) -> None:
         self._check_options()
@@ -165,6 +167,13 @@ class Sokoban(PuzzleEnv):
         rows.append(f"P is at row {player[0]}, column {player[1]}; {on} of {len(boxes)} boxes "
                     "on goals.")
         return "\n".join(rows)
+
+    def _render_compact(self, room: Room, board: Board) -> str:
+        """Rows without spaces (the sentence under the board is left out)."""
+        return "\n".join(r.replace(" ", "") for r in self._render(room, board).split("\n")[: room.size])
+
+    def _format_compact(self, action: tuple[str, ...]) -> str:
+        return "".join(action)
 
     def _parse_action(self, text: str) -> tuple[str, ...] | None:
         return parse_moves(text, max_moves=4 * self.size * self.size)

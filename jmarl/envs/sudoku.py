@@ -135,6 +135,8 @@ class Sudoku(PuzzleEnv):
     solved_reward: float = 2.0
     malformed_reward: float = -0.5
     program_timeout_s: float = 5.0
+    prompt_style: str = "full"  # "full" | "compact" (see jmarl.envs.puzzle.PROMPT_STYLES)
+    single_agent: bool = False  # True: the planner alone (no tool agent), the single-agent baseline
 
     def __post_init__(self) -> None:
         self._check_options()

@@ -178,8 +178,8 @@ def test_num_problems_keeps_the_first_problems_of_each_split(jsonl):
 
 @pytest.mark.parametrize("variant", ["coder_tester", "helper_main"])
 def test_compact_prompt_is_one_line_then_the_problem_and_feedback(variant):
-    full, compact = Code(variant=variant, max_turns=2), Code(variant=variant, max_turns=2,
-                                                             prompt="compact")
+    full = Code(variant=variant, max_turns=2)
+    compact = Code(variant=variant, max_turns=2, prompt_style="compact")
     state = full.reset(4)
     description = state.problem.description
     entry = state.problem.entry_point
@@ -197,8 +197,8 @@ def test_compact_prompt_is_one_line_then_the_problem_and_feedback(variant):
     for agent in full.agents:
         assert compact.observe(state, agent).endswith("\n\n" + state.feedback)
         assert state.feedback in full.observe(state, agent)
-    with pytest.raises(JmarlError, match="prompt"):
-        Code(prompt="short")
+    with pytest.raises(JmarlError, match="prompt_style"):
+        Code(prompt_style="short")
 
 def test_builtin_references_pass_and_wrong_programs_fail():
     # One problem per template; every reference (single and aux + main) passes every hidden

@@ -57,7 +57,7 @@ CPU_TASK = {
     # characters), and the warm start runs until the tiny model has half memorised the
     # reference programs: sampled programs then pass the hidden tests sometimes and fail (or
     # do not compile) other times (measured after 60 steps: 1/3 to 9/10 of the samples exact).
-    "code": ["env.options.num_problems=1", "env.options.prompt=compact",
+    "code": ["env.options.num_problems=1", "env.options.prompt_style=compact",
              "sampling.max_prompt_len=400", "sampling.max_new_tokens=96",
              "train.warm_start.steps=60", "train.warm_start.demos=1"],
 }

@@ -78,7 +78,7 @@ from jmarl.envs.sandbox import SandboxResult, run_many
 from jmarl.errors import JmarlError
 
 VARIANTS = ("coder_tester", "helper_main")
-PROMPTS = ("full", "compact")
+PROMPT_STYLES = ("full", "compact")
 _AGENTS = {"coder_tester": ("coder", "tester"), "helper_main": ("aux", "main")}
 MAX_TESTER_TESTS = 20
 _MAX_REPLY_CHARS = 200_000
@@ -506,12 +506,12 @@ class Code:
     None: built-in problems); max_turns (default 2 for coder_tester, 1 for helper_main);
     eval_fraction (share of problems held out for evaluation seeds); num_problems (None: every
     problem; N: each split keeps N problems, the built-in problems of the split's first N seeds
-    or the file's first N problems of the split, and its seeds cycle through them); prompt
-    ("full": the role, problem and reply instructions; "compact": one line naming the role and
-    the reply form, then the problem, for small models); num_hidden_tests (built-in problems);
-    test_timeout_s (per test); memory_mb (per program); max_code_chars (longer code scores as
-    non-compiling); tester_validity_weight (coder_tester); joint_weights (helper_main: weights
-    of structure, syntax, pass ratio, uses_aux).
+    or the file's first N problems of the split, and its seeds cycle through them);
+    prompt_style ("full": the role, problem and reply instructions; "compact": one line naming
+    the role and the reply form, then the problem and any feedback, for small models);
+    num_hidden_tests (built-in problems); test_timeout_s (per test); memory_mb (per program);
+    max_code_chars (longer code scores as non-compiling); tester_validity_weight (coder_tester);
+    joint_weights (helper_main: weights of structure, syntax, pass ratio, uses_aux).
     """
 
     name: ClassVar[str] = "code"
@@ -520,7 +520,7 @@ class Code:
     max_turns: int | None = None
     eval_fraction: float = 0.2
     num_problems: int | None = None
-    prompt: str = "full"
+    prompt_style: str = "full"
     num_hidden_tests: int = code_problems.NUM_HIDDEN_TESTS
     test_timeout_s: float = 1.0
     memory_mb: int = 512
@@ -542,8 +542,9 @@ class Code:
             raise JmarlError(f"code: max_turns must be an int >= 1, got {self.max_turns!r}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise JmarlError(f"code: eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.prompt not in PROMPTS:
-            raise JmarlError(f"code: unknown prompt {self.prompt!r}; use one of {PROMPTS}")
+        if self.prompt_style not in PROMPT_STYLES:
+            raise JmarlError(f"code: prompt_style must be one of {PROMPT_STYLES}, got "
+                             f"{self.prompt_style!r}")
         if self.num_problems is not None and not (
                 isinstance(self.num_problems, int) and not isinstance(self.num_problems, bool)
                 and self.num_problems >= 1):
@@ -617,7 +618,7 @@ class Code:
             target = f"the function {entry}"
             test_form = f"assert {entry}(...) == ..."
         fields = {"entry": entry or "the program", "target": target, "test_form": test_form}
-        if self.prompt == "compact":
+        if self.prompt_style == "compact":
             parts = [_COMPACT_TEXT[(self.variant, agent)].format(**fields), p.description]
             if state.feedback:
                 parts.append(state.feedback)
@@ -835,7 +836,7 @@ _REPLY_TEXT = {
     ("helper_main", "aux"): "Reply with def aux(...) in one ```python code block.",
     ("helper_main", "main"): "Reply with the code for {entry} in one ```python code block.",
 }
-# prompt="compact": one line instead of the role and reply paragraphs (for small models)
+# prompt_style="compact": one line instead of the role and reply paragraphs (for small models)
 _COMPACT_TEXT = {
     ("coder_tester", "coder"): "Coder: write {target} in one ```python block.",
     ("coder_tester", "tester"): "Tester: write tests `{test_form}` in one ```python block.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -152,6 +153,52 @@ def test_builtin_problems_split_by_hash_and_are_deterministic():
     assert {p.task_id.split("(")[0] for p in train} == {
         f"builtin:{n}" for n in code_problems.TEMPLATE_NAMES}
 
+
+
+def test_num_problems_keeps_the_first_problems_of_each_split(jsonl):
+    env = Code(num_problems=2)
+    train = [code_problems.builtin_problem(s, want_eval=False, eval_fraction=0.2).task_id
+             for s in range(2)]
+    held = [code_problems.builtin_problem(EVAL_SEED_START + s, want_eval=True,
+                                          eval_fraction=0.2).task_id for s in range(2)]
+    assert [env.problem(s).task_id for s in range(6)] == train * 3
+    assert [env.problem(eval_seed(i)).task_id for i in range(5)] == (held * 3)[:5]
+    assert set(train).isdisjoint(held)
+    assert all(code_problems.is_eval_identity(i, 0.2) for i in held)
+    assert env.problem(0) == Code().problem(0) and env.problem(1) == Code().problem(1)
+    # a file: the split's first N problems, in file order
+    full, cut = Code(path=jsonl), Code(path=jsonl, num_problems=1)
+    assert {cut.problem(s).task_id for s in range(8)} == {full.problem(0).task_id}
+    assert cut.problem(5) == full.problem(0)
+    with pytest.raises(JmarlError, match="num_problems"):
+        Code(num_problems=0)
+    with pytest.raises(JmarlError, match="num_problems"):
+        Code(num_problems=True)
+
+
+@pytest.mark.parametrize("variant", ["coder_tester", "helper_main"])
+def test_compact_prompt_is_one_line_then_the_problem_and_feedback(variant):
+    full = Code(variant=variant, max_turns=2)
+    compact = Code(variant=variant, max_turns=2, prompt_style="compact")
+    state = full.reset(4)
+    description = state.problem.description
+    entry = state.problem.entry_point
+    for agent in full.agents:
+        short, long = compact.observe(state, agent), full.observe(state, agent)
+        head, body = short.split("\n\n", 1)
+        assert "\n" not in head and "```python" in head and entry in head
+        assert body == description  # the problem, unchanged
+        assert long.startswith("You ") and f"Problem:\n{description}" in long
+        assert len(short) < len(long) - 80
+    for agent in full.agents:  # the experts' turn, then the feedback shown in turn 2
+        state, _ = full.step(state, agent, full.expert_text(state, agent))
+    state = dataclasses.replace(full.end_turn(state), finished=False)
+    assert state.feedback
+    for agent in full.agents:
+        assert compact.observe(state, agent).endswith("\n\n" + state.feedback)
+        assert state.feedback in full.observe(state, agent)
+    with pytest.raises(JmarlError, match="prompt_style"):
+        Code(prompt_style="short")
 
 def test_builtin_references_pass_and_wrong_programs_fail():
     # One problem per template; every reference (single and aux + main) passes every hidden

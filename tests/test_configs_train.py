@@ -2,8 +2,10 @@
 
 The paper configs point at local checkpoints and paper sizes; here each runs with a tiny
 built-in model, the character tokenizer and a CPU-sized task, changing nothing else (method,
-plan, policies, loss settings stay as configured). A run "moves" when its sampled rewards vary
-(so GRPO groups carry signal) and some update has a non-zero policy gradient.
+plan, policies, loss settings stay as configured; the one sampling change is in CPU_CONFIG).
+A run "moves" when its sampled rewards vary (so GRPO groups carry signal) and some update has a
+non-zero policy gradient; on code, some sampled programs also pass every hidden test and some
+do not.
 """
 
 import json
@@ -41,21 +43,35 @@ TINY = [
 ]
 
 # CPU-sized tasks (the configs hold the papers' sizes), with room for an expert-length answer
-# (measured: plan_path/sokoban 16-18 characters, sudoku 37, math 49, code 95-148, writing 193+)
+# (measured: plan_path/sokoban 16-18 characters, sudoku 37, math 49, code 72-78 on its first
+# built-in problem, writing 193+)
 CPU_TASK = {
     "plan_path": ["env.options.size=5", "sampling.max_new_tokens=24"],
     "sokoban": ["env.options.size=5", "sampling.max_new_tokens=24"],
     "sudoku": ["sampling.max_new_tokens=48"],
     "math": ["env.options.difficulty=1", "sampling.max_new_tokens=64"],
     "writing": ["sampling.max_new_tokens=64"],
+    # A from-scratch model writes no compiling Python from a short warm start on many problems,
+    # so every reward would be identical. Here the code task keeps one built-in problem and a
+    # one-line role prompt (turn-2 prompts, which repeat the code, are cut to their last 400
+    # characters), and the warm start runs until the tiny model has half memorised the
+    # reference programs: sampled programs then pass the hidden tests sometimes and fail (or
+    # do not compile) other times (measured after 60 steps: 1/3 to 9/10 of the samples exact).
+    "code": ["env.options.num_problems=1", "env.options.prompt_style=compact",
+             "sampling.max_prompt_len=400", "sampling.max_new_tokens=96",
+             "train.warm_start.steps=60", "train.warm_start.demos=1"],
 }
 
-# at_grpo/code and magrpo/code run through this trainer too, but a from-scratch 1-layer model
-# writes no compiling Python after a short warm start, so every sampled reward is identical and
-# this test's point (metrics move) cannot be shown at this size; they are left out, not weakened.
+# Per config: MAGRPO's code config samples with top_p 0.6, under which a tiny model that has
+# memorised a program writes it the same way every time (no group varies); it samples from the
+# whole (temperature 0.6) distribution here.
+CPU_CONFIG = {
+    "magrpo/code": ["sampling.top_p=1.0"],
+}
+
 CASES = [
-    "at_grpo/plan_path", "at_grpo/sokoban", "at_grpo/sudoku", "at_grpo/math",
-    "magrpo/writing",
+    "at_grpo/plan_path", "at_grpo/sokoban", "at_grpo/sudoku", "at_grpo/math", "at_grpo/code",
+    "magrpo/writing", "magrpo/code",
     "grpo/plan_path", "dr_grpo/plan_path", "dapo/plan_path", "gspo/plan_path",
 ]
 
@@ -65,7 +81,8 @@ CASES = [
 def test_config_trains_a_tiny_model_and_metrics_move(name, tmp_path):
     path = CONFIGS / f"{name}.yaml"
     task = name.split("/")[1]
-    cfg = load_config(path, TINY + CPU_TASK.get(task, []) + [f"output_dir={tmp_path / 'run'}"])
+    overrides = TINY + CPU_TASK.get(task, []) + CPU_CONFIG.get(name, [])
+    cfg = load_config(path, overrides + [f"output_dir={tmp_path / 'run'}"])
     summary = train(cfg)
     assert summary["steps"] == 2
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -75,3 +92,7 @@ def test_config_trains_a_tiny_model_and_metrics_move(name, tmp_path):
     grad_norms = [v for x in steps for k, v in x.items() if k.endswith("grad_norm")]
     assert max(reward_std) > 0, f"{name}: every sampled reward was identical: {reward_std}"
     assert max(grad_norms) > 0 and all(np.isfinite(grad_norms)), f"{name}: no policy gradient: {grad_norms}"
+    if task == "code":  # rewards vary because some sampled programs pass every hidden test and some do not
+        success = [x["rollout/success_rate"] for x in steps]
+        assert max(success) > 0, f"{name}: no sampled program passed the hidden tests: {success}"
+        assert min(success) < 1, f"{name}: every sampled program passed the hidden tests: {success}"

@@ -78,6 +78,7 @@ from jmarl.envs.sandbox import SandboxResult, run_many
 from jmarl.errors import JmarlError
 
 VARIANTS = ("coder_tester", "helper_main")
+PROMPT_STYLES = ("full", "compact")
 _AGENTS = {"coder_tester": ("coder", "tester"), "helper_main": ("aux", "main")}
 MAX_TESTER_TESTS = 20
 _MAX_REPLY_CHARS = 200_000
@@ -503,10 +504,14 @@ class Code:
 
     Options: variant ("coder_tester" | "helper_main"); path (a HumanEval/MBPP/APPS JSONL file;
     None: built-in problems); max_turns (default 2 for coder_tester, 1 for helper_main);
-    eval_fraction (share of problems held out for evaluation seeds); num_hidden_tests
-    (built-in problems); test_timeout_s (per test); memory_mb (per program); max_code_chars
-    (longer code scores as non-compiling); tester_validity_weight (coder_tester); joint_weights
-    (helper_main: weights of structure, syntax, pass ratio, uses_aux).
+    eval_fraction (share of problems held out for evaluation seeds); num_problems (None: every
+    problem; N: each split keeps N problems, the built-in problems of the split's first N seeds
+    or the file's first N problems of the split, and its seeds cycle through them);
+    prompt_style ("full": the role, problem and reply instructions; "compact": one line naming
+    the role and the reply form, then the problem and any feedback, for small models);
+    num_hidden_tests (built-in problems); test_timeout_s (per test); memory_mb (per program);
+    max_code_chars (longer code scores as non-compiling); tester_validity_weight (coder_tester);
+    joint_weights (helper_main: weights of structure, syntax, pass ratio, uses_aux).
     """
 
     name: ClassVar[str] = "code"
@@ -514,6 +519,8 @@ class Code:
     path: str | None = None
     max_turns: int | None = None
     eval_fraction: float = 0.2
+    num_problems: int | None = None
+    prompt_style: str = "full"
     num_hidden_tests: int = code_problems.NUM_HIDDEN_TESTS
     test_timeout_s: float = 1.0
     memory_mb: int = 512
@@ -535,6 +542,14 @@ class Code:
             raise JmarlError(f"code: max_turns must be an int >= 1, got {self.max_turns!r}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise JmarlError(f"code: eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.prompt_style not in PROMPT_STYLES:
+            raise JmarlError(f"code: prompt_style must be one of {PROMPT_STYLES}, got "
+                             f"{self.prompt_style!r}")
+        if self.num_problems is not None and not (
+                isinstance(self.num_problems, int) and not isinstance(self.num_problems, bool)
+                and self.num_problems >= 1):
+            raise JmarlError(f"code: num_problems must be an int >= 1 or None (every problem), "
+                             f"got {self.num_problems!r}")
         if not (isinstance(self.num_hidden_tests, int) and 1 <= self.num_hidden_tests <= 100):
             raise JmarlError(f"code: num_hidden_tests must be in [1, 100], got "
                              f"{self.num_hidden_tests!r}")
@@ -570,8 +585,12 @@ class Code:
         if not isinstance(seed, int) or seed < 0:
             raise JmarlError(f"code: seed must be an int >= 0, got {seed!r}")
         want_eval = is_eval_seed(seed)
+        index = seed - EVAL_SEED_START if want_eval else seed
+        if self.num_problems is not None:
+            index %= self.num_problems
         if self.path is None:
-            return code_problems.builtin_problem(seed, want_eval=want_eval,
+            start = EVAL_SEED_START if want_eval else 0
+            return code_problems.builtin_problem(start + index, want_eval=want_eval,
                                                  eval_fraction=self.eval_fraction,
                                                  n_tests=self.num_hidden_tests)
         pool = self._splits[1 if want_eval else 0]
@@ -579,7 +598,6 @@ class Code:
             which = "evaluation" if want_eval else "training"
             raise JmarlError(f"code: {self.path!r} has no {which} problems with eval_fraction="
                              f"{self.eval_fraction}; use more problems or another fraction")
-        index = seed - EVAL_SEED_START if want_eval else seed
         return pool[index % len(pool)]
 
     # ---- protocol
@@ -599,12 +617,16 @@ class Code:
         else:
             target = f"the function {entry}"
             test_form = f"assert {entry}(...) == ..."
-        text = role.format(entry=entry or "the program", target=target, test_form=test_form)
-        parts = [text, "Problem:\n" + p.description]
+        fields = {"entry": entry or "the program", "target": target, "test_form": test_form}
+        if self.prompt_style == "compact":
+            parts = [_COMPACT_TEXT[(self.variant, agent)].format(**fields), p.description]
+            if state.feedback:
+                parts.append(state.feedback)
+            return "\n\n".join(parts)
+        parts = [role.format(**fields), "Problem:\n" + p.description]
         if state.feedback:
             parts.append(state.feedback)
-        parts.append(_REPLY_TEXT[(self.variant, agent)].format(entry=entry or "the program",
-                                                               test_form=test_form))
+        parts.append(_REPLY_TEXT[(self.variant, agent)].format(**fields))
         return "\n\n".join(parts)
 
     def step(self, state: CodeState, agent: str, text: str) -> tuple[CodeState, StepResult]:
@@ -813,6 +835,14 @@ _REPLY_TEXT = {
     ("coder_tester", "tester"): "Reply with your assert statements in one ```python code block.",
     ("helper_main", "aux"): "Reply with def aux(...) in one ```python code block.",
     ("helper_main", "main"): "Reply with the code for {entry} in one ```python code block.",
+}
+# prompt_style="compact": one line instead of the role and reply paragraphs (for small models)
+_COMPACT_TEXT = {
+    ("coder_tester", "coder"): "Coder: write {target} in one ```python block.",
+    ("coder_tester", "tester"): "Tester: write tests `{test_form}` in one ```python block.",
+    ("helper_main", "aux"): "Aux: write a helper def aux(...) for {entry} in one ```python block.",
+    ("helper_main", "main"): "Main: write {target}, calling aux (defined before your code), in "
+    "one ```python block.",
 }
 
 

@@ -16,6 +16,7 @@ import pytest
 from jmarl import envs
 from jmarl.train.trainer import before_summary, step_info_means
 from jmarl.workflows.base import Completion
+from jmarl.workflows import memory as memory_store
 from jmarl.workflows.independent import IndependentOptions, numeric_info, sample_independent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,24 @@ def test_independent_records_carry_writing_components_and_means_match_env_score(
 def test_before_summary_renames_eval_keys():
     got = before_summary({"eval/success_rate": 0.25, "eval/info/ratio": 0.5, "train/loss": 1.0})
     assert got == {"before_eval_success_rate": 0.25, "before_eval_info/ratio": 0.5}
+
+
+def test_memory_prompt_env_shows_retrieved_entries_like_training():
+    env = envs.make("router")
+    state = env.reset(envs.eval_seed(0))
+    agent = env.agents[0]
+    plain = env.observe(state, agent)
+    mem = memory_store.Memory(memory_store.MemoryOptions(capacity=4, top_m=1))
+    assert memory_store.MemoryPromptEnv(env, mem).observe(state, agent) == plain  # empty memory
+    mem = memory_store.admit(mem, agent, plain, "ROUTE-TO-MATH-FIRST", reward=1.0, baseline=0.0, step=0)
+    wrapped = memory_store.MemoryPromptEnv(env, mem)
+    got = wrapped.observe(state, agent)
+    entry = memory_store.retrieve(mem, agent, plain)[0]
+    assert got == env.observe(memory_store.with_memory_context(state, agent, [memory_store.format_entry(entry)]), agent)
+    assert "ROUTE-TO-MATH-FIRST" in got and "ROUTE-TO-MATH-FIRST" not in plain
+    # everything else is the env's
+    assert wrapped.agents == env.agents and wrapped.parallel == env.parallel
+    assert wrapped.step(state, agent, "x")[1] == env.step(state, agent, "x")[1]
 
 
 # ---- the runner's pure parts --------------------------------------------------------------------

@@ -561,12 +561,13 @@ class Trainer:
         try:
             if ec.greedy:
                 self.sampler.settings = dataclasses.replace(saved, temperature=0.0)
-            res = run_plan("independent", self.env, seeds, agent_policy, self.sampler, key, num_episodes=1, max_turns=self.config.workflow.max_turns)
+            env = self._eval_env()
+            res = run_plan("independent", env, seeds, agent_policy, self.sampler, key, num_episodes=1, max_turns=self.config.workflow.max_turns)
             out.update({f"eval/{k}": v for k, v in summarize(res.episodes).items()})
             out.update({f"eval/info/{k}": v for k, v in step_info_means(res.records).items()})
             if ec.pass_k > 1:
                 self.sampler.settings = saved
-                res = run_plan("independent", self.env, seeds, agent_policy, self.sampler, key, num_episodes=ec.pass_k, max_turns=self.config.workflow.max_turns)
+                res = run_plan("independent", env, seeds, agent_policy, self.sampler, key, num_episodes=ec.pass_k, max_turns=self.config.workflow.max_turns)
                 solved = {}
                 for e in res.episodes:
                     solved[e.env] = solved.get(e.env, False) or e.success
@@ -574,6 +575,13 @@ class Trainer:
         finally:
             self.sampler.settings = saved
         return out
+
+    def _eval_env(self) -> Any:
+        """The env evaluation plays: with a JoyAgents-R1 memory, prompts carry the retrieved
+        entries as in training (`memory.MemoryPromptEnv`); the run's env otherwise."""
+        if self.algo_state.memory is None:
+            return self.env
+        return memory_store.MemoryPromptEnv(self.env, self.algo_state.memory)
 
     # ---- export
 

@@ -4,6 +4,7 @@
     python scripts/evidence.py hacpo                   # HACPO vs GSPO / GSPO 2x / naive sharing, two tiny models
     python scripts/evidence.py joyagents               # JoyAgents-R1 on Router: memory on/off, top-K vs all
     python scripts/evidence.py hacpo --seeds 0 --steps 2 --no-readme   # a smoke run
+    python scripts/evidence.py hacpo --render          # README table again from results/evidence_hacpo.json
 
 A table is data (`Table`): a base config with dotted overrides, named variants (more dotted
 overrides), and the cells to report (a variant and a key of the run's summary.json, or the last
@@ -458,12 +459,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="result JSON (default results/evidence_<table>.json)")
     parser.add_argument("--readme", default="README.md")
     parser.add_argument("--no-readme", action="store_true", help="write the JSON only")
+    parser.add_argument("--render", action="store_true",
+                        help="run nothing: re-render the README table (notes included) from the result JSON")
     args = parser.parse_args(argv)
     table = TABLES[args.table]
-    result = run_table(table, args.seeds, args.steps, ROOT / args.runs)
+    out = Path(args.out) if args.out else ROOT / "results" / f"evidence_{table.name}.json"
+    if args.render:
+        result = json.loads(out.read_text())
+    else:
+        result = run_table(table, args.seeds, args.steps, ROOT / args.runs)
     block = markdown(table, result)
     result["markdown"] = block
-    out = Path(args.out) if args.out else ROOT / "results" / f"evidence_{table.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(block)

@@ -182,3 +182,7 @@ def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
     assert row == f"| ratio | {evidence.fmt_cell({'mean': before, 'std': 0.0}, 2)} | {evidence.fmt_cell({'mean': after, 'std': 0.0}, 2)} |"
     assert "python scripts/evidence.py tiny --seeds 0 --steps 1" in text
     assert statistics.fmean([run["wall_seconds"]]) <= result["total_wall_seconds"]
+    # --render rebuilds the same block from the JSON without running anything
+    readme.write_text("intro\n<!-- evidence:tiny:start -->\n<!-- evidence:tiny:end -->\nrest\n")
+    assert evidence.main(["tiny", "--render", "--out", str(out), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text

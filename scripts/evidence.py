@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS_PREFIX = "metrics:"  # a cell key read from the last logged value in metrics.jsonl
+METRICS_PREFIX = "metrics:"  # a key read from the last logged value in metrics.jsonl
+MEAN_PREFIX = "mean:"  # a key read as the mean of every logged value in metrics.jsonl
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,7 +152,8 @@ WRITING = Table(
                    baseline_key="before_eval_team_reward"),
         Comparison("cross", "aligned", "eval_team_reward", "team reward after MAGRPO, cross vs aligned joint actions"),
     ),
-    fields=("before_eval_team_reward", "eval_team_reward", "metrics:rollout/generated_total"),
+    fields=("before_eval_team_reward", "eval_team_reward", "metrics:rollout/generated_total",
+            "mean:rollout/team_reward", "mean:rollout/reward_std", "mean:rollout/samples"),
 )
 
 HACPO_VARIANTS = (
@@ -182,7 +184,8 @@ HACPO = Table(
         for base, label in (("gspo", "GSPO alone"), ("gspo_2x", "GSPO 2x"), ("naive", "naive sharing"))
         for m in ("qwen", "llama")
     ),
-    fields=("success_before", "success_after", "metrics:rollout/lossy_cross_samples"),
+    fields=("success_before", "success_after", "mean:rollout/lossy_cross_samples",
+            "mean:hacpo/success_0", "mean:hacpo/success_1", "mean:rollout/reward_std"),
 )
 
 JOYAGENTS = Table(
@@ -212,6 +215,7 @@ JOYAGENTS = Table(
         Comparison("topk_memory", "topk_no_memory", "success_after", "memory vs no memory (success after)"),
         Comparison("topk_memory", "all_memory", "success_after", "top-2 vs all node groups (success after)"),
     ),
+    fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
 )
 
 TABLES: dict[str, Table] = {t.name: t for t in (WRITING, HACPO, JOYAGENTS)}
@@ -230,23 +234,29 @@ def run_command(table: Table, variant: Variant, seed: int, out_dir: Path, steps:
     ]
 
 
-def last_metrics(path: Path) -> dict[str, float]:
-    """The last logged value of every metric in a metrics.jsonl file."""
-    last: dict[str, float] = {}
+def logged_metrics(path: Path) -> dict[str, list[float]]:
+    """Every logged value of every metric in a metrics.jsonl file, in order."""
+    logged: dict[str, list[float]] = {}
     if not path.exists():
-        return last
+        return logged
     for line in path.read_text().splitlines():
         if line.strip():
-            last.update({k: v for k, v in json.loads(line).items() if isinstance(v, (int, float))})
-    return last
+            for k, v in json.loads(line).items():
+                if isinstance(v, (int, float)):
+                    logged.setdefault(k, []).append(float(v))
+    return logged
 
 
-def read_value(summary: dict[str, Any], metrics: dict[str, float], key: str) -> float | None:
-    """A cell value of one run: summary[key], or the last value of a `metrics:` key."""
+def read_value(summary: dict[str, Any], metrics: dict[str, list[float]], key: str) -> float | None:
+    """A value of one run: summary[key]; `metrics:<m>`: the last logged value of m;
+    `mean:<m>`: the mean of m over the run's log lines."""
     if key.startswith(METRICS_PREFIX):
-        value = metrics.get(key[len(METRICS_PREFIX):])
-    else:
-        value = summary.get(key)
+        values = metrics.get(key[len(METRICS_PREFIX):])
+        return values[-1] if values else None
+    if key.startswith(MEAN_PREFIX):
+        values = metrics.get(key[len(MEAN_PREFIX):])
+        return statistics.fmean(values) if values else None
+    value = summary.get(key)
     return None if value is None else float(value)
 
 
@@ -279,7 +289,7 @@ def run_one(table: Table, variant: Variant, seed: int, runs_root: Path, steps: i
         row["error"] = f"exit status {code}"
         return row
     summary = json.loads((out_dir / "summary.json").read_text())
-    metrics = last_metrics(out_dir / "metrics.jsonl")
+    metrics = logged_metrics(out_dir / "metrics.jsonl")
     row["values"] = {k: read_value(summary, metrics, k) for k in table.keys_of(variant.name)}
     return row
 

@@ -159,7 +159,7 @@ def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
         name="tiny",
         base=evidence.WRITING.base + (
             "sampling.max_new_tokens=12", "sampling.max_prompt_len=48", "workflow.num_tasks=1",
-            "workflow.group_size=2", "train.warm_start.steps=1", "eval.num_episodes=2",
+            "workflow.group_size=2", "train.warm_start.steps=0", "eval.num_episodes=2",
         ),
         variants=evidence.WRITING.variants[:1],
         columns=evidence.WRITING.columns[:2],

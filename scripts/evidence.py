@@ -153,7 +153,20 @@ WRITING = Table(
     comparisons=(
         Comparison("aligned", "aligned", "eval_team_reward", "team reward after MAGRPO (aligned) vs before",
                    baseline_key="before_eval_team_reward"),
+        Comparison("cross", "aligned", "eval_team_reward", "team reward after MAGRPO (cross) vs before",
+                   baseline_key="before_eval_team_reward"),
         Comparison("cross", "aligned", "eval_team_reward", "team reward after MAGRPO, cross vs aligned joint actions"),
+    ),
+    notes=(
+        "MAGRPO does not raise the held-out team reward beyond one std at this scale (12 RL steps). Why: "
+        "transitions and overlap are 0 on every held-out sample before and after, since the character-level "
+        "model, warm-started for 30 steps, writes word-shaped strings that are neither the source's content "
+        "words nor transition words; components that stay 0 give no reward variance to learn from, so only the length terms "
+        "(structure, ratio) can be learned, and the sampled training team reward barely moves in 12 steps "
+        "(mean of the first vs last 3 steps: 2.16 -> 2.09 aligned, 2.15 -> 2.26 cross; metrics.jsonl). "
+        "Cross scores each completion against all G=4 partners (its return summed over them), a "
+        "lower-variance signal than aligned's single partner, which fits its small edge; 3 seeds put that "
+        "edge at the limit of one std.",
     ),
     fields=("before_eval_team_reward", "eval_team_reward", "metrics:rollout/generated_total",
             "mean:rollout/team_reward", "mean:rollout/reward_std", "mean:rollout/samples"),
@@ -390,11 +403,11 @@ def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: 
 
 
 def fmt_cell(stats: dict[str, float] | None, digits: int) -> str:
-    """'mean ± std' (integers without decimals), or 'n/a' when no run produced the value."""
+    """'mean ± std' (counts >= 10 without decimals), or 'n/a' when no run produced the value."""
     if stats is None:
         return "n/a"
     m, s = stats["mean"], stats["std"]
-    if float(m).is_integer() and float(s).is_integer():
+    if float(m).is_integer() and float(s).is_integer() and abs(m) >= 10:
         return f"{m:,.0f} ± {s:,.0f}"
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 

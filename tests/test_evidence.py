@@ -131,6 +131,7 @@ def test_fmt_cell_and_replace_block():
     assert evidence.fmt_cell({"mean": 0.123, "std": 0.04}, 2) == "0.12 ± 0.04"
     assert evidence.fmt_cell({"mean": 96.0, "std": 0.0}, 2) == "96 ± 0"
     assert evidence.fmt_cell(None, 2) == "n/a"
+    assert evidence.fmt_cell({"mean": 0.0, "std": 0.0}, 2) == "0.00 ± 0.00"
     text = "a\n<!-- evidence:t:start -->\nold\n<!-- evidence:t:end -->\nb\n"
     assert evidence.replace_block(text, "t", "new\n") == "a\n<!-- evidence:t:start -->\nnew\n<!-- evidence:t:end -->\nb\n"
     with pytest.raises(SystemExit):

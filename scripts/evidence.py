@@ -216,10 +216,10 @@ HACPO = Table(
 
 JOYAGENTS = Table(
     name="joyagents",
-    title="JoyAgents-R1 on Router (master + 3 sub-agents, LoRA per agent): 32 held-out tasks, sampled at "
+    title="JoyAgents-R1 on Router (master + 3 sub-agents, LoRA per agent): 16 held-out tasks, sampled at "
     "temperature 1 (with memory: prompts carry the retrieved entries)",
     config="configs/joyagents/router_tiny.yaml",
-    base=("eval.greedy=false", "eval.num_episodes=32", "checkpoint.every=0"),
+    base=("eval.greedy=false", "eval.num_episodes=16", "checkpoint.every=0"),
     variants=(
         Variant("topk_memory", "top-2 node groups, memory (JoyAgents-R1)", ()),
         Variant("topk_no_memory", "top-2 node groups, no memory", ("algo.options.use_memory=false",)),
@@ -369,8 +369,10 @@ def command_line(table_name: str, seeds: Sequence[int], steps: int | None) -> st
     return cmd + (f" --steps {steps}" if steps is not None else "")
 
 
-def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: Path) -> dict[str, Any]:
-    """Runs every variant for every seed (one process at a time); the result JSON as a dict."""
+def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: Path,
+              on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Runs every variant for every seed (one process at a time); the result JSON as a dict.
+    `on_run(partial result)` is called after every run (the JSON so far, `complete` False)."""
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {}
     for variant in table.variants:
@@ -380,7 +382,16 @@ def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: 
             runs[variant.name].append(row)
             status = row.get("error", "ok")
             print(f"[evidence:{table.name}] {variant.name} seed {seed}: {status}, {row['wall_seconds']:.0f} s", flush=True)
+            if on_run is not None:
+                on_run(_result(table, seeds, steps, runs, started, complete=False))
+    return _result(table, seeds, steps, runs, started, complete=True)
+
+
+def _result(table: Table, seeds: Sequence[int], steps: int | None, runs: dict[str, list[dict[str, Any]]],
+            started: float, *, complete: bool) -> dict[str, Any]:
+    """The result JSON of the runs so far."""
     return {
+        "complete": complete,
         "table": table.name,
         "title": table.title,
         "command": command_line(table.name, seeds, steps),
@@ -390,7 +401,8 @@ def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: 
         "steps_override": steps,
         "seeds": list(seeds),
         "variants": {
-            v.name: {"label": v.label, "overrides": list(v.overrides), "runs": runs[v.name]} for v in table.variants
+            v.name: {"label": v.label, "overrides": list(v.overrides), "runs": runs.get(v.name, [])}
+            for v in table.variants
         },
         "aggregate": aggregate(table, runs),
         "total_wall_seconds": round(time.perf_counter() - started, 1),
@@ -459,6 +471,9 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     lines += [f"- {n}" for n in table.notes]
     if failed:
         lines.append(f"- Failed runs (left out of the means): {', '.join(failed)}.")
+    if not result.get("complete", True):
+        total = len(table.variants) * len(seeds)
+        lines.append(f"- Incomplete: {len(walls)} of {total} runs finished; means are over the finished runs.")
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -504,7 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         result = json.loads(out.read_text())
     else:
-        result = run_table(table, args.seeds, args.steps, ROOT / args.runs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save = lambda partial: out.write_text(json.dumps(partial, indent=2) + "\n")  # noqa: E731
+        result = run_table(table, args.seeds, args.steps, ROOT / args.runs, on_run=save)
     block = markdown(table, result)
     result["markdown"] = block
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -242,6 +242,14 @@ JOYAGENTS = Table(
         Comparison("topk_memory", "topk_no_memory", "success_after", "memory vs no memory (success after)"),
         Comparison("topk_memory", "all_memory", "success_after", "top-2 vs all node groups (success after)"),
     ),
+    notes=(
+        "Run at 4 RL steps (--steps 4; about 4 min per run on this shared 2-core machine, most of it the "
+        "20-step warm start and the two evaluations), which is far too short for any effect: neither memory "
+        "nor top-K selection beats its baseline here. Why (metrics.jsonl): no sampled reply earns the "
+        "format bonus (0.1) or solves a task, so within a step rewards differ only by the 0.001-per-token "
+        "cost (reward std ~0.004); node groups then carry almost no signal whichever are selected, and the "
+        "memory admits only 1-5 entries. The table shows that the switches run, not that they help.",
+    ),
     fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
 )
 

@@ -457,7 +457,7 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     steps = result["steps_override"]
     walls = [r["wall_seconds"] for v in result["variants"].values() for r in v["runs"]]
     failed = [f"{name} seed {r['seed']}" for name, v in result["variants"].items() for r in v["runs"] if "error" in r]
-    steps_text = f"{steps} RL steps (--steps)" if steps is not None else _steps_in(table)
+    steps_text = _steps_in(table, steps)
     lines = [
         f"**{table.title}.** Mean ± sample std over seeds {', '.join(map(str, seeds))}; {steps_text}; "
         f"{result['date']}, {result['versions']['machine']}, jax {result['versions']['jax']}; "
@@ -485,9 +485,11 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _steps_in(table: Table) -> str:
-    """The RL / warm-start step counts the table's base overrides or config set."""
+def _steps_in(table: Table, steps: int | None = None) -> str:
+    """The warm-start / RL step counts of the runs (--steps, the base overrides, the config)."""
     found = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in table.base if o.startswith("train.")}
+    if steps is not None:
+        found["train.steps"] = f"{steps} (--steps)"
     if "train.steps" not in found or "train.warm_start.steps" not in found:
         try:
             import yaml

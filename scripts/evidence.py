@@ -249,6 +249,10 @@ JOYAGENTS = Table(
         "format bonus (0.1) or solves a task, so within a step rewards differ only by the 0.001-per-token "
         "cost (reward std ~0.004); node groups then carry almost no signal whichever are selected, and the "
         "memory admits only 1-5 entries. The table shows that the switches run, not that they help.",
+        "The top-K comparison is vacuous in this setting: the 'all node groups' runs are identical to the "
+        "top-2 ones (32 samples per step, the same memory), i.e. each task's base trajectory has only two "
+        "node groups (G=8 alternatives each, 2 tasks), so top-2 already trains every group. A real "
+        "comparison needs algo.options.top_k_groups=1 or longer trajectories (not run for lack of time).",
     ),
     fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
 )

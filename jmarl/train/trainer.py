@@ -548,7 +548,8 @@ class Trainer:
             per.append(got)
             out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in got.items()})
         for k in per[0]:
-            out[k] = float(np.mean([g[k] for g in per]))
+            if all(k in g for g in per):
+                out[k] = float(np.mean([g[k] for g in per]))
         return out
 
     def _evaluate(self, agent_policy: Sequence[int]) -> dict[str, float]:
@@ -560,11 +561,13 @@ class Trainer:
         try:
             if ec.greedy:
                 self.sampler.settings = dataclasses.replace(saved, temperature=0.0)
-            res = run_plan("independent", self.env, seeds, agent_policy, self.sampler, key, num_episodes=1, max_turns=self.config.workflow.max_turns)
+            env = self._eval_env()
+            res = run_plan("independent", env, seeds, agent_policy, self.sampler, key, num_episodes=1, max_turns=self.config.workflow.max_turns)
             out.update({f"eval/{k}": v for k, v in summarize(res.episodes).items()})
+            out.update({f"eval/info/{k}": v for k, v in step_info_means(res.records).items()})
             if ec.pass_k > 1:
                 self.sampler.settings = saved
-                res = run_plan("independent", self.env, seeds, agent_policy, self.sampler, key, num_episodes=ec.pass_k, max_turns=self.config.workflow.max_turns)
+                res = run_plan("independent", env, seeds, agent_policy, self.sampler, key, num_episodes=ec.pass_k, max_turns=self.config.workflow.max_turns)
                 solved = {}
                 for e in res.episodes:
                     solved[e.env] = solved.get(e.env, False) or e.success
@@ -572,6 +575,13 @@ class Trainer:
         finally:
             self.sampler.settings = saved
         return out
+
+    def _eval_env(self) -> Any:
+        """The env evaluation plays: with a JoyAgents-R1 memory, prompts carry the retrieved
+        entries as in training (`memory.MemoryPromptEnv`); the run's env otherwise."""
+        if self.algo_state.memory is None:
+            return self.env
+        return memory_store.MemoryPromptEnv(self.env, self.algo_state.memory)
 
     # ---- export
 
@@ -601,13 +611,17 @@ class Trainer:
             (self.out / METRICS_FILE).unlink(missing_ok=True)
         logger = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, plots=cfg.logging.plots)
         summary_path = self.out / "summary.json"
-        before = None
+        before, before_fields = None, {}
         if resumed and summary_path.exists():
-            before = json.loads(summary_path.read_text()).get("success_before")
+            previous = json.loads(summary_path.read_text())
+            before = previous.get("success_before")
+            before_fields = {k: v for k, v in previous.items() if k.startswith("before_")}
         if before is None:
             self.warm_start()
-            before = self.evaluate().get("eval/success_rate", 0.0)
-            write_summary(self.out, {"success_before": before, "steps": self.step})
+            before_metrics = self.evaluate()
+            before = before_metrics.get("eval/success_rate", 0.0)
+            before_fields = before_summary(before_metrics)
+            write_summary(self.out, {"success_before": before, "steps": self.step, **before_fields})
         bar = ProgressBar(cfg.train.steps, desc=f"{cfg.algo.name} on {cfg.env.name}", initial=self.step, enabled=cfg.logging.progress)
         try:
             while self.step < cfg.train.steps:
@@ -633,11 +647,28 @@ class Trainer:
             "wall_seconds": time.perf_counter() - t_start,
             "rollouts_generated": self.algo_state.rollouts_generated,
             **{k.replace("eval/", "eval_"): v for k, v in final.items()},
+            **before_fields,
         }
         write_summary(self.out, summary)
         self.checkpointer.close()
         print(results_table(summary, cfg, self.out), flush=True)
         return summary
+
+
+def step_info_means(records: Sequence[Any]) -> dict[str, float]:
+    """Mean of each numeric env step-info value (`record.info["env_info"]`, e.g. Writing's
+    reward components) over the records that report it; {} when none does."""
+    values: dict[str, list[float]] = {}
+    for r in records:
+        for k, v in r.info.get("env_info", {}).items():
+            values.setdefault(k, []).append(float(v))
+    return {k: float(np.mean(v)) for k, v in values.items()}
+
+
+def before_summary(metrics: dict[str, float]) -> dict[str, float]:
+    """The held-out evaluation before RL (after any warm start) as summary.json fields:
+    eval/<metric> -> before_eval_<metric> (eval/info/<key> -> before_eval_info/<key>)."""
+    return {k.replace("eval/", "before_eval_", 1): float(v) for k, v in metrics.items() if k.startswith("eval/")}
 
 
 def results_table(summary: dict[str, Any], config: Config, out: Path) -> str:

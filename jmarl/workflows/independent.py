@@ -13,6 +13,8 @@ same request.
 Reward. Every sample of agent a in an episode gets that episode's return for a:
 `team_weight * (sum of the team rewards of all steps) + local_weight * (sum of a's own local
 rewards)` (defaults 1 and 1).
+A record's `info`: the step's `local_reward`, `team_reward` and `env_info` (the numeric entries
+of the env's step info, e.g. Writing's reward components on the step that scores the pair).
 
 Groups. `group_by="task_agent"` (default): one group per (task, agent), holding every sample
 that agent produced in the task's G episodes, all turns. `group_by="task_turn_agent"`: one
@@ -28,9 +30,10 @@ E * G * n * T when no episode ends early; groups: E * n (task_agent) or up to E 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from jmarl.errors import JmarlError
 from jmarl.workflows.base import (
@@ -117,10 +120,23 @@ def sample_independent(
                     agent=node.agent,
                     policy=agent_policy[node.agent],
                     source_policy=agent_policy[node.agent],
-                    info={"local_reward": res.local_reward, "team_reward": res.team_reward},
+                    info={"local_reward": res.local_reward, "team_reward": res.team_reward,
+                          "env_info": numeric_info(res.info)},
                 )
             )
     return PlanResult(records=tuple(records), episodes=tuple(episodes))
+
+
+def numeric_info(info: Any) -> dict[str, float]:
+    """The numeric entries of an env step's `info` (e.g. Writing's reward components), as floats;
+    strings, flags and nested values are left out."""
+    if not isinstance(info, Mapping):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in info.items()
+        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    }
 
 
 def episode_stats(env: Any, trace: EpisodeTrace) -> EpisodeStats:

@@ -357,3 +357,29 @@ def update_memory(memory: Memory, plan_result: Any, step: int) -> Memory:
                     memory, g.agent_name, g.query, text, reward=r, baseline=mu, step=step
                 )
     return memory
+
+
+# ---------------------------------------------------------------- evaluating with a memory
+
+
+@dataclass(frozen=True)
+class MemoryPromptEnv:
+    """`env` whose prompts carry each agent's retrieved memory entries, exactly as the
+    `node_wise` plan shows them in training (query: the prompt without memory); every other
+    attribute and method is `env`'s. Lets any plan (e.g. the trainer's evaluation) act with a
+    learned memory, read-only."""
+
+    env: Any
+    memory: Memory
+
+    def observe(self, state: Any, agent: str) -> str:
+        """The agent's prompt with its retrieved entries injected (`with_memory_context`)."""
+        query = self.env.observe(with_memory_context(state, agent, ()), agent)
+        entries = retrieve(self.memory, agent, query)
+        return self.env.observe(with_memory_context(state, agent, [format_entry(e) for e in entries]), agent)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("env", "memory"):  # not set yet (copy / unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.env, name)
+

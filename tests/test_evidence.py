@@ -1,0 +1,203 @@
+"""scripts/evidence.py and the trainer fields it reads (eval step-info means, before_eval_*)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jmarl import envs
+from jmarl.train.trainer import before_summary, step_info_means
+from jmarl.workflows.base import Completion
+from jmarl.workflows import memory as memory_store
+from jmarl.workflows.independent import IndependentOptions, numeric_info, sample_independent
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_evidence():
+    spec = importlib.util.spec_from_file_location("evidence_script", ROOT / "scripts" / "evidence.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["evidence_script"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+evidence = _load_evidence()
+
+
+# ---- library additions ------------------------------------------------------------------------
+
+
+class FixedTextSampler:
+    """Every request of agent a (told apart by its prompt) gets `texts[a]`."""
+
+    def __init__(self, texts: dict[str, str]):
+        self.texts = texts
+
+    def sample(self, requests, n, rng):
+        out = []
+        for _, prompt in requests:
+            agent = "concise" if "CONCISE part" in prompt else "detailed"
+            text = self.texts[agent]
+            toks = np.array([ord(c) for c in text], np.int32)
+            out.append([Completion(text, np.zeros(3, np.int32), toks, np.zeros(toks.size, np.float32))] * n)
+        return out
+
+
+def test_numeric_info_keeps_numbers_only():
+    info = {"a": 1, "b": 0.5, "c": True, "d": "text", "e": np.float32(2.0), "f": [1, 2]}
+    assert numeric_info(info) == {"a": 1.0, "b": 0.5, "e": 2.0}
+    assert numeric_info(None) == {}
+
+
+def test_independent_records_carry_writing_components_and_means_match_env_score():
+    env = envs.make("writing", concise_words=(3, 10), detailed_words=(10, 30))
+    texts = {
+        "concise": "The mill opened in 1824.",
+        "detailed": "First, the mill opened. Moreover, a flood damaged it. Finally, volunteers rebuilt the walls nearby.",
+    }
+    seeds = [envs.eval_seed(i) for i in range(3)]
+    res = sample_independent(env, seeds, (0, 1), FixedTextSampler(texts), jax.random.key(0),
+                             IndependentOptions(num_episodes=1))
+    expected = [env.score(env.reset(s).source, texts["concise"], texts["detailed"]) for s in seeds]
+    scored = [r for r in res.records if "structure" in r.info["env_info"]]
+    assert len(scored) == len(seeds)  # one scoring step per episode (the one completing the pair)
+    for r in scored:
+        assert r.info["env_info"]["ratio"] == pytest.approx(expected[r.env]["ratio"])
+    means = step_info_means(res.records)
+    for name in ("structure", "ratio", "diversity", "transitions", "overlap"):
+        assert means[name] == pytest.approx(np.mean([e[name] for e in expected]))
+    # "words" is reported by both writers' steps: the mean over all six records
+    assert means["words"] == pytest.approx((5 + 15) / 2)
+
+
+def test_before_summary_renames_eval_keys():
+    got = before_summary({"eval/success_rate": 0.25, "eval/info/ratio": 0.5, "train/loss": 1.0})
+    assert got == {"before_eval_success_rate": 0.25, "before_eval_info/ratio": 0.5}
+
+
+def test_memory_prompt_env_shows_retrieved_entries_like_training():
+    env = envs.make("router")
+    state = env.reset(envs.eval_seed(0))
+    agent = env.agents[0]
+    plain = env.observe(state, agent)
+    mem = memory_store.Memory(memory_store.MemoryOptions(capacity=4, top_m=1))
+    assert memory_store.MemoryPromptEnv(env, mem).observe(state, agent) == plain  # empty memory
+    mem = memory_store.admit(mem, agent, plain, "ROUTE-TO-MATH-FIRST", reward=1.0, baseline=0.0, step=0)
+    wrapped = memory_store.MemoryPromptEnv(env, mem)
+    got = wrapped.observe(state, agent)
+    entry = memory_store.retrieve(mem, agent, plain)[0]
+    assert got == env.observe(memory_store.with_memory_context(state, agent, [memory_store.format_entry(entry)]), agent)
+    assert "ROUTE-TO-MATH-FIRST" in got and "ROUTE-TO-MATH-FIRST" not in plain
+    # everything else is the env's
+    assert wrapped.agents == env.agents and wrapped.parallel == env.parallel
+    assert wrapped.step(state, agent, "x")[1] == env.step(state, agent, "x")[1]
+
+
+# ---- the runner's pure parts --------------------------------------------------------------------
+
+
+def test_mean_std_matches_statistics():
+    vals = [0.1, 0.4, 0.25]
+    got = evidence.mean_std(vals)
+    assert got["mean"] == pytest.approx(np.mean(vals))
+    assert got["std"] == pytest.approx(np.std(vals, ddof=1))
+    assert evidence.mean_std([3.0]) == {"mean": 3.0, "std": 0.0, "n": 1}
+
+
+def test_read_value_from_summary_and_metrics_log(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "a": 1.0, "b": 4}\n{"step": 2, "a": 3.0}\n\n{"step": 2, "eval/x": 0.5}\n')
+    metrics = evidence.logged_metrics(log)
+    assert metrics == {"step": [1.0, 2.0, 2.0], "a": [1.0, 3.0], "b": [4.0], "eval/x": [0.5]}
+    summary = {"success_after": 0.25}
+    assert evidence.read_value(summary, metrics, "success_after") == 0.25
+    assert evidence.read_value(summary, metrics, "metrics:a") == 3.0
+    assert evidence.read_value(summary, metrics, "mean:a") == 2.0
+    assert evidence.read_value(summary, metrics, "mean:missing") is None
+    assert evidence.read_value(summary, metrics, "missing") is None
+    assert evidence.logged_metrics(tmp_path / "absent.jsonl") == {}
+
+
+def test_fmt_cell_and_replace_block():
+    assert evidence.fmt_cell({"mean": 0.123, "std": 0.04}, 2) == "0.12 ± 0.04"
+    assert evidence.fmt_cell({"mean": 96.0, "std": 0.0}, 2) == "96 ± 0"
+    assert evidence.fmt_cell(None, 2) == "n/a"
+    assert evidence.fmt_cell({"mean": 0.0, "std": 0.0}, 2) == "0.00 ± 0.00"
+    text = "a\n<!-- evidence:t:start -->\nold\n<!-- evidence:t:end -->\nb\n"
+    assert evidence.replace_block(text, "t", "new\n") == "a\n<!-- evidence:t:start -->\nnew\n<!-- evidence:t:end -->\nb\n"
+    with pytest.raises(SystemExit):
+        evidence.replace_block("no markers", "t", "x")
+
+
+def test_every_table_cell_has_one_variant_of_the_table():
+    for table in evidence.TABLES.values():
+        names = {v.name for v in table.variants}
+        cells = table.cells()
+        assert len(cells) == len(table.rows) * len(table.columns)
+        assert {v for _, _, v, _ in cells} <= names
+        assert all(c.variant in names and c.baseline in names for c in table.comparisons)
+    bad = dataclasses.replace(evidence.HACPO, columns=(evidence.Line("x", "k", "hacpo"),))
+    with pytest.raises(ValueError):
+        bad.cells()
+
+
+# ---- end to end: a tiny table, one seed, one RL step ----------------------------------------------
+
+
+@pytest.mark.slow
+def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
+    tiny = dataclasses.replace(
+        evidence.WRITING,
+        name="tiny",
+        base=evidence.WRITING.base + (
+            "sampling.max_new_tokens=12", "sampling.max_prompt_len=48", "workflow.num_tasks=1",
+            "workflow.group_size=2", "train.warm_start.steps=0", "eval.num_episodes=2",
+        ),
+        variants=evidence.WRITING.variants[:1],
+        columns=evidence.WRITING.columns[:2],
+        comparisons=evidence.WRITING.comparisons[:1],
+    )
+    monkeypatch.setitem(evidence.TABLES, "tiny", tiny)
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- evidence:tiny:start -->\nold\n<!-- evidence:tiny:end -->\nrest\n")
+    out = tmp_path / "tiny.json"
+    code = evidence.main(["tiny", "--seeds", "0", "--steps", "1", "--runs", str(tmp_path / "runs"),
+                          "--out", str(out), "--readme", str(readme)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    run = result["variants"]["aligned"]["runs"][0]
+    assert run["seed"] == 0 and run["wall_seconds"] > 0
+    summary = json.loads((tmp_path / "runs" / "tiny" / "aligned" / "seed_0" / "summary.json").read_text())
+    assert summary["steps"] == 1
+    for name in ("structure", "ratio", "diversity", "transitions", "overlap"):
+        for key in (f"before_eval_info/{name}", f"eval_info/{name}"):
+            assert 0.0 <= run["values"][key] <= 1.0
+            assert run["values"][key] == summary[key]
+            assert result["aggregate"]["aligned"][key] == {"mean": summary[key], "std": 0.0, "n": 1}
+    # the team reward is the sum of the five components (each episode scores one pair)
+    assert summary["eval_team_reward"] == pytest.approx(
+        sum(summary[f"eval_info/{n}"] for n in ("structure", "ratio", "diversity", "transitions", "overlap")))
+    assert "seed=0" in " ".join(evidence.run_command(tiny, tiny.variants[0], 0, tmp_path, 1))
+    assert result["variants"]["aligned"]["overrides"] == ["workflow.options.joint_mode=aligned"]
+    assert result["base_overrides"] == list(tiny.base) and result["versions"]["jax"] == jax.__version__
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- evidence:tiny:start -->\n") and text.endswith("<!-- evidence:tiny:end -->\nrest\n")
+    assert "old" not in text
+    row = next(line for line in text.splitlines() if line.startswith("| ratio |"))
+    before, after = summary["before_eval_info/ratio"], summary["eval_info/ratio"]
+    assert row == f"| ratio | {evidence.fmt_cell({'mean': before, 'std': 0.0}, 2)} | {evidence.fmt_cell({'mean': after, 'std': 0.0}, 2)} |"
+    assert "python scripts/evidence.py tiny --seeds 0 --steps 1" in text
+    assert statistics.fmean([run["wall_seconds"]]) <= result["total_wall_seconds"]
+    # --render rebuilds the same block from the JSON without running anything
+    readme.write_text("intro\n<!-- evidence:tiny:start -->\n<!-- evidence:tiny:end -->\nrest\n")
+    assert evidence.main(["tiny", "--render", "--out", str(out), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text

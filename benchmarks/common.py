@@ -183,6 +183,14 @@ def train_flops_per_token(shape: str, seq_len: int) -> float:
     return 6.0 * matmul_params + 12.0 * layers * hq * seq_len
 
 
+def shared_prefix_train_flops(shape: str, prefixes: int, prefix_len: int, rows: int, cont_len: int) -> float:
+    """FLOPs one shared-prefix train step executes: `prefixes` x `prefix_len` prompt tokens (keys:
+    the prompt) plus `rows` x `cont_len` completion tokens (keys: prompt + completion), each at
+    `train_flops_per_token`'s per-token count."""
+    return (prefixes * prefix_len * train_flops_per_token(shape, prefix_len)
+            + rows * cont_len * train_flops_per_token(shape, prefix_len + cont_len))
+
+
 def forward_flops_per_token(shape: str, context: int) -> float:
     """Model FLOPs of one forward token at `context` keys: 2 * matmul parameters + 4 * L * Hq * ctx."""
     s = SHAPES[shape]

@@ -42,6 +42,13 @@ class GrpoBatch:
         return {"tokens": self.tokens, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
                 "old_logprobs": self.old_logprobs, "advantages": self.advantages}
 
+    def shared_prefix(self) -> dict[str, np.ndarray]:
+        """The batch as jmarl's learner lays it out (`jmarl.train.shared_prefix`): each distinct
+        prompt once, [N, C] completion fields (C = T - prompt length here)."""
+        from jmarl.train.shared_prefix import to_shared_prefix
+
+        return to_shared_prefix([self.as_dict()])[0]
+
 
 def make_batch(vocab_size: int, rows: int, prompt_len: int, new_tokens: int, *, group_size: int = 8,
                seed: int = 0) -> GrpoBatch:
@@ -57,7 +64,10 @@ def make_batch(vocab_size: int, rows: int, prompt_len: int, new_tokens: int, *, 
     loss_mask = np.zeros((rows, t), bool)
     loss_mask[:, prompt_len:] = True
     rewards = rng.random(rows).reshape(groups, -1)
-    adv = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-6)
+    if rewards.shape[1] > 1:
+        adv = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-6)
+    else:  # group size 1 has no group baseline: the centred rewards
+        adv = rewards - rewards.mean()
     old = (-np.log(vocab_size) + 0.3 * rng.standard_normal((rows, t))).astype(np.float32)
     return GrpoBatch(tokens, np.ones((rows, t), bool), loss_mask, old, adv.reshape(-1).astype(np.float32))
 
@@ -109,13 +119,15 @@ def torch_loss_of(model, tb: dict[str, Any]):
 # ------------------------------------------------------------------------------------------- jmarl
 def jmarl_loss_fn(config, temperature: float = 1.0):
     """`loss_fn(params, frozen, batch, minibatch_index) -> (loss, metrics)` for
-    `jmarl.train.step.make_update`: jmarl's token log-probs and `jmarl.algos.grpo.loss`."""
-    from jmarl import algos, models
+    `jmarl.train.step.make_update` over a `GrpoBatch.shared_prefix()` batch: what jmarl's trainer
+    runs (`jmarl.train.shared_prefix.shared_prefix_logprobs` and `jmarl.algos.grpo.loss`)."""
+    from jmarl import algos
+    from jmarl.train.shared_prefix import shared_prefix_logprobs
 
     cfg = algos.grpo.GRPOConfig()
 
     def loss_fn(params, frozen, batch, index):
-        lp = models.token_logprobs(config, params, batch["tokens"], batch["attention_mask"], temperature)
+        lp = shared_prefix_logprobs(config, params, batch, temperature)
         return algos.grpo.loss(cfg, lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
 
     return loss_fn
@@ -149,6 +161,7 @@ def check_parity(torch_model, config, params, *, rows: int = 4, prompt_len: int 
     import jax.numpy as jnp
 
     from jmarl import models
+    from jmarl.train.shared_prefix import shared_prefix_logprobs
 
     batch = make_batch(config.vocab_size, rows, prompt_len, new_tokens, group_size=rows, seed=1)
     tb = torch_batch(batch)
@@ -164,12 +177,15 @@ def check_parity(torch_model, config, params, *, rows: int = 4, prompt_len: int 
     jb = {k: jnp.asarray(v) for k, v in batch.as_dict().items()}
     logits_j = np.asarray(jax.jit(lambda p, b: models.apply(config, p, b["tokens"], b["attention_mask"]))(params, jb))
     lp_j = np.asarray(jax.jit(lambda p, b: models.token_logprobs(config, p, b["tokens"], b["attention_mask"]))(params, jb))
+    shared = {k: jnp.asarray(v) for k, v in batch.shared_prefix().items()}
     loss_fn = jmarl_loss_fn(config)
-    (loss_j, _), grads_j = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, None, jb, jnp.int32(0))
+    lp_shared = np.asarray(jax.jit(lambda p, b: shared_prefix_logprobs(config, p, b))(params, shared))
+    (loss_j, _), grads_j = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, None, shared, jnp.int32(0))
 
     errors = {
         "logits_rel_err": _rel_err(logits_j, logits_t),
-        "logprobs_rel_err": _rel_err(lp_j, lp_t.detach().numpy()),
+        "logprobs_rel_err": max(_rel_err(lp_j, lp_t.detach().numpy()),
+                                _rel_err(lp_shared[:, :new_tokens], lp_t.detach().numpy()[:, prompt_len:])),
         "loss_abs_err": abs(float(loss_j) - float(loss_t.detach())),
         "grads_rel_err": max(_rel_err(np.asarray(a), np.asarray(b))
                              for a, b in zip(jax.tree.leaves(grads_j), jax.tree.leaves(grads_t))),

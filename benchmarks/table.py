@@ -21,8 +21,15 @@ TARGETS: dict[str, tuple[float, str]] = {
     "magrpo_iteration_vs_comlrl": (3.0, "whole MAGRPO iteration (2 agents), completions/s vs CoMLRL"),
     "train_step_mfu": (0.4, "train step model FLOPs utilisation (bf16)"),
 }
-# The train step must also reach this fraction of the measured matmul peak (model FLOP/s).
+# The train step must also reach this fraction of the measured matmul peak, in the FLOP/s it
+# executes (with prompt sharing that is less than the dense model FLOP/s of its tokens).
 PEAK_FRACTION_TARGET = 0.8
+
+
+def peak_fraction(row: dict[str, Any]) -> float | None:
+    """The fraction of the matmul peak a train-step row runs at: executed FLOP/s where the row
+    has them (shared-prefix steps), else model FLOP/s."""
+    return row.get("jmarl_executed_fraction_of_peak", row.get("jmarl_fraction_of_peak"))
 
 
 def _markers(suite: str) -> tuple[str, str]:
@@ -54,8 +61,8 @@ def target_met(row: dict[str, Any]) -> bool | None:
     if value is None:
         return None
     ok = value >= target[0]
-    if row["name"] == "train_step_vs_torch_eager" and row.get("jmarl_fraction_of_peak") is not None:
-        ok = ok and row["jmarl_fraction_of_peak"] >= PEAK_FRACTION_TARGET
+    if row["name"] == "train_step_vs_torch_eager" and peak_fraction(row) is not None:
+        ok = ok and peak_fraction(row) >= PEAK_FRACTION_TARGET
     return ok
 
 
@@ -79,7 +86,10 @@ def render_table(results: dict[str, Any]) -> str:
         target = TARGETS.get(row["name"])
         met = target_met(row)
         jm = _fmt(row.get("jmarl"))
-        if row.get("jmarl_fraction_of_peak") is not None:
+        if row.get("jmarl_executed_fraction_of_peak") is not None:
+            jm += (f" ({row['jmarl_flops'] / 1e9:,.0f} model GFLOP/s; executes {row['jmarl_executed_flops'] / 1e9:,.0f}, "
+                   f"{100 * row['jmarl_executed_fraction_of_peak']:.0f}% of peak)")
+        elif row.get("jmarl_fraction_of_peak") is not None:
             jm += f" ({row['jmarl_flops'] / 1e9:,.0f} GFLOP/s, {100 * row['jmarl_fraction_of_peak']:.0f}% of peak)"
         if row.get("mfu") is not None:
             jm += f" (MFU {100 * row['mfu']:.0f}%)"

@@ -83,6 +83,24 @@ def test_flops_per_token_by_hand():
     assert common.forward_flops_per_token("tiny", 10) == pytest.approx(2 * matmul + 4 * 2 * 32 * 10)
 
 
+def test_shared_prefix_flops_by_hand():
+    # 2 prompts of 3 tokens (keys: 3), 4 completions of 5 tokens (keys: 3 + 5)
+    expected = 2 * 3 * common.train_flops_per_token("tiny", 3) + 4 * 5 * common.train_flops_per_token("tiny", 8)
+    assert common.shared_prefix_train_flops("tiny", 2, 3, 4, 5) == expected
+    # without sharing (one prompt per row) the prompt tokens cost 4/2 times as much
+    assert common.shared_prefix_train_flops("tiny", 4, 3, 4, 5) > expected
+
+
+def test_shared_prefix_batch_keeps_the_gated_batch():
+    b = make_batch(100, rows=16, prompt_len=4, new_tokens=3, group_size=8, seed=0)
+    s = b.shared_prefix()
+    assert s["prefix_tokens"].shape[0] == 2  # one prompt per group
+    np.testing.assert_array_equal(s["prefix_tokens"][s["prefix_rows"]][:, -4:], b.tokens[:, :4])
+    np.testing.assert_array_equal(s["tokens"][:, :3], b.tokens[:, 4:])
+    np.testing.assert_array_equal(s["old_logprobs"][:, :3], b.old_logprobs[:, 4:])
+    assert s["loss_mask"].sum() == b.loss_mask.sum()
+
+
 def test_make_row_statistics():
     paired = common.Paired(jmarl=[1.0, 2.0, 4.0], baseline=[2.0, 2.0, 2.0], jmarl_first_s=5.0, jmarl_warm_s=1.0,
                            baseline_first_s=3.0)
@@ -120,6 +138,13 @@ def test_table_generator_replaces_only_between_markers(tmp_path):
     assert "83% of peak" in lines["`train_step_vs_torch_eager`"]
     assert lines["`generation_vs_hf_generate`"].rstrip().endswith("| no |")  # 2.1x < 2.5x
     assert "boom" in lines["`magrpo_iteration_vs_comlrl`"]
+    # a shared-prefix row is held to the peak by the FLOPs it executes, not its dense model FLOPs
+    rows[0].update(jmarl_executed_flops=1.1e11, jmarl_executed_fraction_of_peak=0.48)
+    path.write_text(json.dumps(_results(rows)))
+    table.main([str(path), str(readme)])
+    line = next(x for x in readme.read_text().splitlines() if x.startswith("| `train_step_vs_torch_eager`"))
+    assert "executes 110, 48% of peak" in line and line.rstrip().endswith("| no |")
+    text = readme.read_text()
     # running it again is idempotent
     table.main([str(path), str(readme)])
     assert readme.read_text() == text

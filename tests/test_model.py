@@ -12,7 +12,8 @@ import transformers
 
 from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
 from jmarl.errors import JmarlError
-from jmarl.models import ModelConfig, apply, init, load_hf, param_shapes, save_hf, token_logprobs
+from jmarl.models import (ModelConfig, apply, init, load_hf, param_shapes, prefix_token_logprobs, save_hf,
+                          token_logprobs)
 from jmarl.models.hf import read_safetensors, write_safetensors
 
 VARIANTS = [
@@ -122,6 +123,58 @@ def test_token_logprobs_and_gradient_match_pytorch(variant):
         theirs = torch_params[name].grad.numpy()
         rel = np.abs(np.asarray(ours) - theirs).max() / np.abs(theirs).max()
         assert rel < 1e-4, (name, rel)
+
+
+def _prefixed_batch(seed: int = 0):
+    """3 shared prefixes [3, 8] (left-padded; lengths 5, 0, 8), rows [0, 0, 1, 2, 2], and 5
+    continuations [5, 6] (right-padded; lengths 6, 3, 6, 1, 4); plus the concatenated [5, 14] rows."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, VOCAB_SIZE, (3, 8))
+    prefix_mask = np.zeros((3, 8), bool)
+    prefix_mask[0, 3:] = True
+    prefix_mask[2, :] = True
+    prefix[~prefix_mask] = 0
+    rows = np.array([0, 0, 1, 2, 2], np.int32)
+    cont = rng.integers(3, VOCAB_SIZE, (5, 6))
+    cont_mask = np.arange(6)[None, :] < np.array([6, 3, 6, 1, 4])[:, None]
+    cont[~cont_mask] = 0
+    joined = np.concatenate([prefix[rows], cont], axis=1)
+    joined_mask = np.concatenate([prefix_mask[rows], cont_mask], axis=1)
+    return prefix, prefix_mask, rows, cont, cont_mask, joined, joined_mask
+
+
+def test_prefix_token_logprobs_match_pytorch_on_joined_rows(variant):
+    """Shared-prefix scoring gives, logit for logit, what transformers gives on each row's
+    prefix + continuation (an empty prefix and padding on both sides included)."""
+    config, params, model = variant["config"], variant["params"], variant["torch"]
+    prefix, prefix_mask, rows, cont, cont_mask, joined, joined_mask = _prefixed_batch(2)
+    with torch.no_grad():
+        ref = _torch_token_logprobs(_torch_logits(model, joined, joined_mask), joined, joined_mask, 0.7)
+    fn = jax.jit(prefix_token_logprobs, static_argnums=0)
+    out = np.asarray(fn(config, params, prefix, prefix_mask, rows, cont, cont_mask, 0.7))
+    assert out.shape == cont.shape
+    np.testing.assert_allclose(out, ref.numpy()[:, 8:], atol=1e-5)
+    assert out[2, 0] == 0.0 and np.all(out[~cont_mask] == 0.0)  # no context; padding
+    assert np.all(out[cont_mask & (np.arange(6) > 0)] < 0)
+
+
+def test_prefix_token_logprobs_gradient_equals_joined_rows(tmp_path):
+    """Gradients of a weighted sum of log-probs: shared prefixes (computed once, keys/values
+    gathered per row) equal the plain forward over the joined rows, remat and chunking included."""
+    config, params = load_hf(make_tiny_checkpoint(tmp_path, "qwen3"))
+    prefix, prefix_mask, rows, cont, cont_mask, joined, joined_mask = _prefixed_batch(3)
+    weights = np.random.default_rng(0).normal(size=cont.shape).astype(np.float32)
+
+    def shared(p, cfg):
+        return jnp.sum(weights * prefix_token_logprobs(cfg, p, prefix, prefix_mask, rows, cont, cont_mask, chunk_size=4))
+
+    def plain(p):
+        return jnp.sum(weights * token_logprobs(config, p, joined, joined_mask)[:, 8:])
+
+    g_plain = jax.jit(jax.grad(plain))(params)
+    for cfg in (config, config.replace(remat=True)):
+        g_shared = jax.jit(jax.grad(lambda p: shared(p, cfg)))(params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_shared, g_plain)
 
 
 def test_bfloat16_path_stays_close(variant):

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from jmarl import models
 from jmarl.config import load_config
 from jmarl.train import trainer as trainer_mod
+from jmarl.train.shared_prefix import shared_prefix_logprobs
 from jmarl.train.step import make_update
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,15 +193,18 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
         # each policy's slice holds only its own agent's samples
         assert set(np.asarray(batch["agent"][i])[: counts[i]]) == {i}
         alone, _ = single(one_state, None, one_batch)
+        # Adam's first step moves a parameter by lr * g / (|g| + eps): where g is at rounding
+        # level (~eps) the step itself is rounding-sensitive, so allow 1% of lr (a wrong update
+        # is off by up to 2 * lr = 0.02)
         for x, y in zip(jax.tree.leaves(alone.params), jax.tree.leaves(stacked_state.params)):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y[i]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y[i]), rtol=1e-5, atol=1e-2 * cfg.optim.lr)
 
 
 def _single_loss(t):
     mcfg, method, algo_cfg = t.policies.groups[0].model_config, t.method, t.algo_cfg
 
     def loss_fn(params, frozen, batch, m):
-        lp = models.token_logprobs(mcfg, params, batch["tokens"], batch["attention_mask"], t.temperature)
+        lp = shared_prefix_logprobs(mcfg, params, batch, t.temperature)
         return method.loss(algo_cfg, lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
 
     return loss_fn

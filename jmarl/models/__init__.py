@@ -13,6 +13,7 @@ from jmarl.models.model import (
     param_shapes,
     positions_from_mask,
     prefill,
+    prefix_token_logprobs,
     token_logprobs,
 )
 from jmarl.models.sampler import Generation, generate, generate_stacked, num_compiled_programs, sample_token
@@ -38,6 +39,7 @@ __all__ = [
     "param_shapes",
     "positions_from_mask",
     "prefill",
+    "prefix_token_logprobs",
     "sample_token",
     "save_hf",
     "token_logprobs",

@@ -210,6 +210,49 @@ class Transformer(nnx.Module):
         x, kv = jax.lax.scan(body, self.embed(tokens), layer_state, unroll=unroll)
         return self.final_norm(x), kv
 
+    def hidden_prefixed(
+        self, prefix_tokens: jax.Array, prefix_mask: jax.Array, rows: jax.Array, tokens: jax.Array, mask: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Shared prefixes [U,P] (left-padded), rows int[N] into them, continuations [N,C]
+        (right-padded) -> (final-normed hidden of each prefix's last slot [U,D], final-normed
+        hidden of the continuations [N,C,D]). Each layer runs the U prefixes, then the N
+        continuations attending to their prefix's keys/values and to themselves (causally)."""
+        c = self.config
+        prefix_mask, mask = prefix_mask.astype(bool), mask.astype(bool)
+        p, t = prefix_tokens.shape[1], tokens.shape[1]
+        prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)
+        p_cos, p_sin = rope_tables(c, positions_from_mask(prefix_mask))
+        s_cos, s_sin = rope_tables(c, prefix_len[rows][:, None] + positions_from_mask(mask))
+        p_allowed = jnp.tril(jnp.ones((p, p), bool))[None] & prefix_mask[:, None, :]
+        own = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]
+        to_prefix = jnp.broadcast_to(prefix_mask[rows][:, None, :], (rows.shape[0], t, p))
+        s_allowed = jnp.concatenate([to_prefix, own], axis=-1)  # [N, C, P + C]
+
+        def attend_prefix(q, k, v):
+            return masked_attention(q, k, v, p_allowed), (k, v)
+
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(carry, state):
+            xp, xs = carry
+            layer = nnx.merge(layer_def, state)
+            xp, (kp, vp) = layer(xp, p_cos, p_sin, attend_prefix)
+
+            def attend_continuation(q, k, v):
+                keys = jnp.concatenate([kp[rows], k], axis=1)
+                values = jnp.concatenate([vp[rows], v], axis=1)
+                return masked_attention(q, keys, values, s_allowed), None
+
+            xs, _ = layer(xs, s_cos, s_sin, attend_continuation)
+            return (xp, xs), None
+
+        if c.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        unroll = c.num_layers <= _UNROLL_MAX_LAYERS
+        carry = (self.embed(prefix_tokens), self.embed(tokens))
+        (xp, xs), _ = jax.lax.scan(body, carry, layer_state, unroll=unroll)
+        return self.final_norm(xp[:, -1]), self.final_norm(xs)
+
 
 # ---------------------------------------------------------------------------------- helpers
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -297,19 +340,71 @@ def token_logprobs(
     model = bind(config, params)
     h, _ = model.hidden(tokens, attention_mask)
     b, t = tokens.shape
-    v = config.vocab_size
-    n = t - 1
-    if n == 0:
+    if t == 1:
         return jnp.zeros((b, t), jnp.float32)
+    lp = chunked_logprobs(model.head_kernel(), h[:, :-1], tokens[:, 1:], temperature, chunk_size=chunk_size)
+    out = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp], axis=1)
+    mask = attention_mask.astype(bool)
+    has_context = mask & (positions_from_mask(attention_mask) > 0)
+    return jnp.where(has_context, out, 0.0)
+
+
+def prefix_token_logprobs(
+    config: ModelConfig,
+    params: Params,
+    prefix_tokens: jax.Array,
+    prefix_mask: jax.Array,
+    rows: jax.Array,
+    tokens: jax.Array,
+    mask: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    *,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    """float32[N,C]: out[n, j] = log p(tokens[n, j] | prefix rows[n], tokens[n, :j]) under
+    softmax(logits / T), for U shared prefixes prefix_tokens/prefix_mask [U,P] (left-padded: each
+    real prefix ends in slot P-1), rows int[N] in [0, U), and continuations tokens/mask [N,C]
+    (right-padded).
+
+    The same numbers as `token_logprobs` on the N concatenated rows (prefix rows[n] + tokens[n]),
+    at the cost of running each distinct prefix once: a GRPO group's G samples share their
+    prompt, so its forward (and backward) pass runs once per group instead of G times. The
+    continuation attends to its prefix's keys/values (gathered per row; their gradients sum
+    over the rows that share them). out is 0 where mask is False or no real token precedes.
+    """
+    model = bind(config, params)
+    rows = rows.astype(jnp.int32)
+    prefix_last, h = model.hidden_prefixed(prefix_tokens, prefix_mask, rows, tokens, mask)
+    h_in = jnp.concatenate([prefix_last[rows][:, None], h[:, :-1]], axis=1)  # [N, C, D]
+    lp = chunked_logprobs(model.head_kernel(), h_in, tokens, temperature, chunk_size=chunk_size)
+    prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)[rows]
+    mask = mask.astype(bool)
+    has_context = mask & (prefix_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=-1) > 1)
+    return jnp.where(has_context, lp, 0.0)
+
+
+def chunked_logprobs(
+    kernel: jax.Array,
+    h: jax.Array,
+    targets: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    *,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    """float32[B,n]: log softmax(h @ kernel / T)[targets] for hidden h [B,n,D], kernel [D,V],
+    targets int[B,n]. The full-vocabulary log-softmax runs `chunk_size` positions at a time (by
+    default as many as keep a [B, chunk, V] float32 block under 2**24 elements) and is
+    recomputed in the backward pass, so memory stays O(B * chunk * V)."""
+    b, n, _ = h.shape
+    v = kernel.shape[-1]
     if chunk_size is None:
         chunk_size = max(1, min(n, _LOGPROB_CHUNK_ELEMENTS // (b * v)))
     num_chunks = -(-n // chunk_size)
     pad = num_chunks * chunk_size - n
-    h_prev = jnp.pad(h[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
-    h_chunks = h_prev.reshape(b, num_chunks, chunk_size, -1).swapaxes(0, 1)
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    h_chunks = h.reshape(b, num_chunks, chunk_size, -1).swapaxes(0, 1)
     target_chunks = targets.reshape(b, num_chunks, chunk_size).swapaxes(0, 1)
-    kernel = model.head_kernel()
 
     @jax.checkpoint
     def chunk_logprobs(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
@@ -318,11 +413,7 @@ def token_logprobs(
         return picked - jax.nn.logsumexp(logits, axis=-1)
 
     lp = jax.lax.map(lambda xs: chunk_logprobs(*xs), (h_chunks, target_chunks))
-    lp = lp.swapaxes(0, 1).reshape(b, -1)[:, :n]
-    out = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp], axis=1)
-    mask = attention_mask.astype(bool)
-    has_context = mask & (positions_from_mask(attention_mask) > 0)
-    return jnp.where(has_context, out, 0.0)
+    return lp.swapaxes(0, 1).reshape(b, -1)[:, :n]
 
 
 # ---------------------------------------------------------------------------------- KV cache

@@ -49,16 +49,19 @@ def _all_finite(tree: Params) -> jax.Array:
 
 
 def split_minibatches(batch: Batch, num_minibatches: int, grad_accum: int) -> Batch:
-    """[N, ...] -> [num_minibatches, grad_accum, N / (num_minibatches * grad_accum), ...]."""
-    n = jax.tree.leaves(batch)[0].shape[0]
+    """[R, ...] -> [num_minibatches, grad_accum, R / (num_minibatches * grad_accum), ...] for
+    every leaf: consecutive blocks of rows form the micro-batches. Leaves may have different row
+    counts R (the N samples; a shared-prefix batch's prefixes, laid out per micro-batch)."""
     parts = num_minibatches * grad_accum
-    if n % parts:
-        raise JmarlError(
-            f"batch of {n} samples does not split into {num_minibatches} mini-batches x "
-            f"{grad_accum} accumulation steps; pad it to a multiple of {parts}"
-        )
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if x.shape[0] % parts:
+            raise JmarlError(
+                f"batch field {jax.tree_util.keystr(path)} has {x.shape[0]} rows, which do not split "
+                f"into {num_minibatches} mini-batches x {grad_accum} accumulation steps; pad it to a "
+                f"multiple of {parts}"
+            )
     return jax.tree.map(
-        lambda x: x.reshape(num_minibatches, grad_accum, n // parts, *x.shape[1:]), batch
+        lambda x: x.reshape(num_minibatches, grad_accum, x.shape[0] // parts, *x.shape[1:]), batch
     )
 
 

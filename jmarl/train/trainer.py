@@ -53,6 +53,7 @@ from jmarl.train.optim import make_optimizer
 from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_tokenizer, stack
 from jmarl.train.progress import ProgressBar
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
+from jmarl.train.shared_prefix import MODEL_INPUTS, shared_prefix_logprobs, to_shared_prefix
 from jmarl.train.step import TrainState, init_train_state, jit_update, make_update
 from jmarl.workflows import PLANS, build_rollouts, run_plan, summarize
 from jmarl.workflows import memory as memory_store
@@ -140,8 +141,8 @@ class GroupFns:
     """The compiled functions of one `PolicyGroup`."""
 
     update: Any
-    score: Any  # (trainable, frozen, tokens, mask) -> logprobs, vmapped when stacked
-    score_ref: Any  # (ref params, tokens, mask) -> logprobs
+    score: Any  # (trainable, frozen, model inputs) -> logprobs [N, C], vmapped when stacked
+    score_ref: Any  # (ref params, model inputs) -> logprobs [N, C]
     sft_update: Any
 
 
@@ -157,11 +158,11 @@ def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimiz
     merge = _merge(group)
     is_hacpo = method is algos.hacpo
 
-    def logprobs_of(trainable, frozen, tokens, mask):
-        return models.token_logprobs(mcfg, merge(trainable, frozen), tokens, mask, temperature)
+    def logprobs_of(trainable, frozen, batch):
+        return shared_prefix_logprobs(mcfg, merge(trainable, frozen), batch, temperature)
 
     def loss_fn(trainable, frozen, batch, m):
-        lp = logprobs_of(trainable, frozen, batch["tokens"], batch["attention_mask"])
+        lp = logprobs_of(trainable, frozen, batch)
         extras = {}
         if is_hacpo:
             extras = dict(
@@ -174,7 +175,7 @@ def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimiz
         )
 
     def sft_loss(trainable, frozen, batch, m):
-        lp = logprobs_of(trainable, frozen, batch["tokens"], batch["attention_mask"])
+        lp = logprobs_of(trainable, frozen, batch)
         mask = batch["loss_mask"]
         nll = -jnp.sum(lp * mask) / jnp.maximum(jnp.sum(mask), 1)
         return nll, {"sft_nll": nll}
@@ -185,12 +186,12 @@ def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimiz
         stacked=group.stacked, frozen_stacked=frozen_stacked,
     )
     sft_update = jit_update(make_update(sft_loss, sft_optimizer), stacked=group.stacked, frozen_stacked=frozen_stacked)
-    score = jax.jit(jax.vmap(logprobs_of, in_axes=(0, None, 0, 0)) if group.stacked else logprobs_of)
+    score = jax.jit(jax.vmap(logprobs_of, in_axes=(0, None, 0)) if group.stacked else logprobs_of)
 
-    def ref_logprobs(params, tokens, mask):
-        return models.token_logprobs(mcfg, params, tokens, mask, temperature)
+    def ref_logprobs(params, batch):
+        return shared_prefix_logprobs(mcfg, params, batch, temperature)
 
-    ref_axes = (None if group.lora_rank is not None else 0, 0, 0)
+    ref_axes = (None if group.lora_rank is not None else 0, 0)
     score_ref = jax.jit(jax.vmap(ref_logprobs, in_axes=ref_axes) if group.stacked else ref_logprobs)
     return GroupFns(update=update, score=score, score_ref=score_ref, sft_update=sft_update)
 
@@ -236,14 +237,15 @@ def policy_batch(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.
 
 
 def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0) -> tuple[dict[str, np.ndarray], list[int]]:
-    """The group's batch: [P, N, ...] when stacked, else [N, ...]; N a power of two x parts.
+    """The group's batch in the shared-prefix layout (`jmarl.train.shared_prefix`): [P, N, ...]
+    when stacked, else [N, ...]; N a power of two x parts.
 
     `min_rows`: a bound on any policy's samples per step known from the plan (0: none); N is
     then fixed across steps, so the update is compiled once per sequence-length bucket.
     """
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
     size = _round_up(_pow2(max(max(counts), min_rows, 1)), parts)
-    batches = [policy_batch(rollouts, p, size) for p in group.policy_ids]
+    batches = to_shared_prefix([policy_batch(rollouts, p, size) for p in group.policy_ids], parts)
     if group.stacked:
         return {k: np.stack([b[k] for b in batches]) for k in batches[0]}, counts
     return batches[0], counts
@@ -418,9 +420,9 @@ class Trainer:
             return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
 
         if group.stacked:
-            parts = [arrays(x) for x in per]
+            parts = to_shared_prefix([arrays(x) for x in per])
             return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
-        return arrays(rows)
+        return to_shared_prefix([arrays(rows)])[0]
 
     # ---- one RL step
 
@@ -495,7 +497,7 @@ class Trainer:
         log-probs under the learner are unknown) are always scored by the learner.
         """
         cfg = self.config
-        tokens, attn = batch["tokens"], batch["attention_mask"]
+        inputs = {k: batch[k] for k in MODEL_INPUTS}
         hacpo_terms = None
         if self.method is algos.hacpo:
             capability = algos.hacpo.capabilities(self.algo_state.capability)
@@ -508,16 +510,14 @@ class Trainer:
         else:
             adv, keep = self._advantages(batch["reward"], batch["group"], stacked=group.stacked)
         if cfg.train.recompute_old_logprobs or hacpo_terms is not None:
-            old = fns.score(group.state.params, group.base, tokens, attn)
+            old = fns.score(group.state.params, group.base, inputs)
             if not cfg.train.recompute_old_logprobs:
                 old = jnp.where(hacpo_terms["is_cross"][..., None], old, jnp.asarray(batch["behavior_logprobs"]))
         else:
             old = jnp.asarray(batch["behavior_logprobs"])
-        out = {
-            "tokens": tokens, "attention_mask": attn, "old_logprobs": old,
-        }
+        out = dict(inputs, old_logprobs=old)
         if group.ref is not None:
-            out["ref_logprobs"] = fns.score_ref(group.ref, tokens, attn)
+            out["ref_logprobs"] = fns.score_ref(group.ref, inputs)
         out["advantages"] = adv
         out["loss_mask"] = jnp.asarray(batch["loss_mask"]) & keep[..., None]
         if hacpo_terms is not None:

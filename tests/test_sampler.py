@@ -253,6 +253,26 @@ def test_stacked_policies_equal_separate_calls(qwen2):
         np.testing.assert_allclose(np.asarray(both.logprobs[p]), np.asarray(alone.logprobs), atol=1e-5)
 
 
+def test_stacked_policy_that_finishes_first_waits_correctly(qwen2):
+    """One loop condition for all policies: a policy whose rows all stopped keeps padding while
+    the other decodes on, and each still equals its separate call."""
+    _, config, params, _ = qwen2
+    other = init(config, jax.random.key(12))
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)
+    t0, m0 = _prompts([4, 6, 2, 5], 6, seed=5)
+    tokens, mask = np.stack([t0, t0]), np.stack([m0, m0])
+    first = generate(config, params, t0, m0, jax.random.key(0), max_new_tokens=1, temperature=0.0)
+    stops = tuple(sorted({int(t) for t in np.asarray(first.tokens)[:, 0]}))  # policy 0 stops at once
+    kw = dict(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=stops)
+    both = generate_stacked(config, stacked, tokens, mask, jax.random.key(1), **kw)
+    lengths = np.asarray(both.lengths)
+    assert lengths[0].max() == 1 and lengths[1].max() > 1
+    for p, single_params in enumerate([params, other]):
+        alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(jax.random.key(1), p), **kw)
+        for field in ("tokens", "mask", "lengths"):
+            np.testing.assert_array_equal(np.asarray(getattr(both, field)[p]), np.asarray(getattr(alone, field)))
+
+
 def test_bad_options_raise(qwen2):
     _, config, params, _ = qwen2
     tokens, mask = _prompts([3], 3)

@@ -152,9 +152,13 @@ def _generate_one(
     use_top_p: bool,
     stop_tokens: tuple[int, ...],
     pad_id: int,
+    policy_axis: str | None = None,
 ) -> tuple[Generation, KVCache]:
     """Prefill + while-loop decode for left-aligned prompts tokens/mask [U,S] (one policy);
     row b of the batch continues prompt rows[b] (rows None: U = B, row b continues prompt b).
+    Under `jax.vmap(..., axis_name=policy_axis)` the loop stops when every row of every policy
+    is done: one shared loop condition, so the vmapped loop never selects between the old and
+    new carry (with a per-policy condition it would copy the whole KV cache every step).
 
     Returns (Generation, final cache); the cache is returned so that the donated input buffer
     is updated in place instead of copied."""
@@ -187,7 +191,10 @@ def _generate_one(
 
     def cond(carry):
         step, _, _, done, *_ = carry
-        return (step < n) & ~jnp.all(done)
+        running = jnp.sum(~done)
+        if policy_axis is not None:
+            running = jax.lax.psum(running, policy_axis)
+        return (step < n) & (running > 0)
 
     def body(carry):
         step, cache, token, done, out_tokens, out_logprobs, lengths = carry
@@ -223,7 +230,7 @@ def _program(
     """The jitted generation program for one set of static settings (cache donated)."""
     core = functools.partial(
         _generate_one, config, max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
-        use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id,
+        use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id, policy_axis="policy" if stacked else None,
     )
 
     def program(params, cache, tokens, mask, rows, rng, temperature, top_p):
@@ -231,7 +238,7 @@ def _program(
         if stacked:
             rngs = jax.vmap(lambda p: jax.random.fold_in(rng, p))(jnp.arange(tokens.shape[0]))
             rows_axis = None if rows is None else 0
-            return jax.vmap(core, in_axes=(0, 0, 0, 0, rows_axis, 0, None, None))(
+            return jax.vmap(core, in_axes=(0, 0, 0, 0, rows_axis, 0, None, None), axis_name="policy")(
                 params, cache, tokens, mask, rows, rngs, temperature, top_p
             )
         return core(params, cache, tokens, mask, rows, rng, temperature, top_p)

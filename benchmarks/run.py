@@ -61,7 +61,7 @@ def generation_rows(shape: str, repeats: int, new_tokens: int) -> list[dict]:
     """Rows of `benchmarks.generation` (batch 64 and batch 8) for a cpu-* shape."""
     from benchmarks import generation
 
-    return generation.bench_size(shape.removeprefix("cpu-"), repeats, new_tokens, batches=(64, 8))
+    return generation.bench_shape(shape, repeats, new_tokens, batches=(64, 8))
 
 
 def run_cpu(args, results: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ from jmarl.models import (
     sample_token,
     token_logprobs,
 )
-from jmarl.models.sampler import inverse_cdf_sample, left_align, unique_prompts
+from jmarl.models import sampler as sampler_mod
+from jmarl.models.sampler import contiguous_group_size, inverse_cdf_sample, left_align, unique_prompts
 
 N_NEW = 12
 
@@ -271,6 +272,48 @@ def test_stacked_policy_that_finishes_first_waits_correctly(qwen2):
         alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(jax.random.key(1), p), **kw)
         for field in ("tokens", "mask", "lengths"):
             np.testing.assert_array_equal(np.asarray(getattr(both, field)[p]), np.asarray(getattr(alone, field)))
+
+
+def test_contiguous_group_size():
+    t = np.array([[1, 2], [1, 2], [3, 4], [3, 4]])
+    m = np.ones_like(t, bool)
+    assert contiguous_group_size(t, m) == 2
+    assert contiguous_group_size(t[[0, 2, 1, 3]], m) == 1  # repeated, but not consecutive
+    assert contiguous_group_size(t[:3], m[:3]) == 1  # 3 rows do not split into blocks of 2
+    assert contiguous_group_size(np.stack([t, t]), np.stack([m, m])) == 2  # [P, B, S]
+    other = t.copy()
+    other[3] = [5, 6]
+    assert contiguous_group_size(np.stack([t, other]), np.stack([m, m])) == 1  # one policy breaks it
+    masked = m.copy()
+    masked[1, 0] = False  # same ids, different mask: not the same prompt
+    assert contiguous_group_size(t, masked) == 1
+    assert contiguous_group_size(t[:1], m[:1]) == 1
+
+
+def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):
+    """Groups of consecutive identical prompts keep one prompt cache per group; sampling gives
+    the same tokens and log-probs as the per-row cache (same randomness per row), and greedy
+    decoding equals the interleaved batch that cannot use groups."""
+    _, config, params, _ = qwen2
+    t, m = _prompts([5, 2, 7], 8, seed=6)
+    tokens, mask = np.repeat(t, 4, axis=0), np.repeat(m, 4, axis=0)  # B = 12, G = 4
+    kw = dict(max_new_tokens=N_NEW, temperature=0.9, stop_tokens=tuple(range(5, 25)))
+    grouped = generate(config, params, tokens, mask, jax.random.key(3), **kw)
+    calls = []
+    monkeypatch.setattr(sampler_mod, "contiguous_group_size", lambda *a: calls.append(1) or 1)
+    per_row = generate(config, params, tokens, mask, jax.random.key(3), **kw)
+    assert calls  # the second call really took the per-row path
+    for field in ("tokens", "mask", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(grouped, field)), np.asarray(getattr(per_row, field)))
+    np.testing.assert_allclose(np.asarray(grouped.logprobs), np.asarray(per_row.logprobs), atol=1e-5)
+    assert len(set(np.asarray(grouped.lengths).tolist())) > 1  # some rows stopped early
+    monkeypatch.undo()
+    order = np.arange(12).reshape(3, 4).T.reshape(-1)  # interleaved: p0 p1 p2 p0 ...
+    greedy = dict(max_new_tokens=N_NEW, temperature=0.0)
+    a = generate(config, params, tokens, mask, jax.random.key(0), **greedy)
+    b = generate(config, params, tokens[order], mask[order], jax.random.key(0), **greedy)
+    np.testing.assert_array_equal(np.asarray(a.tokens)[order], np.asarray(b.tokens))
+    np.testing.assert_allclose(np.asarray(a.logprobs)[order], np.asarray(b.logprobs), atol=1e-5)
 
 
 def test_bad_options_raise(qwen2):

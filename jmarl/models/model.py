@@ -485,10 +485,16 @@ def decode_step(
     slot: jax.Array,
     key_mask: jax.Array,
     layers: Sequence[Params] | None = None,
+    prefix: KVCache | None = None,
+    prefix_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
     (a scalar shared by all rows); attends to the cache slots where key_mask bool[B,C] is True
     (the slot itself included). Returns (float32 logits [B,V], updated cache).
+
+    With `prefix` (a [U, ...] KV cache of U shared prompts, U dividing B, and prefix_mask
+    bool[U,S]) rows b = u*G .. u*G+G-1 (G = B/U) also attend to prompt u's keys/values, which are
+    stored once per group instead of once per row (a GRPO group reads its prompt's cache once).
 
     Layers run as an unrolled Python loop over per-layer cache buffers, so each buffer is updated
     in place and read directly by the attention (no per-step copy of the cache)."""
@@ -510,7 +516,12 @@ def decode_step(
             v = v.swapaxes(1, 2).astype(values[i].dtype)  # [B, KV, 1, hd]
             k_buf = jax.lax.dynamic_update_slice(keys[i], k, (0, 0, 0, slot))
             v_buf = jax.lax.dynamic_update_slice(values[i], v, (0, 0, slot, 0))
-            return cached_attention(q, k_buf, v_buf, key_mask), (k_buf, v_buf)
+            if prefix is None:
+                return cached_attention(q, k_buf, v_buf, key_mask), (k_buf, v_buf)
+            out = prefixed_cached_attention(
+                q, prefix.keys[i], prefix.values[i], prefix_mask, k_buf, v_buf, key_mask
+            )
+            return out, (k_buf, v_buf)
 
         x, (keys[i], values[i]) = layer(x, cos, sin, attend)
     h = model.final_norm(x[:, 0])
@@ -527,3 +538,33 @@ def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask:
     scores = jnp.where(key_mask[:, None, None, :], scores * hd**-0.5, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     return jnp.einsum("bkgc,bkcd->bkgd", probs, values).reshape(b, 1, h, hd)
+
+
+def prefixed_cached_attention(
+    q: jax.Array,
+    prefix_keys: jax.Array,
+    prefix_values: jax.Array,
+    prefix_mask: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    key_mask: jax.Array,
+) -> jax.Array:
+    """One query per row over its group's shared prompt cache and its own cache. q [B,1,H,hd];
+    prefix_keys [U,KV,hd,S], prefix_values [U,KV,S,hd], prefix_mask bool[U,S] (rows u*G ..
+    u*G+G-1 share prompt u, G = B/U); keys [B,KV,hd,C], values [B,KV,C,hd], key_mask bool[B,C]
+    -> [B,1,H,hd]. One softmax over the S + C keys of each row."""
+    b, _, h, hd = q.shape
+    u, kv, _, s = prefix_keys.shape
+    g = b // u
+    q = q.reshape(b, kv, h // kv, hd).astype(keys.dtype)
+    q_groups = q.reshape(u, g, kv, h // kv, hd)
+    from_prefix = jnp.einsum("ugkhd,ukds->ugkhs", q_groups, prefix_keys, preferred_element_type=jnp.float32)
+    from_prefix = jnp.where(prefix_mask[:, None, None, None, :], from_prefix * hd**-0.5, _MASKED)
+    own = jnp.einsum("bkgd,bkdc->bkgc", q, keys, preferred_element_type=jnp.float32)
+    own = jnp.where(key_mask[:, None, None, :], own * hd**-0.5, _MASKED)
+    scores = jnp.concatenate([from_prefix.reshape(b, kv, h // kv, s), own], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    p_prefix = probs[..., :s].reshape(u, g, kv, h // kv, s)
+    out = jnp.einsum("ugkhs,uksd->ugkhd", p_prefix, prefix_values).reshape(b, kv, h // kv, hd)
+    out = out + jnp.einsum("bkgc,bkcd->bkgd", probs[..., s:], values)
+    return out.reshape(b, 1, h, hd)

@@ -9,8 +9,11 @@ reached. No Python runs per token and nothing returns to the host until the end.
 Prompts are left-aligned on the host (real tokens moved to the end of the row) and left-padded
 to a bucket length (`jmarl.rollouts.bucket_length`), so prompts of varied lengths reuse a few
 compiled programs. Positions come from the prompt mask, so padding never shifts RoPE.
-Identical prompt rows (a GRPO group repeats its prompt G times) are prefilled once and their
-keys/values copied to every row of the group. Each decode step runs the layers as an unrolled
+Identical prompt rows (a GRPO group repeats its prompt G times) are prefilled once. When they
+come in blocks of G consecutive rows (as the trainer's sampler lays a group out), the prompt's
+keys/values stay in one cache per group that its G rows attend to (each decode step reads a
+group's prompt once, not G times) and the per-row cache holds only the generated tokens;
+otherwise they are copied to every row of the group. Each decode step runs the layers as an unrolled
 loop over per-layer cache buffers (updated in place) and per-layer parameter slices taken once
 before the loop (this holds one extra copy of the layer weights while generating).
 Sampling draws one uniform per row and inverts the CDF (top-k/top-p applied to the weights
@@ -153,6 +156,7 @@ def _generate_one(
     stop_tokens: tuple[int, ...],
     pad_id: int,
     policy_axis: str | None = None,
+    group_size: int = 1,
 ) -> tuple[Generation, KVCache]:
     """Prefill + while-loop decode for left-aligned prompts tokens/mask [U,S] (one policy);
     row b of the batch continues prompt rows[b] (rows None: U = B, row b continues prompt b).
@@ -160,10 +164,17 @@ def _generate_one(
     is done: one shared loop condition, so the vmapped loop never selects between the old and
     new carry (with a per-policy condition it would copy the whole KV cache every step).
 
+    group_size G > 1: tokens/mask hold U distinct prompts and rows u*G .. u*G+G-1 of the B = U*G
+    batch continue prompt u (rows is None); the prompts' keys/values stay in a [U, ...] cache of
+    their own that each group's rows share, and `cache` holds only the generated tokens.
+
     Returns (Generation, final cache); the cache is returned so that the donated input buffer
     is updated in place instead of copied."""
     prompt_tokens, prompt_mask = tokens, mask.astype(bool)
-    mask = prompt_mask if rows is None else prompt_mask[rows]
+    if group_size > 1:
+        mask = jnp.repeat(prompt_mask, group_size, axis=0)
+    else:
+        mask = prompt_mask if rows is None else prompt_mask[rows]
     b, s = mask.shape
     n = max_new_tokens
     compute = jnp.dtype(config.compute_dtype)
@@ -181,8 +192,15 @@ def _generate_one(
         logprob = jnp.where(done, 0.0, logprob)
         return token, logprob, done | jnp.isin(token, stops)
 
-    logits, cache = prefill(config, params, prompt_tokens, prompt_mask, cache, rows)
+    prefix = None
+    if group_size > 1:
+        prompt_cache = empty_cache(config, (prompt_tokens.shape[0],), s)
+        logits, prefix = prefill(config, params, prompt_tokens, prompt_mask, prompt_cache)
+        logits = jnp.repeat(logits, group_size, axis=0)
+    else:
+        logits, cache = prefill(config, params, prompt_tokens, prompt_mask, cache, rows)
     layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
+    gen_slots = cache.capacity if prefix is not None else cache.capacity - s  # slots of generated tokens
     not_done = jnp.zeros((b,), bool)
     token, logprob, done = choose(logits, 0, not_done)
     out_tokens = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token)
@@ -198,11 +216,17 @@ def _generate_one(
 
     def body(carry):
         step, cache, token, done, out_tokens, out_logprobs, lengths = carry
-        generated = jnp.broadcast_to(jnp.arange(n - 1)[None, :] < step, (b, n - 1))
-        key_mask = jnp.concatenate([mask, generated], axis=1)  # [B, S + N - 1]
-        logits, cache = decode_step(
-            config, params, cache, token, prompt_len + step - 1, s + step - 1, key_mask, layers
-        )
+        generated = jnp.broadcast_to(jnp.arange(gen_slots)[None, :] < step, (b, gen_slots))
+        if prefix is None:
+            key_mask = jnp.concatenate([mask, generated], axis=1)  # [B, S + N - 1]
+            logits, cache = decode_step(
+                config, params, cache, token, prompt_len + step - 1, s + step - 1, key_mask, layers
+            )
+        else:  # the cache holds the generated tokens only; the prompts sit in `prefix`
+            logits, cache = decode_step(
+                config, params, cache, token, prompt_len + step - 1, step - 1, generated, layers,
+                prefix=prefix, prefix_mask=prompt_mask,
+            )
         lengths = lengths + (~done).astype(jnp.int32)
         token, logprob, done = choose(logits, step, done)
         out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, step))
@@ -226,11 +250,13 @@ def _program(
     use_top_p: bool,
     stop_tokens: tuple[int, ...],
     pad_id: int,
+    group_size: int = 1,
 ):
     """The jitted generation program for one set of static settings (cache donated)."""
     core = functools.partial(
         _generate_one, config, max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
         use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id, policy_axis="policy" if stacked else None,
+        group_size=group_size,
     )
 
     def program(params, cache, tokens, mask, rows, rng, temperature, top_p):
@@ -294,6 +320,20 @@ def unique_prompts(
     return out_t.reshape(shape + (padded, s)), out_m.reshape(shape + (padded, s)), rows.reshape(shape + (b,))
 
 
+def contiguous_group_size(tokens: np.ndarray, mask: np.ndarray) -> int:
+    """G > 1 when every row of tokens/mask [..., B, S] lies in a block of G consecutive identical
+    rows (b // G the block), as a sampler batch of prompts each repeated G times is; else 1.
+    G is the length of the first run of identical rows."""
+    *_, b, s = tokens.shape
+    rows = np.concatenate([tokens.reshape(-1, b, s), mask.reshape(-1, b, s).astype(tokens.dtype)], axis=-1)
+    same = np.all(rows[0] == rows[0, :1], axis=-1)
+    g = int(np.argmin(same)) if not same.all() else b
+    if g < 2 or b % g:
+        return 1
+    blocks = rows.reshape(rows.shape[0], b // g, g, 2 * s)
+    return g if bool(np.all(blocks == blocks[:, :, :1])) else 1
+
+
 def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
     if int(max_new_tokens) < 1:
         raise JmarlError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -335,13 +375,19 @@ def _run(
     length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), buckets)
     tokens, mask = left_align(tokens, mask, length, pad_id)
     batch_shape = tokens.shape[:-1]
-    tokens, mask, rows = unique_prompts(tokens, mask)
+    group = contiguous_group_size(tokens, mask)
+    if group > 1:  # groups of identical consecutive prompts: one shared prompt cache per group
+        tokens, mask, rows = tokens[..., ::group, :], mask[..., ::group, :], None
+        capacity = max(int(max_new_tokens) - 1, 1)
+    else:
+        tokens, mask, rows = unique_prompts(tokens, mask)
+        capacity = length + int(max_new_tokens) - 1
     greedy = float(temperature) == 0.0
     program = _program(
         config, stacked, int(max_new_tokens), greedy, int(top_k), float(top_p) < 1.0,
-        tuple(int(t) for t in stop_tokens), int(pad_id),
+        tuple(int(t) for t in stop_tokens), int(pad_id), group,
     )
-    cache = _empty_cache(config, batch_shape, length + int(max_new_tokens) - 1)
+    cache = _empty_cache(config, batch_shape, capacity)
     temp = jnp.float32(1.0 if greedy else temperature)
     generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p))
     return generation

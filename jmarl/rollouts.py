@@ -122,6 +122,12 @@ def make_rollouts(
     )
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): batch sizes are rounded to these so that
+    varied batches reuse a few compiled programs."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> int:
     """The smallest bucket >= length (a multiple of the largest bucket beyond it)."""
     for b in sorted(buckets):

@@ -13,8 +13,8 @@ Identical prompt rows (a GRPO group repeats its prompt G times) are prefilled on
 come in blocks of G consecutive rows (as the trainer's sampler lays a group out), the prompt's
 keys/values stay in one cache per group that its G rows attend to (each decode step reads a
 group's prompt once, not G times) and the per-row cache holds only the generated tokens;
-otherwise they are copied to every row of the group. Each decode step runs the layers as an unrolled
-loop over per-layer cache buffers (updated in place) and per-layer parameter slices taken once
+otherwise they are copied to every row of the group. Each decode step runs the layers as an
+unrolled loop over per-layer cache buffers (updated in place) and per-layer parameter slices taken once
 before the loop (this holds one extra copy of the layer weights while generating).
 Sampling draws one uniform per row and inverts the CDF (top-k/top-p applied to the weights
 first), which is much cheaper on CPU than a Gumbel variate per vocabulary entry.

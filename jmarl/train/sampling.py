@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jmarl import models
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.train.policies import PolicyGroup, PolicySet
 from jmarl.workflows.base import Completion
 
@@ -36,10 +36,6 @@ def encode_prompt(tokenizer, prompt: str, max_len: int) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     ids = tokenizer.encode(text)
     return ids[-max_len:]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def left_pad(rows: Sequence[Sequence[int]], batch: int, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +87,7 @@ class ModelSampler:
             per_policy: list[list[int]] = [[] for _ in group.policy_ids]
             for r, (p, _) in enumerate(requests):
                 per_policy[group.index(p)].extend([r] * n)
-            batch = _pow2(max(len(rows) for rows in per_policy))
+            batch = next_pow2(max(len(rows) for rows in per_policy))
             toks, masks = zip(*(left_pad([prompts[r] for r in rows], batch, length, tok.pad_id) for rows in per_policy))
             gen = models.generate_stacked(
                 group.model_config, group.full_params(), np.stack(toks), np.stack(masks), rng, **kwargs
@@ -101,7 +97,7 @@ class ModelSampler:
             pick = lambda a, pi, j: a[pi, j]  # noqa: E731
         else:
             rows = [r for r in range(len(requests)) for _ in range(n)]
-            batch = _pow2(len(rows))
+            batch = next_pow2(len(rows))
             toks, masks = left_pad([prompts[r] for r in rows], batch, length, tok.pad_id)
             gen = jax.device_get(models.generate(group.model_config, group.full_params(), toks, masks, rng, **kwargs))
             located = [(r, None, j) for j, r in enumerate(rows)]

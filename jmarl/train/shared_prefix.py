@@ -30,14 +30,10 @@ import numpy as np
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, prefix_token_logprobs
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 
 # what the model reads from a shared-prefix batch (the rest is for the loss)
 MODEL_INPUTS = ("prefix_tokens", "prefix_mask", "prefix_rows", "tokens", "attention_mask")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def split_prompts(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -72,7 +68,7 @@ def to_shared_prefix(
             keys.append(seen)
         splits.append(s)
         distinct.append(keys)
-    u = _pow2(max(len(seen) for keys in distinct for seen in keys))
+    u = next_pow2(max(len(seen) for keys in distinct for seen in keys))
     longest_prompt = max((p.size for s in splits for p, _ in s), default=0)
     longest_rest = max((c.size for s in splits for _, c in s), default=0)
     p_len = bucket_length(max(longest_prompt, 1), buckets)

@@ -33,7 +33,7 @@ import numpy as np
 from jmarl import algos, envs, models
 from jmarl.config import Config, agent_policy_map, algo_options, dump_yaml, plan_options
 from jmarl.errors import JmarlError
-from jmarl.rollouts import Rollouts, select
+from jmarl.rollouts import Rollouts, next_pow2, select
 from jmarl.sharding import shard_trainer, to_host
 from jmarl.train.algo_state import (
     AlgoState,
@@ -204,10 +204,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def policy_batch(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.ndarray]:
     """One policy's samples as host arrays padded to `size` rows; groups renumbered from 0.
 
@@ -244,7 +240,7 @@ def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: in
     then fixed across steps, so the update is compiled once per sequence-length bucket.
     """
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
-    size = _round_up(_pow2(max(max(counts), min_rows, 1)), parts)
+    size = _round_up(next_pow2(max(max(counts), min_rows, 1)), parts)
     batches = to_shared_prefix([policy_batch(rollouts, p, size) for p in group.policy_ids], parts)
     if group.stacked:
         return {k: np.stack([b[k] for b in batches]) for k in batches[0]}, counts
@@ -407,7 +403,7 @@ class Trainer:
 
         t = bucket_length(max(len(p) + len(c) for _, p, c in rows))
         per = [[r for r in rows if r[0] == i] for i in range(len(group.policy_ids))]
-        size = _pow2(max(len(x) for x in per))
+        size = next_pow2(max(len(x) for x in per))
 
         def arrays(rs):
             tokens = np.zeros((size, t), np.int32)

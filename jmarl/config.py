@@ -300,6 +300,20 @@ DEFAULT_PLAN: dict[str, str] = {
     "joyagents": "node_wise",
 }
 
+# The group size G each algorithm is defined with (ALGORITHMS.md); used when
+# `workflow.group_size` is not given. HACPO's code and JoyAgents-R1 use 8 (JoyAgents' memory
+# cannot admit anything below G = 6 at its default z), the rest 4.
+DEFAULT_GROUP_SIZE: dict[str, int] = {
+    "grpo": 4,
+    "dr_grpo": 4,
+    "dapo": 4,
+    "gspo": 4,
+    "magrpo": 4,
+    "at_grpo": 4,
+    "hacpo": 8,
+    "joyagents": 8,
+}
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -387,7 +401,7 @@ class WorkflowConfig:
     """How episodes are sampled: the plan, the group size and how many tasks per step."""
 
     plan: PlanName = "independent"  # filled from the algorithm when not given (DEFAULT_PLAN)
-    group_size: int = _field(4, ge=2)  # G / K samples per group (a GRPO group needs >= 2)
+    group_size: int = _field(4, ge=2)  # G / K per group (>= 2); from the algorithm when not given (DEFAULT_GROUP_SIZE)
     num_tasks: int = _field(8, ge=1)  # tasks (env seeds) per training step
     max_turns: int | None = _field(None, ge=1)  # None: the env's own limit
     options: dict[str, Any] = _field(factory=dict)  # plan-specific options
@@ -863,13 +877,14 @@ def apply_override(data: dict[str, Any], override: str) -> dict[str, Any]:
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
-    """Validates a merged config dict into a `Config` (fills `workflow.plan` from the algorithm)."""
+    """Validates a merged config dict into a `Config` (fills `workflow.plan` and
+    `workflow.group_size` from the algorithm where they are not given)."""
     data = dict(data)
     algo = data.get("algo")
     workflow = data.get("workflow")
-    if isinstance(algo, Mapping) and algo.get("name") in DEFAULT_PLAN:
-        if workflow is None or (isinstance(workflow, Mapping) and "plan" not in workflow):
-            data["workflow"] = {**(workflow or {}), "plan": DEFAULT_PLAN[algo["name"]]}
+    if isinstance(algo, Mapping) and algo.get("name") in DEFAULT_PLAN and (workflow is None or isinstance(workflow, Mapping)):
+        defaults = {"plan": DEFAULT_PLAN[algo["name"]], "group_size": DEFAULT_GROUP_SIZE[algo["name"]]}
+        data["workflow"] = {**defaults, **(workflow or {})}
     config = from_dict(Config, data)
     validate_options(config)
     return config

@@ -4,6 +4,7 @@ import dataclasses
 import math
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
@@ -197,6 +198,25 @@ def test_defaults_and_plan_from_algorithm():
     assert make(algo={"name": "at_grpo"}, workflow={"plan": "independent"}).workflow.plan == "independent"
     config = make(algo={"name": "hacpo"}, workflow={"group_size": 8})
     assert config.workflow.plan == "shared" and config.workflow.group_size == 8
+
+
+def test_group_size_defaults_to_the_algorithms_own():
+    """G comes from the algorithm when workflow.group_size is not given: JoyAgents-R1 and HACPO
+    use 8 (so JoyAgents' memory, which needs G >= 6 at z = 1.96, works out of the box), the rest 4;
+    an explicit group size always wins."""
+    from jmarl.algos.joyagents import MemoryGroupSizeWarning
+
+    assert make().workflow.group_size == 4
+    for algo, g in [("grpo", 4), ("magrpo", 4), ("at_grpo", 4), ("hacpo", 8), ("joyagents", 8)]:
+        assert make(algo={"name": algo}).workflow.group_size == g
+        assert make(algo={"name": algo}, workflow={"num_tasks": 2}).workflow.group_size == g
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryGroupSizeWarning)
+        joy = make(algo={"name": "joyagents"})
+    assert algo_options(joy).num_generations == 8
+    assert make(algo={"name": "joyagents"}, workflow={"group_size": 6}).workflow.group_size == 6
+    with pytest.warns(MemoryGroupSizeWarning, match="group_size >= 6"):
+        make(algo={"name": "joyagents"}, workflow={"group_size": 4})
 
 
 @pytest.mark.parametrize(

@@ -163,3 +163,39 @@ def test_gpu_suite_refuses_without_an_accelerator(capsys):
 
     assert run.main(["--suite", "gpu"]) == 2
     assert "no GPU/TPU backend" in capsys.readouterr().err
+
+
+def test_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint):
+    """`benchmarks.bounds.attention_ablated` changes what a freshly traced loss computes (so the
+    ablated step really runs without attention) and restores the model afterwards."""
+    import jax
+
+    from benchmarks import bounds
+    from benchmarks.parity import jmarl_loss_fn
+    from jmarl.models import model as model_module
+
+    _, config, params, _ = tiny_checkpoint
+    batch = {k: jax.numpy.asarray(v) for k, v in make_batch(config.vocab_size, 4, 8, 8, group_size=2).shared_prefix().items()}
+    original = model_module.masked_attention
+    full = float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0])
+    with bounds.attention_ablated():
+        assert model_module.masked_attention is not original
+        ablated = float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0])
+    assert model_module.masked_attention is original
+    assert float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0]) == pytest.approx(full, rel=1e-6)
+    assert abs(ablated - full) > 1e-6
+
+
+def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
+    """The product-only decode loop returns [rows, D] finite activations, and its result depends on
+    the last layer's down projection (so no product is dead code)."""
+    import jax
+
+    from benchmarks import bounds
+
+    _, config, params, _ = tiny_checkpoint
+    out = np.asarray(bounds.decode_matmul_floor(config, params, rows=8, steps=3)())
+    assert out.shape == (8, config.hidden_size) and np.isfinite(out).all()
+    changed = jax.tree.map(lambda a: a, params)
+    changed["layers"]["mlp"]["down_proj"]["kernel"] = params["layers"]["mlp"]["down_proj"]["kernel"].at[-1].multiply(3.0)
+    assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)

@@ -1,0 +1,241 @@
+"""What bounds each CPU row: the roofline figures the README quotes under the benchmark table.
+
+    python -m benchmarks.bounds [--shape cpu-small|cpu-medium|all] [--repeats 5]
+
+jmarl's side only (no PyTorch); writes `benchmarks/results/bounds.json`. For the machine:
+
+- `matmul_peak_flops`: `benchmarks.common.measure_matmul_peak` (a large fp32 XLA matmul).
+- `memory_bytes_per_s`: a jitted sum over 128 MiB of fp32 (bytes read per second, best run).
+
+For each shape, median seconds over `--repeats` runs after a compile call:
+
+- Train step (the benchmark's step, `benchmarks.train_step.jmarl_step`) and the same step with
+  every attention core swapped for a stand-in of O(tokens) cost that still uses q, k and v
+  (`attention_ablated`; the prompt keys are still gathered per row): `attention_share` = 1 -
+  ablated / full. `rest_flops` = the step's executed FLOPs without attention over the ablated
+  time, against the matmul peak.
+- Generation, batch 64 (8 prompts x 8) and batch 8, 64 new tokens (`jmarl.models.generate`), and
+  `decode_matmul_floor`: a jitted 64-step loop of only the decode step's matrix products (per
+  layer q, k, v, o, gate, up, down; the LM head) at the same rows and weights: what generation
+  would take if nothing but those products ran. `weight_read_floor`: 64 steps x the fp32 weight
+  bytes / `memory_bytes_per_s` (each decode step reads every weight once).
+- GRPO iteration (`benchmarks.iteration.jmarl_trainer`, one agent): the trainer's own
+  `time/generate` and `time/update`, and where `benchmarks/results/cpu.json` has TRL's figure for
+  the shape, the seconds per iteration that 2x TRL needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Iterator
+
+from benchmarks.common import (GROUP_SIZE, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, SHAPES, forward_flops_per_token,
+                               machine_info, measure_matmul_peak, shared_prefix_train_flops, timed, versions,
+                               write_checkpoint)
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def median_seconds(run: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of `repeats` calls of `run` (which blocks until done), after one warm-up call."""
+    run()
+    return statistics.median(timed(run) for _ in range(repeats))
+
+
+def measure_memory_bandwidth(mib: int = 128, repeats: int = 5) -> float:
+    """Bytes per second a jitted sum reads from a `mib` MiB fp32 array (best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(x))
+    return x.nbytes / min(timed(lambda: jax.block_until_ready(total(x))) for _ in range(repeats))
+
+
+def _no_attention(q, k, v, allowed):
+    """Attention stand-in: q [B,T,H,hd] plus the mean over the S keys of k + v [B,S,KV,hd] (O(B S) work)."""
+    import jax.numpy as jnp
+
+    heads, kv = q.shape[2], k.shape[2]
+    mixed = jnp.mean(k + v, axis=1, keepdims=True)  # [B, 1, KV, hd]
+    return q + jnp.repeat(mixed, heads // kv, axis=2)
+
+
+@contextlib.contextmanager
+def attention_ablated() -> Iterator[None]:
+    """Within the block, functions traced through `jmarl.models.model` use `_no_attention`
+    instead of `masked_attention` (programs compiled inside keep it; the original is restored)."""
+    from jmarl.models import model
+
+    original = model.masked_attention
+    model.masked_attention = _no_attention
+    try:
+        yield
+    finally:
+        model.masked_attention = original
+
+
+def bound_train_step(shape: str, config, params, repeats: int, peak: float) -> dict[str, float]:
+    """Train-step seconds with and without attention, and what the rest executes (see module doc)."""
+    from benchmarks.parity import make_batch
+    from benchmarks.train_step import jmarl_step
+
+    batch = make_batch(config.vocab_size, NUM_PROMPTS * GROUP_SIZE, PROMPT_LEN, NEW_TOKENS, group_size=GROUP_SIZE)
+    full, _ = jmarl_step(config, params, batch)
+    full_s = median_seconds(lambda: full(0), repeats)
+    with attention_ablated():
+        ablated, _ = jmarl_step(config, params, batch)
+        ablated(0)  # compiled with the stand-in
+    ablated_s = median_seconds(lambda: ablated(0), repeats)
+    layout = batch.shared_prefix()
+    (prefixes, p_len), (rows, c_len) = layout["prefix_tokens"].shape, layout["tokens"].shape
+    executed = shared_prefix_train_flops(shape, prefixes, p_len, rows, c_len)
+    without_attention = 3.0 * forward_flops_per_token(shape, 0) * (prefixes * p_len + rows * c_len)
+    return {
+        "train_step_s": full_s,
+        "train_step_attention_ablated_s": ablated_s,
+        "attention_share": 1.0 - ablated_s / full_s,
+        "train_step_executed_flops": executed / full_s,
+        "train_step_executed_fraction_of_peak": executed / full_s / peak,
+        "rest_flops": without_attention / ablated_s,
+        "rest_fraction_of_peak": without_attention / ablated_s / peak,
+    }
+
+
+def decode_matmul_floor(config, params, rows: int, steps: int = NEW_TOKENS) -> Callable[[], Any]:
+    """A jitted loop of `steps` decode steps that run only the model's matrix products on [rows, D]
+    activations (per layer q, k, v, o, gate, up, down; then the LM head). Returns run() -> logits."""
+    import jax
+    import jax.numpy as jnp
+
+    layers = params["layers"]
+    names = (("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "o_proj"),
+             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+    weights = {f"{a}.{b}": layers[a][b]["kernel"] for a, b in names}
+    head = params["lm_head"]["kernel"] if params.get("lm_head") else params["embed"]["embedding"].T
+
+    def step(_, x):
+        for i in range(config.num_layers):
+            w = {k: v[i] for k, v in weights.items()}
+            q, k, v = x @ w["attn.q_proj"], x @ w["attn.k_proj"], x @ w["attn.v_proj"]
+            x = x + q @ w["attn.o_proj"] + k[:, :1] + v[:, :1]  # k, v stay in use
+            x = x + (x @ w["mlp.gate_proj"] * (x @ w["mlp.up_proj"])) @ w["mlp.down_proj"]
+        return x * 0.5 + jnp.tanh(x @ head)[:, : x.shape[1]]
+
+    @jax.jit
+    def loop(x0):
+        return jax.lax.fori_loop(0, steps, step, x0)
+
+    x0 = jax.random.normal(jax.random.key(0), (rows, config.hidden_size), jnp.float32)
+    return lambda: jax.block_until_ready(loop(x0))
+
+
+def bound_generation(shape: str, config, params, repeats: int, bandwidth: float) -> dict[str, float]:
+    """Generation seconds at batch 64 and 8 beside the product-only and weight-read floors."""
+    import jax
+    import numpy as np
+
+    from jmarl.models import generate
+
+    out: dict[str, float] = {}
+    weight_bytes = 4.0 * (config.num_params() - config.vocab_size * config.hidden_size)  # embedding rows are gathered
+    rng = np.random.default_rng(0)
+    for batch in (64, 8):
+        group = GROUP_SIZE if batch >= 64 else 1
+        prompts = np.repeat(rng.integers(3, config.vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32), group, axis=0)
+        mask = np.ones_like(prompts, bool)
+
+        def run() -> None:
+            g = generate(config, params, prompts, mask, jax.random.key(0), max_new_tokens=NEW_TOKENS,
+                         temperature=1.0, stop_tokens=())
+            jax.block_until_ready(g.tokens)
+
+        gen_s = median_seconds(run, repeats)
+        floor_s = median_seconds(decode_matmul_floor(config, params, batch), repeats)
+        out[f"generation_b{batch}_s"] = gen_s
+        out[f"decode_matmul_floor_b{batch}_s"] = floor_s
+        out[f"decode_matmul_floor_b{batch}_flops"] = NEW_TOKENS * batch * forward_flops_per_token(shape, 0) / floor_s
+        out[f"generation_b{batch}_over_floor"] = gen_s / floor_s
+    out["weight_bytes"] = weight_bytes
+    out["weight_read_floor_s"] = NEW_TOKENS * weight_bytes / bandwidth
+    return out
+
+
+def bound_grpo_iteration(shape: str, repeats: int, cpu_results: dict[str, Any] | None) -> dict[str, float]:
+    """The trainer's generate / update split of a GRPO iteration, and the time 2x TRL needs."""
+    from benchmarks.iteration import jmarl_trainer
+
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "model")
+        write_checkpoint(shape, ckpt)
+        trainer = jmarl_trainer(ckpt, os.path.join(d, "jmarl"), num_agents=1)
+        metrics = []
+        for i in range(repeats + 2):  # the first two compile and warm up
+            m = trainer.rl_step()
+            trainer.step += 1
+            if i >= 2:
+                metrics.append(m)
+    out = {f"grpo_{k.split('/')[1]}_s": statistics.median(m[k] for m in metrics)
+           for k in ("time/step", "time/generate", "time/update")}
+    for row in (cpu_results or {}).get("rows", []):
+        if row.get("name") == "grpo_iteration_vs_trl" and row.get("size") == shape:
+            out["trl_completions_per_s"] = row["baseline"]
+            out["grpo_step_s_for_2x_trl"] = NUM_PROMPTS * GROUP_SIZE / (2.0 * row["baseline"])
+    return out
+
+
+def run_shape(shape: str, repeats: int, peak: float, bandwidth: float, cpu_results: dict | None) -> dict[str, Any]:
+    """Every bound of one reference shape."""
+    from jmarl.models import load_hf
+
+    with tempfile.TemporaryDirectory() as d:
+        write_checkpoint(shape, d, tokenizer=False)
+        config, params = load_hf(d)
+    out: dict[str, Any] = {"params": config.num_params()}
+    out.update(bound_train_step(shape, config, params, repeats, peak))
+    out.update(bound_generation(shape, config, params, repeats, bandwidth))
+    out.update(bound_grpo_iteration(shape, repeats, cpu_results))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["cpu-small", "cpu-medium", "all"], default="all")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "bounds.json"))
+    args = parser.parse_args(argv)
+    shapes = ["cpu-small", "cpu-medium"] if args.shape == "all" else [args.shape]
+    cpu_path = os.path.join(RESULTS_DIR, "cpu.json")
+    cpu_results = json.load(open(cpu_path)) if os.path.exists(cpu_path) else None
+    peak = measure_matmul_peak()["matmul_peak_flops"]
+    bandwidth = measure_memory_bandwidth()
+    results: dict[str, Any] = {
+        "command": "python -m benchmarks.bounds " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(), "versions": versions(),
+        "matmul_peak_flops": peak, "memory_bytes_per_s": bandwidth, "shapes": {},
+    }
+    print(f"[machine] matmul peak {peak / 1e9:.0f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s", flush=True)
+    for shape in shapes:
+        start = time.perf_counter()
+        results["shapes"][shape] = figures = run_shape(shape, args.repeats, peak, bandwidth, cpu_results)
+        print(f"[{shape}] ({time.perf_counter() - start:.0f} s) " + ", ".join(
+            f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -316,6 +316,36 @@ def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):
     np.testing.assert_allclose(np.asarray(a.logprobs)[order], np.asarray(b.logprobs), atol=1e-5)
 
 
+@pytest.mark.parametrize("use_dot", [True, False])
+def test_prefixed_cached_attention_equals_one_softmax_over_prompt_and_own_keys(use_dot):
+    """Both implementations (matrix products; CPU multiply-sum) equal a NumPy softmax over the
+    concatenated [prompt keys, own keys] of each row, with masked slots in both blocks and one
+    row whose own cache is entirely masked."""
+    from jmarl.models.model import prefixed_cached_attention
+
+    rng = np.random.default_rng(0)
+    u, g, h, kv, hd, s, c = 3, 2, 4, 2, 8, 5, 6
+    b = u * g
+    q = rng.standard_normal((b, 1, h, hd)).astype(np.float32)
+    pk, pv = rng.standard_normal((u, kv, hd, s)).astype(np.float32), rng.standard_normal((u, kv, s, hd)).astype(np.float32)
+    k, v = rng.standard_normal((b, kv, hd, c)).astype(np.float32), rng.standard_normal((b, kv, c, hd)).astype(np.float32)
+    pmask = np.ones((u, s), bool)
+    pmask[1, :2] = False  # a left-padded prompt
+    kmask = np.arange(c)[None, :] < np.array([3, 1, 6, 2, 0, 4])[:, None]  # row 4: no own keys yet
+    got = np.asarray(prefixed_cached_attention(q, pk, pv, pmask, k, v, kmask, use_dot=use_dot))
+    want = np.zeros_like(got)
+    for row in range(b):
+        for head in range(h):
+            j, p = head // (h // kv), row // g
+            keys = np.concatenate([pk[p, j].T, k[row, j].T])  # [S + C, hd]
+            vals = np.concatenate([pv[p, j], v[row, j]])
+            scores = keys @ q[row, 0, head] / np.sqrt(hd)
+            scores = np.where(np.concatenate([pmask[p], kmask[row]]), scores, -np.inf)
+            weights = np.exp(scores - scores.max())
+            want[row, 0, head] = weights @ vals / weights.sum()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_options_raise(qwen2):
     _, config, params, _ = qwen2
     tokens, mask = _prompts([3], 3)

@@ -151,7 +151,8 @@ def bound_generation(shape: str, config, params, repeats: int, bandwidth: float)
     rng = np.random.default_rng(0)
     for batch in (64, 8):
         group = GROUP_SIZE if batch >= 64 else 1
-        prompts = np.repeat(rng.integers(3, config.vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32), group, axis=0)
+        distinct = rng.integers(3, config.vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32)
+        prompts = np.repeat(distinct, group, axis=0)
         mask = np.ones_like(prompts, bool)
 
         def run() -> None:

@@ -882,7 +882,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     data = dict(data)
     algo = data.get("algo")
     workflow = data.get("workflow")
-    if isinstance(algo, Mapping) and algo.get("name") in DEFAULT_PLAN and (workflow is None or isinstance(workflow, Mapping)):
+    known = isinstance(algo, Mapping) and algo.get("name") in DEFAULT_PLAN
+    if known and (workflow is None or isinstance(workflow, Mapping)):
         defaults = {"plan": DEFAULT_PLAN[algo["name"]], "group_size": DEFAULT_GROUP_SIZE[algo["name"]]}
         data["workflow"] = {**defaults, **(workflow or {})}
     config = from_dict(Config, data)

@@ -175,7 +175,8 @@ def test_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint):
     from jmarl.models import model as model_module
 
     _, config, params, _ = tiny_checkpoint
-    batch = {k: jax.numpy.asarray(v) for k, v in make_batch(config.vocab_size, 4, 8, 8, group_size=2).shared_prefix().items()}
+    layout = make_batch(config.vocab_size, 4, 8, 8, group_size=2).shared_prefix()
+    batch = {k: jax.numpy.asarray(v) for k, v in layout.items()}
     original = model_module.masked_attention
     full = float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0])
     with bounds.attention_ablated():
@@ -197,5 +198,6 @@ def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
     out = np.asarray(bounds.decode_matmul_floor(config, params, rows=8, steps=3)())
     assert out.shape == (8, config.hidden_size) and np.isfinite(out).all()
     changed = jax.tree.map(lambda a: a, params)
-    changed["layers"]["mlp"]["down_proj"]["kernel"] = params["layers"]["mlp"]["down_proj"]["kernel"].at[-1].multiply(3.0)
+    down = params["layers"]["mlp"]["down_proj"]["kernel"]
+    changed["layers"]["mlp"]["down_proj"]["kernel"] = down.at[-1].multiply(3.0)
     assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)

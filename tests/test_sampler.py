@@ -327,8 +327,9 @@ def test_prefixed_cached_attention_equals_one_softmax_over_prompt_and_own_keys(u
     u, g, h, kv, hd, s, c = 3, 2, 4, 2, 8, 5, 6
     b = u * g
     q = rng.standard_normal((b, 1, h, hd)).astype(np.float32)
-    pk, pv = rng.standard_normal((u, kv, hd, s)).astype(np.float32), rng.standard_normal((u, kv, s, hd)).astype(np.float32)
-    k, v = rng.standard_normal((b, kv, hd, c)).astype(np.float32), rng.standard_normal((b, kv, c, hd)).astype(np.float32)
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    pk, pv = normal(u, kv, hd, s), normal(u, kv, s, hd)
+    k, v = normal(b, kv, hd, c), normal(b, kv, c, hd)
     pmask = np.ones((u, s), bool)
     pmask[1, :2] = False  # a left-padded prompt
     kmask = np.arange(c)[None, :] < np.array([3, 1, 6, 2, 0, 4])[:, None]  # row 4: no own keys yet

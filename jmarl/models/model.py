@@ -574,7 +574,8 @@ def prefixed_cached_attention(
         own = jnp.einsum("bkgd,bkdc->bkgc", q, keys, preferred_element_type=f32) * hd**-0.5
     else:  # the scale goes on the H x hd queries rather than on the H x (S + C) scores
         q = q.astype(f32) * hd**-0.5
-        from_prefix = jnp.sum(q.reshape(u, g, kv, r, hd)[..., None] * prefix_keys.astype(f32)[:, None, :, None], axis=-2)
+        q_groups = q.reshape(u, g, kv, r, hd)
+        from_prefix = jnp.sum(q_groups[..., None] * prefix_keys.astype(f32)[:, None, :, None], axis=-2)
         own = jnp.sum(q[..., None] * keys.astype(f32)[:, :, None], axis=3)
     from_prefix = jnp.where(prefix_mask[:, None, None, None, :], from_prefix, _MASKED)  # [U,G,KV,r,S]
     own = jnp.where(key_mask[:, None, None, :], own, _MASKED)  # [B,KV,r,C]

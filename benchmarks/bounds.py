@@ -147,7 +147,10 @@ def bound_generation(shape: str, config, params, repeats: int, bandwidth: float)
     from jmarl.models import generate
 
     out: dict[str, float] = {}
-    weight_bytes = 4.0 * (config.num_params() - config.vocab_size * config.hidden_size)  # embedding rows are gathered
+    # every weight is read once per step, except the embedding, of which only the B looked-up rows
+    # are read (unless it is also the tied LM head)
+    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    weight_bytes = 4.0 * (config.num_params() - embedding)
     rng = np.random.default_rng(0)
     for batch in (64, 8):
         group = GROUP_SIZE if batch >= 64 else 1

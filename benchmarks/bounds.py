@@ -37,9 +37,9 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator
 
-from benchmarks.common import (GROUP_SIZE, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, SHAPES, forward_flops_per_token,
-                               machine_info, measure_matmul_peak, shared_prefix_train_flops, timed, versions,
-                               write_checkpoint)
+from benchmarks.common import (GROUP_SIZE, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, forward_flops_per_token,
+                               generation_prompts, machine_info, measure_matmul_peak, shared_prefix_train_flops,
+                               timed, versions, write_checkpoint)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -153,9 +153,7 @@ def bound_generation(shape: str, config, params, repeats: int, bandwidth: float)
     weight_bytes = 4.0 * (config.num_params() - embedding)
     rng = np.random.default_rng(0)
     for batch in (64, 8):
-        group = GROUP_SIZE if batch >= 64 else 1
-        distinct = rng.integers(3, config.vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32)
-        prompts = np.repeat(distinct, group, axis=0)
+        _, prompts = generation_prompts(config.vocab_size, batch, rng)
         mask = np.ones_like(prompts, bool)
 
         def run() -> None:

@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.common import GROUP_SIZE, NEW_TOKENS, PROMPT_LEN, make_row, paired_times, write_checkpoint
+from benchmarks.common import (NEW_TOKENS, PROMPT_LEN, generation_prompts, make_row, paired_times,
+                               write_checkpoint)
 
 ROW_NAMES = {64: "generation_vs_hf_generate", 8: "generation_small_batch_vs_hf_generate"}
 
@@ -64,10 +65,8 @@ def bench_shape(shape: str, repeats: int, new_tokens: int, batches: tuple[int, .
         config, params = load_hf(directory)
     rng = np.random.default_rng(0)
     for batch in batches:
-        # The GRPO workload: `batch // group` distinct prompts, each repeated `group` times.
-        group = GROUP_SIZE if batch >= 64 else 1
-        distinct = rng.integers(3, config.vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32)
-        prompts = np.repeat(distinct, group, axis=0)
+        # The GRPO workload at batch 64 (8 distinct prompts x 8), distinct prompts at batch 8.
+        distinct, prompts = generation_prompts(config.vocab_size, batch, rng)
         mask = np.ones_like(prompts, bool)
         parity = check_parity(config, params, torch_model, distinct)
         torch_prompts = torch.tensor(prompts.astype(np.int64))
@@ -92,7 +91,7 @@ def bench_shape(shape: str, repeats: int, new_tokens: int, batches: tuple[int, .
 
         paired = paired_times(run_jmarl, run_hf, repeats)
         row = make_row(ROW_NAMES.get(batch, f"generation_batch{batch}_vs_hf_generate"), "new_tokens_per_s", shape,
-                       float(batch * new_tokens), paired, batch=batch, distinct_prompts=batch // group,
+                       float(batch * new_tokens), paired, batch=batch, distinct_prompts=len(distinct),
                        prompt_len=PROMPT_LEN, new_tokens=new_tokens, dtype="float32",
                        baseline_impl="transformers generate (do_sample, eager torch)", params=config.num_params(),
                        **parity)

@@ -568,8 +568,8 @@ def prefixed_cached_attention(
         use_dot = jax.default_backend() != "cpu"
     f32 = jnp.float32
     q = q.reshape(b, kv, r, hd).astype(keys.dtype)
-    q_groups = q.reshape(u, g, kv, r, hd)
     if use_dot:
+        q_groups = q.reshape(u, g, kv, r, hd)
         from_prefix = jnp.einsum("ugkhd,ukds->ugkhs", q_groups, prefix_keys, preferred_element_type=f32) * hd**-0.5
         own = jnp.einsum("bkgd,bkdc->bkgc", q, keys, preferred_element_type=f32) * hd**-0.5
     else:  # the scale goes on the H x hd queries rather than on the H x (S + C) scores

@@ -12,7 +12,9 @@ after warm-up, compile time separately). A full run then rewrites the README tab
 `<!-- bench:<suite>:start -->` and `<!-- bench:<suite>:end -->` (`--readme PATH`, `--no-readme`).
 
 Each shape is gated on parity first (`benchmarks.parity`): if jmarl and PyTorch disagree, that
-shape reports no figures (its failure is recorded under `errors`). A benchmark that raises is
+shape reports no figures (its failure is recorded under `errors`). Each part (train step,
+generation, GRPO, MAGRPO) of each shape then runs in a fresh Python process of its own, so one
+benchmark's leftovers cannot slow the next. A benchmark that raises (or whose process dies) is
 recorded under `errors` too and the suite goes on.
 """
 
@@ -22,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -29,8 +32,9 @@ from typing import Any, Callable
 
 from benchmarks.common import machine_info, measure_matmul_peak, versions
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
+README = os.path.join(REPO_ROOT, "README.md")
 CPU_SHAPES = ("cpu-small", "cpu-medium")
 CPU_PARTS = ("train_step", "generation", "grpo", "magrpo")
 
@@ -64,38 +68,80 @@ def generation_rows(shape: str, repeats: int, new_tokens: int) -> list[dict]:
     return generation.bench_shape(shape, repeats, new_tokens, batches=(64, 8))
 
 
-def run_cpu(args, results: dict[str, Any]) -> None:
-    """The CPU suite: for each shape, parity gate, then the selected parts."""
-    from benchmarks.iteration import bench_grpo_vs_trl, bench_magrpo_vs_comlrl
-    from benchmarks.train_step import bench_train_step
+PART_ERROR_NAMES = {"train_step": "train_step", "generation": "generation",
+                    "grpo": "grpo_iteration_vs_trl", "magrpo": "magrpo_iteration_vs_comlrl"}
 
+
+def run_part(part: str, shape: str, repeats: int, quick: bool, peak: float) -> list[dict]:
+    """The rows of one part of the CPU suite on one (parity-gated) shape, in this process."""
+    new_tokens = 16 if quick else 64
+    if part == "train_step":
+        from benchmarks.train_step import bench_train_step
+
+        return bench_train_step(shape, repeats, peak_flops=peak, **(dict(rows=16) if quick else {}))
+    if part == "generation":
+        return generation_rows(shape, repeats, new_tokens)
+    if part == "grpo":
+        from benchmarks.iteration import bench_grpo_vs_trl
+
+        return [bench_grpo_vs_trl(shape, repeats, new_tokens=new_tokens)]
+    if part == "magrpo":
+        from benchmarks.iteration import bench_magrpo_vs_comlrl
+
+        return [bench_magrpo_vs_comlrl(shape, repeats, new_tokens=new_tokens)]
+    raise ValueError(f"unknown part {part!r}; choose from {CPU_PARTS}")
+
+
+def run_part_isolated(part: str, shape: str, repeats: int, quick: bool, peak: float) -> tuple[list[dict], list[dict]]:
+    """(rows, errors) of `run_part` run in a fresh Python process.
+
+    Each part gets its own process so that what one benchmark leaves behind (a baseline's
+    allocator state and threads, gigabytes of freed buffers, JAX's compiled programs) cannot slow
+    the next one: in one shared process the last part (MAGRPO at cpu-medium, after the TRL
+    benchmark) ran measurably slower than the same part on its own. The child prints its
+    progress to this terminal and hands its rows back through a JSON file; a child that dies
+    (killed, out of memory) is recorded as an error of that part."""
+    name = PART_ERROR_NAMES.get(part, part)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "part.json")
+        cmd = [sys.executable, "-m", "benchmarks.run", "--suite", "cpu", "--part", part, "--shapes", shape,
+               "--repeats", str(repeats), "--peak-flops", repr(peak), "--part-out", out] + (["--quick"] if quick else [])
+        code = subprocess.run(cmd, cwd=REPO_ROOT).returncode
+        if not os.path.exists(out):
+            return [], [{"name": name, "size": shape, "error": f"benchmark process exited with code {code} and no results"}]
+        with open(out) as f:
+            got = json.load(f)
+    return got["rows"], got["errors"]
+
+
+def run_cpu(args, results: dict[str, Any]) -> None:
+    """The CPU suite: for each shape, the parity gate (here), then each selected part in a
+    process of its own (`run_part_isolated`)."""
     rows, errors = results["rows"], results["errors"]
     peak = results["matmul_peak"]["matmul_peak_flops"]
-    new_tokens = 16 if args.quick else 64
     for shape in args.shapes:
         parity = _attempt(errors, "parity_gate", shape, lambda: shape_parity(shape))
         if parity is None:
             continue
         results.setdefault("parity", {})[shape] = parity
         print(f"[parity {shape}] {parity}", flush=True)
-        if "train_step" in args.only:
-            kw = dict(rows=16) if args.quick else {}
-            out = _attempt(errors, "train_step", shape, lambda: bench_train_step(shape, args.repeats, peak_flops=peak, **kw))
-            rows.extend(out or [])
-            _write(args, results)
-        if "generation" in args.only:
-            rows.extend(_attempt(errors, "generation", shape, lambda: generation_rows(shape, args.repeats, new_tokens)) or [])
-            _write(args, results)
-        if "grpo" in args.only:
-            row = _attempt(errors, "grpo_iteration_vs_trl", shape,
-                           lambda: bench_grpo_vs_trl(shape, args.repeats, new_tokens=new_tokens))
-            rows.extend([row] if row else [])
-            _write(args, results)
-        if "magrpo" in args.only:
-            row = _attempt(errors, "magrpo_iteration_vs_comlrl", shape,
-                           lambda: bench_magrpo_vs_comlrl(shape, args.repeats, new_tokens=new_tokens))
-            rows.extend([row] if row else [])
-        _write(args, results)  # partial results survive a later crash
+        for part in CPU_PARTS:
+            if part in args.only:
+                part_rows, part_errors = run_part_isolated(part, shape, args.repeats, args.quick, peak)
+                rows.extend(part_rows)
+                errors.extend(part_errors)
+                _write(args, results)  # partial results survive a later crash
+
+
+def part_main(args) -> int:
+    """Child side of `run_part_isolated`: one part on one shape, rows and errors to --part-out."""
+    errors: list[dict] = []
+    shape = args.shapes[0]
+    rows = _attempt(errors, PART_ERROR_NAMES[args.part], shape,
+                    lambda: run_part(args.part, shape, args.repeats, args.quick, args.peak_flops)) or []
+    with open(args.part_out, "w") as f:
+        json.dump({"rows": rows, "errors": errors}, f)
+    return 0
 
 
 def run_gpu(args, results: dict[str, Any]) -> None:
@@ -144,6 +190,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--readme", default=README, help="README whose table is rewritten after a full run")
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("--allow-cpu", action="store_true", help="gpu suite: run the tiny shape on the CPU")
+    # internal: the child process of `run_part_isolated` (one part, one shape, rows to a file)
+    parser.add_argument("--part", choices=CPU_PARTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--peak-flops", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.only = tuple(p for p in args.only.split(",") if p)
     unknown = set(args.only) - set(CPU_PARTS)
@@ -157,6 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         from benchmarks.gpu import GPU_SHAPES
 
         args.shapes = GPU_SHAPES
+    if args.part is not None and (args.part_out is None or args.peak_flops is None or len(args.shapes) != 1):
+        parser.error("--part needs --part-out, --peak-flops and exactly one shape")
     if args.quick:
         args.repeats = min(args.repeats, 2)
     elif args.repeats < 5:
@@ -166,6 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.part is not None:
+        return part_main(args)
     if args.suite == "gpu":
         from benchmarks import gpu
 

@@ -201,3 +201,22 @@ def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
     down = params["layers"]["mlp"]["down_proj"]["kernel"]
     changed["layers"]["mlp"]["down_proj"]["kernel"] = down.at[-1].multiply(3.0)
     assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)
+
+
+def test_isolated_part_hands_back_its_failure():
+    """A part runs in a child process; what it raises comes back as an error row of that part."""
+    from benchmarks import run
+
+    rows, errors = run.run_part_isolated("grpo", "no-such-shape", repeats=5, quick=False, peak=1e11)
+    assert rows == []
+    assert [(e["name"], e["size"]) for e in errors] == [("grpo_iteration_vs_trl", "no-such-shape")]
+    assert "no-such-shape" in errors[0]["error"]
+
+
+def test_isolated_part_that_dies_is_recorded():
+    """A child that exits without results (here: rejected arguments) is an error, not a crash."""
+    from benchmarks import run
+
+    rows, errors = run.run_part_isolated("magrpo", "cpu-small", repeats=1, quick=False, peak=1e11)
+    assert rows == [] and len(errors) == 1
+    assert errors[0]["name"] == "magrpo_iteration_vs_comlrl" and "exited with code 2" in errors[0]["error"]

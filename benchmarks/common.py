@@ -210,9 +210,11 @@ def forward_flops_per_token(shape: str, context: int) -> float:
     return train_flops_per_token(shape, 0) / 3.0 + 4.0 * layers * hq * context
 
 
-def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> dict[str, float]:
+def measure_matmul_peak(n: int = 2048, repeats: int = 20) -> dict[str, float]:
     """This machine's fp32 matmul throughput through XLA: the best of `repeats` timed [n, n] x
-    [n, n] products (FLOPs 2 n^3), after a compile call."""
+    [n, n] products (FLOPs 2 n^3), after a compile call. The best of many (about 2 s at n = 2048
+    here) rather than of a few, so that a busy moment on a shared machine does not lower the peak
+    that the train step's "% of peak" is held against."""
     import jax
     import jax.numpy as jnp
 

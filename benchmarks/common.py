@@ -88,11 +88,14 @@ def machine_info() -> dict[str, Any]:
     """The machine the figures were measured on."""
     import jax
 
+    from jmarl.host_memory import host_memory_policy
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "jax_devices": [str(d) for d in jax.devices()],
+        "host_memory_policy": host_memory_policy(),  # jmarl.host_memory: both sides share the process
     }
     try:
         with open("/proc/cpuinfo") as f:

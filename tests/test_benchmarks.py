@@ -201,6 +201,11 @@ def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
     down = params["layers"]["mlp"]["down_proj"]["kernel"]
     changed["layers"]["mlp"]["down_proj"]["kernel"] = down.at[-1].multiply(3.0)
     assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)
+    for proj in ("k_proj", "v_proj"):  # every output unit of the key/value products is used
+        changed = jax.tree.map(lambda a: a, params)
+        kernel = params["layers"]["attn"][proj]["kernel"]
+        changed["layers"]["attn"][proj]["kernel"] = kernel.at[0, :, -1].multiply(3.0)
+        assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)
 
 
 def test_isolated_part_hands_back_its_failure():

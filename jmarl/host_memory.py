@@ -1,0 +1,66 @@
+"""Host memory policy: keep freed host memory in the process instead of handing it back.
+
+XLA's CPU runtime allocates each program's temporary buffer (hundreds of MB to GB for a train
+step) with `posix_memalign` on one of its worker threads and frees it when the program ends.
+glibc serves such a request with a fresh `mmap` (always, on a worker thread's own arena) and
+unmaps it on free, so every execution faults in and zeroes every page again: on the 2-core CPU
+of BENCHMARKS.md a cpu-small GRPO iteration spent ~160k page faults and 0.3 s of kernel time
+per step on it. With one arena, no mmap for large requests and no trimming, the buffer freed by
+one step is the memory the next step gets (0 page faults per step after the first).
+
+`keep_freed_host_memory()` sets that policy through glibc's `mallopt`; `import jmarl` calls it,
+before JAX starts its CPU thread pool in the usual order of things (a thread's arena is chosen
+at its first allocation, so a pool that has already allocated keeps its arenas). The cost is
+that the process keeps its peak host memory (as JAX keeps accelerator memory it preallocated).
+Set `JMARL_KEEP_HOST_MEMORY=0` before importing jmarl to leave the allocator as it is. Not
+glibc (macOS, musl): nothing to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+ENV_VAR = "JMARL_KEEP_HOST_MEMORY"
+# glibc <malloc.h> parameter numbers
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+
+_STATE = {"applied": False}
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The process's glibc, or None on another C library / platform."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def keep_freed_host_memory() -> bool:
+    """Applies the policy (one malloc arena, no mmap for large blocks, no trimming); returns
+    whether it is in effect. Idempotent; does nothing when JMARL_KEEP_HOST_MEMORY=0."""
+    if _STATE["applied"]:
+        return True
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    ok = all(libc.mallopt(param, value) == 1
+             for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+    _STATE["applied"] = ok
+    return ok
+
+
+def host_memory_policy() -> str:
+    """'kept' when `keep_freed_host_memory` is in effect, else 'default' (for benchmark records)."""
+    return "kept" if _STATE["applied"] else "default"

@@ -1,0 +1,74 @@
+"""The host memory policy of `jmarl.host_memory`: a large block freed and allocated again on a
+worker thread is the same memory (no page faults the second time), and the opt-out works."""
+
+import ctypes
+import ctypes.util
+import os
+import resource
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import jmarl
+from jmarl import host_memory
+
+BLOCK = 256 * 2**20  # far above glibc's largest mmap threshold (32 MiB)
+
+
+def _faults_of_second_block() -> int:
+    """Minor page faults while a worker thread fills a BLOCK-byte `posix_memalign` block (the
+    call XLA's CPU runtime makes for a program's buffers), after it filled and freed one of the
+    same size."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.free.argtypes = [ctypes.c_void_p]
+    out = {}
+
+    def block() -> ctypes.c_void_p:
+        ptr = ctypes.c_void_p()
+        assert libc.posix_memalign(ctypes.byref(ptr), ctypes.c_size_t(64), ctypes.c_size_t(BLOCK)) == 0
+        ctypes.memset(ptr, 1, BLOCK)
+        return ptr
+
+    def work():
+        libc.free(block())
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        second = block()
+        out["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        libc.free(second)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    return out["faults"]
+
+
+def _in_fresh_interpreter(**env: str) -> tuple[str, int]:
+    """(policy, faults of the second block) in a new Python that imports jmarl first, as
+    `python -m jmarl.run` does (in this pytest process other threads made their arenas earlier)."""
+    code = ("import jmarl, tests.test_host_memory as t; from jmarl import host_memory as h; "
+            "print(h.host_memory_policy(), t._faults_of_second_block())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), cwd=root, capture_output=True,
+                         text=True, check=True)
+    policy, faults = out.stdout.split()
+    return policy, int(faults)
+
+
+glibc_only = pytest.mark.skipif(host_memory._glibc() is None, reason="the policy is glibc's mallopt; this C library has none")
+
+
+@glibc_only
+def test_freed_block_is_reused_without_page_faults():
+    policy, faults = _in_fresh_interpreter()
+    # a fresh mapping of BLOCK bytes faults in BLOCK / 4096 = 65536 pages
+    assert policy == "kept" and faults < 1000
+
+
+@glibc_only
+def test_opt_out_leaves_the_allocator_alone():
+    """With JMARL_KEEP_HOST_MEMORY=0 the second block is a fresh mapping that faults in again."""
+    policy, faults = _in_fresh_interpreter(JMARL_KEEP_HOST_MEMORY="0")
+    assert policy == "default" and faults > BLOCK // 4096 // 2
+    assert jmarl.keep_freed_host_memory()  # the policy stays in effect in this process (idempotent)

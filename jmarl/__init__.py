@@ -1,9 +1,10 @@
 """jmarl: multi-agent LLM reinforcement learning in JAX/Flax."""
 
 from jmarl.errors import JmarlError
-from jmarl.host_memory import keep_freed_host_memory
+from jmarl import host_memory
 
-keep_freed_host_memory()  # before JAX's CPU threads first allocate; JMARL_KEEP_HOST_MEMORY=0 opts out
+if host_memory.requested():  # JMARL_KEEP_HOST_MEMORY=1: before JAX's CPU threads first allocate
+    host_memory.keep_freed_host_memory()
 
-__all__ = ["JmarlError", "keep_freed_host_memory"]
+__all__ = ["JmarlError"]
 __version__ = "0.1.0"

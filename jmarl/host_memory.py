@@ -1,19 +1,20 @@
-"""Host memory policy: keep freed host memory in the process instead of handing it back.
+"""Host memory policy (opt-in): keep freed host memory in the process instead of handing it back.
 
 XLA's CPU runtime allocates each program's temporary buffer (hundreds of MB to GB for a train
 step) with `posix_memalign` on one of its worker threads and frees it when the program ends.
 glibc serves such a request with a fresh `mmap` (always, on a worker thread's own arena) and
 unmaps it on free, so every execution faults in and zeroes every page again: on the 2-core CPU
-of BENCHMARKS.md a cpu-small GRPO iteration spent ~160k page faults and 0.3 s of kernel time
-per step on it. With one arena, no mmap for large requests and no trimming, the buffer freed by
+of BENCHMARKS.md a cpu-small GRPO iteration takes ~160k page faults and 0.3 s of kernel time
+per step for it. With one arena, no mmap for large requests and no trimming, the buffer freed by
 one step is the memory the next step gets (0 page faults per step after the first).
 
-`keep_freed_host_memory()` sets that policy through glibc's `mallopt`; `import jmarl` calls it,
-before JAX starts its CPU thread pool in the usual order of things (a thread's arena is chosen
-at its first allocation, so a pool that has already allocated keeps its arenas). The cost is
-that the process keeps its peak host memory (as JAX keeps accelerator memory it preallocated).
-Set `JMARL_KEEP_HOST_MEMORY=0` before importing jmarl to leave the allocator as it is. Not
-glibc (macOS, musl): nothing to do.
+The price: all threads then share one arena, and the decode loop's many small allocations
+contend for it. Measured at cpu-small on that CPU (interleaved processes): the GRPO update
+0.84 -> 0.74 s, generation 0.40 -> 0.45 s, the whole iteration ~5% faster. So it is off by
+default; `JMARL_KEEP_HOST_MEMORY=1` in the environment before `import jmarl` turns it on
+(import applies it, before JAX starts its CPU thread pool in the usual order of things: a
+thread's arena is chosen at its first allocation). It also keeps the process at its peak host
+memory. Not glibc (macOS, musl): nothing to do.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def requested() -> bool:
+    """Whether JMARL_KEEP_HOST_MEMORY asks for the policy (1/true/yes/on)."""
+    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def keep_freed_host_memory() -> bool:
     """Applies the policy (one malloc arena, no mmap for large blocks, no trimming); returns
-    whether it is in effect. Idempotent; does nothing when JMARL_KEEP_HOST_MEMORY=0."""
+    whether it is in effect (False where the C library is not glibc). Idempotent."""
     if _STATE["applied"]:
         return True
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
     libc = _glibc()
     if libc is None:
         return False

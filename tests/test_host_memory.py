@@ -1,5 +1,6 @@
-"""The host memory policy of `jmarl.host_memory`: a large block freed and allocated again on a
-worker thread is the same memory (no page faults the second time), and the opt-out works."""
+"""The opt-in host memory policy of `jmarl.host_memory`: with JMARL_KEEP_HOST_MEMORY=1 a large
+block freed and allocated again on a worker thread is the same memory (no page faults the second
+time); by default the allocator is left alone."""
 
 import ctypes
 import ctypes.util
@@ -11,7 +12,6 @@ import threading
 
 import pytest
 
-import jmarl
 from jmarl import host_memory
 
 BLOCK = 256 * 2**20  # far above glibc's largest mmap threshold (32 MiB)
@@ -44,13 +44,17 @@ def _faults_of_second_block() -> int:
     return out["faults"]
 
 
-def _in_fresh_interpreter(**env: str) -> tuple[str, int]:
+def _in_fresh_interpreter(keep: str | None) -> tuple[str, int]:
     """(policy, faults of the second block) in a new Python that imports jmarl first, as
-    `python -m jmarl.run` does (in this pytest process other threads made their arenas earlier)."""
+    `python -m jmarl.run` does (in this pytest process other threads made their arenas earlier),
+    with JMARL_KEEP_HOST_MEMORY set to `keep` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != host_memory.ENV_VAR}
+    if keep is not None:
+        env[host_memory.ENV_VAR] = keep
     code = ("import jmarl, tests.test_host_memory as t; from jmarl import host_memory as h; "
             "print(h.host_memory_policy(), t._faults_of_second_block())")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), cwd=root, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                          text=True, check=True)
     policy, faults = out.stdout.split()
     return policy, int(faults)
@@ -60,15 +64,14 @@ glibc_only = pytest.mark.skipif(host_memory._glibc() is None, reason="the policy
 
 
 @glibc_only
-def test_freed_block_is_reused_without_page_faults():
-    policy, faults = _in_fresh_interpreter()
+def test_opted_in_freed_block_is_reused_without_page_faults():
+    policy, faults = _in_fresh_interpreter("1")
     # a fresh mapping of BLOCK bytes faults in BLOCK / 4096 = 65536 pages
     assert policy == "kept" and faults < 1000
 
 
 @glibc_only
-def test_opt_out_leaves_the_allocator_alone():
-    """With JMARL_KEEP_HOST_MEMORY=0 the second block is a fresh mapping that faults in again."""
-    policy, faults = _in_fresh_interpreter(JMARL_KEEP_HOST_MEMORY="0")
+def test_by_default_the_allocator_is_left_alone():
+    """Without the variable the second block is a fresh mapping that faults in again."""
+    policy, faults = _in_fresh_interpreter(None)
     assert policy == "default" and faults > BLOCK // 4096 // 2
-    assert jmarl.keep_freed_host_memory()  # the policy stays in effect in this process (idempotent)

@@ -19,22 +19,23 @@ BLOCK = 256 * 2**20  # far above glibc's largest mmap threshold (32 MiB)
 
 def _faults_of_second_block() -> int:
     """Minor page faults while a worker thread fills a BLOCK-byte `posix_memalign` block (the
-    call XLA's CPU runtime makes for a program's buffers), after it filled and freed one of the
-    same size."""
+    call XLA's CPU runtime makes for a program's buffers), after it filled and freed a slightly
+    larger one."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.free.argtypes = [ctypes.c_void_p]
     out = {}
 
-    def block() -> ctypes.c_void_p:
+    def block(size: int) -> ctypes.c_void_p:
         ptr = ctypes.c_void_p()
-        assert libc.posix_memalign(ctypes.byref(ptr), ctypes.c_size_t(64), ctypes.c_size_t(BLOCK)) == 0
-        ctypes.memset(ptr, 1, BLOCK)
+        assert libc.posix_memalign(ctypes.byref(ptr), ctypes.c_size_t(64), ctypes.c_size_t(size)) == 0
+        ctypes.memset(ptr, 1, size)
         return ptr
 
     def work():
-        libc.free(block())
+        # the first block is 1 MiB larger, so that the second fits in it wherever it lies
+        libc.free(block(BLOCK + 2**20))
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        second = block()
+        second = block(BLOCK)
         out["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         libc.free(second)
 

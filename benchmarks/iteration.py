@@ -26,6 +26,7 @@ per agent), alternated with one jmarl iteration.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 import time
@@ -157,7 +158,12 @@ def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TO
             baseline = MAGRPOTrainer(agents=models, num_agents=2, tokenizer=tok, train_dataset=data,
                                      reward_func=comlrl_reward, args=args)
             baseline.verbose = False
-            return timed(lambda: baseline.train(min_new_tokens=new_tokens))
+            start = time.perf_counter()
+            baseline.train(min_new_tokens=new_tokens)
+            seconds = time.perf_counter() - start
+            del baseline, data
+            gc.collect()  # untimed: this side builds a trainer per iteration; free it before jmarl's turn
+            return seconds
 
         base_first = run_comlrl(0)
         a, b = [], []

@@ -10,8 +10,9 @@ one step is the memory the next step gets (0 page faults per step after the firs
 
 The price: all threads then share one arena, and the decode loop's many small allocations
 contend for it. Measured at cpu-small on that CPU (interleaved processes): the GRPO update
-0.84 -> 0.74 s, generation 0.40 -> 0.45 s, the whole iteration ~5% faster. So it is off by
-default; `JMARL_KEEP_HOST_MEMORY=1` in the environment before `import jmarl` turns it on
+0.84 -> 0.74 s, generation 0.40 -> 0.45 s, the whole iteration ~5% faster. Because it changes
+the allocator of the whole process and slows generation-only work, it is off by default;
+`JMARL_KEEP_HOST_MEMORY=1` in the environment before `import jmarl` turns it on
 (import applies it, before JAX starts its CPU thread pool in the usual order of things: a
 thread's arena is chosen at its first allocation). It also keeps the process at its peak host
 memory. Not glibc (macOS, musl): nothing to do.

@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import warnings
 
 ENV_VAR = "JMARL_KEEP_HOST_MEMORY"
 # glibc <malloc.h> parameter numbers
@@ -48,8 +49,17 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def requested() -> bool:
-    """Whether JMARL_KEEP_HOST_MEMORY asks for the policy (1/true/yes/on)."""
-    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether JMARL_KEEP_HOST_MEMORY asks for the policy: 1/true/yes/on; unset, empty or
+    0/false/no/off do not; anything else warns (naming the variable and the fix) and does not,
+    so that a typo never stops `import jmarl` or the CLI."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    warnings.warn(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; set it to 1 (keep freed host memory) "
+                  "or 0; leaving the allocator as it is", RuntimeWarning, stacklevel=2)
+    return False
 
 
 def keep_freed_host_memory() -> bool:

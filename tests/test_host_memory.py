@@ -76,3 +76,12 @@ def test_by_default_the_allocator_is_left_alone():
     """Without the variable the second block is a fresh mapping that faults in again."""
     policy, faults = _in_fresh_interpreter(None)
     assert policy == "default" and faults > BLOCK // 4096 // 2
+
+
+def test_unknown_setting_warns_and_keeps_the_default(monkeypatch):
+    monkeypatch.setenv(host_memory.ENV_VAR, "maybe")
+    with pytest.warns(RuntimeWarning, match="JMARL_KEEP_HOST_MEMORY='maybe' is not understood; set it to 1"):
+        assert host_memory.requested() is False
+    for value, expected in (("1", True), ("on", True), ("0", False), ("", False)):
+        monkeypatch.setenv(host_memory.ENV_VAR, value)
+        assert host_memory.requested() is expected

@@ -61,13 +61,6 @@ def shape_parity(shape: str) -> dict[str, float]:
     return check_parity(torch_model, config, params)
 
 
-def generation_rows(shape: str, repeats: int, new_tokens: int) -> list[dict]:
-    """Rows of `benchmarks.generation` (batch 64 and batch 8) for a cpu-* shape."""
-    from benchmarks import generation
-
-    return generation.bench_shape(shape, repeats, new_tokens, batches=(64, 8))
-
-
 PART_ERROR_NAMES = {"train_step": "train_step", "generation": "generation",
                     "grpo": "grpo_iteration_vs_trl", "magrpo": "magrpo_iteration_vs_comlrl"}
 
@@ -80,7 +73,9 @@ def run_part(part: str, shape: str, repeats: int, quick: bool, peak: float) -> l
 
         return bench_train_step(shape, repeats, peak_flops=peak, **(dict(rows=16) if quick else {}))
     if part == "generation":
-        return generation_rows(shape, repeats, new_tokens)
+        from benchmarks import generation
+
+        return generation.bench_shape(shape, repeats, new_tokens, batches=(64, 8))
     if part == "grpo":
         from benchmarks.iteration import bench_grpo_vs_trl
 

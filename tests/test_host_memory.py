@@ -3,7 +3,6 @@ block freed and allocated again on a worker thread is the same memory (no page f
 time); by default the allocator is left alone."""
 
 import ctypes
-import ctypes.util
 import os
 import resource
 import subprocess
@@ -21,7 +20,7 @@ def _faults_of_second_block() -> int:
     """Minor page faults while a worker thread fills a BLOCK-byte `posix_memalign` block (the
     call XLA's CPU runtime makes for a program's buffers), after it filled and freed a slightly
     larger one."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = host_memory._glibc()
     libc.free.argtypes = [ctypes.c_void_p]
     out = {}
 

@@ -3,7 +3,7 @@
 from jmarl.errors import JmarlError
 from jmarl import host_memory
 
-if host_memory.requested():  # JMARL_KEEP_HOST_MEMORY=1: before JAX's CPU threads first allocate
+if host_memory.requested():  # on unless JMARL_KEEP_HOST_MEMORY=0: before JAX starts its CPU backend
     host_memory.keep_freed_host_memory()
 
 __all__ = ["JmarlError"]

@@ -1,21 +1,31 @@
-"""Host memory policy (opt-in): keep freed host memory in the process instead of handing it back.
+"""Host memory policy on CPU: run programs on the calling thread and keep freed host memory.
 
 XLA's CPU runtime allocates each program's temporary buffer (hundreds of MB to GB for a train
-step) with `posix_memalign` on one of its worker threads and frees it when the program ends.
-glibc serves such a request with a fresh `mmap` (always, on a worker thread's own arena) and
-unmaps it on free, so every execution faults in and zeroes every page again: on the 2-core CPU
-of BENCHMARKS.md a cpu-small GRPO iteration takes ~160k page faults and 0.3 s of kernel time
-per step for it. With one arena, no mmap for large requests and no trimming, the buffer freed by
-one step is the memory the next step gets (0 page faults per step after the first).
+step) with `posix_memalign` when the program runs, and frees it when the program ends. By
+default JAX runs CPU programs on a worker thread ("async dispatch"); glibc serves a large request
+on a worker thread's own arena with a fresh `mmap` (those arenas are made of heaps of at most
+64 MB) and unmaps it on free, so every execution faults in and zeroes every page of its buffer
+again: on the 2-core CPU of BENCHMARKS.md a cpu-small GRPO iteration took ~160k page faults and
+~0.3 s of kernel time per step for it.
 
-The price: all threads then share one arena, and the decode loop's many small allocations
-contend for it. Measured at cpu-small on that CPU (interleaved processes): the GRPO update
-0.84 -> 0.74 s, generation 0.40 -> 0.45 s, the whole iteration ~5% faster. Because it changes
-the allocator of the whole process and slows generation-only work, it is off by default;
-`JMARL_KEEP_HOST_MEMORY=1` in the environment before `import jmarl` turns it on
-(import applies it, before JAX starts its CPU thread pool in the usual order of things: a
-thread's arena is chosen at its first allocation). It also keeps the process at its peak host
-memory. Not glibc (macOS, musl): nothing to do.
+The policy, applied when `jmarl` is imported:
+- JAX runs CPU programs inline on the thread that calls them
+  (`jax_cpu_enable_async_dispatch=False`; from the main Python thread that is glibc's main
+  arena, which can grow to any size);
+- glibc serves large blocks from the heap rather than `mmap` (`M_MMAP_MAX=0`) and never trims
+  the heap (`M_TRIM_THRESHOLD=-1`),
+so the buffer freed by one step is the memory the next step gets: 0 page faults per step after
+the first. Measured on that CPU (interleaved processes, `time/*` of `Trainer.rl_step`): a GRPO
+iteration 1.35 -> 1.17 s at cpu-small (update 0.90 -> 0.74 s, generation unchanged or faster)
+and 8.1 -> 7.4 s at cpu-medium. Either half alone does not help (an inline program on the
+default allocator still `mmap`s, and a worker thread's arena `mmap`s whatever `M_MMAP_MAX` says).
+The price: the process keeps its peak host memory, and a Python thread blocks while its CPU
+program runs (no overlap of host work with CPU programs; accelerator dispatch is unaffected).
+
+`JMARL_KEEP_HOST_MEMORY=0` before `import jmarl` leaves both alone; a JAX_CPU_ENABLE_ASYNC_DISPATCH
+set in the environment is respected. The dispatch half takes effect only if jmarl is imported
+before JAX starts its CPU backend (`host_memory_policy()` says whether it did). Not glibc
+(macOS, musl): the allocator half does nothing.
 """
 
 from __future__ import annotations
@@ -27,12 +37,12 @@ import sys
 import warnings
 
 ENV_VAR = "JMARL_KEEP_HOST_MEMORY"
+JAX_DISPATCH_FLAG = "jax_cpu_enable_async_dispatch"
 # glibc <malloc.h> parameter numbers
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
 
-_STATE = {"applied": False}
+_STATE = {"allocator": False, "inline": False}
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -49,33 +59,57 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def requested() -> bool:
-    """Whether JMARL_KEEP_HOST_MEMORY asks for the policy: 1/true/yes/on; unset, empty or
-    0/false/no/off do not; anything else warns (naming the variable and the fix) and does not,
-    so that a typo never stops `import jmarl` or the CLI."""
+    """Whether JMARL_KEEP_HOST_MEMORY asks for the policy: unset, empty or 1/true/yes/on do;
+    0/false/no/off do not; anything else warns (naming the variable and the fix) and keeps the
+    default (on), so that a typo never stops `import jmarl` or the CLI."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in ("", "1", "true", "yes", "on"):
         return True
-    if value in ("", "0", "false", "no", "off"):
+    if value in ("0", "false", "no", "off"):
         return False
-    warnings.warn(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; set it to 1 (keep freed host memory) "
-                  "or 0; leaving the allocator as it is", RuntimeWarning, stacklevel=2)
-    return False
+    warnings.warn(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; set it to 0 (leave the allocator and "
+                  "JAX's CPU dispatch alone) or 1 (the default); keeping the default", RuntimeWarning, stacklevel=2)
+    return True
+
+
+def _jax_backend_started() -> bool:
+    """Whether JAX has created its backends (after which the dispatch flag no longer applies)."""
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else True
+
+
+def run_cpu_programs_inline() -> bool:
+    """Sets JAX to run CPU programs on the calling thread, unless the environment already says
+    (JAX_CPU_ENABLE_ASYNC_DISPATCH) or this JAX has no such flag; returns whether CPU programs run
+    inline from now on."""
+    import jax
+
+    if JAX_DISPATCH_FLAG not in jax.config.values:
+        return False
+    if JAX_DISPATCH_FLAG.upper() not in os.environ and not _jax_backend_started():
+        jax.config.update(JAX_DISPATCH_FLAG, False)
+    return not jax.config.values[JAX_DISPATCH_FLAG]
 
 
 def keep_freed_host_memory() -> bool:
-    """Applies the policy (one malloc arena, no mmap for large blocks, no trimming); returns
-    whether it is in effect (False where the C library is not glibc). Idempotent."""
-    if _STATE["applied"]:
-        return True
-    libc = _glibc()
-    if libc is None:
-        return False
-    ok = all(libc.mallopt(param, value) == 1
-             for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
-    _STATE["applied"] = ok
-    return ok
+    """Applies the policy (module docstring); returns whether both halves are in effect: large
+    blocks come from a never-trimmed heap (False where the C library is not glibc) and CPU
+    programs run inline. Idempotent."""
+    if not _STATE["allocator"]:
+        libc = _glibc()
+        _STATE["allocator"] = libc is not None and all(
+            libc.mallopt(param, value) == 1 for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+    if not _STATE["inline"]:
+        _STATE["inline"] = run_cpu_programs_inline()
+    return _STATE["allocator"] and _STATE["inline"]
 
 
 def host_memory_policy() -> str:
-    """'kept' when `keep_freed_host_memory` is in effect, else 'default' (for benchmark records)."""
-    return "kept" if _STATE["applied"] else "default"
+    """'kept' when both halves are in effect, 'heap only' when only the allocator half is (JAX's
+    CPU backend started before jmarl was imported, or async dispatch was asked for), else
+    'default' (for benchmark records)."""
+    if _STATE["allocator"] and _STATE["inline"]:
+        return "kept"
+    return "heap only" if _STATE["allocator"] else "default"

@@ -1,86 +1,82 @@
-"""The opt-in host memory policy of `jmarl.host_memory`: with JMARL_KEEP_HOST_MEMORY=1 a large
-block freed and allocated again on a worker thread is the same memory (no page faults the second
-time); by default the allocator is left alone."""
+"""`jmarl.host_memory`: by default (on glibc) a CPU program's temporary buffer is the same
+memory every run (no page faults after the first), because JAX runs the program on the calling
+thread and glibc keeps large freed blocks in the heap; JMARL_KEEP_HOST_MEMORY=0 leaves JAX and
+the allocator alone, and the buffer faults in again every run."""
 
-import ctypes
 import os
-import resource
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from jmarl import host_memory
 
-BLOCK = 256 * 2**20  # far above glibc's largest mmap threshold (32 MiB)
+ROWS = 32 * 2**20  # the program's temporary: a cumulative sum of 32M float32 (128 MiB, 32768 pages)
+
+PROGRAM = f"""
+import resource, sys
+if sys.argv[1] == "jax-first":
+    import jax.numpy
+    jax.numpy.ones(2).block_until_ready()   # JAX's CPU backend starts before jmarl is imported
+import jmarl, jax, jax.numpy as jnp
+from jmarl import host_memory
+program = jax.jit(lambda v: jnp.cumsum(v * 2.0)[::4096].sum())
+v = jnp.ones(({ROWS},), jnp.float32)
+program(v).block_until_ready(); program(v).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+program(v).block_until_ready()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(host_memory.host_memory_policy().replace(" ", "-"), jax.config.values["{host_memory.JAX_DISPATCH_FLAG}"], faults)
+"""
 
 
-def _faults_of_second_block() -> int:
-    """Minor page faults while a worker thread fills a BLOCK-byte `posix_memalign` block (the
-    call XLA's CPU runtime makes for a program's buffers), after it filled and freed a slightly
-    larger one."""
-    libc = host_memory._glibc()
-    libc.free.argtypes = [ctypes.c_void_p]
-    out = {}
-
-    def block(size: int) -> ctypes.c_void_p:
-        ptr = ctypes.c_void_p()
-        assert libc.posix_memalign(ctypes.byref(ptr), ctypes.c_size_t(64), ctypes.c_size_t(size)) == 0
-        ctypes.memset(ptr, 1, size)
-        return ptr
-
-    def work():
-        # the first block is 1 MiB larger, so that the second fits in it wherever it lies
-        libc.free(block(BLOCK + 2**20))
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        second = block(BLOCK)
-        out["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        libc.free(second)
-
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
-    return out["faults"]
-
-
-def _in_fresh_interpreter(keep: str | None) -> tuple[str, int]:
-    """(policy, faults of the second block) in a new Python that imports jmarl first, as
-    `python -m jmarl.run` does (in this pytest process other threads made their arenas earlier),
-    with JMARL_KEEP_HOST_MEMORY set to `keep` (None: unset)."""
-    env = {k: v for k, v in os.environ.items() if k != host_memory.ENV_VAR}
+def _run(keep: str | None, *, order: str = "jmarl-first", **env_extra: str) -> tuple[str, bool, int]:
+    """(policy, JAX async dispatch flag, page faults of the third run of a program with a 128 MiB
+    temporary) in a fresh Python with JMARL_KEEP_HOST_MEMORY set to `keep` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in (host_memory.ENV_VAR, host_memory.JAX_DISPATCH_FLAG.upper())}
+    env.update(env_extra)
     if keep is not None:
         env[host_memory.ENV_VAR] = keep
-    code = ("import jmarl, tests.test_host_memory as t; from jmarl import host_memory as h; "
-            "print(h.host_memory_policy(), t._faults_of_second_block())")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, check=True)
-    policy, faults = out.stdout.split()
-    return policy, int(faults)
+    out = subprocess.run([sys.executable, "-c", PROGRAM, order], env=env, cwd=root, capture_output=True, text=True,
+                         check=True)
+    policy, asynchronous, faults = out.stdout.split()
+    return policy, asynchronous == "True", int(faults)
 
 
 glibc_only = pytest.mark.skipif(host_memory._glibc() is None, reason="the policy is glibc's mallopt; this C library has none")
+PAGES = ROWS * 4 // 4096
 
 
 @glibc_only
-def test_opted_in_freed_block_is_reused_without_page_faults():
-    policy, faults = _in_fresh_interpreter("1")
-    # a fresh mapping of BLOCK bytes faults in BLOCK / 4096 = 65536 pages
-    assert policy == "kept" and faults < 1000
+def test_by_default_a_programs_buffer_is_reused_without_page_faults():
+    policy, asynchronous, faults = _run(None)
+    assert (policy, asynchronous) == ("kept", False) and faults < PAGES // 50
 
 
 @glibc_only
-def test_by_default_the_allocator_is_left_alone():
-    """Without the variable the second block is a fresh mapping that faults in again."""
-    policy, faults = _in_fresh_interpreter(None)
-    assert policy == "default" and faults > BLOCK // 4096 // 2
+def test_switched_off_jax_and_the_allocator_are_left_alone():
+    """The temporary is a fresh mapping on a JAX worker thread that faults in again every run."""
+    policy, asynchronous, faults = _run("0")
+    assert (policy, asynchronous) == ("default", True) and faults > PAGES // 2
+
+
+@glibc_only
+@pytest.mark.parametrize("case", ["jax-first", "async-asked"])
+def test_dispatch_half_needs_jmarl_first_and_respects_the_environment(case):
+    """JAX started before jmarl, or JAX_CPU_ENABLE_ASYNC_DISPATCH=1 in the environment: programs
+    stay on JAX's worker threads (the policy says 'heap only') and the buffer faults in again."""
+    if case == "jax-first":
+        policy, asynchronous, faults = _run(None, order="jax-first")
+    else:
+        policy, asynchronous, faults = _run(None, JAX_CPU_ENABLE_ASYNC_DISPATCH="1")
+    assert (policy, asynchronous) == ("heap-only", True) and faults > PAGES // 2
 
 
 def test_unknown_setting_warns_and_keeps_the_default(monkeypatch):
     monkeypatch.setenv(host_memory.ENV_VAR, "maybe")
-    with pytest.warns(RuntimeWarning, match="JMARL_KEEP_HOST_MEMORY='maybe' is not understood; set it to 1"):
-        assert host_memory.requested() is False
-    for value, expected in (("1", True), ("on", True), ("0", False), ("", False)):
+    with pytest.warns(RuntimeWarning, match="JMARL_KEEP_HOST_MEMORY='maybe' is not understood; set it to 0"):
+        assert host_memory.requested() is True
+    for value, expected in (("1", True), ("on", True), ("", True), ("0", False), ("off", False)):
         monkeypatch.setenv(host_memory.ENV_VAR, value)
         assert host_memory.requested() is expected

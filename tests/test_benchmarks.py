@@ -226,3 +226,30 @@ def test_isolated_part_that_dies_is_recorded():
     rows, errors = run.run_part_isolated("magrpo", "cpu-small", repeats=1, quick=False, peak=1e11)
     assert rows == [] and len(errors) == 1
     assert errors[0]["name"] == "magrpo_iteration_vs_comlrl" and "exited with code 2" in errors[0]["error"]
+
+
+def test_host_memory_summary_by_hand():
+    from benchmarks.host_memory import summarize
+
+    off = [{"time/generate": 0.4, "time/update": 0.8, "time/step": 1.2, "page_faults": 150.0},
+           {"time/generate": 0.5, "time/update": 1.0, "time/step": 1.6, "page_faults": 170.0}]
+    on = [{"time/generate": 0.45, "time/update": 0.6, "time/step": 1.05, "page_faults": 0.0},
+          {"time/generate": 0.45, "time/update": 0.8, "time/step": 1.35, "page_faults": 0.0}]
+    s = summarize(off, on)
+    assert s["time/update"] == pytest.approx({"off": 0.9, "on": 0.7, "on_over_off": 0.7 / 0.9})
+    assert s["time/step"]["on_over_off"] == pytest.approx(1.2 / 1.4)
+    assert s["page_faults"] == {"off": 160.0, "on": 0.0, "on_over_off": 0.0}
+
+
+def test_host_memory_children_run_the_trainer_under_each_setting():
+    """One GRPO iteration of the benchmark trainer on the tiny shape in a fresh process per
+    setting: the child reports the policy it ran under and the trainer's own timings."""
+    from benchmarks.host_memory import FIGURES, run_child
+
+    off, on = run_child("tiny", 1, policy_on=False), run_child("tiny", 1, policy_on=True)
+    from jmarl import host_memory
+
+    assert (off["policy"], on["policy"]) == ("default", "kept" if host_memory._glibc() else "default")
+    for figures in (off, on):
+        assert set(figures) == set(FIGURES) | {"policy"}
+        assert 0 < figures["time/generate"] < figures["time/step"] and 0 < figures["time/update"] < figures["time/step"]

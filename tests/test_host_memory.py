@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jmarl import host_memory
@@ -45,10 +46,13 @@ def _run(keep: str | None, *, order: str = "jmarl-first", **env_extra: str) -> t
 
 
 glibc_only = pytest.mark.skipif(host_memory._glibc() is None, reason="the policy is glibc's mallopt; this C library has none")
+needs_inline_dispatch = pytest.mark.skipif(host_memory.JAX_DISPATCH_FLAG not in jax.config.values,
+                                           reason="this JAX has no jax_cpu_enable_async_dispatch to run programs inline")
 PAGES = ROWS * 4 // 4096
 
 
 @glibc_only
+@needs_inline_dispatch
 def test_by_default_a_programs_buffer_is_reused_without_page_faults():
     policy, asynchronous, faults = _run(None)
     assert (policy, asynchronous) == ("kept", False) and faults < PAGES // 50
@@ -62,6 +66,7 @@ def test_switched_off_jax_and_the_allocator_are_left_alone():
 
 
 @glibc_only
+@needs_inline_dispatch
 @pytest.mark.parametrize("case", ["jax-first", "async-asked"])
 def test_dispatch_half_needs_jmarl_first_and_respects_the_environment(case):
     """JAX started before jmarl, or JAX_CPU_ENABLE_ASYNC_DISPATCH=1 in the environment: programs

@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any, Callable, Iterator
 
 from benchmarks.common import (GROUP_SIZE, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, forward_flops_per_token,
-                               generation_prompts, machine_info, measure_matmul_peak, shared_prefix_train_flops,
-                               timed, versions, write_checkpoint)
+                               generation_prompts, measure_matmul_peak, results_header, shared_prefix_train_flops,
+                               timed, write_checkpoint, write_json)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -222,9 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = measure_matmul_peak()["matmul_peak_flops"]
     bandwidth = measure_memory_bandwidth()
     results: dict[str, Any] = {
-        "command": "python -m benchmarks.bounds " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(), "versions": versions(),
+        **results_header("benchmarks.bounds", argv),
         "matmul_peak_flops": peak, "memory_bytes_per_s": bandwidth, "shapes": {},
     }
     print(f"[machine] matmul peak {peak / 1e9:.0f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s", flush=True)
@@ -233,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         results["shapes"][shape] = figures = run_shape(shape, args.repeats, peak, bandwidth, cpu_results)
         print(f"[{shape}] ({time.perf_counter() - start:.0f} s) " + ", ".join(
             f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

@@ -9,9 +9,12 @@ time separately, the shape and the settings.
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -109,6 +112,23 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def results_header(module: str, argv: list[str] | None) -> dict[str, Any]:
+    """The fields every results JSON of a `python -m <module>` command starts with: the command
+    line, the UTC date, the machine and the library versions."""
+    return {
+        "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(), "versions": versions(),
+    }
+
+
+def write_json(path: str, results: dict[str, Any]) -> None:
+    """Writes a results dict to `path` (its folder made if missing)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def versions() -> dict[str, str]:

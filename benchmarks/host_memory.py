@@ -13,7 +13,6 @@ Writes `benchmarks/results/host_memory.json`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
@@ -23,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from benchmarks.common import machine_info, versions, write_checkpoint
+from benchmarks.common import results_header, write_checkpoint, write_json
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(trainer_figures(args.child, args.steps)))
         return 0
-    results: dict[str, Any] = {
-        "command": "python -m benchmarks.host_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(), "versions": versions(), "shapes": {},
-    }
+    results: dict[str, Any] = {**results_header("benchmarks.host_memory", argv), "shapes": {}}
     for shape in args.shapes.split(","):
         off, on = [], []
         for r in range(args.rounds):
@@ -97,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(off, on)
         results["shapes"][shape] = {"off": off, "on": on, "summary": summary}
         print(f"[{shape}] " + ", ".join(f"{k} {v['off']:.4g} -> {v['on']:.4g}" for k, v in summary.items()), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

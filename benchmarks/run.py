@@ -30,7 +30,7 @@ import tempfile
 import traceback
 from typing import Any, Callable
 
-from benchmarks.common import machine_info, measure_matmul_peak, versions
+from benchmarks.common import machine_info, measure_matmul_peak, versions, write_json
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
@@ -167,10 +167,8 @@ def _path(args) -> str:
 
 
 def _write(args, results: dict[str, Any]) -> str:
-    os.makedirs(args.out_dir, exist_ok=True)
     path = _path(args)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(path, results)
     return path
 
 

@@ -98,7 +98,7 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "jax_devices": [str(d) for d in jax.devices()],
-        "host_memory_policy": host_memory_policy(),  # jmarl.host_memory: both sides share the process
+        "host_memory_policy": host_memory_policy(),  # jmarl.host_memory, in this (jmarl's) process
     }
     try:
         with open("/proc/cpuinfo") as f:

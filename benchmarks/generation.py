@@ -8,8 +8,9 @@ on parity (logits and greedy tokens). Both sides sample at temperature 1 with no
 prompt 64 tokens, 64 new tokens, EOS disabled (HF `min_new_tokens = max_new_tokens`, jmarl
 `stop_tokens=()`), at batch 64 (8 prompts x group 8, the GRPO workload of BENCHMARKS.md; jmarl
 runs the prefill once per distinct prompt, HF once per row) and batch 8 (8 distinct prompts).
-Warm-up runs are excluded (jmarl's compile time is reported separately), then the two sides
-alternate A B A B for `--repeats` pairs (`benchmarks.common.paired_times`). Rows go to
+HF runs in a process of its own, out of the box (`benchmarks.baseline_process`). Warm-up runs are
+excluded (jmarl's compile time is reported separately), then the two sides alternate A B A B for
+`--repeats` pairs (`benchmarks.common.paired_times`). Rows go to
 `benchmarks/results/generation_<shape>.json` (`--quick`: fewer repeats, `_quick` suffix).
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from benchmarks.baseline_process import BaselineProcess
 from benchmarks.common import (NEW_TOKENS, PROMPT_LEN, generation_prompts, make_row, paired_times,
                                write_checkpoint)
 
@@ -53,51 +55,65 @@ def check_parity(config, params, torch_model, prompts: np.ndarray) -> dict[str, 
     return {"max_logit_abs_err": max_err}
 
 
-def bench_shape(shape: str, repeats: int, new_tokens: int, batches: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Paired timings for one model shape; returns the result rows."""
+def hf_generate_runner(checkpoint: str, prompts_file: str, new_tokens: int):
+    """Baseline-process setup: run(seed) -> seconds of one HF `generate` of the rows in
+    `prompts_file` (int32[batch, PROMPT_LEN] .npy) from the checkpoint in `checkpoint`."""
     import torch
+    import transformers
 
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompts = torch.tensor(np.load(prompts_file).astype(np.int64))
+    mask = torch.ones_like(prompts)
+
+    def run(seed: int) -> float:
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=prompts, attention_mask=mask, do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+            )
+        return time.perf_counter() - start
+
+    return run
+
+
+def bench_shape(shape: str, repeats: int, new_tokens: int, batches: tuple[int, ...], *,
+                baseline_host_memory: str = "default") -> list[dict[str, Any]]:
+    """Paired timings for one model shape (HF in a `BaselineProcess`); returns the result rows."""
     from jmarl.models import generate, load_hf
 
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         torch_model = write_checkpoint(shape, directory, tokenizer=False)
         config, params = load_hf(directory)
-    rng = np.random.default_rng(0)
-    for batch in batches:
-        # The GRPO workload at batch 64 (8 distinct prompts x 8), distinct prompts at batch 8.
-        distinct, prompts = generation_prompts(config.vocab_size, batch, rng)
-        mask = np.ones_like(prompts, bool)
-        parity = check_parity(config, params, torch_model, distinct)
-        torch_prompts = torch.tensor(prompts.astype(np.int64))
-        torch_mask = torch.ones_like(torch_prompts)
+        rng = np.random.default_rng(0)
+        for batch in batches:
+            # The GRPO workload at batch 64 (8 distinct prompts x 8), distinct prompts at batch 8.
+            distinct, prompts = generation_prompts(config.vocab_size, batch, rng)
+            mask = np.ones_like(prompts, bool)
+            parity = check_parity(config, params, torch_model, distinct)
+            prompts_file = os.path.join(directory, f"prompts_{batch}.npy")
+            np.save(prompts_file, prompts)
 
-        def run_jmarl(seed: int) -> float:
-            start = time.perf_counter()
-            out = generate(config, params, prompts, mask, jax.random.key(seed), max_new_tokens=new_tokens,
-                           temperature=1.0, stop_tokens=())
-            jax.block_until_ready(out.tokens)
-            return time.perf_counter() - start
+            def run_jmarl(seed: int) -> float:
+                start = time.perf_counter()
+                out = generate(config, params, prompts, mask, jax.random.key(seed), max_new_tokens=new_tokens,
+                               temperature=1.0, stop_tokens=())
+                jax.block_until_ready(out.tokens)
+                return time.perf_counter() - start
 
-        def run_hf(seed: int) -> float:
-            torch.manual_seed(seed)
-            start = time.perf_counter()
-            with torch.no_grad():
-                torch_model.generate(
-                    input_ids=torch_prompts, attention_mask=torch_mask, do_sample=True, temperature=1.0,
-                    top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                )
-            return time.perf_counter() - start
-
-        paired = paired_times(run_jmarl, run_hf, repeats)
-        row = make_row(ROW_NAMES.get(batch, f"generation_batch{batch}_vs_hf_generate"), "new_tokens_per_s", shape,
-                       float(batch * new_tokens), paired, batch=batch, distinct_prompts=len(distinct),
-                       prompt_len=PROMPT_LEN, new_tokens=new_tokens, dtype="float32",
-                       baseline_impl="transformers generate (do_sample, eager torch)", params=config.num_params(),
-                       **parity)
-        rows.append(row)
-        print(f"[{shape} batch {batch}] jmarl {row['jmarl']:.0f} tok/s, HF {row['baseline']:.0f} tok/s, "
-              f"ratio {row['paired_ratio_median']:.2f} (compile {row['jmarl_compile_s']:.1f}s)", flush=True)
+            with BaselineProcess("benchmarks.generation:hf_generate_runner", host_memory=baseline_host_memory,
+                                 checkpoint=directory, prompts_file=prompts_file, new_tokens=new_tokens) as hf:
+                paired = paired_times(run_jmarl, hf.run, repeats)
+            row = make_row(ROW_NAMES.get(batch, f"generation_batch{batch}_vs_hf_generate"), "new_tokens_per_s", shape,
+                           float(batch * new_tokens), paired, batch=batch, distinct_prompts=len(distinct),
+                           prompt_len=PROMPT_LEN, new_tokens=new_tokens, dtype="float32",
+                           baseline_impl="transformers generate (do_sample, eager torch)", params=config.num_params(),
+                           baseline_host_memory=hf.info["host_memory_policy"], **parity)
+            rows.append(row)
+            print(f"[{shape} batch {batch}] jmarl {row['jmarl']:.0f} tok/s, HF {row['baseline']:.0f} tok/s, "
+                  f"ratio {row['paired_ratio_median']:.2f} (compile {row['jmarl_compile_s']:.1f}s)", flush=True)
     return rows
 
 

@@ -16,9 +16,11 @@ likewise takes the old log-probs as the detached current ones; neither side runs
 scoring pass). GRPO: `independent` plan, group 8. MAGRPO: `joint` plan (aligned), two
 per-agent policies stacked in one program.
 
-Pairing: TRL runs `trainer.train()` for warm-up + repeats steps; a callback times each step
-(`on_step_begin` -> `on_step_end`: generation, reward, loss, backward, AdamW) and runs one jmarl
-iteration after it, so the two alternate A B A B; TRL's first step is excluded. CoMLRL: each
+Pairing: each baseline runs in a process of its own, out of the box (`benchmarks.baseline_process`).
+TRL runs `trainer.train()` for warm-up + repeats steps there; a callback waits for the parent's
+run request before each step and reports the step's seconds (`on_step_begin` -> `on_step_end`:
+generation, reward, loss, backward, AdamW) after it, and the parent runs one jmarl iteration
+between TRL steps, so the two alternate A B A B; TRL's first step is excluded. CoMLRL: each
 repeat is one `trainer.train()` over 8 prompts (one epoch: 8 x 2 x 8 completions, one update
 per agent), alternated with one jmarl iteration.
 """
@@ -32,6 +34,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.baseline_process import BaselineProcess, Channel, SelfDriven
 from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, Paired, make_row,
                                timed, write_checkpoint)
 from benchmarks.workload import comlrl_reward, templated_prompts, trl_reward
@@ -74,59 +77,85 @@ def jmarl_runner(trainer) -> Any:
 
 
 def _prepare(shape: str, workdir: str, *, num_agents: int, new_tokens: int):
-    """(checkpoint dir, left-padding HF tokenizer, jmarl iteration runner, its first and warm call seconds)."""
-    import transformers
-
+    """(checkpoint dir, jmarl iteration runner, its first and warm call seconds)."""
     ckpt = os.path.join(workdir, "model")
     write_checkpoint(shape, ckpt)
     trainer = jmarl_trainer(ckpt, os.path.join(workdir, "jmarl"), num_agents=num_agents, new_tokens=new_tokens)
     run_jmarl = jmarl_runner(trainer)
     first, warm = run_jmarl(0), run_jmarl(1)
-    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ckpt, TOKENIZER_SUBDIR))
+    return ckpt, run_jmarl, first, warm
+
+
+def _tokenizer(checkpoint: str):
+    """The checkpoint's char tokenizer, padding on the left (as both PyTorch trainers need)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(checkpoint, TOKENIZER_SUBDIR))
     tok.padding_side = "left"
-    return ckpt, tok, run_jmarl, first, warm
+    return tok
 
 
-def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
-    """The `grpo_iteration_vs_trl` row."""
+def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int) -> SelfDriven:
+    """Baseline-process setup: TRL's `GRPOTrainer` for `steps` steps on the benchmark task; each
+    step (`on_step_begin` -> `on_step_end`: generation, reward, loss, backward, AdamW) waits for a
+    run request and replies with its seconds."""
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    with tempfile.TemporaryDirectory() as d:
-        ckpt, tok, run_jmarl, first, warm = _prepare(shape, d, num_agents=1, new_tokens=new_tokens)
-        steps = repeats + 1
-        prompts = templated_prompts(tok, range(NUM_PROMPTS * steps))
-        args = GRPOConfig(
-            output_dir=os.path.join(d, "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False, beta=0.0,
-            loss_type="grpo", num_generations=GROUP_SIZE, per_device_train_batch_size=NUM_PROMPTS * GROUP_SIZE,
-            gradient_accumulation_steps=1, max_completion_length=new_tokens,
-            generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
-            learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
-            max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-            seed=0, dataloader_num_workers=0,
-        )
-        times = {"trl": [], "jmarl": []}
+    tok = _tokenizer(checkpoint)
+    args = GRPOConfig(
+        output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, beta=0.0,
+        loss_type="grpo", num_generations=GROUP_SIZE, per_device_train_batch_size=NUM_PROMPTS * GROUP_SIZE,
+        gradient_accumulation_steps=1, max_completion_length=new_tokens,
+        generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
+        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        seed=0, dataloader_num_workers=0,
+    )
 
+    def serve(channel: Channel) -> None:
         class Pair(transformers.TrainerCallback):
             def on_step_begin(self, *a, **k):
+                channel.next_run()
                 self.start = time.perf_counter()
 
             def on_step_end(self, *a, **k):
-                times["trl"].append(time.perf_counter() - self.start)
-                times["jmarl"].append(run_jmarl(len(times["jmarl"]) + 2))
+                channel.reply(time.perf_counter() - self.start)
 
-        trl = GRPOTrainer(model=ckpt, reward_funcs=[trl_reward], args=args, processing_class=tok,
+        prompts = templated_prompts(tok, range(NUM_PROMPTS * steps))
+        trl = GRPOTrainer(model=checkpoint, reward_funcs=[trl_reward], args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Pair()])
         trl.train()
-    paired = Paired(jmarl=times["jmarl"][1:], baseline=times["trl"][1:], jmarl_first_s=first, jmarl_warm_s=warm,
-                    baseline_first_s=times["trl"][0])
+
+    return SelfDriven(serve)
+
+
+def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS,
+                      baseline_host_memory: str = "default") -> dict[str, Any]:
+    """The `grpo_iteration_vs_trl` row (TRL in a `BaselineProcess`; its first step is the warm-up)."""
+    with tempfile.TemporaryDirectory() as d:
+        ckpt, run_jmarl, first, warm = _prepare(shape, d, num_agents=1, new_tokens=new_tokens)
+        with BaselineProcess("benchmarks.iteration:trl_trainer", host_memory=baseline_host_memory, checkpoint=ckpt,
+                             output_dir=os.path.join(d, "trl"), steps=repeats + 1, new_tokens=new_tokens) as trl:
+            paired = _pair(run_jmarl, trl.run, repeats, first, warm)
     completions = float(NUM_PROMPTS * GROUP_SIZE)
     row = make_row("grpo_iteration_vs_trl", "completions_per_s", shape, completions, paired,
                    completions_per_iteration=completions, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
-                   group_size=GROUP_SIZE, baseline_impl="trl.GRPOTrainer (eager torch, HF generate)")
+                   group_size=GROUP_SIZE, baseline_impl="trl.GRPOTrainer (eager torch, HF generate)",
+                   baseline_host_memory=trl.info["host_memory_policy"])
     _report(row)
     return row
+
+
+def _pair(run_jmarl, run_baseline, repeats: int, first: float, warm: float) -> Paired:
+    """The baseline's warm-up run, then A B A B (jmarl's warm-up ran in `_prepare`)."""
+    base_first = run_baseline(0)
+    a, b = [], []
+    for r in range(repeats):
+        a.append(run_jmarl(100 + r))
+        b.append(run_baseline(100 + r))
+    return Paired(jmarl=a, baseline=b, jmarl_first_s=first, jmarl_warm_s=warm, baseline_first_s=base_first)
 
 
 def _report(row: dict[str, Any]) -> None:
@@ -134,47 +163,54 @@ def _report(row: dict[str, Any]) -> None:
           f"ratio {row['paired_ratio_median']:.2f} (jmarl compile {row['jmarl_compile_s']:.0f}s)", flush=True)
 
 
-def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
-    """The `magrpo_iteration_vs_comlrl` row (completions of both agents per second)."""
+def comlrl_runner(checkpoint: str, new_tokens: int):
+    """Baseline-process setup: run(i) -> seconds of one CoMLRL `MAGRPOTrainer.train()` over 8 new
+    prompts (one epoch: 8 x 2 x 8 completions, one update per agent), two agents on the checkpoint."""
     import transformers
     from comlrl.trainers.reinforce.magrpo import MAGRPOConfig, MAGRPOTrainer
     from datasets import Dataset
 
+    tok = _tokenizer(checkpoint)
+    args = MAGRPOConfig(
+        num_train_epochs=1, agent_learning_rate=LR, num_agents=2, num_generations=GROUP_SIZE,
+        max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_turns=1,
+        early_termination_threshold=None, eval_interval=0, eval_num_samples=0,
+        rollout_buffer_size=NUM_PROMPTS, train_batch_size=NUM_PROMPTS, logging_steps=1,
+    )
+    models = [transformers.AutoModelForCausalLM.from_pretrained(checkpoint) for _ in range(2)]
+    seed_base = [0]
+
+    def run(i: int) -> float:
+        seeds = range(seed_base[0], seed_base[0] + NUM_PROMPTS)
+        seed_base[0] += NUM_PROMPTS
+        data = Dataset.from_dict({"prompt": templated_prompts(tok, seeds)})
+        baseline = MAGRPOTrainer(agents=models, num_agents=2, tokenizer=tok, train_dataset=data,
+                                 reward_func=comlrl_reward, args=args)
+        baseline.verbose = False
+        start = time.perf_counter()
+        baseline.train(min_new_tokens=new_tokens)
+        seconds = time.perf_counter() - start
+        del baseline, data
+        gc.collect()  # untimed: this side builds a trainer per iteration; free it before the next
+        return seconds
+
+    return run
+
+
+def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS,
+                           baseline_host_memory: str = "default") -> dict[str, Any]:
+    """The `magrpo_iteration_vs_comlrl` row (completions of both agents per second; CoMLRL in a
+    `BaselineProcess`)."""
     with tempfile.TemporaryDirectory() as d:
-        ckpt, tok, run_jmarl, first, warm = _prepare(shape, d, num_agents=2, new_tokens=new_tokens)
-        args = MAGRPOConfig(
-            num_train_epochs=1, agent_learning_rate=LR, num_agents=2, num_generations=GROUP_SIZE,
-            max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_turns=1,
-            early_termination_threshold=None, eval_interval=0, eval_num_samples=0,
-            rollout_buffer_size=NUM_PROMPTS, train_batch_size=NUM_PROMPTS, logging_steps=1,
-        )
-        models = [transformers.AutoModelForCausalLM.from_pretrained(ckpt) for _ in range(2)]
-        seed_base = [0]
-
-        def run_comlrl(i: int) -> float:
-            seeds = range(seed_base[0], seed_base[0] + NUM_PROMPTS)
-            seed_base[0] += NUM_PROMPTS
-            data = Dataset.from_dict({"prompt": templated_prompts(tok, seeds)})
-            baseline = MAGRPOTrainer(agents=models, num_agents=2, tokenizer=tok, train_dataset=data,
-                                     reward_func=comlrl_reward, args=args)
-            baseline.verbose = False
-            start = time.perf_counter()
-            baseline.train(min_new_tokens=new_tokens)
-            seconds = time.perf_counter() - start
-            del baseline, data
-            gc.collect()  # untimed: this side builds a trainer per iteration; free it before jmarl's turn
-            return seconds
-
-        base_first = run_comlrl(0)
-        a, b = [], []
-        for r in range(repeats):
-            a.append(run_jmarl(100 + r))
-            b.append(run_comlrl(100 + r))
-    paired = Paired(jmarl=a, baseline=b, jmarl_first_s=first, jmarl_warm_s=warm, baseline_first_s=base_first)
+        ckpt, run_jmarl, first, warm = _prepare(shape, d, num_agents=2, new_tokens=new_tokens)
+        with BaselineProcess("benchmarks.iteration:comlrl_runner", host_memory=baseline_host_memory, checkpoint=ckpt,
+                             new_tokens=new_tokens) as comlrl:
+            paired = _pair(run_jmarl, comlrl.run, repeats, first, warm)
     completions = float(2 * NUM_PROMPTS * GROUP_SIZE)
     row = make_row("magrpo_iteration_vs_comlrl", "completions_per_s", shape, completions, paired,
                    completions_per_iteration=completions, agents=2, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
-                   group_size=GROUP_SIZE, baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)")
+                   group_size=GROUP_SIZE, baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)",
+                   baseline_host_memory=comlrl.info["host_memory_policy"])
     _report(row)
     return row
 

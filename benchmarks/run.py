@@ -14,8 +14,11 @@ after warm-up, compile time separately). A full run then rewrites the README tab
 Each shape is gated on parity first (`benchmarks.parity`): if jmarl and PyTorch disagree, that
 shape reports no figures (its failure is recorded under `errors`). Each part (train step,
 generation, GRPO, MAGRPO) of each shape then runs in a fresh Python process of its own, so one
-benchmark's leftovers cannot slow the next. A benchmark that raises (or whose process dies) is
-recorded under `errors` too and the suite goes on.
+benchmark's leftovers cannot slow the next; inside it, the PyTorch side runs in a process of its
+own again (`benchmarks.baseline_process`), out of the box, while jmarl's side runs under jmarl's
+host memory policy; the two still alternate A B A B. `--baseline-host-memory jmarl` gives the
+PyTorch side that policy too (results to `<suite>_baseline_jmarl_memory.json`, README untouched).
+A benchmark that raises (or whose process dies) is recorded under `errors` too and the suite goes on.
 """
 
 from __future__ import annotations
@@ -65,29 +68,33 @@ PART_ERROR_NAMES = {"train_step": "train_step", "generation": "generation",
                     "grpo": "grpo_iteration_vs_trl", "magrpo": "magrpo_iteration_vs_comlrl"}
 
 
-def run_part(part: str, shape: str, repeats: int, quick: bool, peak: float) -> list[dict]:
-    """The rows of one part of the CPU suite on one (parity-gated) shape, in this process."""
+def run_part(part: str, shape: str, repeats: int, quick: bool, peak: float,
+             baseline_host_memory: str = "default") -> list[dict]:
+    """The rows of one part of the CPU suite on one (parity-gated) shape, jmarl's side in this
+    process (its PyTorch side in a `benchmarks.baseline_process` of its own)."""
     new_tokens = 16 if quick else 64
+    memory = {"baseline_host_memory": baseline_host_memory}
     if part == "train_step":
         from benchmarks.train_step import bench_train_step
 
-        return bench_train_step(shape, repeats, peak_flops=peak, **(dict(rows=16) if quick else {}))
+        return bench_train_step(shape, repeats, peak_flops=peak, **memory, **(dict(rows=16) if quick else {}))
     if part == "generation":
         from benchmarks import generation
 
-        return generation.bench_shape(shape, repeats, new_tokens, batches=(64, 8))
+        return generation.bench_shape(shape, repeats, new_tokens, batches=(64, 8), **memory)
     if part == "grpo":
         from benchmarks.iteration import bench_grpo_vs_trl
 
-        return [bench_grpo_vs_trl(shape, repeats, new_tokens=new_tokens)]
+        return [bench_grpo_vs_trl(shape, repeats, new_tokens=new_tokens, **memory)]
     if part == "magrpo":
         from benchmarks.iteration import bench_magrpo_vs_comlrl
 
-        return [bench_magrpo_vs_comlrl(shape, repeats, new_tokens=new_tokens)]
+        return [bench_magrpo_vs_comlrl(shape, repeats, new_tokens=new_tokens, **memory)]
     raise ValueError(f"unknown part {part!r}; choose from {CPU_PARTS}")
 
 
-def run_part_isolated(part: str, shape: str, repeats: int, quick: bool, peak: float) -> tuple[list[dict], list[dict]]:
+def run_part_isolated(part: str, shape: str, repeats: int, quick: bool, peak: float,
+                      baseline_host_memory: str = "default") -> tuple[list[dict], list[dict]]:
     """(rows, errors) of `run_part` run in a fresh Python process.
 
     Each part gets its own process so that what one benchmark leaves behind (a baseline's
@@ -100,7 +107,8 @@ def run_part_isolated(part: str, shape: str, repeats: int, quick: bool, peak: fl
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "part.json")
         cmd = [sys.executable, "-m", "benchmarks.run", "--suite", "cpu", "--part", part, "--shapes", shape,
-               "--repeats", str(repeats), "--peak-flops", repr(peak), "--part-out", out] + (["--quick"] if quick else [])
+               "--repeats", str(repeats), "--peak-flops", repr(peak), "--part-out", out,
+               "--baseline-host-memory", baseline_host_memory] + (["--quick"] if quick else [])
         code = subprocess.run(cmd, cwd=REPO_ROOT).returncode
         if not os.path.exists(out):
             return [], [{"name": name, "size": shape, "error": f"benchmark process exited with code {code} and no results"}]
@@ -122,7 +130,8 @@ def run_cpu(args, results: dict[str, Any]) -> None:
         print(f"[parity {shape}] {parity}", flush=True)
         for part in CPU_PARTS:
             if part in args.only:
-                part_rows, part_errors = run_part_isolated(part, shape, args.repeats, args.quick, peak)
+                part_rows, part_errors = run_part_isolated(part, shape, args.repeats, args.quick, peak,
+                                                           args.baseline_host_memory)
                 rows.extend(part_rows)
                 errors.extend(part_errors)
                 _write(args, results)  # partial results survive a later crash
@@ -133,7 +142,8 @@ def part_main(args) -> int:
     errors: list[dict] = []
     shape = args.shapes[0]
     rows = _attempt(errors, PART_ERROR_NAMES[args.part], shape,
-                    lambda: run_part(args.part, shape, args.repeats, args.quick, args.peak_flops)) or []
+                    lambda: run_part(args.part, shape, args.repeats, args.quick, args.peak_flops,
+                                     args.baseline_host_memory)) or []
     with open(args.part_out, "w") as f:
         json.dump({"rows": rows, "errors": errors}, f)
     return 0
@@ -163,7 +173,8 @@ def run_gpu(args, results: dict[str, Any]) -> None:
 
 
 def _path(args) -> str:
-    return os.path.join(args.out_dir, f"{args.suite}{'_quick' if args.quick else ''}.json")
+    memory = "" if args.baseline_host_memory == "default" else f"_baseline_{args.baseline_host_memory}_memory"
+    return os.path.join(args.out_dir, f"{args.suite}{'_quick' if args.quick else ''}{memory}.json")
 
 
 def _write(args, results: dict[str, Any]) -> str:
@@ -183,6 +194,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--readme", default=README, help="README whose table is rewritten after a full run")
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("--allow-cpu", action="store_true", help="gpu suite: run the tiny shape on the CPU")
+    parser.add_argument("--baseline-host-memory", choices=["default", "jmarl"], default="default",
+                        help="cpu suite: the PyTorch side's allocator: glibc's defaults, as its users run it "
+                             "(default), or jmarl's host memory policy (jmarl.host_memory)")
     # internal: the child process of `run_part_isolated` (one part, one shape, rows to a file)
     parser.add_argument("--part", choices=CPU_PARTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
@@ -244,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_gpu if args.suite == "gpu" else run_cpu)(args, results)
     path = _write(args, results)
     print(f"wrote {path}")
-    if not args.quick and not args.no_readme:
+    if not args.quick and not args.no_readme and args.baseline_host_memory == "default":
         from benchmarks.table import update_readme
 
         try:

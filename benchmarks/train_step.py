@@ -12,7 +12,8 @@ layout (`jmarl.train.shared_prefix`: each group's prompt runs through the model 
 times; same log-probs, loss and gradients, which the parity gate checks against PyTorch) and
 `jmarl.algos.grpo.loss` with `jmarl.train.optim.make_optimizer`, jitted with the state donated. PyTorch runs the minimal step: HF forward, log-softmax gather, the same loss,
 `backward`, `clip_grad_norm_`, `torch.optim.AdamW.step`, `zero_grad`; once eager and once with
-the loss function (forward + loss; backward through AOTAutograd) under `torch.compile`.
+the loss function (forward + loss; backward through AOTAutograd) under `torch.compile`, each in a
+process of its own, out of the box (`benchmarks.baseline_process`).
 Tokens/s counts every token of the batch (prompt and completion go through forward and
 backward); model FLOP/s = tokens/s x `train_flops_per_token` (the dense count: what the same
 step costs without prompt sharing, as PyTorch runs it). `jmarl_executed_flops` counts what jmarl
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import tempfile
+from benchmarks.baseline_process import BaselineProcess
 from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, make_row, paired_times,
                                shared_prefix_train_flops, timed, train_flops_per_token, write_checkpoint)
 from benchmarks.parity import GrpoBatch, check_parity, jmarl_loss_fn, make_batch, torch_batch, torch_loss_of
@@ -73,15 +75,36 @@ def torch_step(torch_model, batch: GrpoBatch, *, compile: bool):
     return lambda i: timed(once)
 
 
+def torch_step_runner(checkpoint: str, rows: int, prompt_len: int, new_tokens: int, mode: str):
+    """Baseline-process setup: `torch_step` of the checkpoint in `checkpoint` on the benchmark
+    batch (`make_batch(vocab, rows, prompt_len, new_tokens, group_size=GROUP_SIZE)`, seed 0: the
+    batch jmarl's side builds), eager or compiled (`mode`)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    batch = make_batch(model.config.vocab_size, rows, prompt_len, new_tokens, group_size=GROUP_SIZE)
+    return torch_step(model, batch, compile=(mode == "compile"))
+
+
 def bench_train_step(shape: str, repeats: int, *, peak_flops: float | None = None, rows: int = NUM_PROMPTS * GROUP_SIZE,
-                     prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS, modes=("eager", "compile")) -> list[dict]:
-    """Paired jmarl vs PyTorch train-step rows for `shape` (gated on parity)."""
+                     prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS, modes=("eager", "compile"),
+                     baseline_host_memory: str = "default") -> list[dict]:
+    """Paired jmarl vs PyTorch train-step rows for `shape` (gated on parity; PyTorch in a
+    `BaselineProcess` per mode)."""
+    with tempfile.TemporaryDirectory() as d:
+        return _bench_train_step(shape, d, repeats, peak_flops, rows, prompt_len, new_tokens, modes,
+                                 baseline_host_memory)
+
+
+def _bench_train_step(shape: str, checkpoint: str, repeats: int, peak_flops: float | None, rows: int, prompt_len: int,
+                      new_tokens: int, modes, baseline_host_memory: str) -> list[dict]:
     from jmarl.models import load_hf
 
-    with tempfile.TemporaryDirectory() as d:
-        torch_model = write_checkpoint(shape, d, tokenizer=False)
-        config, params = load_hf(d)
+    torch_model = write_checkpoint(shape, checkpoint, tokenizer=False)
+    config, params = load_hf(checkpoint)
     parity = check_parity(torch_model, config, params, prompt_len=min(prompt_len, 64), new_tokens=min(new_tokens, 64))
+    del torch_model
     batch = make_batch(config.vocab_size, rows, prompt_len, new_tokens, group_size=GROUP_SIZE)
     tokens = float(batch.tokens.size)
     flops_per_token = train_flops_per_token(shape, prompt_len + new_tokens)
@@ -91,11 +114,14 @@ def bench_train_step(shape: str, repeats: int, *, peak_flops: float | None = Non
     run_jmarl, _ = jmarl_step(config, params, batch)
     out = []
     for mode in modes:
-        run_torch = torch_step(torch_model, batch, compile=(mode == "compile"))
-        paired = paired_times(run_jmarl, run_torch, repeats, warmup=2 if mode == "compile" else 1)
+        with BaselineProcess("benchmarks.train_step:torch_step_runner", host_memory=baseline_host_memory,
+                             checkpoint=checkpoint, rows=rows, prompt_len=prompt_len, new_tokens=new_tokens,
+                             mode=mode) as torch_side:
+            paired = paired_times(run_jmarl, torch_side.run, repeats, warmup=2 if mode == "compile" else 1)
         row = make_row(f"train_step_vs_torch_{mode}", "train_tokens_per_s", shape, tokens, paired,
                        batch=rows, seq_len=prompt_len + new_tokens, dtype="float32",
                        baseline_impl=f"transformers model + minimal GRPO step, torch {mode}",
+                       baseline_host_memory=torch_side.info["host_memory_policy"],
                        params=config.num_params(), flops_per_token=flops_per_token, **parity)
         if out:  # jmarl compiled in the first comparison; later ones reuse the program
             row["jmarl_compile_s"] = out[0]["jmarl_compile_s"]

@@ -257,3 +257,53 @@ def test_host_memory_children_run_the_trainer_under_each_setting():
     for figures in (off, on):
         assert set(figures) == set(FIGURES) | {"policy"}
         assert 0 < figures["time/generate"] < figures["time/step"] and 0 < figures["time/update"] < figures["time/step"]
+
+
+def test_baseline_process_answers_each_run_in_order():
+    from benchmarks.baseline_process import BaselineProcess
+
+    with BaselineProcess("tests._baseline_setups:half_of_index") as child:
+        assert child.info["host_memory_policy"] == "default"  # out of the box: glibc's defaults
+        assert [child.run(i) for i in (0, 1, 7)] == [0.0, 0.5, 3.5]
+
+
+def test_baseline_process_serves_a_self_driven_loop_and_says_when_it_ran_out():
+    from benchmarks.baseline_process import BaselineError, BaselineProcess
+
+    with BaselineProcess("tests._baseline_setups:loop_of", steps=2) as child:
+        assert [child.run(10), child.run(11)] == [0.0, 1.0]
+        with pytest.raises(BaselineError, match="loop_of ran out of steps"):
+            child.run(12)
+
+
+def test_baseline_process_failures_come_back_as_errors():
+    from benchmarks.baseline_process import BaselineError, BaselineProcess
+
+    with pytest.raises(BaselineError, match="ValueError: no weights here"):
+        BaselineProcess("tests._baseline_setups:failing_setup", message="no weights here")
+    with pytest.raises(BaselineError, match="no_such_setup"):
+        BaselineProcess("tests._baseline_setups:no_such_setup")
+    with pytest.raises(BaselineError, match="exited with code -6"):  # the child dies (SIGABRT)
+        BaselineProcess("os:abort")
+    with pytest.raises(ValueError, match="host_memory='kept'"):
+        BaselineProcess("tests._baseline_setups:half_of_index", host_memory="kept")
+
+
+def test_baseline_process_runs_hf_generate_under_either_allocator(tiny_checkpoint, tmp_path):
+    """The generation baseline in its own process: out of the box, or under jmarl's policy."""
+    import jax
+
+    from benchmarks.baseline_process import BaselineProcess
+    from jmarl import host_memory
+
+    _, config, _, d = tiny_checkpoint
+    prompts = np.random.default_rng(0).integers(3, config.vocab_size, (2, common.PROMPT_LEN)).astype(np.int32)
+    np.save(tmp_path / "prompts.npy", prompts)
+    inline = host_memory.JAX_DISPATCH_FLAG in jax.config.values
+    expected = {"default": "default", "jmarl": ("kept" if inline else "heap only") if host_memory._glibc() else "default"}
+    for setting, policy in expected.items():
+        with BaselineProcess("benchmarks.generation:hf_generate_runner", host_memory=setting, checkpoint=str(d),
+                             prompts_file=str(tmp_path / "prompts.npy"), new_tokens=4) as hf:
+            assert hf.info["host_memory_policy"] == policy
+            assert hf.info["pid"] != __import__("os").getpid()
+            assert all(0 < hf.run(seed) < 60 for seed in (0, 1))

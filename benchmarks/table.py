@@ -108,6 +108,11 @@ def render_table(results: dict[str, Any]) -> str:
         lines.append(f"| `{err.get('name', '?')}` | {err.get('size', '-')} | not reported: {err.get('error', '?')} | | | | | |")
     lines += ["", "Ranges in brackets: min-max over the repeats (jmarl vs baseline). Compile / warm-up time is in the JSON "
               "(`jmarl_compile_s`, `baseline_first_call_s`), not in these figures."]
+    policies = sorted({row["baseline_host_memory"] for row in results.get("rows", []) if "baseline_host_memory" in row})
+    if policies:
+        lines[-1] += (f" The PyTorch side ran in a process of its own, host memory policy {', '.join(policies)}"
+                      f"{' (glibc defaults, as its users run it)' if policies == ['default'] else ''}; jmarl's side "
+                      f"{machine.get('host_memory_policy', '?')}.")
     return "\n".join(lines)
 
 

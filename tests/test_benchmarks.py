@@ -150,6 +150,19 @@ def test_table_generator_replaces_only_between_markers(tmp_path):
     assert readme.read_text() == text
 
 
+def test_table_says_where_the_baseline_ran():
+    row = {"name": "generation_vs_hf_generate", "metric": "new_tokens_per_s", "size": "cpu-small", "jmarl": 1.0,
+           "baseline": 1.0, "ratio": 1.0, "paired_ratio_median": 1.0}
+    results = _results([row])
+    assert "process of its own" not in table.render_table(results)  # older results: no record, no claim
+    results["machine"]["host_memory_policy"] = "kept"
+    row["baseline_host_memory"] = "default"
+    assert ("process of its own, host memory policy default (glibc defaults, as its users run it); jmarl's side kept"
+            in table.render_table(results))
+    row["baseline_host_memory"] = "kept"
+    assert "policy kept; jmarl's side kept" in table.render_table(results)
+
+
 def test_table_generator_requires_the_markers(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# no markers\n")

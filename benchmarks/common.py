@@ -156,13 +156,17 @@ class Paired:
 
 
 def paired_times(run_jmarl: Callable[[int], float], run_baseline: Callable[[int], float], repeats: int,
-                 *, warmup: int = 1) -> Paired:
+                 *, warmup: int = 1, jmarl_warmed: tuple[float, float] | None = None) -> Paired:
     """Times both sides: each callable gets a repeat index and returns its own seconds (so it can
-    exclude setup). One compile call + `warmup` runs of each side first, then A B A B."""
-    first = run_jmarl(0)
-    warm = run_jmarl(1)
-    for w in range(warmup - 1):
-        run_jmarl(2 + w)
+    exclude setup). One compile call + `warmup` runs of each side first, then A B A B.
+    `jmarl_warmed`: jmarl's side already ran its compile call and one warm run (their seconds)."""
+    if jmarl_warmed is None:
+        first = run_jmarl(0)
+        warm = run_jmarl(1)
+        for w in range(warmup - 1):
+            run_jmarl(2 + w)
+    else:
+        first, warm = jmarl_warmed
     base_first = run_baseline(0)
     for w in range(warmup - 1):
         run_baseline(1 + w)

@@ -35,8 +35,8 @@ import time
 from typing import Any
 
 from benchmarks.baseline_process import BaselineProcess, Channel, SelfDriven
-from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, Paired, make_row,
-                               timed, write_checkpoint)
+from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, make_row,
+                               paired_times, timed, write_checkpoint)
 from benchmarks.workload import comlrl_reward, templated_prompts, trl_reward
 
 
@@ -138,7 +138,7 @@ def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS,
         ckpt, run_jmarl, first, warm = _prepare(shape, d, num_agents=1, new_tokens=new_tokens)
         with BaselineProcess("benchmarks.iteration:trl_trainer", host_memory=baseline_host_memory, checkpoint=ckpt,
                              output_dir=os.path.join(d, "trl"), steps=repeats + 1, new_tokens=new_tokens) as trl:
-            paired = _pair(run_jmarl, trl.run, repeats, first, warm)
+            paired = paired_times(run_jmarl, trl.run, repeats, jmarl_warmed=(first, warm))
     completions = float(NUM_PROMPTS * GROUP_SIZE)
     row = make_row("grpo_iteration_vs_trl", "completions_per_s", shape, completions, paired,
                    completions_per_iteration=completions, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
@@ -146,16 +146,6 @@ def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS,
                    baseline_host_memory=trl.info["host_memory_policy"])
     _report(row)
     return row
-
-
-def _pair(run_jmarl, run_baseline, repeats: int, first: float, warm: float) -> Paired:
-    """The baseline's warm-up run, then A B A B (jmarl's warm-up ran in `_prepare`)."""
-    base_first = run_baseline(0)
-    a, b = [], []
-    for r in range(repeats):
-        a.append(run_jmarl(100 + r))
-        b.append(run_baseline(100 + r))
-    return Paired(jmarl=a, baseline=b, jmarl_first_s=first, jmarl_warm_s=warm, baseline_first_s=base_first)
 
 
 def _report(row: dict[str, Any]) -> None:
@@ -205,7 +195,7 @@ def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TO
         ckpt, run_jmarl, first, warm = _prepare(shape, d, num_agents=2, new_tokens=new_tokens)
         with BaselineProcess("benchmarks.iteration:comlrl_runner", host_memory=baseline_host_memory, checkpoint=ckpt,
                              new_tokens=new_tokens) as comlrl:
-            paired = _pair(run_jmarl, comlrl.run, repeats, first, warm)
+            paired = paired_times(run_jmarl, comlrl.run, repeats, jmarl_warmed=(first, warm))
     completions = float(2 * NUM_PROMPTS * GROUP_SIZE)
     row = make_row("magrpo_iteration_vs_comlrl", "completions_per_s", shape, completions, paired,
                    completions_per_iteration=completions, agents=2, prompt_len=PROMPT_LEN, new_tokens=new_tokens,

@@ -117,6 +117,21 @@ def _results(rows):
             "rows": rows, "errors": [{"name": "magrpo_iteration_vs_comlrl", "size": "cpu-small", "error": "boom"}]}
 
 
+def test_paired_times_alternates_after_the_warm_up():
+    calls = []
+
+    def side(name, seconds):
+        return lambda i: calls.append((name, i)) or seconds
+
+    paired = common.paired_times(side("j", 1.0), side("b", 2.0), 2)
+    assert calls == [("j", 0), ("j", 1), ("b", 0), ("j", 100), ("b", 100), ("j", 101), ("b", 101)]
+    assert (paired.jmarl, paired.baseline) == ([1.0, 1.0], [2.0, 2.0])
+    calls.clear()  # jmarl's side warmed up already (the trainer benchmarks): only the baseline warms up
+    paired = common.paired_times(side("j", 1.0), side("b", 2.0), 2, jmarl_warmed=(5.0, 1.5))
+    assert calls == [("b", 0), ("j", 100), ("b", 100), ("j", 101), ("b", 101)]
+    assert (paired.jmarl_first_s, paired.jmarl_warm_s, paired.baseline_first_s) == (5.0, 1.5, 2.0)
+
+
 def test_table_generator_replaces_only_between_markers(tmp_path):
     rows = [
         {"name": "train_step_vs_torch_eager", "metric": "train_tokens_per_s", "size": "cpu-small", "jmarl": 9000.0,

@@ -316,6 +316,34 @@ def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):
     np.testing.assert_allclose(np.asarray(a.logprobs)[order], np.asarray(b.logprobs), atol=1e-5)
 
 
+@pytest.mark.parametrize("n_new", [N_NEW, N_NEW + 1])  # blocks of 6 + 5 and 6 + 6 generated slots
+def test_two_phase_decode_equals_one_phase(qwen2, monkeypatch, n_new):
+    """The decode loop in two phases over two cache blocks gives the same tokens and log-probs
+    as one phase over one cache: grouped prompts (shared prompt cache) and distinct prompts, with
+    rows that stop in the first phase, and stacked policies."""
+    _, config, params, _ = qwen2
+    t, m = _prompts([5, 2, 7], 8, seed=6)
+    grouped = (np.repeat(t, 4, axis=0), np.repeat(m, 4, axis=0))
+    kw = dict(max_new_tokens=n_new, temperature=0.9, stop_tokens=tuple(range(5, 25)))
+
+    def run(two_phases_from):
+        monkeypatch.setattr(sampler_mod, "TWO_PHASES_FROM", two_phases_from)
+        out = [generate(config, params, tokens, mask, jax.random.key(3), **kw) for tokens, mask in (grouped, (t, m))]
+        stacked_params = jax.tree.map(lambda a: jnp.stack([a, a * 1.01]), params)
+        out.append(generate_stacked(config, stacked_params, np.stack([t, t]), np.stack([m, m]), jax.random.key(4), **kw))
+        return out
+
+    assert sampler_mod.first_phase_slots(n_new - 1) == 0  # the default: one phase at these lengths
+    one, two = run(10**9), run(4)
+    assert sampler_mod.first_phase_slots(n_new - 1) == 6
+    for a, b in zip(one, two):
+        for field in ("tokens", "mask", "lengths"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)))
+        np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
+    lengths = np.asarray(one[0].lengths)
+    assert lengths.min() <= 6 < lengths.max()  # some rows stop in the first phase, some run into the second
+
+
 @pytest.mark.parametrize("use_dot", [True, False])
 def test_prefixed_cached_attention_equals_one_softmax_over_prompt_and_own_keys(use_dot):
     """Both implementations (matrix products; CPU multiply-sum) equal a NumPy softmax over the

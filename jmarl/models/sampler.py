@@ -16,6 +16,8 @@ group's prompt once, not G times) and the per-row cache holds only the generated
 otherwise they are copied to every row of the group. Each decode step runs the layers as an
 unrolled loop over per-layer cache buffers (updated in place) and per-layer parameter slices taken once
 before the loop (this holds one extra copy of the layer weights while generating).
+From 32 generated slots on, the decode loop runs in two phases over two cache blocks: the
+first half of the steps attends to the first block only (`first_phase_slots`).
 Sampling draws one uniform per row and inverts the CDF (top-k/top-p applied to the weights
 first), which is much cheaper on CPU than a Gumbel variate per vocabulary entry.
 
@@ -138,6 +140,24 @@ def inverse_cdf_sample(weights: jax.Array, uniform: jax.Array, block: int = 256)
     return chosen * block + jnp.minimum(entry, last_positive)
 
 
+TWO_PHASES_FROM = 32  # generated slots from which the decode loop runs in two phases
+
+
+def first_phase_slots(gen_slots: int) -> int:
+    """Generated slots of the first phase of the decode loop: half of them (rounded up) from
+    TWO_PHASES_FROM slots on, else 0 (one phase). The steps of the first half then attend to
+    half the slots, so the loop reads about 3/4 of what one phase over every slot reads."""
+    return -(-gen_slots // 2) if gen_slots >= TWO_PHASES_FROM else 0
+
+
+def _slots(cache: KVCache, start: int, stop: int) -> KVCache:
+    """Cache slots [start, stop) of every layer (the cache itself when that is all of it)."""
+    if start == 0 and stop == cache.capacity:
+        return cache
+    return KVCache(keys=tuple(k[..., start:stop] for k in cache.keys),
+                   values=tuple(v[..., start:stop, :] for v in cache.values))
+
+
 def _generate_one(
     config: ModelConfig,
     params: Params,
@@ -157,6 +177,7 @@ def _generate_one(
     pad_id: int,
     policy_axis: str | None = None,
     group_size: int = 1,
+    half: int = 0,
 ) -> tuple[Generation, KVCache]:
     """Prefill + while-loop decode for left-aligned prompts tokens/mask [U,S] (one policy);
     row b of the batch continues prompt rows[b] (rows None: U = B, row b continues prompt b).
@@ -168,8 +189,12 @@ def _generate_one(
     batch continue prompt u (rows is None); the prompts' keys/values stay in a [U, ...] cache of
     their own that each group's rows share, and `cache` holds only the generated tokens.
 
+    half > 0: the decode loop runs in two phases, the first over `half` generated slots
+    (`first_phase_slots`).
+
     Returns (Generation, final cache); the cache is returned so that the donated input buffer
-    is updated in place instead of copied."""
+    is updated in place instead of copied (when the loop runs in two phases the generated
+    tokens' keys/values live in the phases' blocks and the returned cache holds the prompt's)."""
     prompt_tokens, prompt_mask = tokens, mask.astype(bool)
     if group_size > 1:
         mask = jnp.repeat(prompt_mask, group_size, axis=0)
@@ -200,41 +225,57 @@ def _generate_one(
     else:
         logits, cache = prefill(config, params, prompt_tokens, prompt_mask, cache, rows)
     layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
-    gen_slots = cache.capacity if prefix is not None else cache.capacity - s  # slots of generated tokens
+    base = 0 if prefix is not None else s  # cache slots before the generated tokens' (the prompt's)
+    gen_slots = cache.capacity - base
     not_done = jnp.zeros((b,), bool)
     token, logprob, done = choose(logits, 0, not_done)
     out_tokens = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token)
     out_logprobs = jnp.zeros((b, n), jnp.float32).at[:, 0].set(logprob)
     lengths = jnp.ones((b,), jnp.int32)
 
-    def cond(carry):
-        step, _, _, done, *_ = carry
-        running = jnp.sum(~done)
-        if policy_axis is not None:
-            running = jax.lax.psum(running, policy_axis)
-        return (step < n) & (running > 0)
+    # Step t (1 .. n-1) writes its keys/values to cache slot base + t - 1. In two phases
+    # (`first_phase_slots`), phase 1 writes the first `half` generated slots to a block of its own
+    # (with the prompt's slots before them) and attends to that block only; phase 2 writes the
+    # rest to a second block and reads both.
+    ends = [half, gen_slots] if half else [gen_slots]
+    starts = [0, base + half] if half else [0]  # cache slot of each block's first slot
+    blocks = [_slots(cache, start, base + end) for start, end in zip(starts, ends)]
+    earlier = None
+    carry = (jnp.int32(1), token, done, out_tokens, out_logprobs, lengths)
+    for block, start, end in zip(blocks, starts, ends):
 
-    def body(carry):
-        step, cache, token, done, out_tokens, out_logprobs, lengths = carry
-        generated = jnp.broadcast_to(jnp.arange(gen_slots)[None, :] < step, (b, gen_slots))
-        if prefix is None:
-            key_mask = jnp.concatenate([mask, generated], axis=1)  # [B, S + N - 1]
-            logits, cache = decode_step(
-                config, params, cache, token, prompt_len + step - 1, s + step - 1, key_mask, layers
-            )
-        else:  # the cache holds the generated tokens only; the prompts sit in `prefix`
-            logits, cache = decode_step(
-                config, params, cache, token, prompt_len + step - 1, step - 1, generated, layers,
-                prefix=prefix, prefix_mask=prompt_mask,
-            )
-        lengths = lengths + (~done).astype(jnp.int32)
-        token, logprob, done = choose(logits, step, done)
-        out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, step))
-        out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, logprob[:, None], (0, step))
-        return step + 1, cache, token, done, out_tokens, out_logprobs, lengths
+        def cond(carry, end=end):
+            step, done = carry[0], carry[3]
+            running = jnp.sum(~done)
+            if policy_axis is not None:
+                running = jax.lax.psum(running, policy_axis)
+            return (step <= end) & (step < n) & (running > 0)
 
-    carry = (jnp.int32(1), cache, token, done, out_tokens, out_logprobs, lengths)
-    _, cache, _, _, out_tokens, out_logprobs, lengths = jax.lax.while_loop(cond, body, carry)
+        def body(carry, start=start, end=end, earlier=earlier):
+            step, block, token, done, out_tokens, out_logprobs, lengths = carry
+            generated = jnp.broadcast_to(jnp.arange(end)[None, :] < step, (b, end))  # this phase's and earlier slots
+            if prefix is None:
+                key_mask = jnp.concatenate([mask, generated], axis=1)  # [B, S + end]
+                logits, block = decode_step(
+                    config, params, block, token, prompt_len + step - 1, base + step - 1 - start, key_mask, layers,
+                    earlier=earlier,
+                )
+            else:  # the cache holds the generated tokens only; the prompts sit in `prefix`
+                logits, block = decode_step(
+                    config, params, block, token, prompt_len + step - 1, step - 1 - start, generated, layers,
+                    prefix=prefix, prefix_mask=prompt_mask, earlier=earlier,
+                )
+            lengths = lengths + (~done).astype(jnp.int32)
+            token, logprob, done = choose(logits, step, done)
+            out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, step))
+            out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, logprob[:, None], (0, step))
+            return step + 1, block, token, done, out_tokens, out_logprobs, lengths
+
+        step, earlier, *rest = jax.lax.while_loop(cond, body, carry[:1] + (block,) + carry[1:])
+        carry = (step, *rest)
+    _, _, _, out_tokens, out_logprobs, lengths = carry
+    if not half:
+        cache = earlier  # the donated buffer, updated in place
     out_mask = jnp.arange(n)[None, :] < lengths[:, None]
     generation = Generation(tokens=out_tokens, logprobs=out_logprobs, mask=out_mask, lengths=lengths)
     return generation, cache
@@ -251,12 +292,13 @@ def _program(
     stop_tokens: tuple[int, ...],
     pad_id: int,
     group_size: int = 1,
+    half: int = 0,
 ):
     """The jitted generation program for one set of static settings (cache donated)."""
     core = functools.partial(
         _generate_one, config, max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
         use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id, policy_axis="policy" if stacked else None,
-        group_size=group_size,
+        group_size=group_size, half=half,
     )
 
     def program(params, cache, tokens, mask, rows, rng, temperature, top_p):
@@ -386,6 +428,7 @@ def _run(
     program = _program(
         config, stacked, int(max_new_tokens), greedy, int(top_k), float(top_p) < 1.0,
         tuple(int(t) for t in stop_tokens), int(pad_id), group,
+        first_phase_slots(capacity - (0 if group > 1 else length)),
     )
     cache = _empty_cache(config, batch_shape, capacity)
     temp = jnp.float32(1.0 if greedy else temperature)

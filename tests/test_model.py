@@ -12,8 +12,9 @@ import transformers
 
 from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
 from jmarl.errors import JmarlError
-from jmarl.models import (ModelConfig, apply, init, load_hf, param_shapes, prefix_token_logprobs, save_hf,
-                          token_logprobs)
+from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill, prefix_token_logprobs,
+                          save_hf, token_logprobs)
+from jmarl.models.model import bind
 from jmarl.models.hf import read_safetensors, write_safetensors
 
 VARIANTS = [
@@ -89,6 +90,34 @@ def test_apply_matches_pytorch_on_right_and_left_padding(variant):
     out = np.asarray(jax.jit(apply, static_argnums=0)(variant["config"], variant["params"], tokens, mask))
     assert out.shape == (B, T, VOCAB_SIZE) and out.dtype == np.float32
     assert np.abs(out - ref)[mask].max() < 1e-4
+
+
+def test_prefill_runs_the_last_layer_for_the_last_slot_only(variant):
+    """A prefill's last layer computes keys/values for every slot but its attention output and
+    MLP for the last slot alone: the logits still equal PyTorch's at the last slot, and the cache
+    holds the same keys/values as a full forward pass."""
+    config, params = variant["config"], variant["params"]
+    tokens, mask = _batch(2)
+    tokens, mask = np.roll(tokens, -1, axis=1), np.roll(mask, -1, axis=1)  # row 1 right-padded
+    mask[:, -1], tokens[:, -1] = True, 5  # ... now every row's last slot is a real token
+    with torch.no_grad():
+        ref = _torch_logits(variant["torch"], tokens, mask)[:, -1].numpy()
+    one_layer = {**params, "layers": jax.tree.map(lambda a: a[:1], params["layers"])}
+    for cfg, p in ((config, params), (config.replace(num_layers=1), one_layer), (config.replace(remat=True), params)):
+        logits, cache = jax.jit(prefill, static_argnums=0)(cfg, p, tokens, mask, init_cache(cfg, B, T + 2))
+        _, (keys, values) = bind(cfg, p).hidden(jnp.asarray(tokens), jnp.asarray(mask), return_kv=True)
+        assert len(cache.keys) == cfg.num_layers
+        for i in range(cfg.num_layers):
+            np.testing.assert_allclose(cache.keys[i][..., :T], keys[i].transpose(0, 2, 3, 1), atol=1e-5)
+            np.testing.assert_allclose(cache.values[i][:, :, :T], values[i].swapaxes(1, 2), atol=1e-5)
+        if cfg.num_layers == config.num_layers:
+            assert np.abs(np.asarray(logits) - ref).max() < 1e-4
+    # Outside the scan over layers 0..L-2, the products that read the MLP's intermediate
+    # activations (down, and o when H x hd = its width) have B rows (the last slot), not B x T.
+    jaxpr = jax.make_jaxpr(lambda p: prefill(config, p, tokens, mask, init_cache(config, B, T + 2)))(params)
+    rows = [e.outvars[0].aval.shape[0] for e in jaxpr.jaxpr.eqns
+            if e.primitive.name == "dot_general" and e.invars[0].aval.shape[-1] == config.intermediate_size]
+    assert rows and set(rows) == {B}
 
 
 def test_token_logprobs_and_gradient_match_pytorch(variant):

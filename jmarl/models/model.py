@@ -118,8 +118,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, aux = attend(q, k, v)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), aux
+        out, aux = attend(q, k, v)  # out [B, T', H, hd]: T' = T, or fewer (the last) queries
+        return self.o_proj(out.reshape(b, out.shape[1], self.num_heads * self.head_dim)), aux
 
 
 class MLP(nnx.Module):
@@ -145,9 +145,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(c, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn):
-        """x [B,T,D] -> (x [B,T,D], aux from `attend`)."""
+        """x [B,T,D] -> (x [B,T',D], aux from `attend`). T' = T unless `attend` answers only the
+        last T' queries (a prefill's last layer): the rest of the layer then runs on those only."""
         h, aux = self.attn(self.attn_norm(x), cos, sin, attend)
-        x = x + h
+        x = x[:, x.shape[1] - h.shape[1]:] + h
         return x + self.mlp(self.mlp_norm(x)), aux
 
 
@@ -187,9 +188,13 @@ class Transformer(nnx.Module):
         return jnp.dot(h.astype(dtype), self.head_kernel(), preferred_element_type=jnp.float32)
 
     def hidden(
-        self, tokens: jax.Array, attention_mask: jax.Array, *, return_kv: bool = False
+        self, tokens: jax.Array, attention_mask: jax.Array, *, return_kv: bool = False, last_only: bool = False
     ) -> tuple[jax.Array, Any]:
-        """tokens/mask [B,T] -> (final-normed hidden [B,T,D], (keys, values) [L,B,T,KV,hd] or None)."""
+        """tokens/mask [B,T] -> (final-normed hidden [B,T,D], (keys, values) [L,B,T,KV,hd] or None).
+
+        last_only: the hidden state of the last slot only, [B,1,D] (a prefill). The last layer
+        then computes its keys and values for every slot but its attention, output projection
+        and MLP for the last slot alone, which is all that slot depends on."""
         c = self.config
         positions = positions_from_mask(attention_mask)
         cos, sin = rope_tables(c, positions)
@@ -199,6 +204,9 @@ class Transformer(nnx.Module):
         def attend(q, k, v):
             return masked_attention(q, k, v, allowed), ((k, v) if return_kv else None)
 
+        def attend_last(q, k, v):
+            return masked_attention(q[:, -1:], k, v, allowed[:, -1:]), ((k, v) if return_kv else None)
+
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(x, state):
@@ -207,7 +215,14 @@ class Transformer(nnx.Module):
         if c.remat:
             body = jax.checkpoint(body, prevent_cse=False)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        x, kv = jax.lax.scan(body, self.embed(tokens), layer_state, unroll=unroll)
+        if not last_only:
+            x, kv = jax.lax.scan(body, self.embed(tokens), layer_state, unroll=unroll)
+            return self.final_norm(x), kv
+        first = jax.tree.map(lambda a: a[:-1], layer_state)
+        x, kv = jax.lax.scan(body, self.embed(tokens), first, unroll=unroll)
+        x, kv_last = nnx.merge(layer_def, jax.tree.map(lambda a: a[-1], layer_state))(x, cos, sin, attend_last)
+        if return_kv:
+            kv = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), kv, kv_last)
         return self.final_norm(x), kv
 
     def hidden_prefixed(
@@ -460,7 +475,7 @@ def prefill(
     left-padded so every row's last real token sits in slot S-1. Without `rows`, U = B; with
     rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once)."""
     model = bind(config, params)
-    h, (keys, values) = model.hidden(tokens, attention_mask, return_kv=True)
+    h, (keys, values) = model.hidden(tokens, attention_mask, return_kv=True, last_only=True)
     h = h[:, -1]
     if rows is not None:
         keys, values, h = keys[:, rows], values[:, rows], h[rows]

@@ -14,11 +14,15 @@ For each shape, median seconds over `--repeats` runs after a compile call:
   (`attention_ablated`; the prompt keys are still gathered per row): `attention_share` = 1 -
   ablated / full. `rest_flops` = the step's executed FLOPs without attention over the ablated
   time, against the matmul peak.
-- Generation, batch 64 (8 prompts x 8) and batch 8, 64 new tokens (`jmarl.models.generate`), and
+- Generation, batch 64 (8 prompts x 8) and batch 8, 64 new tokens (`jmarl.models.generate`);
+  `prefill`: the same call with one new token (the prompts' prefill, which HF runs too); and
   `decode_matmul_floor`: a jitted 64-step loop of only the decode step's matrix products (per
   layer q, k, v, o, gate, up, down; the LM head) at the same rows and weights: what generation
   would take if nothing but those products ran. `weight_read_floor`: 64 steps x the fp32 weight
-  bytes / `memory_bytes_per_s` (each decode step reads every weight once).
+  bytes / `memory_bytes_per_s` (each decode step reads every weight once). `generation_bN_floor_s`
+  = prefill + decode_matmul_floor: what the row would take if the decode loop were its products;
+  where `benchmarks/results/cpu.json` has HF's figure for the row, `generation_bN_ratio_at_floor`
+  = HF's seconds over that floor, the best ratio those products allow.
 - GRPO iteration (`benchmarks.iteration.jmarl_trainer`, one agent): the trainer's own
   `time/generate` and `time/update`, and where `benchmarks/results/cpu.json` has TRL's figure for
   the shape, the seconds per iteration that 2x TRL needs.
@@ -138,8 +142,14 @@ def decode_matmul_floor(config, params, rows: int, steps: int = NEW_TOKENS) -> C
     return lambda: jax.block_until_ready(loop(x0))
 
 
-def bound_generation(shape: str, config, params, repeats: int, bandwidth: float) -> dict[str, float]:
-    """Generation seconds at batch 64 and 8 beside the product-only and weight-read floors."""
+GENERATION_ROWS = {64: "generation_vs_hf_generate", 8: "generation_small_batch_vs_hf_generate"}
+
+
+def bound_generation(
+    shape: str, config, params, repeats: int, bandwidth: float, cpu_results: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Generation seconds at batch 64 and 8 beside the product-only and weight-read floors; where
+    `cpu_results` has HF's figure for the row, the ratio over HF that the floor would give."""
     import jax
     import numpy as np
 
@@ -155,17 +165,25 @@ def bound_generation(shape: str, config, params, repeats: int, bandwidth: float)
         _, prompts = generation_prompts(config.vocab_size, batch, rng)
         mask = np.ones_like(prompts, bool)
 
-        def run() -> None:
-            g = generate(config, params, prompts, mask, jax.random.key(0), max_new_tokens=NEW_TOKENS,
+        def run(new_tokens: int = NEW_TOKENS) -> None:
+            g = generate(config, params, prompts, mask, jax.random.key(0), max_new_tokens=new_tokens,
                          temperature=1.0, stop_tokens=())
             jax.block_until_ready(g.tokens)
 
         gen_s = median_seconds(run, repeats)
+        prefill_s = median_seconds(lambda: run(1), repeats)
         floor_s = median_seconds(decode_matmul_floor(config, params, batch), repeats)
         out[f"generation_b{batch}_s"] = gen_s
+        out[f"prefill_b{batch}_s"] = prefill_s
         out[f"decode_matmul_floor_b{batch}_s"] = floor_s
         out[f"decode_matmul_floor_b{batch}_flops"] = NEW_TOKENS * batch * forward_flops_per_token(shape, 0) / floor_s
         out[f"generation_b{batch}_over_floor"] = gen_s / floor_s
+        out[f"generation_b{batch}_floor_s"] = prefill_s + floor_s
+        for row in (cpu_results or {}).get("rows", []):
+            if row.get("name") == GENERATION_ROWS[batch] and row.get("size") == shape:
+                hf_s = batch * NEW_TOKENS / row["baseline"]
+                out[f"hf_generate_b{batch}_s"] = hf_s
+                out[f"generation_b{batch}_ratio_at_floor"] = hf_s / (prefill_s + floor_s)
     out["weight_bytes"] = weight_bytes
     out["weight_read_floor_s"] = NEW_TOKENS * weight_bytes / bandwidth
     return out
@@ -203,7 +221,7 @@ def run_shape(shape: str, repeats: int, peak: float, bandwidth: float, cpu_resul
         config, params = load_hf(d)
     out: dict[str, Any] = {"params": config.num_params()}
     out.update(bound_train_step(shape, config, params, repeats, peak))
-    out.update(bound_generation(shape, config, params, repeats, bandwidth))
+    out.update(bound_generation(shape, config, params, repeats, bandwidth, cpu_results))
     out.update(bound_grpo_iteration(shape, repeats, cpu_results))
     return out
 

@@ -236,6 +236,22 @@ def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
         assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)
 
 
+def test_generation_bounds_add_the_prefill_and_compare_the_floor_with_hf(tiny_checkpoint):
+    """Each batch's floor is the prefill (a one-token generation) plus the product-only loop, and
+    the best ratio those allow is HF's seconds, read from a results row, over that floor."""
+    from benchmarks import bounds
+
+    _, config, params, _ = tiny_checkpoint
+    hf_rows = [{"name": "generation_small_batch_vs_hf_generate", "size": "tiny", "baseline": 8 * 64 / 2.0}]
+    out = bounds.bound_generation("tiny", config, params, repeats=1, bandwidth=1e10, cpu_results={"rows": hf_rows})
+    for b in (64, 8):
+        assert 0 < out[f"prefill_b{b}_s"] < out[f"generation_b{b}_s"]
+        assert out[f"generation_b{b}_floor_s"] == out[f"prefill_b{b}_s"] + out[f"decode_matmul_floor_b{b}_s"]
+    assert out["hf_generate_b8_s"] == 2.0
+    assert out["generation_b8_ratio_at_floor"] == 2.0 / out["generation_b8_floor_s"]
+    assert "hf_generate_b64_s" not in out  # no HF row for batch 64 in these results
+
+
 def test_isolated_part_hands_back_its_failure():
     """A part runs in a child process; what it raises comes back as an error row of that part."""
     from benchmarks import run

@@ -193,6 +193,22 @@ def test_gpu_suite_refuses_without_an_accelerator(capsys):
     assert "no GPU/TPU backend" in capsys.readouterr().err
 
 
+def test_gpu_suite_code_path_runs_on_the_cpu_with_allow_cpu(tmp_path):
+    """`--allow-cpu` runs the accelerator suite's code path (parity gate, train-step MFU,
+    generation) on the tiny shape, so that it is exercised here, where no accelerator is lent."""
+    import json
+
+    from benchmarks import run
+
+    assert run.main(["--suite", "gpu", "--allow-cpu", "--no-readme", "--repeats", "5", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    assert results["errors"] == [] and results["parity"]
+    rows = {r["name"]: r for r in results["rows"]}
+    assert set(rows) == {"train_step_mfu", "generation_new_tokens_per_s"}
+    assert rows["train_step_mfu"]["jmarl"] > 0 and 0 < rows["train_step_mfu"]["mfu"] < 1
+    assert rows["generation_new_tokens_per_s"]["jmarl"] > 0
+
+
 def test_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint):
     """`benchmarks.bounds.attention_ablated` changes what a freshly traced loss computes (so the
     ablated step really runs without attention) and restores the model afterwards."""

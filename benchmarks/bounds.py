@@ -183,7 +183,7 @@ def bound_generation(
             if row.get("name") == GENERATION_ROWS[batch] and row.get("size") == shape:
                 hf_s = batch * NEW_TOKENS / row["baseline"]
                 out[f"hf_generate_b{batch}_s"] = hf_s
-                out[f"generation_b{batch}_ratio_at_floor"] = hf_s / (prefill_s + floor_s)
+                out[f"generation_b{batch}_ratio_at_floor"] = hf_s / out[f"generation_b{batch}_floor_s"]
     out["weight_bytes"] = weight_bytes
     out["weight_read_floor_s"] = NEW_TOKENS * weight_bytes / bandwidth
     return out

@@ -14,6 +14,13 @@ For each shape, median seconds over `--repeats` runs after a compile call:
   (`attention_ablated`; the prompt keys are still gathered per row): `attention_share` = 1 -
   ablated / full. `rest_flops` = the step's executed FLOPs without attention over the ablated
   time, against the matmul peak.
+- Train-step products: every matrix product (`dot_general`) the step runs (`matrix_products`:
+  read from the traced update, a product inside a scan counted once per iteration), timed alone
+  in a jitted program that runs each the same number of times on random operands and nothing
+  else (`products_floor`; batched products with their batch dims leading, `floor_operands`): the
+  dense layers' products and attention's batched products (per row and head) separately. `train_products_floor_s` = their sum: what the step
+  would take if nothing but its products ran; `train_step_floor_executed_fraction` = the
+  executed FLOPs over that floor, against the peak: the most the products allow.
 - Generation, batch 64 (8 prompts x 8) and batch 8, 64 new tokens (`jmarl.models.generate`);
   `prefill`: the same call with one new token (the prompts' prefill, which HF runs too); and
   `decode_matmul_floor`: a jitted 64-step loop of only the decode step's matrix products (per
@@ -31,8 +38,11 @@ For each shape, median seconds over `--repeats` runs after a compile call:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -89,11 +99,17 @@ def attention_ablated() -> Iterator[None]:
 def bound_train_step(shape: str, config, params, repeats: int, peak: float) -> dict[str, float]:
     """Train-step seconds with and without attention, and what the rest executes (see module doc)."""
     from benchmarks.parity import make_batch
-    from benchmarks.train_step import jmarl_step
+    from benchmarks.train_step import jmarl_step, jmarl_update
 
     batch = make_batch(config.vocab_size, NUM_PROMPTS * GROUP_SIZE, PROMPT_LEN, NEW_TOKENS, group_size=GROUP_SIZE)
     full, _ = jmarl_step(config, params, batch)
     full_s = median_seconds(lambda: full(0), repeats)
+    update, state, device_batch = jmarl_update(config, params, batch)
+    products = matrix_products(update, state, None, device_batch)
+    dense = [p for p in products if not p.batched]
+    attention = [p for p in products if p.batched]
+    dense_s = median_seconds(products_floor(dense), repeats)
+    attention_s = median_seconds(products_floor(attention), repeats) if attention else 0.0
     with attention_ablated():
         ablated, _ = jmarl_step(config, params, batch)
         ablated(0)  # compiled with the stand-in
@@ -110,7 +126,135 @@ def bound_train_step(shape: str, config, params, repeats: int, peak: float) -> d
         "train_step_executed_fraction_of_peak": executed / full_s / peak,
         "rest_flops": without_attention / ablated_s,
         "rest_fraction_of_peak": without_attention / ablated_s / peak,
+        "train_products_flops_per_step": sum(p.flops * p.count for p in products),
+        "train_dense_products_s": dense_s,
+        "train_dense_products_fraction_of_peak": sum(p.flops * p.count for p in dense) / dense_s / peak,
+        "train_attention_products_s": attention_s,
+        "train_attention_products_fraction_of_peak":
+            sum(p.flops * p.count for p in attention) / attention_s / peak if attention else 0.0,
+        "train_products_floor_s": dense_s + attention_s,
+        "train_step_over_products_floor": full_s / (dense_s + attention_s),
+        "train_step_floor_executed_fraction": executed / (dense_s + attention_s) / peak,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One matrix-product signature of a traced function: operand shapes, `jax.lax.dot_general`
+    dimension numbers ((lhs contracting, rhs contracting), (lhs batch, rhs batch)), dtype, and how
+    many times one call of the function runs it."""
+
+    lhs: tuple[int, ...]
+    rhs: tuple[int, ...]
+    dimension_numbers: tuple
+    dtype: str
+    count: int
+
+    @property
+    def batched(self) -> bool:
+        """Whether the product has batch dimensions (attention's per-row, per-head products)."""
+        return bool(self.dimension_numbers[1][0])
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of one run: 2 x every lhs element x the rhs's free (not contracted, not batch) dims."""
+        (_, rhs_contracting), (_, rhs_batch) = self.dimension_numbers
+        free = [n for i, n in enumerate(self.rhs) if i not in rhs_contracting and i not in rhs_batch]
+        return 2.0 * math.prod(self.lhs) * math.prod(free)
+
+    def as_batched_matmul(self) -> tuple[int, int, int, int]:
+        """(batch, m, k, n): the product as a batch of [m, k] x [k, n] matrix products (the batch,
+        free and contracted dims each flattened; batch 1 without batch dims)."""
+        (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = self.dimension_numbers
+        batch = math.prod(self.lhs[i] for i in lhs_batch)
+        k = math.prod(self.lhs[i] for i in lhs_contracting)
+        m = math.prod(n for i, n in enumerate(self.lhs) if i not in lhs_contracting and i not in lhs_batch)
+        n = math.prod(d for i, d in enumerate(self.rhs) if i not in rhs_contracting and i not in rhs_batch)
+        return batch, m, k, n
+
+
+def matrix_products(fn: Callable[..., Any], *args: Any) -> list[Product]:
+    """Every `dot_general` that fn(*args) runs, one `Product` per signature, in first-seen order.
+    Nested jaxprs (jit, remat, custom derivatives, scans) are walked; a product inside a scan of
+    length n counts n times. Raises ValueError on a while loop or a cond (their run counts are not
+    known from the trace)."""
+    import jax
+
+    counts: collections.Counter = collections.Counter()
+
+    def walk(jaxpr, times: int) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "dot_general":
+                lhs, rhs = (v.aval for v in eqn.invars[:2])
+                key = (tuple(lhs.shape), tuple(rhs.shape), eqn.params["dimension_numbers"], str(lhs.dtype))
+                counts[key] += times
+                continue
+            if name in ("while", "cond"):
+                raise ValueError(f"matrix_products: a {name} in the traced function; its run count is unknown")
+            inner = times * eqn.params["length"] if name == "scan" else times
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+    return [Product(lhs, rhs, dims, dtype, n) for (lhs, rhs, dims, dtype), n in counts.items()]
+
+
+BATCHED_MATMUL = (((2,), (1,)), ((0,), (0,)))  # [b, m, k] x [b, k, n] -> [b, m, n]
+
+
+def floor_operands(p: Product) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
+    """(lhs shape, rhs shape, dimension numbers) a floor runs `p` as: a product without batch dims
+    as the traced function wrote it (XLA reads either operand transposed in place); a batched one
+    as [batch, m, k] x [batch, k, n], batch dims leading, so that the floor times the products and
+    not the copies XLA adds to bring scattered batch dims to the front (in the traced program the
+    operands' producers write them in the layout the product needs)."""
+    if not p.batched:
+        return p.lhs, p.rhs, p.dimension_numbers
+    batch, m, k, n = p.as_batched_matmul()
+    return (batch, m, k), (batch, k, n), BATCHED_MATMUL
+
+
+def floor_inputs(products: list[Product], seed: int = 0) -> list[tuple[Any, Any]]:
+    """The random normal (lhs, rhs) pair, in `floor_operands`' shapes, that `products_floor` runs
+    each product on."""
+    import jax
+
+    keys = jax.random.split(jax.random.key(seed), 2 * max(len(products), 1))
+    pairs = []
+    for i, p in enumerate(products):
+        lhs, rhs, _ = floor_operands(p)
+        pairs.append((jax.random.normal(keys[2 * i], lhs, p.dtype), jax.random.normal(keys[2 * i + 1], rhs, p.dtype)))
+    return pairs
+
+
+def products_floor(products: list[Product], seed: int = 0) -> Callable[[], Any]:
+    """run() -> the outputs of a jitted program that runs each product `count` times
+    (`floor_operands`' form, same FLOPs) on random operands and nothing else. Each run writes one
+    element of the previous output (through tanh; the first run: 0) into its lhs's first element,
+    so no run can be hoisted out of its loop or merged with another."""
+    import jax
+    import jax.numpy as jnp
+
+    forms = [floor_operands(p) for p in products]
+    operands = floor_inputs(products, seed)
+
+    def repeated(count: int, dims: tuple, a: jax.Array, b: jax.Array) -> jax.Array:
+        def body(_, carry):
+            a, out = carry
+            first = jnp.tanh(out.reshape(-1)[:1]).astype(a.dtype).reshape((1,) * a.ndim)
+            a = jax.lax.dynamic_update_slice(a, first, (0,) * a.ndim)
+            return a, jax.lax.dot_general(a, b, dims)
+
+        out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), a, b)
+        return jax.lax.fori_loop(0, count, body, (a, jnp.zeros(out.shape, out.dtype)))[1]
+
+    program = jax.jit(lambda ops: [repeated(p.count, dims, a, b)
+                                   for p, (_, _, dims), (a, b) in zip(products, forms, ops)])
+    return lambda: jax.block_until_ready(program(operands))
 
 
 def decode_matmul_floor(config, params, rows: int, steps: int = NEW_TOKENS) -> Callable[[], Any]:

@@ -224,8 +224,11 @@ def train_flops_per_token(shape: str, seq_len: int) -> float:
 def shared_prefix_train_flops(shape: str, prefixes: int, prefix_len: int, rows: int, cont_len: int) -> float:
     """FLOPs one shared-prefix train step executes: `prefixes` x `prefix_len` prompt tokens (keys:
     the prompt) plus `rows` x `cont_len` completion tokens (keys: prompt + completion), each at
-    `train_flops_per_token`'s per-token count."""
-    return (prefixes * prefix_len * train_flops_per_token(shape, prefix_len)
+    `train_flops_per_token`'s per-token count, less the LM head for the prompt tokens (no log-prob
+    is read at a prompt position, so the shared-prefix layout never runs the head there)."""
+    s = SHAPES[shape]
+    head = 6.0 * s["hidden_size"] * s["vocab_size"]
+    return (prefixes * prefix_len * (train_flops_per_token(shape, prefix_len) - head)
             + rows * cont_len * train_flops_per_token(shape, prefix_len + cont_len))
 
 

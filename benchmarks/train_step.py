@@ -32,18 +32,30 @@ from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_L
 from benchmarks.parity import GrpoBatch, check_parity, jmarl_loss_fn, make_batch, torch_batch, torch_loss_of
 
 
-def jmarl_step(config, params, batch: GrpoBatch):
-    """(run(i) -> seconds, state holder): one jitted GRPO update per call, state donated."""
+def jmarl_update(config, params, batch: GrpoBatch):
+    """(update, state, device batch): the benchmark's GRPO update, not jitted (update(state, None,
+    device_batch) -> (state, metrics)), a fresh train state and the shared-prefix batch on device."""
     import jax
     import jax.numpy as jnp
 
     from jmarl.train.optim import make_optimizer
-    from jmarl.train.step import init_train_state, jit_update, make_update
+    from jmarl.train.step import init_train_state, make_update
 
     optimizer = make_optimizer(LR, total_steps=10**6, weight_decay=0.01, grad_clip=1.0)
-    update = jit_update(make_update(jmarl_loss_fn(config), optimizer))
-    holder = {"state": init_train_state(jax.tree.map(jnp.array, params), optimizer)}
+    state = init_train_state(jax.tree.map(jnp.array, params), optimizer)
     device_batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.shared_prefix().items()})
+    return make_update(jmarl_loss_fn(config), optimizer), state, device_batch
+
+
+def jmarl_step(config, params, batch: GrpoBatch):
+    """(run(i) -> seconds, state holder): one jitted GRPO update per call, state donated."""
+    import jax
+
+    from jmarl.train.step import jit_update
+
+    plain, state, device_batch = jmarl_update(config, params, batch)
+    update = jit_update(plain)
+    holder = {"state": state}
 
     def once() -> None:
         holder["state"], metrics = update(holder["state"], None, device_batch)

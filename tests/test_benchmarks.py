@@ -84,8 +84,9 @@ def test_flops_per_token_by_hand():
 
 
 def test_shared_prefix_flops_by_hand():
-    # 2 prompts of 3 tokens (keys: 3), 4 completions of 5 tokens (keys: 3 + 5)
-    expected = 2 * 3 * common.train_flops_per_token("tiny", 3) + 4 * 5 * common.train_flops_per_token("tiny", 8)
+    # 2 prompts of 3 tokens (keys: 3; no LM head: 6 x 32 x 128 less), 4 completions of 5 tokens (keys: 3 + 5)
+    expected = (2 * 3 * (common.train_flops_per_token("tiny", 3) - 6 * 32 * 128)
+                + 4 * 5 * common.train_flops_per_token("tiny", 8))
     assert common.shared_prefix_train_flops("tiny", 2, 3, 4, 5) == expected
     # without sharing (one prompt per row) the prompt tokens cost 4/2 times as much
     assert common.shared_prefix_train_flops("tiny", 4, 3, 4, 5) > expected
@@ -367,3 +368,80 @@ def test_baseline_process_runs_hf_generate_under_either_allocator(tiny_checkpoin
             assert hf.info["host_memory_policy"] == policy
             assert hf.info["pid"] != __import__("os").getpid()
             assert all(0 < hf.run(seed) < 60 for seed in (0, 1))
+
+
+def test_matrix_products_counts_each_signature_and_every_scan_iteration():
+    """Hand-worked: a plain product once, one inside a scan of 3 (and a nested jit), a batched
+    einsum once; FLOPs and the batched-matmul view by hand. A while loop is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bounds
+
+    def f(x, w, m, q, k):
+        y = x @ w  # [4,3] x [3,5]
+
+        @jax.jit
+        def body(c, _):
+            return jnp.tanh(c @ m), None  # [4,5] x [5,5]
+
+        y, _ = jax.lax.scan(body, y, None, length=3)
+        scores = jnp.einsum("bqd,bkd->bqk", q, k)  # batch 2: [6,4] x [7,4]^T
+        return y.sum() + scores.sum()
+
+    shapes = [(4, 3), (3, 5), (5, 5), (2, 6, 4), (2, 7, 4)]
+    products = bounds.matrix_products(f, *[jnp.ones(s, jnp.float32) for s in shapes])
+    assert [(p.lhs, p.rhs, p.count, p.batched) for p in products] == [
+        ((4, 3), (3, 5), 1, False), ((4, 5), (5, 5), 3, False), ((2, 6, 4), (2, 7, 4), 1, True)]
+    assert [p.flops for p in products] == [2 * 4 * 3 * 5, 2 * 4 * 5 * 5, 2 * 2 * 6 * 4 * 7]
+    assert [p.as_batched_matmul() for p in products] == [(1, 4, 3, 5), (1, 4, 5, 5), (2, 6, 4, 7)]
+    assert products[2].dimension_numbers == (((2,), (2,)), ((0,), (0,)))
+
+    def looped(x, w):
+        return jax.lax.while_loop(lambda c: c.sum() < 10.0, lambda c: c @ w, x)
+
+    with pytest.raises(ValueError, match="while"):
+        bounds.matrix_products(looped, jnp.ones((2, 2)), jnp.ones((2, 2)))
+
+
+def test_products_floor_runs_each_product_count_times_as_numpy_does():
+    """The floor program's outputs equal a NumPy loop of the same recurrence (each run writes
+    tanh of the previous output's first element into the lhs's first element, then multiplies),
+    so every run happens; a batched product runs as [b, m, k] x [b, k, n]."""
+    from benchmarks import bounds
+
+    plain = bounds.Product((4, 3), (5, 3), (((1,), (1,)), ((), ())), "float32", 3)  # x @ w^T, as written
+    batched = bounds.Product((6, 2, 4), (2, 7, 4), (((2,), (2,)), ((1,), (0,))), "float32", 2)
+    assert bounds.floor_operands(batched) == ((2, 6, 4), (2, 4, 7), bounds.BATCHED_MATMUL)
+    products = [plain, batched]
+    got = bounds.products_floor(products, seed=3)()
+    for p, (a, b), out in zip(products, bounds.floor_inputs(products, seed=3), got):
+        a, b = np.array(a, np.float64), np.array(b, np.float64)
+        want = None
+        for _ in range(p.count):
+            a.flat[0] = 0.0 if want is None else np.tanh(want.flat[0])
+            want = a @ b.T if not p.batched else np.einsum("bmk,bkn->bmn", a, b)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_train_step_bounds_count_the_benchmark_steps_products(tiny_checkpoint):
+    """On the tiny model: the products the benchmark's update runs, dense and batched (attention)
+    ones; their FLOPs are the step's executed FLOPs (`shared_prefix_train_flops`, worked by hand in
+    `test_shared_prefix_flops_by_hand`) plus the LM head's forward once more on the completion
+    tokens (the log-prob chunks recompute it in the backward pass)."""
+    import jax.numpy as jnp
+
+    from benchmarks import bounds
+    from benchmarks.train_step import jmarl_update
+
+    _, config, params, _ = tiny_checkpoint
+    batch = make_batch(config.vocab_size, 8, 8, 8, group_size=4)
+    update, state, device_batch = jmarl_update(config, params, batch)
+    products = bounds.matrix_products(update, state, None, device_batch)
+    assert any(p.batched for p in products) and any(not p.batched for p in products)
+    layout = batch.shared_prefix()
+    (prefixes, p_len), (rows, c_len) = layout["prefix_tokens"].shape, layout["tokens"].shape
+    executed = common.shared_prefix_train_flops("tiny", prefixes, p_len, rows, c_len)
+    head = 2.0 * config.hidden_size * config.vocab_size * rows * c_len
+    assert sum(p.flops * p.count for p in products) == pytest.approx(executed + head, rel=1e-9)
+    assert all(p.dtype == str(jnp.float32.dtype) for p in products)

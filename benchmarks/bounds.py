@@ -16,11 +16,12 @@ For each shape, median seconds over `--repeats` runs after a compile call:
   time, against the matmul peak.
 - Train-step products: every matrix product (`dot_general`) the step runs (`matrix_products`:
   read from the traced update, a product inside a scan counted once per iteration), timed alone
-  in a jitted program that runs each the same number of times on random operands and nothing
-  else (`products_floor`; batched products with their batch dims leading, `floor_operands`): the
-  dense layers' products and attention's batched products (per row and head) separately. `train_products_floor_s` = their sum: what the step
-  would take if nothing but its products ran; `train_step_floor_executed_fraction` = the
-  executed FLOPs over that floor, against the peak: the most the products allow.
+  in a jitted program that runs each the same number of times, one after another, on random
+  operands and nothing else (`products_floor`; batched products with their batch dims leading,
+  `floor_operands`): the dense layers' products and attention's batched products (per row and
+  head) separately. `train_products_floor_s` = their sum: what the step would take if nothing
+  but its products ran, one after another; `train_step_floor_executed_fraction` = the executed
+  FLOPs over that floor, against the peak: the most those products allow.
 - Generation, batch 64 (8 prompts x 8) and batch 8, 64 new tokens (`jmarl.models.generate`);
   `prefill`: the same call with one new token (the prompts' prefill, which HF runs too); and
   `decode_matmul_floor`: a jitted 64-step loop of only the decode step's matrix products (per
@@ -168,7 +169,7 @@ class Product:
         (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = self.dimension_numbers
         batch = math.prod(self.lhs[i] for i in lhs_batch)
         k = math.prod(self.lhs[i] for i in lhs_contracting)
-        m = math.prod(n for i, n in enumerate(self.lhs) if i not in lhs_contracting and i not in lhs_batch)
+        m = math.prod(d for i, d in enumerate(self.lhs) if i not in lhs_contracting and i not in lhs_batch)
         n = math.prod(d for i, d in enumerate(self.rhs) if i not in rhs_contracting and i not in rhs_batch)
         return batch, m, k, n
 

@@ -127,12 +127,12 @@ def bound_train_step(shape: str, config, params, repeats: int, peak: float) -> d
         "train_step_executed_fraction_of_peak": executed / full_s / peak,
         "rest_flops": without_attention / ablated_s,
         "rest_fraction_of_peak": without_attention / ablated_s / peak,
-        "train_products_flops_per_step": sum(p.flops * p.count for p in products),
+        "train_products_flops_per_step": total_flops(products),
         "train_dense_products_s": dense_s,
-        "train_dense_products_fraction_of_peak": sum(p.flops * p.count for p in dense) / dense_s / peak,
+        "train_dense_products_fraction_of_peak": total_flops(dense) / dense_s / peak,
         "train_attention_products_s": attention_s,
         "train_attention_products_fraction_of_peak":
-            sum(p.flops * p.count for p in attention) / attention_s / peak if attention else 0.0,
+            total_flops(attention) / attention_s / peak if attention else 0.0,
         "train_products_floor_s": dense_s + attention_s,
         "train_step_over_products_floor": full_s / (dense_s + attention_s),
         "train_step_floor_executed_fraction": executed / (dense_s + attention_s) / peak,
@@ -158,10 +158,9 @@ class Product:
 
     @property
     def flops(self) -> float:
-        """FLOPs of one run: 2 x every lhs element x the rhs's free (not contracted, not batch) dims."""
-        (_, rhs_contracting), (_, rhs_batch) = self.dimension_numbers
-        free = [n for i, n in enumerate(self.rhs) if i not in rhs_contracting and i not in rhs_batch]
-        return 2.0 * math.prod(self.lhs) * math.prod(free)
+        """FLOPs of one run: 2 x batch x m x k x n (`as_batched_matmul`)."""
+        batch, m, k, n = self.as_batched_matmul()
+        return 2.0 * batch * m * k * n
 
     def as_batched_matmul(self) -> tuple[int, int, int, int]:
         """(batch, m, k, n): the product as a batch of [m, k] x [k, n] matrix products (the batch,
@@ -207,6 +206,11 @@ def matrix_products(fn: Callable[..., Any], *args: Any) -> list[Product]:
 BATCHED_MATMUL = (((2,), (1,)), ((0,), (0,)))  # [b, m, k] x [b, k, n] -> [b, m, n]
 
 
+def total_flops(products: list[Product]) -> float:
+    """FLOPs of every run of every product."""
+    return sum(p.flops * p.count for p in products)
+
+
 def floor_operands(p: Product) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
     """(lhs shape, rhs shape, dimension numbers) a floor runs `p` as: a product without batch dims
     as the traced function wrote it (XLA reads either operand transposed in place); a batched one
@@ -240,7 +244,6 @@ def products_floor(products: list[Product], seed: int = 0) -> Callable[[], Any]:
     import jax
     import jax.numpy as jnp
 
-    forms = [floor_operands(p) for p in products]
     operands = floor_inputs(products, seed)
 
     def repeated(count: int, dims: tuple, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -253,8 +256,7 @@ def products_floor(products: list[Product], seed: int = 0) -> Callable[[], Any]:
         out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), a, b)
         return jax.lax.fori_loop(0, count, body, (a, jnp.zeros(out.shape, out.dtype)))[1]
 
-    program = jax.jit(lambda ops: [repeated(p.count, dims, a, b)
-                                   for p, (_, _, dims), (a, b) in zip(products, forms, ops)])
+    program = jax.jit(lambda ops: [repeated(p.count, floor_operands(p)[2], a, b) for p, (a, b) in zip(products, ops)])
     return lambda: jax.block_until_ready(program(operands))
 
 

@@ -340,6 +340,29 @@ def test_from_hf_reads_legacy_and_transformers5_rope_styles():
     assert ModelConfig.from_hf(new.to_hf()) == new
 
 
+def test_rope_tables_match_transformers_and_hold_no_cos_or_sin_in_the_program():
+    """Gathered from trace-time tables (a static bound on the positions) or computed in the
+    program (no bound, or tables past the size limit): both equal HF's rotary cos/sin."""
+    from jmarl.models.model import ROPE_TABLE_MAX_BYTES, rope_tables
+
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    hf = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **scaling})
+    config = ModelConfig.from_hf(hf)
+    positions = np.array([[0, 1, 2, 99], [7, 50, 98, 3]], np.int32)
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(transformers.LlamaConfig(**hf))
+    want = [t.numpy() for t in rotary(torch.zeros(1, dtype=torch.float32), torch.tensor(positions, dtype=torch.long))]
+    too_many = ROPE_TABLE_MAX_BYTES // (4 * config.head_dim) + 1
+    for bound in (100, None, too_many):
+        got = jax.jit(lambda p, bound=bound: rope_tables(config, p, bound))(positions)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6)
+    gathered = jax.jit(lambda p: rope_tables(config, p, 100)).lower(positions).as_text()
+    computed = jax.jit(lambda p: rope_tables(config, p, too_many)).lower(positions).as_text()
+    assert "cosine" not in gathered and "sine" not in gathered
+    assert "cosine" in computed and "sine" in computed
+
+
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("q2"), "qwen2")

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jmarl.models.config import ModelConfig
@@ -197,7 +198,7 @@ class Transformer(nnx.Module):
         and MLP for the last slot alone, which is all that slot depends on."""
         c = self.config
         positions = positions_from_mask(attention_mask)
-        cos, sin = rope_tables(c, positions)
+        cos, sin = rope_tables(c, positions, tokens.shape[1])
         t = tokens.shape[1]
         allowed = jnp.tril(jnp.ones((t, t), bool))[None] & attention_mask.astype(bool)[:, None, :]
 
@@ -236,8 +237,8 @@ class Transformer(nnx.Module):
         prefix_mask, mask = prefix_mask.astype(bool), mask.astype(bool)
         p, t = prefix_tokens.shape[1], tokens.shape[1]
         prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)
-        p_cos, p_sin = rope_tables(c, positions_from_mask(prefix_mask))
-        s_cos, s_sin = rope_tables(c, prefix_len[rows][:, None] + positions_from_mask(mask))
+        p_cos, p_sin = rope_tables(c, positions_from_mask(prefix_mask), p)
+        s_cos, s_sin = rope_tables(c, prefix_len[rows][:, None] + positions_from_mask(mask), p + t)
         p_allowed = jnp.tril(jnp.ones((p, p), bool))[None] & prefix_mask[:, None, :]
         own = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]
         to_prefix = jnp.broadcast_to(prefix_mask[rows][:, None, :], (rows.shape[0], t, p))
@@ -275,10 +276,27 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions int[B,T] -> (cos, sin) float32[B,T,head_dim] (HF `rotate_half` layout)."""
-    inv_freq = jnp.asarray(config.inv_frequencies())
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+ROPE_TABLE_MAX_BYTES = 4 << 20
+
+
+def rope_tables(
+    config: ModelConfig, positions: jax.Array, num_positions: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """positions int[B,T] -> (cos, sin) float32[B,T,head_dim] (HF `rotate_half` layout).
+
+    num_positions: a static bound on the positions (each < num_positions). Given, and the two
+    tables [num_positions, head_dim] within ROPE_TABLE_MAX_BYTES, cos and sin are computed once
+    per position at trace time and gathered: computed in the program instead, XLA fuses them into
+    every consumer and evaluates them again for each head of each layer (on CPU, cos and sin then
+    take most of the time of the fusions that apply the rotation)."""
+    inv_freq = config.inv_frequencies()
+    two_tables_bytes = 2 * 4 * (num_positions or 0) * 2 * inv_freq.size  # float32 [num_positions, head_dim]
+    if num_positions is not None and two_tables_bytes <= ROPE_TABLE_MAX_BYTES:
+        angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq
+        angles = np.concatenate([angles, angles], axis=-1)
+        cos, sin = jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles))
+        return jnp.take(cos, positions, axis=0, mode="clip"), jnp.take(sin, positions, axis=0, mode="clip")
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 

@@ -290,15 +290,17 @@ def rope_tables(
     every consumer and evaluates them again for each head of each layer (on CPU, cos and sin then
     take most of the time of the fusions that apply the rotation)."""
     inv_freq = config.inv_frequencies()
-    two_tables_bytes = 2 * 4 * (num_positions or 0) * 2 * inv_freq.size  # float32 [num_positions, head_dim]
-    if num_positions is not None and two_tables_bytes <= ROPE_TABLE_MAX_BYTES:
-        angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq
-        angles = np.concatenate([angles, angles], axis=-1)
-        cos, sin = jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles))
+    if num_positions is not None and 2 * num_positions * config.head_dim * 4 <= ROPE_TABLE_MAX_BYTES:
+        cos, sin = _cos_sin(np, np.arange(num_positions, dtype=np.float32), inv_freq)
         return jnp.take(cos, positions, axis=0, mode="clip"), jnp.take(sin, positions, axis=0, mode="clip")
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    return _cos_sin(jnp, positions.astype(jnp.float32), inv_freq)
+
+
+def _cos_sin(xp: Any, positions: Any, inv_freq: np.ndarray) -> tuple[Any, Any]:
+    """float32 positions [...] -> (cos, sin) [..., head_dim], with `xp` NumPy or jax.numpy."""
+    angles = positions[..., None] * xp.asarray(inv_freq)
+    angles = xp.concatenate([angles, angles], axis=-1)
+    return xp.cos(angles), xp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

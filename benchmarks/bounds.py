@@ -1,6 +1,6 @@
 """What bounds each CPU row: the roofline figures the README quotes under the benchmark table.
 
-    python -m benchmarks.bounds [--shape cpu-small|cpu-medium|all] [--repeats 5]
+    python -m benchmarks.bounds [--shape cpu-small|cpu-medium|all] [--repeats 5] [--out PATH] [--cpu-results PATH]
 
 jmarl's side only (no PyTorch); writes `benchmarks/results/bounds.json`. For the machine:
 
@@ -31,6 +31,8 @@ For each shape, median seconds over `--repeats` runs after a compile call:
   = prefill + decode_matmul_floor: what the row would take if the decode loop were its products;
   where `benchmarks/results/cpu.json` has HF's figure for the row, `generation_bN_ratio_at_floor`
   = HF's seconds over that floor, the best ratio those products allow.
+  `generation_bN_attention_share` = 1 - (generation with the decode loop's attention over the KV
+  cache swapped for a stand-in that reads one slot, `decode_attention_ablated`) / generation.
 - GRPO iteration (`benchmarks.iteration.jmarl_trainer`, one agent): the trainer's own
   `time/generate` and `time/update`, and where `benchmarks/results/cpu.json` has TRL's figure for
   the shape, the seconds per iteration that 2x TRL needs.
@@ -95,6 +97,50 @@ def attention_ablated() -> Iterator[None]:
         yield
     finally:
         model.masked_attention = original
+
+
+def _cache_reads(keys, values) -> Any:
+    """The first cache slot's keys + values [B,KV,hd] of the first block (what the decode-attention
+    stand-ins read: every cache buffer stays in use, at O(B KV hd) cost)."""
+    first_keys = keys[0] if isinstance(keys, (list, tuple)) else keys
+    first_values = values[0] if isinstance(values, (list, tuple)) else values
+    return first_keys[:, :, :, 0] + first_values[:, :, 0, :]
+
+
+def _no_cached_attention(q, keys, values, key_mask):
+    """Decode-attention stand-in for `cached_attention`: q [B,1,H,hd] plus the first slot's keys and
+    values of its kv head (no scores, no softmax, no pass over the cache)."""
+    import jax.numpy as jnp
+
+    heads, kv = q.shape[2], (keys[0] if isinstance(keys, (list, tuple)) else keys).shape[1]
+    return q + jnp.repeat(_cache_reads(keys, values), heads // kv, axis=1)[:, None].astype(q.dtype)
+
+
+def _no_prefixed_cached_attention(q, prefix_keys, prefix_values, prefix_mask, keys, values, key_mask, **_):
+    """Stand-in for `prefixed_cached_attention`: `_no_cached_attention` plus its group's prompt's
+    first slot (the shared prompt cache stays in use too)."""
+    import jax.numpy as jnp
+
+    heads, kv = q.shape[2], prefix_keys.shape[1]
+    prompt = jnp.repeat(_cache_reads(prefix_keys, prefix_values), q.shape[0] // prefix_keys.shape[0], axis=0)
+    return _no_cached_attention(q, keys, values, key_mask) + jnp.repeat(prompt, heads // kv, axis=1)[:, None]
+
+
+@contextlib.contextmanager
+def decode_attention_ablated() -> Iterator[None]:
+    """Within the block, generation programs traced afresh run the decode loop's attention over
+    the KV cache as the stand-ins above (the prefill keeps its attention, and every cache write
+    stays); generation programs compiled before or inside are dropped on entry and exit."""
+    from jmarl.models import model, sampler
+
+    originals = model.cached_attention, model.prefixed_cached_attention
+    sampler._program.cache_clear()
+    model.cached_attention, model.prefixed_cached_attention = _no_cached_attention, _no_prefixed_cached_attention
+    try:
+        yield
+    finally:
+        model.cached_attention, model.prefixed_cached_attention = originals
+        sampler._program.cache_clear()
 
 
 def bound_train_step(shape: str, config, params, repeats: int, peak: float) -> dict[str, float]:
@@ -320,7 +366,11 @@ def bound_generation(
         gen_s = median_seconds(run, repeats)
         prefill_s = median_seconds(lambda: run(1), repeats)
         floor_s = median_seconds(decode_matmul_floor(config, params, batch), repeats)
+        with decode_attention_ablated():
+            ablated_s = median_seconds(run, repeats)
         out[f"generation_b{batch}_s"] = gen_s
+        out[f"generation_b{batch}_attention_ablated_s"] = ablated_s
+        out[f"generation_b{batch}_attention_share"] = 1.0 - ablated_s / gen_s
         out[f"prefill_b{batch}_s"] = prefill_s
         out[f"decode_matmul_floor_b{batch}_s"] = floor_s
         out[f"decode_matmul_floor_b{batch}_flops"] = NEW_TOKENS * batch * forward_flops_per_token(shape, 0) / floor_s
@@ -378,9 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=["cpu-small", "cpu-medium", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "bounds.json"))
+    parser.add_argument("--cpu-results", default=os.path.join(RESULTS_DIR, "cpu.json"),
+                        help="the suite's results to read HF's and TRL's figures from (run on the same machine)")
     args = parser.parse_args(argv)
     shapes = ["cpu-small", "cpu-medium"] if args.shape == "all" else [args.shape]
-    cpu_path = os.path.join(RESULTS_DIR, "cpu.json")
+    cpu_path = args.cpu_results
     cpu_results = json.load(open(cpu_path)) if os.path.exists(cpu_path) else None
     peak = measure_matmul_peak()["matmul_peak_flops"]
     bandwidth = measure_memory_bandwidth()

@@ -166,6 +166,21 @@ def test_table_generator_replaces_only_between_markers(tmp_path):
     assert readme.read_text() == text
 
 
+def test_table_generator_writes_a_second_hosts_run_between_its_own_markers(tmp_path):
+    row = {"name": "generation_vs_hf_generate", "metric": "new_tokens_per_s", "size": "cpu-small", "jmarl": 1.0,
+           "baseline": 1.0, "ratio": 3.0, "paired_ratio_median": 3.0}
+    readme = tmp_path / "README.md"
+    first = "<!-- bench:cpu:start -->\nfirst host\n<!-- bench:cpu:end -->\n"
+    readme.write_text(first + "<!-- bench:cpu-xeon:start -->\nold\n<!-- bench:cpu-xeon:end -->\n")
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(_results([row])))
+    table.main([str(path), str(readme), "--marker", "cpu-xeon"])
+    text = readme.read_text()
+    assert text.startswith(first) and "old" not in text and "3.00x" in text.split(first)[1]
+    with pytest.raises(SystemExit, match="usage"):
+        table.main([str(path), str(readme), "--marker"])
+
+
 def test_table_says_where_the_baseline_ran():
     row = {"name": "generation_vs_hf_generate", "metric": "new_tokens_per_s", "size": "cpu-small", "jmarl": 1.0,
            "baseline": 1.0, "ratio": 1.0, "paired_ratio_median": 1.0}
@@ -232,6 +247,37 @@ def test_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint):
     assert abs(ablated - full) > 1e-6
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint, group):
+    """`benchmarks.bounds.decode_attention_ablated` makes generation (per-row prompt caches, and
+    groups sharing one prompt cache) compute something else inside the block, and the sampler
+    gives its first tokens again afterwards (no program compiled inside is reused)."""
+    import jax
+
+    from benchmarks import bounds
+    from jmarl.models import generate
+    from jmarl.models import model as model_module
+
+    _, config, params, _ = tiny_checkpoint
+    distinct = np.random.default_rng(0).integers(3, config.vocab_size, (8 // group, 8)).astype(np.int32)
+    prompts = np.repeat(distinct, group, axis=0)
+    mask = np.ones_like(prompts, bool)
+
+    def greedy():
+        out = generate(config, params, prompts, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+        return np.asarray(out.tokens), np.asarray(out.logprobs)
+
+    tokens, logprobs = greedy()
+    originals = model_module.cached_attention, model_module.prefixed_cached_attention
+    with bounds.decode_attention_ablated():
+        ablated_tokens, ablated_logprobs = greedy()
+    assert (model_module.cached_attention, model_module.prefixed_cached_attention) == originals
+    assert np.array_equal(ablated_tokens[:, 0], tokens[:, 0])  # the first token comes from the prefill
+    assert not np.allclose(ablated_logprobs[:, 1:], logprobs[:, 1:])
+    again_tokens, again_logprobs = greedy()
+    assert np.array_equal(again_tokens, tokens) and np.allclose(again_logprobs, logprobs)
+
+
 def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
     """The product-only decode loop returns [rows, D] finite activations, and its result depends on
     the last layer's down projection (so no product is dead code)."""
@@ -264,6 +310,7 @@ def test_generation_bounds_add_the_prefill_and_compare_the_floor_with_hf(tiny_ch
     for b in (64, 8):
         assert 0 < out[f"prefill_b{b}_s"] < out[f"generation_b{b}_s"]
         assert out[f"generation_b{b}_floor_s"] == out[f"prefill_b{b}_s"] + out[f"decode_matmul_floor_b{b}_s"]
+        assert out[f"generation_b{b}_attention_share"] == 1 - out[f"generation_b{b}_attention_ablated_s"] / out[f"generation_b{b}_s"]
     assert out["hf_generate_b8_s"] == 2.0
     assert out["generation_b8_ratio_at_floor"] == 2.0 / out["generation_b8_floor_s"]
     assert "hf_generate_b64_s" not in out  # no HF row for batch 64 in these results

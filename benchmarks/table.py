@@ -2,6 +2,10 @@
 `<!-- bench:<suite>:end -->` (everything between the markers is replaced; nothing else moves).
 
     python -m benchmarks.table benchmarks/results/cpu.json README.md
+    python -m benchmarks.table benchmarks/results/xeon/cpu.json README.md --marker cpu-xeon
+
+`--marker NAME` writes between `<!-- bench:NAME:start/end -->` instead of the suite's own markers
+(a second host's run of the same suite, beside the first).
 """
 
 from __future__ import annotations
@@ -125,23 +129,27 @@ def replace_between_markers(text: str, suite: str, table: str) -> str:
     return pattern.sub(lambda m: f"{start}\n{table}\n{end}", text, count=1)
 
 
-def update_readme(path: str, results: dict[str, Any]) -> None:
-    """Rewrites the table of `results['suite']` in the README at `path`."""
+def update_readme(path: str, results: dict[str, Any], marker: str | None = None) -> None:
+    """Rewrites the table of `results['suite']` (between the markers of `marker` where given) in
+    the README at `path`."""
     with open(path) as f:
         text = f.read()
-    text = replace_between_markers(text, results["suite"], render_table(results))
+    text = replace_between_markers(text, marker or results["suite"], render_table(results))
     with open(path, "w") as f:
         f.write(text)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    marker = None
+    if len(argv) == 4 and argv[2] == "--marker":
+        argv, marker = argv[:2], argv[3]
     if len(argv) != 2:
-        raise SystemExit("usage: python -m benchmarks.table RESULTS.json README.md")
+        raise SystemExit("usage: python -m benchmarks.table RESULTS.json README.md [--marker NAME]")
     with open(argv[0]) as f:
         results = json.load(f)
-    update_readme(argv[1], results)
-    print(f"updated the {results['suite']} table in {argv[1]}")
+    update_readme(argv[1], results, marker)
+    print(f"updated the {marker or results['suite']} table in {argv[1]}")
 
 
 if __name__ == "__main__":

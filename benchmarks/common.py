@@ -87,6 +87,37 @@ def write_checkpoint(shape: str, directory: str, *, seed: int = 0, tokenizer: bo
     return model
 
 
+def cpu_identity(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The first CPU of /proc/cpuinfo (or of the text `cpuinfo`): `cpu_model` (its name), and
+    where given `cpu_family`, `cpu_model_number` and `vector_isa` ("AVX-512", "AVX2" or "other"):
+    hosts that share a name (a cloud's "AMD EPYC") differ in these, and with them in the peak."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block only
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    out: dict[str, Any] = {}
+    if "model name" in fields:
+        out["cpu_model"] = fields["model name"]
+    if fields.get("cpu family", "").isdigit():
+        out["cpu_family"] = int(fields["cpu family"])
+    if fields.get("model", "").isdigit():
+        out["cpu_model_number"] = int(fields["model"])
+    if "flags" in fields:
+        flags = set(fields["flags"].split())
+        out["vector_isa"] = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    return out
+
+
 def machine_info() -> dict[str, Any]:
     """The machine the figures were measured on."""
     import jax
@@ -100,13 +131,7 @@ def machine_info() -> dict[str, Any]:
         "jax_devices": [str(d) for d in jax.devices()],
         "host_memory_policy": host_memory_policy(),  # jmarl.host_memory, in this (jmarl's) process
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if names:
-            info["cpu_model"] = names[0]
-    except OSError:
-        pass
+    info.update(cpu_identity())
     try:
         info["load_average_at_start"] = os.getloadavg()
     except OSError:

@@ -77,6 +77,9 @@ def render_table(results: dict[str, Any]) -> str:
     vers = results.get("versions", {})
     peak = results.get("matmul_peak", {}).get("matmul_peak_flops")
     desc = machine.get("cpu_model") or machine.get("processor", "?")
+    detail = [f"family {machine['cpu_family']} model {machine['cpu_model_number']}"] if "cpu_family" in machine else []
+    detail += [machine["vector_isa"]] if "vector_isa" in machine else []
+    desc += f" ({', '.join(detail)})" if detail else ""
     head = (f"Suite `{results.get('suite')}`{' (quick)' if results.get('quick') else ''}, {results.get('created', '?')}: "
             f"{desc}, {machine.get('cpu_count', '?')} cores, devices {', '.join(machine.get('jax_devices', []))}; "
             f"jax {vers.get('jax', '?')}, torch {vers.get('torch', '?')}, transformers {vers.get('transformers', '?')}, "

@@ -181,6 +181,23 @@ def test_table_generator_writes_a_second_hosts_run_between_its_own_markers(tmp_p
         table.main([str(path), str(readme), "--marker"])
 
 
+def test_cpu_identity_tells_apart_hosts_that_share_a_name():
+    """Two "AMD EPYC" hosts (an AVX2 one and an AVX-512 one) get different identities, read from
+    the first processor's block only; the table's header names family, model and vector ISA."""
+    def cpuinfo(family, model, flags):
+        block = f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: {family}\nmodel\t\t: {model}\nflags\t\t: {flags}\n"
+        return block + "\n" + block.replace("processor\t: 0", "processor\t: 1").replace(f": {family}", ": 99")
+
+    old = common.cpu_identity(cpuinfo(23, 49, "fpu sse avx avx2 fma"))
+    new = common.cpu_identity(cpuinfo(26, 2, "fpu avx2 avx512f avx512bw"))
+    assert old == {"cpu_model": "AMD EPYC", "cpu_family": 23, "cpu_model_number": 49, "vector_isa": "AVX2"}
+    assert new == {"cpu_model": "AMD EPYC", "cpu_family": 26, "cpu_model_number": 2, "vector_isa": "AVX-512"}
+    assert common.cpu_identity("") == {}
+    results = _results([])
+    results["machine"].update(new)
+    assert "AMD EPYC (family 26 model 2, AVX-512), 2 cores" in table.render_table(results)
+
+
 def test_table_says_where_the_baseline_ran():
     row = {"name": "generation_vs_hf_generate", "metric": "new_tokens_per_s", "size": "cpu-small", "jmarl": 1.0,
            "baseline": 1.0, "ratio": 1.0, "paired_ratio_median": 1.0}

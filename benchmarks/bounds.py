@@ -102,9 +102,9 @@ def attention_ablated() -> Iterator[None]:
 def _cache_reads(keys, values) -> Any:
     """The first cache slot's keys + values [B,KV,hd] of the first block (what the decode-attention
     stand-ins read: every cache buffer stays in use, at O(B KV hd) cost)."""
-    first_keys = keys[0] if isinstance(keys, (list, tuple)) else keys
-    first_values = values[0] if isinstance(values, (list, tuple)) else values
-    return first_keys[:, :, :, 0] + first_values[:, :, 0, :]
+    from jmarl.models.model import _blocks
+
+    return _blocks(keys)[0][:, :, :, 0] + _blocks(values)[0][:, :, 0, :]
 
 
 def _no_cached_attention(q, keys, values, key_mask):
@@ -112,8 +112,8 @@ def _no_cached_attention(q, keys, values, key_mask):
     values of its kv head (no scores, no softmax, no pass over the cache)."""
     import jax.numpy as jnp
 
-    heads, kv = q.shape[2], (keys[0] if isinstance(keys, (list, tuple)) else keys).shape[1]
-    return q + jnp.repeat(_cache_reads(keys, values), heads // kv, axis=1)[:, None].astype(q.dtype)
+    reads = _cache_reads(keys, values)  # [B,KV,hd]
+    return q + jnp.repeat(reads, q.shape[2] // reads.shape[1], axis=1)[:, None].astype(q.dtype)
 
 
 def _no_prefixed_cached_attention(q, prefix_keys, prefix_values, prefix_mask, keys, values, key_mask, **_):

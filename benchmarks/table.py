@@ -2,7 +2,7 @@
 `<!-- bench:<suite>:end -->` (everything between the markers is replaced; nothing else moves).
 
     python -m benchmarks.table benchmarks/results/cpu.json README.md
-    python -m benchmarks.table benchmarks/results/xeon/cpu.json README.md --marker cpu-xeon
+    python -m benchmarks.table benchmarks/results/zen5/cpu.json README.md --marker cpu-zen5
 
 `--marker NAME` writes between `<!-- bench:NAME:start/end -->` instead of the suite's own markers
 (a second host's run of the same suite, beside the first).

@@ -428,11 +428,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=["cpu-small", "cpu-medium", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "bounds.json"))
-    parser.add_argument("--cpu-results", default=os.path.join(RESULTS_DIR, "cpu.json"),
-                        help="the suite's results to read HF's and TRL's figures from (run on the same machine)")
+    parser.add_argument("--cpu-results", default=None,
+                        help="the suite's results to read HF's and TRL's figures from (run on the same machine; "
+                             "default benchmarks/results/cpu.json where it exists)")
     args = parser.parse_args(argv)
     shapes = ["cpu-small", "cpu-medium"] if args.shape == "all" else [args.shape]
-    cpu_path = args.cpu_results
+    if args.cpu_results is not None and not os.path.exists(args.cpu_results):
+        parser.error(f"--cpu-results {args.cpu_results}: no such file (run `python -m benchmarks.run --suite cpu "
+                     "--out-dir DIR` first, or leave the option out)")
+    cpu_path = args.cpu_results or os.path.join(RESULTS_DIR, "cpu.json")
     cpu_results = json.load(open(cpu_path)) if os.path.exists(cpu_path) else None
     peak = measure_matmul_peak()["matmul_peak_flops"]
     bandwidth = measure_memory_bandwidth()

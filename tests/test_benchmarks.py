@@ -295,6 +295,20 @@ def test_decode_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint, 
     assert np.array_equal(again_tokens, tokens) and np.allclose(again_logprobs, logprobs)
 
 
+def test_bounds_refuses_a_missing_cpu_results_file(tmp_path, capsys):
+    """An explicit --cpu-results that does not exist exits 2 naming the file and the fix (before any
+    measurement), instead of silently leaving out the ratios against HF and TRL."""
+    from benchmarks import bounds
+
+    missing = tmp_path / "nowhere" / "cpu.json"
+    with pytest.raises(SystemExit) as exit_info:
+        bounds.main(["--cpu-results", str(missing), "--out", str(tmp_path / "bounds.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "no such file" in err and "benchmarks.run" in err
+    assert not (tmp_path / "bounds.json").exists()
+
+
 def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
     """The product-only decode loop returns [rows, D] finite activations, and its result depends on
     the last layer's down projection (so no product is dead code)."""

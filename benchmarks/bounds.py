@@ -33,6 +33,13 @@ For each shape, median seconds over `--repeats` runs after a compile call:
   = HF's seconds over that floor, the best ratio those products allow.
   `generation_bN_attention_share` = 1 - (generation with the decode loop's attention over the KV
   cache swapped for a stand-in that reads one slot, `decode_attention_ablated`) / generation.
+  `decode_floor_with_cache_reads_bN_s`: the same product-only loop that also reads, per layer and
+  step, the keys and values an average step's attention must read (the prompt, once per group
+  at batch 64, and half the new tokens; `attention_read_slots`) with a plain sum and no attention
+  arithmetic; `generation_bN_floor_with_cache_reads_s` = prefill + that, and
+  `generation_bN_ratio_at_floor_with_cache_reads` = HF's seconds over it: the best ratio the
+  products and the unavoidable cache reads allow together (on a CPU whose caches hold the
+  weights or the KV cache but not both, the reads cost more beside the products than alone).
 - GRPO iteration (`benchmarks.iteration.jmarl_trainer`, one agent): the trainer's own
   `time/generate` and `time/update`, and where `benchmarks/results/cpu.json` has TRL's figure for
   the shape, the seconds per iteration that 2x TRL needs.
@@ -306,9 +313,26 @@ def products_floor(products: list[Product], seed: int = 0) -> Callable[[], Any]:
     return lambda: jax.block_until_ready(program(operands))
 
 
-def decode_matmul_floor(config, params, rows: int, steps: int = NEW_TOKENS) -> Callable[[], Any]:
+def attention_read_slots(rows: int, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS) -> tuple[int, int, int]:
+    """What one average decode step's attention must read, per layer, as (prompts, prompt slots,
+    own slots per row): decode step t (1 .. new_tokens - 1) attends to the prompt and to t
+    generated tokens (t - 1 earlier ones and its own), new_tokens / 2 on average. At batch >= 64
+    each prompt serves a group of GROUP_SIZE rows and is read once per group (`generation_prompts`)."""
+    prompts = rows // GROUP_SIZE if rows >= 64 else rows
+    return prompts, prompt_len, new_tokens // 2
+
+
+def decode_matmul_floor(
+    config, params, rows: int, steps: int = NEW_TOKENS, *, cache_reads: bool = False, seed: int = 0
+) -> Callable[[], Any]:
     """A jitted loop of `steps` decode steps that run only the model's matrix products on [rows, D]
-    activations (per layer q, k, v, o, gate, up, down; then the LM head). Returns run() -> logits."""
+    activations (per layer q, k, v, o, gate, up, down; then the LM head). Returns run() -> logits.
+
+    cache_reads: each layer also reads, once, fp32 keys and values of the size an average step's
+    attention needs (`attention_read_slots`: [prompts, KV, hd, S] for the prompts and [rows, KV,
+    hd, n/2] for each row's generated tokens, random, passed to the program as arguments), as a
+    plain sum per row and head whose result feeds the next layer: the products plus the bytes
+    attention cannot avoid reading, and no attention arithmetic."""
     import jax
     import jax.numpy as jnp
 
@@ -317,22 +341,41 @@ def decode_matmul_floor(config, params, rows: int, steps: int = NEW_TOKENS) -> C
              ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
     weights = {f"{a}.{b}": layers[a][b]["kernel"] for a, b in names}
     head = params["lm_head"]["kernel"] if params.get("lm_head") else params["embed"]["embedding"].T
+    prompts, prompt_slots, own_slots = attention_read_slots(rows)
+    kv, hd = config.num_kv_heads, config.head_dim
+    caches = []
+    if cache_reads:
+        key = jax.random.key(seed)
+        shapes = ((prompts, kv, hd, prompt_slots), (prompts, kv, prompt_slots, hd), (rows, kv, hd, own_slots),
+                  (rows, kv, own_slots, hd))
+        caches = [[jax.random.normal(jax.random.fold_in(key, 4 * i + j), shape, jnp.float32)
+                   for j, shape in enumerate(shapes)] for i in range(config.num_layers)]
 
-    def step(_, x):
+    def read(cache, x):
+        """[rows, 1]: a sum over the layer's prompt and own keys and values, per row, of
+        max(entry, a value of x) (so the read is neither hoisted out of the loop nor dropped)."""
+        floor = x[0, 0] * 1e-6 - 10.0
+        prompt = sum(jnp.sum(jnp.maximum(a, floor), axis=(1, 2, 3)) for a in cache[:2])  # [prompts]
+        own = sum(jnp.sum(jnp.maximum(a, floor), axis=(1, 2, 3)) for a in cache[2:])  # [rows]
+        return 1e-6 * (jnp.repeat(prompt, rows // prompts) + own)[:, None]
+
+    def step(x, caches):
         for i in range(config.num_layers):
             w = {k: v[i] for k, v in weights.items()}
             q, k, v = x @ w["attn.q_proj"], x @ w["attn.k_proj"], x @ w["attn.v_proj"]
+            if cache_reads:
+                q = q + read(caches[i], x)
             # every output of k and v stays in use (a slice of k or v would let XLA shrink the product)
             x = x + q @ w["attn.o_proj"] + jnp.tanh(k).sum(-1, keepdims=True) + jnp.tanh(v).sum(-1, keepdims=True)
             x = x + (x @ w["mlp.gate_proj"] * (x @ w["mlp.up_proj"])) @ w["mlp.down_proj"]
         return x * 0.5 + jnp.tanh(x @ head)[:, : x.shape[1]]
 
     @jax.jit
-    def loop(x0):
-        return jax.lax.fori_loop(0, steps, step, x0)
+    def loop(x0, caches):
+        return jax.lax.fori_loop(0, steps, lambda _, x: step(x, caches), x0)
 
     x0 = jax.random.normal(jax.random.key(0), (rows, config.hidden_size), jnp.float32)
-    return lambda: jax.block_until_ready(loop(x0))
+    return lambda: jax.block_until_ready(loop(x0, caches))
 
 
 GENERATION_ROWS = {64: "generation_vs_hf_generate", 8: "generation_small_batch_vs_hf_generate"}
@@ -366,6 +409,7 @@ def bound_generation(
         gen_s = median_seconds(run, repeats)
         prefill_s = median_seconds(lambda: run(1), repeats)
         floor_s = median_seconds(decode_matmul_floor(config, params, batch), repeats)
+        reads_s = median_seconds(decode_matmul_floor(config, params, batch, cache_reads=True), repeats)
         with decode_attention_ablated():
             ablated_s = median_seconds(run, repeats)
         out[f"generation_b{batch}_s"] = gen_s
@@ -376,11 +420,16 @@ def bound_generation(
         out[f"decode_matmul_floor_b{batch}_flops"] = NEW_TOKENS * batch * forward_flops_per_token(shape, 0) / floor_s
         out[f"generation_b{batch}_over_floor"] = gen_s / floor_s
         out[f"generation_b{batch}_floor_s"] = prefill_s + floor_s
+        out[f"decode_floor_with_cache_reads_b{batch}_s"] = reads_s
+        out[f"generation_b{batch}_floor_with_cache_reads_s"] = prefill_s + reads_s
+        out[f"generation_b{batch}_over_floor_with_cache_reads"] = gen_s / (prefill_s + reads_s)
         for row in (cpu_results or {}).get("rows", []):
             if row.get("name") == GENERATION_ROWS[batch] and row.get("size") == shape:
                 hf_s = batch * NEW_TOKENS / row["baseline"]
                 out[f"hf_generate_b{batch}_s"] = hf_s
                 out[f"generation_b{batch}_ratio_at_floor"] = hf_s / out[f"generation_b{batch}_floor_s"]
+                out[f"generation_b{batch}_ratio_at_floor_with_cache_reads"] = (
+                    hf_s / out[f"generation_b{batch}_floor_with_cache_reads_s"])
     out["weight_bytes"] = weight_bytes
     out["weight_read_floor_s"] = NEW_TOKENS * weight_bytes / bandwidth
     return out

@@ -330,6 +330,31 @@ def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
         assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)
 
 
+def test_attention_read_slots_by_hand():
+    """Step t of 63 reads the prompt and t generated slots (32 on average); at batch 64 each of the
+    8 prompts once for its group of 8 rows, at batch 8 each row's own prompt."""
+    from benchmarks import bounds
+
+    assert bounds.attention_read_slots(64) == (8, 64, 32)
+    assert bounds.attention_read_slots(8) == (8, 64, 32)
+    assert bounds.attention_read_slots(128, prompt_len=16, new_tokens=10) == (16, 16, 5)
+
+
+def test_decode_floor_with_cache_reads_feeds_every_read_into_the_result(tiny_checkpoint):
+    """With cache_reads the loop's result depends on the random cache it reads (another seed,
+    another result), and the products' part is the same loop's: without them the seed is unused."""
+    from benchmarks import bounds
+
+    _, config, params, _ = tiny_checkpoint
+    plain = np.asarray(bounds.decode_matmul_floor(config, params, rows=8, steps=3)())
+    with_reads = [np.asarray(bounds.decode_matmul_floor(config, params, rows=r, steps=3, cache_reads=True, seed=s)())
+                  for r, s in ((8, 0), (8, 1), (64, 0))]
+    assert np.isfinite(with_reads[0]).all() and with_reads[2].shape == (64, config.hidden_size)
+    assert not np.array_equal(with_reads[0], plain)
+    assert not np.array_equal(with_reads[0], with_reads[1])
+    np.testing.assert_array_equal(np.asarray(bounds.decode_matmul_floor(config, params, rows=8, steps=3, seed=1)()), plain)
+
+
 def test_generation_bounds_add_the_prefill_and_compare_the_floor_with_hf(tiny_checkpoint):
     """Each batch's floor is the prefill (a one-token generation) plus the product-only loop, and
     the best ratio those allow is HF's seconds, read from a results row, over that floor."""
@@ -341,9 +366,12 @@ def test_generation_bounds_add_the_prefill_and_compare_the_floor_with_hf(tiny_ch
     for b in (64, 8):
         assert 0 < out[f"prefill_b{b}_s"] < out[f"generation_b{b}_s"]
         assert out[f"generation_b{b}_floor_s"] == out[f"prefill_b{b}_s"] + out[f"decode_matmul_floor_b{b}_s"]
+        assert out[f"generation_b{b}_floor_with_cache_reads_s"] == (
+            out[f"prefill_b{b}_s"] + out[f"decode_floor_with_cache_reads_b{b}_s"])
         assert out[f"generation_b{b}_attention_share"] == 1 - out[f"generation_b{b}_attention_ablated_s"] / out[f"generation_b{b}_s"]
     assert out["hf_generate_b8_s"] == 2.0
     assert out["generation_b8_ratio_at_floor"] == 2.0 / out["generation_b8_floor_s"]
+    assert out["generation_b8_ratio_at_floor_with_cache_reads"] == 2.0 / out["generation_b8_floor_with_cache_reads_s"]
     assert "hf_generate_b64_s" not in out  # no HF row for batch 64 in these results
 
 

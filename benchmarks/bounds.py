@@ -60,7 +60,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from benchmarks.common import (GROUP_SIZE, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, forward_flops_per_token,
-                               generation_prompts, measure_matmul_peak, results_header, shared_prefix_train_flops,
+                               generation_group_size, generation_prompts, measure_matmul_peak, results_header, shared_prefix_train_flops,
                                timed, write_checkpoint, write_json)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -316,9 +316,9 @@ def products_floor(products: list[Product], seed: int = 0) -> Callable[[], Any]:
 def attention_read_slots(rows: int, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS) -> tuple[int, int, int]:
     """What one average decode step's attention must read, per layer, as (prompts, prompt slots,
     own slots per row): decode step t (1 .. new_tokens - 1) attends to the prompt and to t
-    generated tokens (t - 1 earlier ones and its own), new_tokens / 2 on average. At batch >= 64
-    each prompt serves a group of GROUP_SIZE rows and is read once per group (`generation_prompts`)."""
-    prompts = rows // GROUP_SIZE if rows >= 64 else rows
+    generated tokens (t - 1 earlier ones and its own), new_tokens / 2 on average. Each prompt is
+    read once for the rows that share it (`generation_group_size`: 8 at batch 64)."""
+    prompts = rows // generation_group_size(rows)
     return prompts, prompt_len, new_tokens // 2
 
 

@@ -49,13 +49,19 @@ PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 TOKENIZER_SUBDIR = "tokenizer"
 
 
+def generation_group_size(batch: int) -> int:
+    """How many rows of the generation workload share a prompt: GROUP_SIZE at batch >= 64 (the
+    GRPO layout, 8 prompts x 8), 1 below (all prompts distinct)."""
+    return GROUP_SIZE if batch >= 64 else 1
+
+
 def generation_prompts(vocab_size: int, batch: int, rng) -> tuple[Any, Any]:
     """The generation workload's prompts: (distinct int32[batch // G, PROMPT_LEN], rows
-    int32[batch, PROMPT_LEN]), each distinct prompt repeated G = GROUP_SIZE times in a row at
-    batch >= 64 (the GRPO layout, 8 prompts x 8) and G = 1 below (all prompts distinct)."""
+    int32[batch, PROMPT_LEN]), each distinct prompt repeated G = `generation_group_size(batch)`
+    times in a row."""
     import numpy as np
 
-    group = GROUP_SIZE if batch >= 64 else 1
+    group = generation_group_size(batch)
     distinct = rng.integers(3, vocab_size, (batch // group, PROMPT_LEN)).astype(np.int32)
     return distinct, np.repeat(distinct, group, axis=0)
 

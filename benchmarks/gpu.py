@@ -82,7 +82,7 @@ def bench_train_mfu(shape: str, repeats: int, peak: float, *, batch: int = GPU_B
     from jmarl.train.optim import make_optimizer
     from jmarl.train.step import init_train_state, jit_update, make_update
 
-    config = jmarl_config(shape, dtype)
+    config = jmarl_config(shape, dtype).replace(param_dtype="float32")  # fp32 masters, bf16 compute (what training runs)
     optimizer = make_optimizer(LR, total_steps=10**6, weight_decay=0.01, grad_clip=1.0)
     state = jax.jit(lambda k: init_train_state(models.init(config, k), optimizer))(jax.random.key(0))
     update = jit_update(make_update(jmarl_loss_fn(config), optimizer))

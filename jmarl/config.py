@@ -152,6 +152,27 @@ def _check_range(path: str, value: Any, bounds: tuple) -> None:
         raise JmarlError(f"{path}: must be {' and '.join(parts)}, got {value!r}")
 
 
+def _same_kind(tp: Any, value: Any) -> bool:
+    """Whether `value` is of the kind annotation `tp` takes (a mapping for a section or a dict,
+    a list for a sequence, a string for a str or a string Literal, ...), whatever its contents."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return any(type(value) is type(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return any(_same_kind(a, value) for a in typing.get_args(tp))
+    if origin in (tuple, list, collections.abc.Sequence):
+        return isinstance(value, (list, tuple))
+    if origin in (dict, collections.abc.Mapping) or dataclasses.is_dataclass(tp):
+        return isinstance(value, Mapping)
+    if tp in (int, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
     """Validates `value` against annotation `tp` and converts it (lists -> tuples, int -> float)."""
     if tp is Any:
@@ -176,6 +197,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 errors.append(e)
         if len(non_null) == 1:
             raise errors[0]
+        # The one option of the value's kind (a mapping for a section, a string for a choice)
+        # explains best what is wrong with it; with none or several, name every option.
+        fitting = [e for option, e in zip(non_null, errors) if _same_kind(option, value)]
+        if len(fitting) == 1:
+            raise fitting[0]
         raise _wrong_type(path, tp, value)
     if origin in (tuple, list, collections.abc.Sequence):
         if not isinstance(value, (list, tuple)):
@@ -280,6 +306,58 @@ def to_dict(obj: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
+# Sizes in bytes
+# --------------------------------------------------------------------------------------------
+
+# Size suffixes (case-insensitive): SI powers of 1000 and binary powers of 1024.
+_BYTE_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([-+]?[0-9]+))?\s*([a-z]*)\s*$", re.IGNORECASE)
+BYTES_FORMS = (
+    "a whole number of bytes (17179869184), a number with an exponent (16e9) or with a unit: "
+    "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), case-insensitive, "
+    "e.g. 80GiB, 80GB, 1.5GiB"
+)
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """A positive size in bytes from `text`: "80GiB" (80 * 2**30), "80GB" (80e9), "16e9", "512 MiB",
+    "1.5gib", or a number (an int, or a float with a whole number of bytes such as YAML's 16e9).
+
+    Suffixes are case-insensitive: B, KB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB powers
+    of 1024. A fractional byte count is rounded to the nearest byte. Anything else (no number, an
+    unknown unit, zero, a negative or non-finite size, a bool) raises JmarlError listing the forms.
+    """
+    def bad(why: str) -> JmarlError:
+        return JmarlError(f"cannot read {text!r} as a size in bytes ({why}); write {BYTES_FORMS}")
+
+    if isinstance(text, bool):
+        raise bad("a boolean is not a size")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    elif isinstance(text, str):
+        match = _BYTES_RE.match(text)
+        if match is None:
+            raise bad("expected a number and an optional unit")
+        number, exponent, unit = match.groups()
+        if unit.lower() not in _BYTE_UNITS:
+            hint = _suggest(unit, ["B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"])
+            raise bad(f"unknown unit {unit!r}" + (f", did you mean {hint!r}?" if hint else ""))
+        try:
+            value = float(number) * 10.0 ** int(exponent or 0) * _BYTE_UNITS[unit.lower()]
+        except OverflowError:
+            value = math.inf
+    else:
+        raise bad(f"expected a string or a number, got {type(text).__name__}")
+    if not math.isfinite(value) or value < 1:
+        raise bad("must be at least 1 byte")
+    return int(round(value))
+
+
+# --------------------------------------------------------------------------------------------
 # The schema
 # --------------------------------------------------------------------------------------------
 
@@ -287,6 +365,14 @@ AlgoName = Literal["grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacp
 ALGOS: tuple[str, ...] = typing.get_args(AlgoName)
 PlanName = Literal["independent", "tree", "joint", "node_wise", "shared"]
 DType = Literal["float32", "bfloat16", "float16"]
+# model.remat: auto = "full" from REMAT_AUTO_MIN_PARAMS parameters up, else "none"; the others
+# as `jmarl.models.config.REMAT_POLICIES` (true = full, false = none).
+RematName = Literal["auto", "none", "full", "dots"]
+# model.attention: `jmarl.models.config.ATTENTION_IMPLS` (auto picks per platform).
+AttentionName = Literal["auto", "xla", "cudnn", "splash", "blockwise"]
+# `model.remat: auto` rematerialises from this many parameters up (real-size models, where the
+# activations of every layer would not fit); below it (tiny CPU models) remat only costs time.
+REMAT_AUTO_MIN_PARAMS = 100_000_000
 
 # The sampling plan each algorithm is defined with; used when `workflow.plan` is not given.
 DEFAULT_PLAN: dict[str, str] = {
@@ -361,22 +447,54 @@ class ArchConfig:
 class ModelSpec:
     """Which network to train: a local Hugging Face checkpoint (`path`) or a built-in `preset`.
 
-    The trainer turns it into a `jmarl.models.ModelConfig` (ModelConfig.from_hf for a path).
+    `preset` is either the name of a published shape (`qwen3-1.7b`, see
+    `jmarl.models.presets.PRESETS`; randomly initialised at its real size) or an `ArchConfig`
+    mapping (a small architecture built from scratch). The trainer turns the spec into a
+    `jmarl.models.ModelConfig` (`jmarl.train.policies.build_model`). Trained parameters are
+    stored in float32 (`param_dtype`) and multiplied in `compute_dtype`; only a frozen LoRA base
+    may be stored in bfloat16/float16 (`Config` checks this).
     """
 
     path: str | None = None  # local directory with config.json + safetensors (no downloads)
-    preset: ArchConfig | None = None
+    preset: str | ArchConfig | None = None  # a preset name (qwen3-1.7b) or an ArchConfig mapping
     compute_dtype: DType = "float32"  # dtype of the matmuls (norms/softmax/log-probs stay f32)
-    param_dtype: DType = "float32"  # storage dtype of the trained parameters
-    remat: bool = False  # recompute each layer's activations in the backward pass
+    param_dtype: DType = "float32"  # storage dtype (float32 for trained parameters)
+    # recompute activations in the backward pass: auto (full from 1e8 parameters up, else none),
+    # none, full (keep each layer's input only), dots (also keep matmul outputs); true = full
+    remat: bool | RematName = "auto"
+    attention: AttentionName = "auto"  # attention kernel; auto: per platform (jmarl.models.attention)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
 
     def _validate(self, path: str) -> None:
         if (self.path is None) == (self.preset is None):
             raise JmarlError(
                 f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face "
-                f"checkpoint) or {_join(path, 'preset')} (a built-in architecture); to switch on the "
-                f"command line, set the other one to null (e.g. {_join(path, 'preset')}=null)"
+                f"checkpoint) or {_join(path, 'preset')} (a preset name or a built-in architecture); to "
+                f"switch on the command line, set the other one to null (e.g. {_join(path, 'preset')}=null)"
             )
+        if isinstance(self.preset, str):
+            check_preset_name(self.preset, _join(path or "model", "preset"))
+
+
+def check_preset_name(name: str, setting: str = "model.preset") -> str:
+    """The canonical (lower-case) preset name of `name`; an unknown name is a JmarlError naming
+    `setting`, listing the presets, with a did-you-mean."""
+    from jmarl.models.presets import preset_names
+
+    names = preset_names()
+    key = name.strip().lower()
+    if key in names:
+        return key
+    hint = _suggest(key, names)
+    msg = (
+        f"{setting}: unknown preset {name!r}; presets: {', '.join(names)} (or a mapping of "
+        f"architecture fields such as {{model_type: qwen3, hidden_size: 64, num_layers: 2}}, or "
+        f"set {setting.rpartition('.')[0] or 'model'}.path to a local checkpoint)"
+    )
+    raise JmarlError(msg + (f" — did you mean {hint!r}?" if hint else ""))
 
 
 @dataclass(frozen=True)
@@ -522,6 +640,23 @@ class TrainConfig:
     ref_policy: Literal["initial", "none"] = "initial"  # initial: a frozen copy of the start
     recompute_old_logprobs: bool = True  # score rollouts with the training forward pass
     warm_start: WarmStartConfig = _field(factory=WarmStartConfig)
+    # Before step 0 the trainer compiles its programs and checks that they fit device memory:
+    # auto = on for accelerators, off on CPU. (YAML reads on/off as true/false: both accepted.)
+    memory_check: bool | Literal["auto", "on", "off"] = "auto"
+    # Bytes per device for that check and for the plan command: "80GiB", "80GB", "16e9", an int
+    # (see `parse_bytes`; `device_memory_bytes()` reads it); None: read from the device.
+    device_memory: str | int | float | None = None
+    # Fraction of device memory the memory check keeps free (fragmentation, runtime buffers).
+    memory_headroom: float = _field(0.1, ge=0.0, lt=1.0)
+    # Persistent XLA compilation cache: "auto" (a per-user directory, see
+    # `jmarl.compile_cache.directory_for`), "off", or a directory path. (YAML's off/false: "off".)
+    compilation_cache: str | bool = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.memory_check, bool):
+            object.__setattr__(self, "memory_check", "on" if self.memory_check else "off")
+        if isinstance(self.compilation_cache, bool):
+            object.__setattr__(self, "compilation_cache", "auto" if self.compilation_cache else "off")
 
     def _validate(self, path: str) -> None:
         if self.kl_beta > 0 and self.ref_policy == "none":
@@ -529,6 +664,19 @@ class TrainConfig:
                 f"{_join(path, 'kl_beta')} = {self.kl_beta} needs a reference: set "
                 f"{_join(path, 'ref_policy')}=initial or {_join(path, 'kl_beta')}=0"
             )
+        if self.device_memory is not None:
+            try:
+                parse_bytes(self.device_memory)
+            except JmarlError as e:
+                raise JmarlError(f"{_join(path, 'device_memory')}: {e}; or null to read it from the device") from None
+        if not self.compilation_cache.strip():
+            raise JmarlError(
+                f"{_join(path, 'compilation_cache')}: must be 'auto', 'off' or a directory path, got ''"
+            )
+
+    def device_memory_bytes(self) -> int | None:
+        """`device_memory` in bytes (None: read it from the device)."""
+        return None if self.device_memory is None else parse_bytes(self.device_memory)
 
 
 @dataclass(frozen=True)
@@ -641,10 +789,12 @@ class Config:
                 )
             for name, entry in self.policies.models.items():
                 _check_tokenizer(entry.model, entry.tokenizer, f"policies.models.{name}")
+                _check_master_dtype(entry.model, self.policies.mode, f"policies.models.{name}.model")
         else:
             if self.model is None:
                 raise JmarlError("missing required key 'model': set model.path or model.preset")
             _check_tokenizer(self.model, self.tokenizer, "")
+            _check_master_dtype(self.model, self.policies.mode, "model")
         if self.algo.name == "hacpo" and self.workflow.plan != "shared":
             raise JmarlError(
                 f"workflow.plan: hacpo shares rollouts between agents and needs plan 'shared', "
@@ -687,6 +837,22 @@ def agent_policy_map(policies: PoliciesConfig, agents: Sequence[str]) -> tuple[t
             f"({', '.join(agents)}) to a policy"
         )
     return names, tuple(names.index(mapping[a]) for a in agents)
+
+
+def _check_master_dtype(model: ModelSpec, mode: str, path: str) -> None:
+    """Trained parameters are stored in float32: AdamW updates of bfloat16/float16 weights are
+    mostly rounded away (at lr 1e-6 about 2% of the weights change at all). Only a frozen LoRA
+    base (mode lora; its float32 adapters are what trains) may be stored in low precision."""
+    if model.param_dtype == "float32" or mode == "lora":
+        return
+    lora = "" if mode == "heterogeneous" else (
+        f" (or policies.mode=lora to train float32 adapters on a frozen {model.param_dtype} base)"
+    )
+    raise JmarlError(
+        f"{path}.param_dtype: {model.param_dtype} parameters barely train with AdamW (most updates "
+        f"round away), and policies.mode={mode} trains them; keep float32 master parameters and "
+        f"compute in bfloat16: {path}.param_dtype=float32 {path}.compute_dtype=bfloat16{lora}"
+    )
 
 
 def _check_tokenizer(model: ModelSpec, tokenizer: str | None, path: str) -> None:

@@ -249,17 +249,17 @@ def test_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint):
 
     from benchmarks import bounds
     from benchmarks.parity import jmarl_loss_fn
-    from jmarl.models import model as model_module
+    from jmarl.models import attention as attention_module
 
     _, config, params, _ = tiny_checkpoint
     layout = make_batch(config.vocab_size, 4, 8, 8, group_size=2).shared_prefix()
     batch = {k: jax.numpy.asarray(v) for k, v in layout.items()}
-    original = model_module.masked_attention
+    original = attention_module.attention
     full = float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0])
     with bounds.attention_ablated():
-        assert model_module.masked_attention is not original
+        assert attention_module.attention is not original
         ablated = float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0])
-    assert model_module.masked_attention is original
+    assert attention_module.attention is original
     assert float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0]) == pytest.approx(full, rel=1e-6)
     assert abs(ablated - full) > 1e-6
 

@@ -66,6 +66,7 @@ class Outer:
     extra: dict[str, Any] = field(default_factory=dict)
     inner: Inner = field(default_factory=Inner)
     maybe: Inner | None = None
+    either: bool | Literal["x", "yy"] | Inner = False
 
     def _validate(self, path: str) -> None:
         if self.limit is not None and self.limit < self.count:
@@ -85,6 +86,8 @@ def test_from_dict_builds_nested_and_converts():
                         maybe=Inner())
     assert type(got.inner.rate) is float and type(got.pair[1]) is float  # int accepted for float
     assert from_dict(Outer, {"name": "y"}) == Outer(name="y")
+    assert [from_dict(Outer, {"name": "y", "either": v}).either for v in (True, "yy", {"rate": 0.25})] == [
+        True, "yy", Inner(rate=0.25)]
 
 
 @pytest.mark.parametrize(
@@ -112,6 +115,12 @@ def test_from_dict_builds_nested_and_converts():
         ({"name": "x", "inner": {"rate": 1.5}}, r"root.inner.rate: must be >= 0.0 and <= 1.0, got 1.5"),
         ({"name": "x", "inner": {"rate": math.nan}}, "root.inner.rate: must be >= 0.0 and <= 1.0, got nan"),
         ({"name": "x", "count": 3, "limit": 2}, "root.limit must be >= root.count"),
+        # a union reports the error of the one option of the value's kind (choice or section)
+        ({"name": "x", "either": "y"}, "root.either: must be one of 'x', 'yy'; got 'y' — did you mean 'yy'?"),
+        ({"name": "x", "either": {"rate": 2}}, "root.either.rate: must be >= 0.0 and <= 1.0, got 2"),
+        ({"name": "x", "either": {"rte": 2}}, "unknown key 'root.either.rte' — did you mean 'root.either.rate'?"),
+        ({"name": "x", "either": 3},
+         "root.either: expected bool or one of 'x', 'yy' or mapping .section., got int 3"),
     ],
 )
 def test_from_dict_errors_name_the_key(data, message):
@@ -245,6 +254,10 @@ def test_group_size_defaults_to_the_algorithms_own():
         ({"model": {"preset": {"hidden_size": 30, "num_heads": 4}}},
          "model.preset.hidden_size .30. must be divisible"),
         ({"model": {"preset": {"hidden_size": 36, "num_heads": 4}}}, "model.preset.head_dim: must be even"),
+        ({"model": {"preset": "qwen3-9b"}}, "model.preset: unknown preset 'qwen3-9b'; presets: qwen3-0.6b, "),
+        ({"model": {"preset": {}, "remat": "yes"}}, "model.remat: must be one of 'auto', 'none', 'full', 'dots'"),
+        ({"model": {"preset": {}, "param_dtype": "bfloat16"}},
+         "model.param_dtype: bfloat16 parameters barely train with AdamW"),
         ({"tokenizer": None}, "tokenizer: a preset model needs a tokenizer"),
         ({"workflow": {"plan": "tree", "grop_size": 3}},
          "unknown key 'workflow.grop_size' — did you mean 'workflow.group_size'?"),

@@ -169,11 +169,19 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ public API
-def load_hf(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig, Params]:
+def load_hf(
+    path: str | os.PathLike, dtype: Any = None, *, compute_dtype: Any = None
+) -> tuple[ModelConfig, Params]:
     """Loads a HF Llama/Qwen2/Qwen3 checkpoint directory -> (config, params).
 
-    `dtype` (e.g. "bfloat16") sets both the parameter and the compute dtype; by default they are
-    the dtype the checkpoint stores its embedding in.
+    `dtype` (e.g. "bfloat16") sets how the parameters are stored AND, unless `compute_dtype` is
+    given, the dtype the matmuls run in; by default both are the dtype the checkpoint stores its
+    embedding in (bfloat16 for most released checkpoints). `compute_dtype` sets only the compute
+    dtype. Training needs float32 storage (AdamW updates of bfloat16 weights mostly round away,
+    and `jmarl.train.step.init_train_state` refuses them): load with
+    `load_hf(path, "float32", compute_dtype="bfloat16")`, or `load_hf(path, "float32")` then
+    `config.replace(compute_dtype="bfloat16")`. bfloat16 storage suits inference and a frozen
+    LoRA base.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -184,7 +192,8 @@ def load_hf(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig, Pa
     if dtype is None:
         dtype = embed.dtype if embed is not None else np.float32
     dtype_name = np.dtype(dtype).name
-    config = config.replace(param_dtype=dtype_name, compute_dtype=dtype_name)
+    compute_name = dtype_name if compute_dtype is None else np.dtype(compute_dtype).name
+    config = config.replace(param_dtype=dtype_name, compute_dtype=compute_name)
     shapes = param_shapes(config)
     target = np.dtype(dtype)
     host: dict = {}

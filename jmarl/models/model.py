@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jmarl.models import attention as attention_lib
 from jmarl.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -45,6 +46,8 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # no stacked per-layer residual buffers to zero-fill and copy (~10% of a CPU train step at
 # 4 layers). Deeper models keep the rolled scan, so their compile time stays flat in depth.
 _UNROLL_MAX_LAYERS = 8
+# Tokens per chunk of the feed-forward layer on long inputs (see `MLP`).
+MLP_CHUNK_ROWS = 8192
 # Upper bound on the elements of one fp32 [B, chunk, V] logits block in `token_logprobs`.
 _LOGPROB_CHUNK_ELEMENTS = 1 << 24
 
@@ -124,7 +127,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+
+    Above MLP_CHUNK_ROWS tokens it runs MLP_CHUNK_ROWS tokens at a time (`jax.lax.map` under
+    `jax.checkpoint`): the same numbers, but only one chunk's [rows, F] intermediates are alive,
+    in the forward pass and the gradient (at 64k tokens and F = 6144 those are 0.75 GiB each)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
@@ -132,7 +139,23 @@ class MLP(nnx.Module):
         self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        lead, d = x.shape[:-1], x.shape[-1]
+        rows = int(np.prod(lead))
+        if rows <= MLP_CHUNK_ROWS:
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        weights = (self.gate_proj.kernel[...], self.up_proj.kernel[...], self.down_proj.kernel[...])
+        dtype = self.gate_proj.dtype
+        n = -(-rows // MLP_CHUNK_ROWS)
+        flat = jnp.pad(x.reshape(rows, d), ((0, n * MLP_CHUNK_ROWS - rows), (0, 0)))
+
+        @jax.checkpoint
+        def chunk(x_c: jax.Array) -> jax.Array:
+            gate, up, down = (w.astype(dtype) for w in weights)
+            x_c = x_c.astype(dtype)
+            return jnp.dot(jax.nn.silu(jnp.dot(x_c, gate)) * jnp.dot(x_c, up), down)
+
+        out = jax.lax.map(chunk, flat.reshape(n, MLP_CHUNK_ROWS, d))
+        return out.reshape(n * MLP_CHUNK_ROWS, -1)[:rows].reshape(*lead, -1)
 
 
 class DecoderLayer(nnx.Module):
@@ -145,11 +168,13 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pdt)
         self.mlp = MLP(c, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn):
-        """x [B,T,D] -> (x [B,T',D], aux from `attend`). T' = T unless `attend` answers only the
-        last T' queries (a prefill's last layer): the rest of the layer then runs on those only."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
+                 pick: Callable[[jax.Array], jax.Array] | None = None):
+        """x [B,T,D] -> (x [B,T',D], aux from `attend`). T' = T unless `attend` answers only some
+        queries (a prefill's last layer): `pick` then selects the same slots of the residual
+        stream [B,T,D] -> [B,T',D], and the rest of the layer runs on those only."""
         h, aux = self.attn(self.attn_norm(x), cos, sin, attend)
-        x = x[:, x.shape[1] - h.shape[1]:] + h
+        x = (x if pick is None else pick(x)) + h
         return x + self.mlp(self.mlp_norm(x)), aux
 
 
@@ -193,20 +218,29 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, Any]:
         """tokens/mask [B,T] -> (final-normed hidden [B,T,D], (keys, values) [L,B,T,KV,hd] or None).
 
-        last_only: the hidden state of the last slot only, [B,1,D] (a prefill). The last layer
-        then computes its keys and values for every slot but its attention, output projection
-        and MLP for the last slot alone, which is all that slot depends on."""
+        Any padding: each row's real tokens are moved to its front (`compaction`), the layers run
+        on right-padded rows (the layout every attention form takes), and the hidden states and
+        keys/values are put back in the input's slots. last_only: the hidden state of each row's
+        last real token only, [B,1,D] (a prefill). The last layer then computes its keys and
+        values for every slot but its attention, output projection and MLP for that token alone,
+        which is all it depends on."""
         c = self.config
-        positions = positions_from_mask(attention_mask)
-        cos, sin = rope_tables(c, positions, tokens.shape[1])
-        t = tokens.shape[1]
-        allowed = jnp.tril(jnp.ones((t, t), bool))[None] & attention_mask.astype(bool)[:, None, :]
+        dest, lengths = compaction(attention_mask)
+        b, t = tokens.shape
+        cos, sin = rope_tables(c, jnp.arange(t, dtype=jnp.int32)[None], t)
 
         def attend(q, k, v):
-            return masked_attention(q, k, v, allowed), ((k, v) if return_kv else None)
+            out = attention_lib.attention(q, k, v, lengths, causal=True, impl=c.attention)
+            return out, ((k, v) if return_kv else None)
+
+        last = jnp.maximum(lengths - 1, 0)[:, None, None]  # [B,1,1]: the last real token's slot
+
+        def pick_last(a: jax.Array) -> jax.Array:
+            return jnp.take_along_axis(a, last.reshape((b, 1) + (1,) * (a.ndim - 2)), axis=1)
 
         def attend_last(q, k, v):
-            return masked_attention(q[:, -1:], k, v, allowed[:, -1:]), ((k, v) if return_kv else None)
+            out = attention_lib.attention(pick_last(q), k, v, lengths, causal=False, impl=c.attention)
+            return out, ((k, v) if return_kv else None)
 
         layer_def, layer_state = nnx.split(self.layers)
 
@@ -216,36 +250,36 @@ class Transformer(nnx.Module):
         if c.remat != "none":
             body = jax.checkpoint(body, policy=c.remat_policy(), prevent_cse=False)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
+        x = self.embed(compact_rows(tokens, dest))
         if not last_only:
-            x, kv = jax.lax.scan(body, self.embed(tokens), layer_state, unroll=unroll)
-            return self.final_norm(x), kv
+            x, kv = jax.lax.scan(body, x, layer_state, unroll=unroll)
+            kv = None if kv is None else jax.tree.map(lambda a: restore_rows(a, dest, axis=2), kv)
+            return restore_rows(self.final_norm(x), dest), kv
         first = jax.tree.map(lambda a: a[:-1], layer_state)
-        x, kv = jax.lax.scan(body, self.embed(tokens), first, unroll=unroll)
-        x, kv_last = nnx.merge(layer_def, jax.tree.map(lambda a: a[-1], layer_state))(x, cos, sin, attend_last)
+        x, kv = jax.lax.scan(body, x, first, unroll=unroll)
+        x, kv_last = nnx.merge(layer_def, jax.tree.map(lambda a: a[-1], layer_state))(x, cos, sin, attend_last, pick_last)
         if return_kv:
-            kv = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), kv, kv_last)
+            kv = jax.tree.map(lambda a, b: restore_rows(jnp.concatenate([a, b[None]]), dest, axis=2), kv, kv_last)
         return self.final_norm(x), kv
 
     def hidden_prefixed(
         self, prefix_tokens: jax.Array, prefix_mask: jax.Array, rows: jax.Array, tokens: jax.Array, mask: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """Shared prefixes [U,P] (left-padded), rows int[N] into them, continuations [N,C]
-        (right-padded) -> (final-normed hidden of each prefix's last slot [U,D], final-normed
+        """Shared prefixes [U,P] (any padding), rows int[N] into them, continuations [N,C] (any
+        padding) -> (final-normed hidden of each prefix's last real token [U,D], final-normed
         hidden of the continuations [N,C,D]). Each layer runs the U prefixes, then the N
-        continuations attending to their prefix's keys/values and to themselves (causally)."""
+        continuations attending to their prefix's keys/values (read in place through `rows`,
+        never copied per row) and to themselves (causally)."""
         c = self.config
-        prefix_mask, mask = prefix_mask.astype(bool), mask.astype(bool)
         p, t = prefix_tokens.shape[1], tokens.shape[1]
-        prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)
-        p_cos, p_sin = rope_tables(c, positions_from_mask(prefix_mask), p)
-        s_cos, s_sin = rope_tables(c, prefix_len[rows][:, None] + positions_from_mask(mask), p + t)
-        p_allowed = jnp.tril(jnp.ones((p, p), bool))[None] & prefix_mask[:, None, :]
-        own = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]
-        to_prefix = jnp.broadcast_to(prefix_mask[rows][:, None, :], (rows.shape[0], t, p))
-        s_allowed = jnp.concatenate([to_prefix, own], axis=-1)  # [N, C, P + C]
+        p_dest, prefix_len = compaction(prefix_mask)
+        s_dest, own_len = compaction(mask)
+        p_cos, p_sin = rope_tables(c, jnp.arange(p, dtype=jnp.int32)[None], p)
+        s_positions = prefix_len[rows][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        s_cos, s_sin = rope_tables(c, s_positions, p + t)
 
         def attend_prefix(q, k, v):
-            return masked_attention(q, k, v, p_allowed), (k, v)
+            return attention_lib.attention(q, k, v, prefix_len, causal=True, impl=c.attention), (k, v)
 
         layer_def, layer_state = nnx.split(self.layers)
 
@@ -255,9 +289,8 @@ class Transformer(nnx.Module):
             xp, (kp, vp) = layer(xp, p_cos, p_sin, attend_prefix)
 
             def attend_continuation(q, k, v):
-                keys = jnp.concatenate([kp[rows], k], axis=1)
-                values = jnp.concatenate([vp[rows], v], axis=1)
-                return masked_attention(q, keys, values, s_allowed), None
+                out = attention_lib.prefixed_attention(q, k, v, own_len, kp, vp, prefix_len, rows, impl=c.attention)
+                return out, None
 
             xs, _ = layer(xs, s_cos, s_sin, attend_continuation)
             return (xp, xs), None
@@ -265,12 +298,39 @@ class Transformer(nnx.Module):
         if c.remat != "none":
             body = jax.checkpoint(body, policy=c.remat_policy(), prevent_cse=False)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        carry = (self.embed(prefix_tokens), self.embed(tokens))
+        carry = (self.embed(compact_rows(prefix_tokens, p_dest)), self.embed(compact_rows(tokens, s_dest)))
         (xp, xs), _ = jax.lax.scan(body, carry, layer_state, unroll=unroll)
-        return self.final_norm(xp[:, -1]), self.final_norm(xs)
+        last = jnp.maximum(prefix_len - 1, 0)[:, None, None]
+        xp_last = jnp.take_along_axis(xp, last, axis=1)[:, 0]
+        return self.final_norm(xp_last), restore_rows(self.final_norm(xs), s_dest)
 
 
 # ---------------------------------------------------------------------------------- helpers
+def compaction(attention_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """mask bool[B,T] -> (dest int32[B,T], lengths int32[B]): the slot each token takes when
+    each row's real tokens are moved, in order, to its front (padding after them), and the
+    number of real tokens. A permutation of each row: attention over the compacted rows is the
+    attention over the original ones, and their positions are the slots."""
+    mask = attention_mask.astype(bool)
+    real = jnp.cumsum(mask.astype(jnp.int32), axis=-1)
+    lengths = real[:, -1]
+    pads = jnp.cumsum((~mask).astype(jnp.int32), axis=-1)
+    return jnp.where(mask, real - 1, lengths[:, None] + pads - 1), lengths
+
+
+def compact_rows(tokens: jax.Array, dest: jax.Array) -> jax.Array:
+    """tokens [B,T] moved to their compacted slots: out[b, dest[b, t]] = tokens[b, t]."""
+    b = tokens.shape[0]
+    return jnp.zeros_like(tokens).at[jnp.arange(b)[:, None], dest].set(tokens, unique_indices=True)
+
+
+def restore_rows(x: jax.Array, dest: jax.Array, axis: int = 1) -> jax.Array:
+    """A compacted array back in the input's slots: out[.., b, t, ..] = x[.., b, dest[b, t], ..],
+    with B, T at axes axis-1, axis."""
+    index = dest.reshape((1,) * (axis - 1) + dest.shape + (1,) * (x.ndim - axis - 1))
+    return jnp.take_along_axis(x, index, axis=axis)
+
+
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     """int32[B,T]: index of each token among the real tokens of its row (0 on leading pads)."""
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -309,17 +369,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
-
-
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Softmax attention. q [B,T,H,hd], k/v [B,S,KV,hd], allowed bool[B,T,S] -> [B,T,H,hd]."""
-    b, t, h, hd = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(allowed[:, None, None], scores * hd**-0.5, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
 
 
 @functools.lru_cache(maxsize=32)
@@ -618,15 +667,18 @@ def prefixed_cached_attention(
     slot axis (C = C1 + C2 + ...), each read where it lies.
 
     use_dot: the query-key and probability-value products as matrix products (the default off
-    CPU) or as a broadcast multiply and sum (the CPU default: each batch element has only H/KV
+    CPU, picked when the program is lowered) or as a broadcast multiply and sum (the CPU default: each batch element has only H/KV
     query rows, and XLA's CPU batched matrix products cost more than the fused multiply-sum).
     Both accumulate in float32."""
+    if use_dot is None:  # chosen when the program is lowered, for the platform it is lowered for
+        args = (q, prefix_keys, prefix_values, prefix_mask, keys, values, key_mask)
+        form = functools.partial(prefixed_cached_attention)
+        return jax.lax.platform_dependent(
+            *args, cpu=functools.partial(form, use_dot=False), default=functools.partial(form, use_dot=True))
     keys, values = _blocks(keys), _blocks(values)
     b, _, h, hd = q.shape
     u, kv, _, s = prefix_keys.shape
     g, r = b // u, h // kv
-    if use_dot is None:
-        use_dot = jax.default_backend() != "cpu"
     f32 = jnp.float32
     q = q.reshape(b, kv, r, hd).astype(keys[0].dtype)
     if use_dot:

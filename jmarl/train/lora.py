@@ -5,6 +5,11 @@ for free and only the adapters are trained (and stacked on a leading policy axis
 per-agent LoRA). A kernel of shape [..., in, out] (leading axes such as a stacked-layer axis
 are kept) gets A [..., in, rank] (random normal / sqrt(in)) and B [..., rank, out] (zeros), so
 a fresh adapter leaves the model unchanged.
+
+Adapters are float32 whatever the base's dtype: they are what the optimizer updates, and
+AdamW updates of bfloat16 weights mostly round away. The base may be stored in bfloat16 (it is
+frozen); the merge adds the adapter product in float32 and stores the result in the base's
+dtype.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ def is_target(path: tuple, leaf: jax.Array, target_modules: Sequence[str]) -> bo
 def init_lora(
     params: Params, rng: jax.Array, *, rank: int, target_modules: Sequence[str]
 ) -> Params:
-    """Adapters {'a', 'b'} for every targeted kernel, None elsewhere (same tree structure)."""
+    """Float32 adapters {'a', 'b'} for every targeted kernel (whatever the kernel's dtype), None
+    elsewhere (same tree structure)."""
     if rank < 1:
         raise JmarlError(f"policies.lora.rank must be >= 1, got {rank}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -67,13 +73,15 @@ def init_lora(
 
 
 def merge_lora(base: Params, adapters: Params, *, rank: int, alpha: float) -> Params:
-    """W + (alpha / rank) * A @ B for every adapted kernel; other leaves pass through."""
+    """W + (alpha / rank) * A @ B for every adapted kernel, added in float32 and stored in W's
+    dtype; other leaves pass through."""
     scale = alpha / rank
 
     def merge(w, ad):
         if ad is None:
             return w
-        delta = jnp.matmul(ad["a"], ad["b"]) * scale
+        a, b = ad["a"].astype(jnp.float32), ad["b"].astype(jnp.float32)
+        delta = jnp.matmul(a, b) * scale
         return (w.astype(jnp.float32) + delta).astype(w.dtype)
 
     # `base` sets the structure: each of its leaves meets the adapter subtree at the same path

@@ -9,7 +9,6 @@ policy `agent_policy[i]`, which lives in group `group_of[p]` at index `index_in_
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,7 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from jmarl import models
+from jmarl.config import REMAT_AUTO_MIN_PARAMS, ArchConfig, check_preset_name
 from jmarl.errors import JmarlError
+from jmarl.models.config import REMAT_POLICIES
+from jmarl.models.presets import preset_config
 from jmarl.train.lora import merge_lora
 from jmarl.train.step import TrainState
 
@@ -92,41 +94,100 @@ def build_tokenizer(spec: str | None, model_path: str | None) -> Any:
     return models.load_tokenizer(path)
 
 
-def build_model(model_cfg: Any, tokenizer: Any, rng: jax.Array) -> tuple[models.ModelConfig, Params]:
-    """(model config, params): loaded from `model_cfg.path` or initialised from `model_cfg.preset`."""
-    numerics = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+def resolve_remat(remat: bool | str, num_params: int) -> str:
+    """The layer remat policy of a `model.remat` setting: true -> "full", false -> "none", "auto"
+    -> "full" for models of `REMAT_AUTO_MIN_PARAMS` (1e8) parameters and more (real sizes, whose
+    per-layer activations would not fit), "none" below (tiny models, where remat only costs
+    time); "none" / "full" / "dots" as given."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat == "auto":
+        return "full" if num_params >= REMAT_AUTO_MIN_PARAMS else "none"
+    if remat not in REMAT_POLICIES:
+        raise JmarlError(f"model.remat: must be auto, {', '.join(REMAT_POLICIES)}, true or false; got {remat!r}")
+    return remat
+
+
+def build_model(
+    model_cfg: Any, tokenizer: Any, rng: jax.Array, *, setting: str = "model"
+) -> tuple[models.ModelConfig, Params]:
+    """(model config, params) of a `ModelSpec`: loaded from `model_cfg.path`, or initialised
+    randomly (`models.init`) from `model_cfg.preset` (a preset name: the published shapes of
+    `jmarl.models.presets`; an `ArchConfig`: a built-in architecture).
+
+    Parameters are stored in `param_dtype`, matmuls run in `compute_dtype`; `attention` is passed
+    on and `remat` resolved (`resolve_remat`, on the real parameter count). A preset takes the
+    tokenizer's bos/eos/pad ids, and its vocabulary must hold the tokenizer's. `setting` is the
+    dotted name of the spec in error messages (e.g. policies.models.qwen.model).
+    """
+    numerics = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype,
+                    attention=model_cfg.attention)
     if model_cfg.path is not None:
         if not os.path.isdir(model_cfg.path):
-            raise JmarlError(f"model.path {model_cfg.path!r} is not a directory; point it at a local HF checkpoint")
-        config, params = models.load_hf(model_cfg.path, dtype=model_cfg.param_dtype)
-        return dataclasses.replace(config, **numerics), params
-    p = model_cfg.preset
-    vocab = p.vocab_size or tokenizer.vocab_size
-    if vocab < tokenizer.vocab_size:
-        raise JmarlError(
-            f"model.preset.vocab_size {vocab} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})"
+            raise JmarlError(
+                f"{setting}.path {model_cfg.path!r} is not a directory; point it at a local HF checkpoint"
+            )
+        config, params = models.load_hf(
+            model_cfg.path, dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype
         )
-    config = models.ModelConfig(
-        model_type=p.model_type,
-        vocab_size=vocab,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_layers=p.num_layers,
-        num_heads=p.num_heads,
-        num_kv_heads=p.num_kv_heads,
-        head_dim=p.head_dim or p.hidden_size // p.num_heads,
-        rms_norm_eps=p.rms_norm_eps,
-        rope_theta=p.rope_theta,
-        max_position_embeddings=p.max_position_embeddings,
-        tie_word_embeddings=p.tie_word_embeddings,
-        qkv_bias=p.model_type == "qwen2" if p.qkv_bias is None else p.qkv_bias,
-        qk_norm=p.model_type == "qwen3" if p.qk_norm is None else p.qk_norm,
-        bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
-        **numerics,
-    )
+        config = config.replace(**numerics)
+        return config.replace(remat=resolve_remat(model_cfg.remat, config.num_params())), params
+    if tokenizer is None:
+        raise JmarlError(
+            f"{setting}.preset: a preset model needs a tokenizer: set tokenizer=char or a local tokenizer directory"
+        )
+    tokens = dict(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    if isinstance(model_cfg.preset, str):
+        config = preset_model_config(model_cfg.preset, tokenizer.vocab_size, setting=setting, **numerics, **tokens)
+    else:
+        config = arch_model_config(model_cfg.preset, tokenizer.vocab_size, setting=setting, **numerics, **tokens)
+    config = config.replace(remat=resolve_remat(model_cfg.remat, config.num_params()))
     return config, models.init(config, rng)
+
+
+def preset_model_config(
+    name: str, tokenizer_vocab: int, *, setting: str = "model", **fields: Any
+) -> models.ModelConfig:
+    """The `ModelConfig` of preset `name` (`jmarl.models.presets`) with `fields` (numerics, token
+    ids) set; JmarlError naming `<setting>.preset` when the name is unknown or the tokenizer's
+    vocabulary (`tokenizer_vocab` ids) does not fit the preset's embedding."""
+    key = check_preset_name(name, f"{setting}.preset")
+    config = preset_config(key, **fields)
+    if tokenizer_vocab > config.vocab_size:
+        raise JmarlError(
+            f"{setting}.preset: the tokenizer has {tokenizer_vocab} ids but preset {key!r} embeds "
+            f"{config.vocab_size}; use a tokenizer that fits (char, or the checkpoint family's own)"
+        )
+    return config
+
+
+def arch_model_config(
+    arch: ArchConfig, tokenizer_vocab: int, *, setting: str = "model", **fields: Any
+) -> models.ModelConfig:
+    """The `ModelConfig` of a built-in architecture (`ArchConfig`; vocab_size None: the
+    tokenizer's) with `fields` (numerics, token ids) set."""
+    vocab = arch.vocab_size or tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        raise JmarlError(
+            f"{setting}.preset.vocab_size {vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
+        )
+    return models.ModelConfig(
+        model_type=arch.model_type,
+        vocab_size=vocab,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_layers=arch.num_layers,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim or arch.hidden_size // arch.num_heads,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        qkv_bias=arch.model_type == "qwen2" if arch.qkv_bias is None else arch.qkv_bias,
+        qk_norm=arch.model_type == "qwen3" if arch.qk_norm is None else arch.qk_norm,
+        **fields,
+    )
 
 
 def stack(trees: Sequence[Params]) -> Params:

@@ -33,8 +33,40 @@ class TrainState:
     skipped: jax.Array
 
 
-def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
-    """A fresh state: optimizer initialised on `params`, counters at 0."""
+def low_precision_leaves(params: Params) -> list[tuple[str, str]]:
+    """(path, dtype name) of every floating-point leaf of `params` narrower than float32."""
+    found = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            continue
+        dtype = jnp.dtype(dtype)
+        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            found.append((jax.tree_util.keystr(path), dtype.name))
+    return found
+
+
+def init_train_state(
+    params: Params, optimizer: optax.GradientTransformation, *, allow_low_precision: bool = False
+) -> TrainState:
+    """A fresh state: optimizer initialised on `params` (the trainable tree), counters at 0.
+
+    Trainable floating-point leaves must be float32 (or wider): AdamW updates of bfloat16/float16
+    weights are mostly below their resolution and round away, so such a tree is refused with a
+    JmarlError unless `allow_low_precision=True` (benchmarks that measure bf16 throughput, say).
+    Keep float32 master parameters and compute in bfloat16 (`ModelConfig.compute_dtype`).
+    """
+    if not allow_low_precision:
+        low = low_precision_leaves(params)
+        if low:
+            path, dtype = low[0]
+            raise JmarlError(
+                f"init_train_state: {len(low)} trainable parameter(s) are stored below float32 (first: "
+                f"{path or 'params'} is {dtype}), and optimizer updates below their resolution round away; "
+                "keep float32 master parameters and compute in bfloat16 (model.param_dtype=float32 "
+                "model.compute_dtype=bfloat16; for a ModelConfig, param_dtype='float32', "
+                "compute_dtype='bfloat16'), or pass allow_low_precision=True"
+            )
     return TrainState(
         params=params,
         opt_state=optimizer.init(params),

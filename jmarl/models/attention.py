@@ -1,0 +1,428 @@
+"""Attention: one entry point, exact, and never O(T x S) in memory for long sequences.
+
+Every attention of the model (training, scoring, prefill, the shared-prefix learner) goes
+through `attention` (or `prefixed_attention`, which adds a group's shared prompt). The layout
+is fixed: queries q [B, T, H, hd], keys/values k, v [B, S, KV, hd] (grouped-query: H a
+multiple of KV), rows RIGHT-padded, so the valid keys of row b are the slots s < lengths[b]
+(`jmarl.models.model` compacts any padding to this layout first). With `causal`, query t also
+sees only keys s <= t. Scores, softmax and log-sum-exps are float32.
+
+Forms (`impl`, `ModelConfig.attention`):
+
+    dense      [B, KV, H/KV, T, S] float32 scores in one piece: fastest for short sequences,
+               O(T x S) memory ("xla").
+    blockwise  online softmax over [block_q, block_k] tiles in plain JAX with its own
+               FlashAttention-2 backward (`jax.custom_vjp`): memory O(B x H x block_q x block_k)
+               besides the inputs, outputs and one float32 [B, T, H] log-sum-exp, forward and
+               gradient. Key blocks past the longest row and, with `causal`, above the diagonal
+               are skipped. Runs everywhere.
+    cudnn      cuDNN flash attention through `jax.nn.dot_product_attention(implementation=
+               "cudnn")` (right padding as sequence lengths), bf16/f16 and head_dim <= 128.
+    splash     the Pallas splash-attention kernel of `jax.experimental.pallas.ops.tpu`
+               (padding as segment ids), sequence lengths a multiple of 128.
+    auto       dense when the scores are small (B x H x T x S <= DENSE_MAX_SCORES), otherwise
+               chosen per platform WHEN THE PROGRAM IS LOWERED (`jax.lax.platform_dependent`):
+               cudnn on CUDA GPUs, splash on TPU, blockwise elsewhere, and blockwise for any
+               shape or dtype a kernel refuses. A program exported for another platform carries
+               that platform's form.
+
+Exactness: every form computes the same softmax(q k^T / sqrt(hd)) v over the same keys; they
+differ only in float rounding (blockwise accumulates in float32 and normalises at the end).
+A query with no valid key (a padding row) gets a finite average instead of NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmarl.errors import JmarlError
+
+IMPLS: tuple[str, ...] = ("auto", "xla", "dense", "cudnn", "splash", "blockwise")
+# auto: dense when B * H * T * S float32 scores take at most 256 MiB
+DENSE_MAX_SCORES = 1 << 26
+BLOCK_Q = 512
+BLOCK_K = 512
+# Large negative score for masked keys: finite, so a row with no valid key averages instead of NaN.
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
+# ---------------------------------------------------------------------------------- entry points
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    causal: bool,
+    impl: str = "auto",
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> jax.Array:
+    """softmax(q k^T / sqrt(hd)) v over the valid keys. q [B,T,H,hd], k/v [B,S,KV,hd],
+    lengths int[B] (keys s < lengths[b] are valid; rows right-padded) -> [B,T,H,hd] in q's dtype.
+    causal: query t sees keys s <= t as well (queries and keys aligned at slot 0)."""
+    _check(q, k, v, impl)
+    lengths = jnp.maximum(lengths.astype(jnp.int32), 1)
+    form = _static_form(q, k, impl)
+    if form == "dense":
+        return _dense(q, k, v, lengths, None, causal)[0]
+    if form == "blockwise":
+        return _blockwise(q, k, v, lengths, None, causal, block_q, block_k)[0]
+    blockwise = functools.partial(_blockwise_out, causal=causal, block_q=block_q, block_k=block_k)
+    if form == "cudnn":
+        return _cudnn_or(blockwise, q, k, v, lengths, causal)
+    if form == "splash":
+        return _splash_or(blockwise, q, k, v, lengths, causal)
+    # auto on long sequences: the platform's kernel, chosen when the program is lowered
+    return jax.lax.platform_dependent(
+        q, k, v, lengths,
+        cuda=functools.partial(_cudnn_or, blockwise, causal=causal),
+        tpu=functools.partial(_splash_or, blockwise, causal=causal),
+        default=blockwise,
+    )
+
+
+def prefixed_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    prefix_k: jax.Array,
+    prefix_v: jax.Array,
+    prefix_lengths: jax.Array,
+    rows: jax.Array,
+    *,
+    impl: str = "auto",
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> jax.Array:
+    """Continuations that also attend to a shared prompt. q [N,C,H,hd] and own k/v [N,C,KV,hd]
+    (causal, lengths int[N]); prefixes prefix_k/prefix_v [U,P,KV,hd] with prefix_lengths int[U]
+    (right-padded, all visible); rows int[N] in [0, U): the prefix of each continuation.
+    -> [N,C,H,hd]: one softmax over the prefix's keys and the row's own, as if the N rows were
+    prefix + continuation, computed as two attentions merged by their log-sum-exps. The
+    blockwise form reads each prefix block by `rows` as it goes: no [N, P] copy of the prefix
+    keys/values is made or kept for the backward pass (its gradient sums over the rows)."""
+    _check(q, k, v, impl)
+    lengths = jnp.maximum(lengths.astype(jnp.int32), 1)
+    rows = rows.astype(jnp.int32)
+    p_len = prefix_lengths.astype(jnp.int32)[rows]
+    n, c, h, _ = q.shape
+    p = prefix_k.shape[1]
+    small = n * h * c * (c + p) <= DENSE_MAX_SCORES
+    dense = impl in ("xla", "dense") or (impl == "auto" and small)
+    if dense:
+        own = _dense(q, k, v, lengths, None, True)
+        pre = _dense(q, prefix_k, prefix_v, p_len, rows, False)
+    else:
+        own = _blockwise(q, k, v, lengths, None, True, block_q, block_k)
+        pre = _blockwise(q, prefix_k, prefix_v, p_len, rows, False, block_q, block_k)
+    # a row whose prefix is empty: its prefix part holds only masked scores, weight exp(-huge) = 0
+    pre_lse = jnp.where((p_len > 0)[:, None, None], pre[1], -jnp.inf)
+    return _merge(own, (pre[0], pre_lse)).astype(q.dtype)
+
+
+def form_for(q_shape: tuple[int, ...], k_shape: tuple[int, ...], impl: str) -> str:
+    """The form `attention` uses for these shapes: dense / blockwise / cudnn / splash, or
+    'platform' (auto on long sequences: chosen when the program is lowered)."""
+    b, t, h, _ = q_shape
+    s = k_shape[1]
+    if impl in ("xla", "dense"):
+        return "dense"
+    if impl == "auto":
+        return "dense" if b * h * t * s <= DENSE_MAX_SCORES else "platform"
+    return impl
+
+
+def _static_form(q: jax.Array, k: jax.Array, impl: str) -> str:
+    form = form_for(q.shape, k.shape, impl)
+    return "auto" if form == "platform" else form
+
+
+def _check(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> None:
+    if impl not in IMPLS:
+        raise JmarlError(f"model.attention must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
+        raise JmarlError(f"attention expects q [B,T,H,hd] and k/v [B,S,KV,hd] with KV dividing H; got {q.shape}, {k.shape}, {v.shape}")
+
+
+def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Two attentions over disjoint key sets (out [B,T,H,hd], lse [B,T,H]) -> the attention over
+    their union."""
+    (oa, la), (ob, lb) = a, b
+    lse = jnp.logaddexp(la, lb)
+    wa, wb = jnp.exp(la - lse)[..., None], jnp.exp(lb - lse)[..., None]
+    return oa.astype(jnp.float32) * wa + ob.astype(jnp.float32) * wb
+
+
+def _allowed(q_idx: jax.Array, k_idx: jax.Array, lengths: jax.Array, causal: bool) -> jax.Array:
+    """bool[B, 1, 1, Tq, Sk]: key slot k_idx valid for row b and, with causal, <= query slot."""
+    ok = k_idx[None, None, :] < lengths[:, None, None]  # [B, 1, Sk]
+    if causal:
+        ok = ok & (k_idx[None, None, :] <= q_idx[None, :, None])  # [B, Tq, Sk]
+    return ok[:, None, None]
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q [B,T,H,hd] -> scaled [B,T,KV,H/KV,hd] (the 1/sqrt(hd) goes on the queries)."""
+    b, t, h, hd = q.shape
+    return (q * jnp.asarray(hd**-0.5, q.dtype)).reshape(b, t, kv_heads, h // kv_heads, hd)
+
+
+# ---------------------------------------------------------------------------------- dense
+def _dense(q, k, v, lengths, rows, causal):
+    """(out [B,T,H,hd] in q's dtype, lse float32 [B,T,H]); rows: k/v [U,..] read per row."""
+    b, t, h, hd = q.shape
+    if rows is not None:
+        k, v = k[rows], v[rows]
+    kv = k.shape[2]
+    qg = _grouped(q, kv).astype(k.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    allowed = _allowed(jnp.arange(t), jnp.arange(k.shape[1]), lengths, causal)
+    scores = jnp.where(allowed, scores, _MASKED)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B,KV,G,T]
+    probs = jnp.exp(scores - lse[..., None]).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
+    return out.astype(q.dtype), lse.transpose(0, 3, 1, 2).reshape(b, t, h)
+
+
+# ---------------------------------------------------------------------------------- blockwise
+def _blockwise_out(q, k, v, lengths, *, causal, block_q, block_k):
+    return _blockwise(q, k, v, lengths, None, causal, block_q, block_k)[0]
+
+
+def _blockwise(q, k, v, lengths, rows, causal, block_q, block_k):
+    """(out [B,T,H,hd], lse float32 [B,T,H]) by the blockwise kernel; pads T and S to whole
+    blocks (padded keys lie past every length; padded queries are cut off)."""
+    b, t, h, hd = q.shape
+    s = k.shape[1]
+    bq, bk = min(block_q, t), min(block_k, s)
+    tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+    qg = _grouped(q, k.shape[2])
+    if tp != t:
+        qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
+    if sp != s:
+        k = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+    rows_arg = jnp.zeros((0,), jnp.int32) if rows is None else rows
+    out, lse = _flash(qg, k, v, lengths, rows_arg, causal, bq, bk)
+    out = out[:, :t].reshape(b, t, h, hd).astype(q.dtype)
+    lse = lse[..., :t].transpose(0, 3, 1, 2).reshape(b, t, h)
+    return out, lse
+
+
+def _kv_block(x: jax.Array, rows: jax.Array, j: jax.Array, bk: int) -> jax.Array:
+    """Key block j of x [Bk,S,KV,hd] for every query row: [B,bk,KV,hd] (gathered by rows when
+    the keys are shared prefixes, rows non-empty)."""
+    block = jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
+    return block[rows] if rows.shape[0] else block
+
+
+def _num_key_blocks(lengths: jax.Array, nk: int, bk: int) -> jax.Array:
+    """Key blocks that hold any valid key of any row (at least 1)."""
+    return jnp.clip((jnp.max(lengths) + bk - 1) // bk, 1, nk)
+
+
+def _causal_key_blocks(i: jax.Array, bq: int, bk: int) -> jax.Array:
+    """Key blocks at or below the diagonal of query block i."""
+    return ((i + 1) * bq - 1) // bk + 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(qg, k, v, lengths, rows, causal, bq, bk):
+    """qg [B,Tp,KV,G,hd] (scaled), k/v [Bk,Sp,KV,hd] -> (out f32 [B,Tp,KV,G,hd], lse f32 [B,KV,G,Tp])."""
+    return _flash_forward(qg, k, v, lengths, rows, causal, bq, bk)
+
+
+def _flash_forward(qg, k, v, lengths, rows, causal, bq, bk):
+    b, tp, kvh, g, hd = qg.shape
+    nq, nk = tp // bq, k.shape[1] // bk
+    n_valid = _num_key_blocks(lengths, nk, bk)
+
+    def query_block(i):
+        qi = jax.lax.dynamic_slice_in_dim(qg, i * bq, bq, axis=1).astype(k.dtype)
+        q_idx = i * bq + jnp.arange(bq)
+        stop = jnp.minimum(n_valid, _causal_key_blocks(i, bq, bk)) if causal else n_valid
+
+        def body(j, carry):
+            m, l, acc = carry
+            kj, vj = _kv_block(k, rows, j, bk), _kv_block(v, rows, j, bk)
+            s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
+            s = jnp.where(_allowed(q_idx, j * bk + jnp.arange(bk), lengths, causal), s, _MASKED)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            scale = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            l = l * scale + p.sum(axis=-1)
+            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+            return m_new, l, acc * scale[..., None] + pv
+
+        init = (
+            jnp.full((b, kvh, g, bq), _MASKED, jnp.float32),
+            jnp.zeros((b, kvh, g, bq), jnp.float32),
+            jnp.zeros((b, kvh, g, bq, hd), jnp.float32),
+        )
+        m, l, acc = jax.lax.fori_loop(0, stop, body, init)
+        return acc / l[..., None], m + jnp.log(l)
+
+    out, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq,B,KV,G,bq,hd], [nq,B,KV,G,bq]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, kvh, g, hd)
+    lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, kvh, g, tp)
+    return out, lse
+
+
+def _flash_fwd(qg, k, v, lengths, rows, causal, bq, bk):
+    out, lse = _flash_forward(qg, k, v, lengths, rows, causal, bq, bk)
+    return (out, lse), (qg, k, v, lengths, rows, out, lse)
+
+
+def _flash_bwd(causal, bq, bk, residuals, cotangents):
+    """FlashAttention-2's backward: per key block j, over the query blocks that saw it,
+    recompute p = exp(s - lse), then dv_j += p^T do, ds = p (do v^T - D + dlse), dk_j += ds^T q,
+    dq += ds k. D = rowsum(do * out). Memory: one [B,KV,G,bq,bk] tile and a float32 dq."""
+    qg, k, v, lengths, rows, out, lse = residuals
+    d_out, d_lse = cotangents
+    b, tp, kvh, g, hd = qg.shape
+    nq, nk = tp // bq, k.shape[1] // bk
+    n_valid = _num_key_blocks(lengths, nk, bk)
+    d_out = d_out.astype(jnp.float32)
+    delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out, out) - d_lse  # [B,KV,G,Tp]
+    qc = qg.astype(k.dtype)
+
+    def key_block(dq, j):
+        kj, vj = _kv_block(k, rows, j, bk), _kv_block(v, rows, j, bk)
+        k_idx = j * bk + jnp.arange(bk)
+        first = (j * bk) // bq if causal else 0
+        last = jnp.where(j < n_valid, nq, first)
+
+        def body(i, carry):
+            dq, dk_j, dv_j = carry
+            qi = jax.lax.dynamic_slice_in_dim(qc, i * bq, bq, axis=1)
+            doi = jax.lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=1)
+            lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
+            delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
+            s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
+            s = jnp.where(_allowed(i * bq + jnp.arange(bq), k_idx, lengths, causal), s, _MASKED)
+            p = jnp.exp(s - lse_i[..., None])
+            dv_j = dv_j + jnp.einsum("bkgqs,bqkgd->bskd", p, doi)
+            dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj.astype(jnp.float32))
+            ds = p * (dp - delta_i[..., None])
+            dk_j = dk_j + jnp.einsum("bkgqs,bqkgd->bskd", ds, qi.astype(jnp.float32))
+            dq_i = jnp.einsum("bkgqs,bskd->bqkgd", ds, kj.astype(jnp.float32))
+            dq = jax.lax.dynamic_update_slice_in_dim(
+                dq, jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=1) + dq_i, i * bq, axis=1)
+            return dq, dk_j, dv_j
+
+        zeros = jnp.zeros((b, bk, kvh, hd), jnp.float32)
+        dq, dk_j, dv_j = jax.lax.fori_loop(first, last, body, (dq, zeros, zeros))
+        if rows.shape[0]:  # shared prefixes: the rows' gradients sum into their prefix
+            dk_j = jnp.zeros((k.shape[0],) + dk_j.shape[1:], jnp.float32).at[rows].add(dk_j)
+            dv_j = jnp.zeros((k.shape[0],) + dv_j.shape[1:], jnp.float32).at[rows].add(dv_j)
+        return dq, (dk_j, dv_j)
+
+    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qg.shape, jnp.float32), jnp.arange(nk))
+    dk = dk.transpose(1, 0, 2, 3, 4).reshape(k.shape)
+    dv = dv.transpose(1, 0, 2, 3, 4).reshape(v.shape)
+    # the forward scaled the queries in qg already: dq is with respect to qg
+    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---------------------------------------------------------------------------------- kernels
+def cudnn_supports(q: jax.Array, k: jax.Array) -> bool:
+    """Whether cuDNN flash attention takes these shapes/dtypes (bf16/f16, head_dim <= 128, a
+    multiple of 8)."""
+    hd = q.shape[-1]
+    return q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and hd <= 128 and hd % 8 == 0
+
+
+def _cudnn_or(fallback: Callable, q, k, v, lengths, causal: bool):
+    """cuDNN flash attention where it applies, else `fallback(q, k, v, lengths)`."""
+    if not cudnn_supports(q, k):
+        return fallback(q, k, v, lengths)
+    b, t = q.shape[:2]
+    q_lengths = jnp.full((b,), t, jnp.int32)
+    kwargs = dict(is_causal=causal, query_seq_lengths=q_lengths, key_value_seq_lengths=lengths, implementation="cudnn")
+    with _cudnn_version_for_lowering() as available:
+        if not available:
+            return fallback(q, k, v, lengths)
+        return jax.nn.dot_product_attention(q, k, v, **kwargs)
+
+
+class _cudnn_version_for_lowering:
+    """Lets the cuDNN form be lowered for CUDA from a process without cuDNN (AOT compilation or
+    `jax.export` from a CPU host): JAX asks cuDNN for its version while tracing, so there the
+    version is taken as ASSUMED_CUDNN_VERSION (9.8). On a GPU host nothing is changed. Yields
+    False when this JAX has no such hook (the caller then falls back to blockwise)."""
+
+    ASSUMED_CUDNN_VERSION = 90800
+
+    def __enter__(self) -> bool:
+        self._module, self._saved = None, None
+        try:
+            from jax._src.cudnn import fused_attention_stablehlo as module
+        except ImportError:
+            return False
+        try:
+            module.check_cudnn_version()
+            return True
+        except RuntimeError:
+            pass
+        if not hasattr(module, "check_cudnn_version"):
+            return False
+        self._module, self._saved = module, module.check_cudnn_version
+        module.check_cudnn_version = lambda: self.ASSUMED_CUDNN_VERSION
+        return True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._module is not None:
+            self._module.check_cudnn_version = self._saved
+
+
+def _splash_block(n: int) -> int | None:
+    """The largest splash block (512, 256, 128) dividing n, or None."""
+    return next((blk for blk in (512, 256, 128) if n % blk == 0), None)
+
+
+def splash_supports(q: jax.Array, k: jax.Array) -> bool:
+    """Whether the splash kernel takes these shapes (T and S multiples of 128, head_dim a
+    multiple of 128 or 64)."""
+    return _splash_block(q.shape[1]) is not None and _splash_block(k.shape[1]) is not None and q.shape[-1] % 64 == 0
+
+
+def _splash_or(fallback: Callable, q, k, v, lengths, causal: bool):
+    """Pallas splash attention (TPU) where it applies, else `fallback(q, k, v, lengths)`."""
+    if not splash_supports(q, k):
+        return fallback(q, k, v, lengths)
+    try:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+    except ImportError:
+        return fallback(q, k, v, lengths)
+    b, t, h, hd = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    bq, bk = _splash_block(t), _splash_block(s)
+    one = mask_lib.CausalMask((t, s)) if causal else mask_lib.FullMask((t, s))
+    blocks = kernel_lib.BlockSizes(
+        block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+        block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk,
+    )
+    kernel = kernel_lib.make_splash_mqa_single_device(mask_lib.MultiHeadMask([one] * g), block_sizes=blocks)
+    # padding as segment ids: valid slots 1, padding 0 (a query sees keys of its own segment)
+    q_seg = (jnp.arange(t)[None] < lengths[:, None]).astype(jnp.int32) if causal else jnp.ones((b, t), jnp.int32)
+    kv_seg = (jnp.arange(s)[None] < lengths[:, None]).astype(jnp.int32)
+
+    def one_head_group(qh, kh, vh, qs, ks):  # [G,T,hd], [S,hd], [S,hd]
+        return kernel(qh, kh, vh, segment_ids=kernel_lib.SegmentIds(q=qs, kv=ks))
+
+    qg = (q * jnp.asarray(hd**-0.5, q.dtype)).reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4)
+    per_group = jax.vmap(one_head_group, in_axes=(0, 0, 0, None, None))
+    out = jax.vmap(per_group)(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_seg, kv_seg)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd).astype(q.dtype)

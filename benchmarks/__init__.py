@@ -1,3 +1,4 @@
-"""Throughput benchmarks against the PyTorch stacks (see BENCHMARKS.md and `python -m benchmarks.run`)."""
+"""Throughput benchmarks against the PyTorch stacks (see BENCHMARKS.md and `python -m benchmarks.run`).
 
-import jmarl  # noqa: F401  (first, so that jmarl's host memory policy, as JMARL_KEEP_HOST_MEMORY sets it, precedes JAX and torch)
+Each `python -m benchmarks.<name>` entry point applies jmarl's CPU host memory policy
+(`jmarl.host_memory.apply_on_cpu`) before JAX starts; importing these modules does not."""

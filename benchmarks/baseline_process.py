@@ -88,8 +88,9 @@ def child_main() -> int:
     os.dup2(2, 1)  # what libraries print goes to stderr, not into the protocol
     channel = Channel(sys.stdin, replies)
     try:
-        from jmarl.host_memory import host_memory_policy  # applies JMARL_KEEP_HOST_MEMORY as set by the parent
+        from jmarl.host_memory import apply_on_cpu, host_memory_policy
 
+        apply_on_cpu()  # jmarl's policy on CPU unless the parent set JMARL_KEEP_HOST_MEMORY=0 (out of the box)
         spec = json.loads(sys.stdin.readline())
         baseline = resolve(spec["setup"])(**spec["kwargs"])
         channel.send(ready={"host_memory_policy": host_memory_policy(), "pid": os.getpid()})

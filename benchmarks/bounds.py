@@ -83,7 +83,7 @@ def measure_memory_bandwidth(mib: int = 128, repeats: int = 5) -> float:
     return x.nbytes / min(timed(lambda: jax.block_until_ready(total(x))) for _ in range(repeats))
 
 
-def _no_attention(q, k, v, allowed):
+def _no_attention(q, k, v):
     """Attention stand-in: q [B,T,H,hd] plus the mean over the S keys of k + v [B,S,KV,hd] (O(B S) work)."""
     import jax.numpy as jnp
 
@@ -95,15 +95,17 @@ def _no_attention(q, k, v, allowed):
 @contextlib.contextmanager
 def attention_ablated() -> Iterator[None]:
     """Within the block, functions traced through `jmarl.models.model` use `_no_attention`
-    instead of `masked_attention` (programs compiled inside keep it; the original is restored)."""
-    from jmarl.models import model
+    instead of the attention entry points of `jmarl.models.attention` (programs compiled inside
+    keep it; the originals are restored)."""
+    from jmarl.models import attention
 
-    original = model.masked_attention
-    model.masked_attention = _no_attention
+    originals = attention.attention, attention.prefixed_attention
+    attention.attention = lambda q, k, v, *args, **kwargs: _no_attention(q, k, v)
+    attention.prefixed_attention = lambda q, k, v, *args, **kwargs: _no_attention(q, k, v)
     try:
         yield
     finally:
-        model.masked_attention = original
+        attention.attention, attention.prefixed_attention = originals
 
 
 def _cache_reads(keys, values) -> Any:
@@ -505,4 +507,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from jmarl.host_memory import apply_on_cpu
+
+    apply_on_cpu()  # jmarl's CPU host memory policy, before JAX starts (JMARL_KEEP_HOST_MEMORY=0: off)
     raise SystemExit(main())

@@ -8,7 +8,7 @@ on a worker thread's own arena with a fresh `mmap` (those arenas are made of hea
 again: on the 2-core CPU of BENCHMARKS.md a cpu-small GRPO iteration took ~158k page faults per
 step for it (`python -m benchmarks.host_memory`).
 
-The policy, applied when `jmarl` is imported:
+The policy:
 - JAX runs CPU programs inline on the thread that calls them
   (`jax_cpu_enable_async_dispatch=False`; from the main Python thread that is glibc's main
   arena, which can grow to any size);
@@ -21,24 +21,39 @@ generation 0.41 -> 0.40 s) and 7.82 -> 7.04 s at cpu-medium. Either half alone d
 (an inline program on the default allocator still `mmap`s, and a worker thread on an arena of
 its own `mmap`s whatever `M_MMAP_MAX` says; whether it gets one of its own is up to glibc).
 The price: the process keeps its peak host memory, and a Python thread blocks while its CPU
-program runs (no overlap of host work with CPU programs; accelerator dispatch is unaffected).
+program runs (no overlap of host work with CPU programs).
 
-`JMARL_KEEP_HOST_MEMORY=0` before `import jmarl` leaves both alone; a JAX_CPU_ENABLE_ASYNC_DISPATCH
-set in the environment is respected. The dispatch half takes effect only if jmarl is imported
-before JAX starts its CPU backend (`host_memory_policy()` says whether it did). Not glibc
-(macOS, musl): the allocator half does nothing.
+Who applies it: `import jmarl` changes nothing. The command line (`python -m jmarl.run`) and
+the benchmarks' entry points call `apply_on_cpu()` before JAX starts its backends; a program of
+your own that drives jmarl on CPU can call it too, first thing. It applies only where JAX will
+run on the CPU alone (`cpu_only`, decided without starting JAX's backends: JAX_PLATFORMS /
+`jax_platforms` when set, e.g. "cpu"; else no accelerator plugin installed: CUDA, ROCm, TPU or
+any other `jax_plugins` plugin). On a GPU or TPU host, or with any platform besides "cpu" named,
+the allocator and JAX's dispatch are left alone: there the CPU runs no large programs, and a
+process-wide allocator change is not jmarl's to make. A host with an accelerator plugin
+installed but no accelerator: set JAX_PLATFORMS=cpu to get the policy.
+
+`JMARL_KEEP_HOST_MEMORY=0` opts out (`apply_on_cpu` then does nothing); a
+JAX_CPU_ENABLE_ASYNC_DISPATCH set in the environment is respected. The dispatch half takes
+effect only if it is applied before JAX starts its CPU backend (`host_memory_policy()` says
+whether it did). Not glibc (macOS, musl): the allocator half does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.metadata
+import importlib.util
 import os
 import sys
 import warnings
 
 ENV_VAR = "JMARL_KEEP_HOST_MEMORY"
 JAX_DISPATCH_FLAG = "jax_cpu_enable_async_dispatch"
+# Python modules of JAX's accelerator plugins (and TPU runtimes) that JAX would load when present.
+ACCELERATOR_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin",
+                       "libtpu", "libtpu_nightly")
 # glibc <malloc.h> parameter numbers
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -62,7 +77,7 @@ def _glibc() -> ctypes.CDLL | None:
 def requested() -> bool:
     """Whether JMARL_KEEP_HOST_MEMORY asks for the policy: unset, empty or 1/true/yes/on do;
     0/false/no/off do not; anything else warns (naming the variable and the fix) and keeps the
-    default (on), so that a typo never stops `import jmarl` or the CLI."""
+    default (on), so that a typo never stops the CLI."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in ("", "1", "true", "yes", "on"):
         return True
@@ -73,12 +88,15 @@ def requested() -> bool:
     return True
 
 
-def _jax_backend_started() -> bool:
-    """Whether JAX has created its backends (after which the dispatch flag no longer applies)."""
-    from jax._src import xla_bridge
-
+def _jax_backends_started() -> bool | None:
+    """Whether JAX has created its backends (after which the dispatch flag no longer applies);
+    None where this JAX cannot say (the query is private to JAX, hence guarded)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return None
     started = getattr(xla_bridge, "backends_are_initialized", None)
-    return bool(started()) if started is not None else True
+    return bool(started()) if started is not None else None
 
 
 def run_cpu_programs_inline() -> bool:
@@ -89,15 +107,16 @@ def run_cpu_programs_inline() -> bool:
 
     if JAX_DISPATCH_FLAG not in jax.config.values:
         return False
-    if JAX_DISPATCH_FLAG.upper() not in os.environ and not _jax_backend_started():
+    if JAX_DISPATCH_FLAG.upper() not in os.environ and _jax_backends_started() is False:
         jax.config.update(JAX_DISPATCH_FLAG, False)
     return not jax.config.values[JAX_DISPATCH_FLAG]
 
 
 def keep_freed_host_memory() -> bool:
-    """Applies the policy (module docstring); returns whether both halves are in effect: large
-    blocks come from a never-trimmed heap (False where the C library is not glibc) and CPU
-    programs run inline. Idempotent."""
+    """Applies the policy (module docstring) unconditionally, whatever the platform; returns
+    whether both halves are in effect: large blocks come from a never-trimmed heap (False where
+    the C library is not glibc) and CPU programs run inline. Idempotent. Entry points call
+    `apply_on_cpu` instead."""
     if not _STATE["allocator"]:
         libc = _glibc()
         _STATE["allocator"] = libc is not None and all(
@@ -109,8 +128,81 @@ def keep_freed_host_memory() -> bool:
 
 def host_memory_policy() -> str:
     """'kept' when both halves are in effect, 'heap only' when only the allocator half is (JAX's
-    CPU backend started before jmarl was imported, or async dispatch was asked for), else
-    'default' (for benchmark records)."""
+    CPU backend started before the policy was applied, or async dispatch was asked for), else
+    'default': not applied (`import jmarl` alone, JMARL_KEEP_HOST_MEMORY=0, an accelerator
+    host) or not glibc. For benchmark records."""
     if _STATE["allocator"] and _STATE["inline"]:
         return "kept"
     return "heap only" if _STATE["allocator"] else "default"
+
+
+def platforms_setting() -> str:
+    """The platforms JAX is told to use, lower case ('' when none): `jax.config.jax_platforms`
+    (which JAX reads from JAX_PLATFORMS when it is imported), else JAX_PLATFORMS. Reading it
+    does not start JAX's backends."""
+    import jax
+
+    value = None
+    try:
+        value = jax.config.values.get("jax_platforms")
+    except AttributeError:  # a JAX whose config has no `values`
+        value = getattr(jax.config, "jax_platforms", None)
+    if value is None:
+        value = os.environ.get("JAX_PLATFORMS", "")
+    return str(value).strip().lower()
+
+
+def names_cpu_only(platforms: str) -> bool:
+    """Whether a JAX_PLATFORMS-style list ("cpu", "cuda,cpu", ...) names the CPU and nothing else."""
+    names = [name.strip() for name in platforms.lower().split(",") if name.strip()]
+    return bool(names) and all(name == "cpu" for name in names)
+
+
+def accelerator_plugins() -> list[str]:
+    """The accelerator plugins JAX would load in this environment, found without importing
+    them: ACCELERATOR_MODULES that are installed, modules of the `jax_plugins` namespace package
+    and entry points of the `jax_plugins` group (JAX's two ways of discovering a plugin)."""
+    found = [name for name in ACCELERATOR_MODULES if _find_spec(name) is not None]
+    namespace = _find_spec("jax_plugins")
+    if namespace is not None:
+        import pkgutil
+
+        locations = list(namespace.submodule_search_locations or [])
+        found += [f"jax_plugins.{module.name}" for module in pkgutil.iter_modules(locations)]
+    try:
+        found += [entry.value for entry in importlib.metadata.entry_points(group="jax_plugins")]
+    except Exception:  # noqa: BLE001 - unreadable package metadata must not stop a run
+        found.append("<unreadable jax_plugins entry points>")  # may hide a plugin: not CPU-only
+    return sorted(set(found))
+
+
+def _find_spec(name: str) -> object | None:
+    """importlib's spec of top-level module `name` (not imported), None when not installed."""
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def cpu_only() -> bool:
+    """Whether JAX will run on the CPU alone, decided without starting its backends: once they
+    have started, whether the default backend is the CPU; else `platforms_setting()` when set
+    (only "cpu" named); else whether no `accelerator_plugins()` is installed."""
+    if _jax_backends_started():
+        import jax
+
+        return jax.default_backend() == "cpu"
+    platforms = platforms_setting()
+    if platforms:
+        return names_cpu_only(platforms)
+    return not accelerator_plugins()
+
+
+def apply_on_cpu() -> str:
+    """The entry points' switch: applies the policy (`keep_freed_host_memory`) when
+    JMARL_KEEP_HOST_MEMORY does not opt out and JAX will run on the CPU alone (`cpu_only`);
+    otherwise changes nothing. Call it before JAX starts its backends (before any JAX
+    computation). Returns `host_memory_policy()`."""
+    if requested() and cpu_only():
+        keep_freed_host_memory()
+    return host_memory_policy()

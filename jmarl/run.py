@@ -2,6 +2,12 @@
 
 Loads and validates the config, then hands it to `jmarl.train.trainer.train`. A `JmarlError`
 (a mistake the user can fix) is printed as one line `error: <message>` on stderr, exit 2.
+
+Before the trainer starts JAX's backends, a run sets two process-wide things (`prepare_process`;
+`import jmarl` sets neither): the CPU host memory policy where JAX runs on the CPU alone
+(`jmarl.host_memory.apply_on_cpu`; JMARL_KEEP_HOST_MEMORY=0: off), and the persistent
+compilation cache `train.compilation_cache` names (`jmarl.compile_cache`; "auto" by default, so a
+resumed or repeated run loads its compiled programs instead of compiling them again).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import importlib
 import sys
 from typing import Sequence
 
+from jmarl import compile_cache, host_memory
 from jmarl.config import Config, dump_yaml, load_config
 from jmarl.errors import JmarlError
 
@@ -43,10 +50,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def setup_compilation_cache(config: Config) -> str | None:
+    """Turns on the persistent compilation cache `train.compilation_cache` names
+    (`jmarl.compile_cache.directory_for`); returns its directory, None when off. A directory set
+    explicitly that cannot be used is a JmarlError; the "auto" one only warns (on stderr) and
+    the run goes on without a cache."""
+    setting = getattr(config.train, "compilation_cache", "auto")  # the field is new in jmarl.config
+    setting = "auto" if setting is True else "off" if setting is False else str(setting)
+    directory = compile_cache.directory_for(setting, config.output_dir)
+    if directory is None:
+        return None
+    try:
+        return compile_cache.enable(directory)
+    except JmarlError as e:
+        if setting != "auto":
+            raise
+        print(f"warning: {e}; running without a compilation cache", file=sys.stderr, flush=True)
+        return None
+
+
+def prepare_process(config: Config) -> tuple[str, str | None]:
+    """What a run sets for the whole process before JAX starts its backends: the CPU host memory
+    policy (`jmarl.host_memory.apply_on_cpu`: CPU-only JAX, unless JMARL_KEEP_HOST_MEMORY=0) and
+    the compilation cache (`setup_compilation_cache`). Returns (host memory policy, cache
+    directory or None) and prints them in one line when `logging.progress` is on."""
+    policy = host_memory.apply_on_cpu()
+    directory = setup_compilation_cache(config)
+    if getattr(config.logging, "progress", True):
+        print(f"compilation cache: {directory or 'off'} (train.compilation_cache); host memory policy: {policy}",
+              flush=True)
+    return policy, directory
+
+
 def run_training(config: Config) -> object:
-    """Calls `jmarl.train.trainer.train(config)` (imported here, so --print-config stays light)."""
+    """`prepare_process(config)`, then `jmarl.train.trainer.train(config)` (imported here, so
+    --print-config stays light)."""
     from jmarl.sharding import maybe_initialize_distributed
 
+    prepare_process(config)  # before anything starts JAX's backends
     maybe_initialize_distributed(config)  # multi-host: before anything touches devices
     try:
         trainer = importlib.import_module(_TRAINER)

@@ -90,33 +90,33 @@ def test_prefixed_attention_equals_attention_over_joined_keys():
     n, c, p, u = 4, 20, 24, 2
     q, k, v = _qkv(2, b=n, t=c, s=c)
     _, pk, pv = _qkv(3, b=u, t=p, s=p)
-    rows = jnp.array([1, 0, 1, 1])
-    prefix_len, own_len = jnp.array([24, 9]), jnp.array([20, 5, 13, 1])
+    rows_list, prefix_list, own_list = [1, 0, 1, 1], [24, 9], [20, 5, 13, 1]
+    rows, prefix_len, own_len = jnp.array(rows_list), jnp.array(prefix_list), jnp.array(own_list)
 
     def joined(q, k, v, pk, pv):
         outs = []
         for i in range(n):
-            lp, lo = int(prefix_len[rows[i]]), int(own_len[i])
+            lp, lo = prefix_list[rows_list[i]], own_list[i]
             keys = jnp.concatenate([pk[rows[i], :lp], k[i, :lo]])[None]
             vals = jnp.concatenate([pv[rows[i], :lp], v[i, :lo]])[None]
             qi = jnp.concatenate([jnp.zeros((1, lp) + q.shape[2:]), q[i:i + 1, :lo]], axis=1)
             outs.append(attn.attention(qi, keys, vals, jnp.array([lp + lo]), causal=True, impl="xla")[0, lp:])
         return outs
 
-    ref = joined(q, k, v, pk, pv)
+    ref = jax.jit(joined)(q, k, v, pk, pv)
     for impl in ("xla", "blockwise"):
-        out = attn.prefixed_attention(q, k, v, own_len, pk, pv, prefix_len, rows, impl=impl, block_q=8, block_k=8)
+        fn = jax.jit(lambda *a, impl=impl: attn.prefixed_attention(*a, impl=impl, block_q=8, block_k=8))
+        out = fn(q, k, v, own_len, pk, pv, prefix_len, rows)
         for i in range(n):
-            np.testing.assert_allclose(out[i, : int(own_len[i])], ref[i], atol=1e-5)
+            np.testing.assert_allclose(out[i, : own_list[i]], ref[i], atol=1e-5)
 
-    def loss(impl):
-        def f(q, k, v, pk, pv):
-            out = attn.prefixed_attention(q, k, v, own_len, pk, pv, prefix_len, rows, impl=impl, block_q=8, block_k=8)
-            return sum(jnp.sum(jnp.sin(out[i, : int(own_len[i])])) for i in range(n))
-        return f
+    def loss(q, k, v, pk, pv):
+        out = attn.prefixed_attention(q, k, v, own_len, pk, pv, prefix_len, rows, impl="blockwise", block_q=8, block_k=8)
+        return sum(jnp.sum(jnp.sin(out[i, : own_list[i]])) for i in range(n))
 
-    g_ref = jax.grad(lambda *a: sum(jnp.sum(jnp.sin(o)) for o in joined(*a)), argnums=(0, 1, 2, 3, 4))(q, k, v, pk, pv)
-    g_blk = jax.grad(loss("blockwise"), argnums=(0, 1, 2, 3, 4))(q, k, v, pk, pv)
+    args = (q, k, v, pk, pv)
+    g_ref = jax.jit(jax.grad(lambda *a: sum(jnp.sum(jnp.sin(o)) for o in joined(*a)), argnums=(0, 1, 2, 3, 4)))(*args)
+    g_blk = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
     for a, b in zip(g_blk, g_ref):
         np.testing.assert_allclose(a, b, atol=3e-5)
 

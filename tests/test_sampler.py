@@ -1,6 +1,8 @@
 """KV-cache sampler: parity with `transformers` generate, log-prob consistency, sampling law,
 truncation, determinism, compile reuse across prompt lengths, stacked policies."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,6 +186,113 @@ def test_sampling_distribution_matches_softmax_and_truncation():
                                             greedy=True, top_k=0, use_top_p=False)
     assert np.asarray(greedy_tokens).tolist() == [0, 0]
     np.testing.assert_allclose(greedy_lp, np.log(np.asarray(jax.nn.softmax(logits[0])))[0], rtol=1e-6)
+
+
+def _reference_keep(scaled: np.ndarray, weights: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """bool[B,V]: the entries top-k then top-p keep, by sorting the whole vocabulary (the
+    sampler's definition before it took candidates with `lax.top_k`), in float64."""
+    keep = np.ones(scaled.shape, bool)
+    if 0 < top_k < scaled.shape[-1]:
+        keep &= scaled >= np.sort(scaled, axis=-1)[:, -top_k][:, None]  # ties with the k-th stay
+    if top_p < 1.0:
+        w = np.where(keep, weights, 0.0).astype(np.float64)
+        descending = -np.sort(-w, axis=-1)
+        before = np.cumsum(descending, axis=-1) - descending
+        kept = before < top_p * w.sum(-1, keepdims=True)
+        threshold = np.where(kept, descending, np.inf).min(-1, keepdims=True)
+        keep &= w >= threshold
+    return keep
+
+
+def _truncate(scaled: np.ndarray, top_k: int, top_p: float, candidates: int) -> tuple[np.ndarray, np.ndarray]:
+    """(weights exp(scaled - max) float32[B,V], `truncated_weights` of them) from JAX."""
+    x = jnp.asarray(scaled, jnp.float32)
+    weights = jnp.exp(x - x.max(-1, keepdims=True))
+    out = sampler_mod.truncated_weights(x, weights, jnp.float32(top_p), top_k=top_k, use_top_p=top_p < 1.0,
+                                        candidates=candidates)
+    return np.asarray(weights), np.asarray(out)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (0, 0.5), (5, 1.0), (5, 0.8), (12, 0.95), (40, 0.6)])
+def test_candidate_truncation_equals_full_sort_reference(top_k, top_p):
+    """Top-k/top-p from the `lax.top_k` candidates (8 of 64 here) keep exactly the entries the
+    full sort keeps, with the kept weights unchanged: peaked rows (the cut inside the
+    candidates), flat rows (top_p beyond the candidates' mass: the full-sort fallback) and a row
+    with ties at the k-th largest value, in one batch."""
+    rng = np.random.default_rng(top_k * 100 + int(top_p * 100))
+    peaked = rng.standard_normal((3, 64)) * 4.0
+    flat = rng.standard_normal((2, 64)) * 0.05
+    ties = np.full((1, 64), -3.0)
+    ties[0, :10] = [5.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 3.0, 3.0, 2.0]  # 6 entries tie with the 2nd..7th
+    scaled = np.concatenate([peaked, flat, ties]).astype(np.float32)
+    weights, got = _truncate(scaled, top_k, top_p, candidates=8)
+    keep = _reference_keep(scaled, weights, top_k, top_p)
+    np.testing.assert_array_equal(got > 0, keep)
+    np.testing.assert_array_equal(got[keep], weights[keep])  # kept weights untouched, renormalized by the draw
+    if top_k == 0:  # the flat rows keep more than the candidates: the fallback answered them
+        assert (keep[3:5].sum(-1) > 8).all()
+    if top_k == 5:  # the top 5 hold the largest and 4 of the 6 entries tied for 2nd: all 6 ties stay
+        assert keep[5].sum() == 7 and keep[5, :7].all()
+
+
+def test_top_k_and_top_p_combine_as_before():
+    """Top-p applies to the top-k entries' renormalized mass; either alone is what it was."""
+    scaled = np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 58])[:, :64] + 1e-30).astype(np.float32)
+    for top_k, top_p, kept in [(0, 0.7, 3), (3, 1.0, 3), (3, 0.7, 2), (4, 0.85, 3), (2, 0.99, 2), (0, 0.99, 6)]:
+        _, got = _truncate(scaled, top_k, top_p, candidates=4)
+        assert (got[0] > 0).sum() == kept, (top_k, top_p)
+        assert (got[0, :kept] > 0).all()
+
+
+def test_no_full_vocabulary_sort_per_token():
+    """With top_k, no sort at all; with top-p alone, the only sort of the vocabulary sits in the
+    fallback branch of a `cond`, also under `jax.vmap` over policies (the fallback decided once
+    for all of them, not a select that runs both branches)."""
+    x = jnp.zeros((4, 64), jnp.float32)
+
+    def fn(top_k, axis_name=None):
+        return lambda lg: sampler_mod.truncated_weights(lg, jnp.exp(lg), jnp.float32(0.9), top_k=top_k,
+                                                        use_top_p=True, candidates=8, axis_name=axis_name)
+
+    def primitives(jaxpr):
+        return [e.primitive.name for e in jaxpr.jaxpr.eqns]
+
+    def sorts_anywhere(jaxpr) -> bool:  # in the program or any sub-program (a cond's branches)
+        return re.search(r"\bsort\[", str(jaxpr)) is not None
+
+    assert not sorts_anywhere(jax.make_jaxpr(fn(5))(x))
+    top = primitives(jax.make_jaxpr(fn(0))(x))
+    assert "sort" not in top and "cond" in top and sorts_anywhere(jax.make_jaxpr(fn(0))(x))
+    stacked = primitives(jax.make_jaxpr(jax.vmap(fn(0, "policy"), axis_name="policy"))(jnp.stack([x, x])))
+    assert "sort" not in stacked and "cond" in stacked
+    # Compiled: XLA keeps `lax.top_k` as a top-k (the k-th value read as a slice [:, -1:] of its
+    # values instead turned it into a sort of the whole vocabulary, 50x slower at V = 152k).
+    for top_k, use_top_p in ((5, True), (5, False)):
+        compiled = jax.jit(lambda lg: sampler_mod.truncated_weights(
+            lg, jnp.exp(lg), jnp.float32(0.9), top_k=top_k, use_top_p=use_top_p, candidates=8)).lower(x).compile()
+        assert re.search(r"= \S+ sort\(", compiled.as_text()) is None, (top_k, use_top_p)
+
+
+def test_sample_token_with_a_large_vocabulary_draws_as_the_full_sort_did():
+    """Above TOP_P_CANDIDATES entries, the same key draws the same token as inverse-CDF sampling
+    of the full-sort reference weights (peaked and flat rows; top-p alone and with top-k)."""
+    v = sampler_mod.TOP_P_CANDIDATES * 2 + 3
+    rng = np.random.default_rng(7)
+    logits = np.concatenate([rng.standard_normal((6, v)) * 6.0, rng.standard_normal((2, v)) * 0.1]).astype(np.float32)
+    temperature = 0.9
+    for top_k, top_p in [(0, 0.9), (50, 0.9), (0, 0.999)]:
+        key = jax.random.key(top_k + 1)
+        fn = jax.jit(lambda lg, k: sample_token(lg, k, jnp.float32(temperature), jnp.float32(top_p), greedy=False,
+                                                top_k=top_k, use_top_p=True))
+        tokens, _ = fn(jnp.asarray(logits), key)
+        scaled = jnp.asarray(logits) / temperature
+        weights = np.asarray(jnp.exp(scaled - scaled.max(-1, keepdims=True)))
+        keep = _reference_keep(np.asarray(scaled), weights, top_k, top_p)
+        if top_k == 0:
+            assert keep[6:].sum(-1).min() > sampler_mod.TOP_P_CANDIDATES  # flat rows: the fallback's case
+        want = inverse_cdf_sample(jnp.asarray(np.where(keep, weights, 0.0)), jax.random.uniform(key, (8,)))
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+        assert keep[np.arange(8), np.asarray(tokens)].all()
 
 
 def test_same_rng_same_output_and_padding_side_does_not_matter(qwen2):

@@ -19,7 +19,8 @@ before the loop (this holds one extra copy of the layer weights while generating
 From 32 generated slots on, the decode loop runs in two phases over two cache blocks: the
 first half of the steps attends to the first block only (`first_phase_slots`).
 Sampling draws one uniform per row and inverts the CDF (top-k/top-p applied to the weights
-first), which is much cheaper on CPU than a Gumbel variate per vocabulary entry.
+first), which is much cheaper on CPU than a Gumbel variate per vocabulary entry. Top-p works on
+the `lax.top_k` candidates (`truncated_weights`), not a sort of the whole vocabulary per token.
 
 Log-probs: `Generation.logprobs[:, i]` is the log-probability of the sampled token under
 softmax(logits / temperature) BEFORE top-k/top-p truncation, i.e. exactly what
@@ -70,6 +71,9 @@ def num_compiled_programs() -> int:
 
 
 # ---------------------------------------------------------------------------------- sampling
+TOP_P_CANDIDATES = 1024  # top-p looks at this many most likely entries (top_k's when set) before a full sort
+
+
 def sample_token(
     logits: jax.Array,
     rng: jax.Array,
@@ -79,11 +83,15 @@ def sample_token(
     greedy: bool,
     top_k: int,
     use_top_p: bool,
+    axis_name: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """logits float32[B,V] -> (token int32[B], log-prob float32[B] under softmax(logits / T),
     before truncation). Greedy: argmax, log-prob at T=1. Else top-k, then top-p (the smallest
-    set of most likely tokens whose probability reaches top_p), then one draw per row by
-    inverse-CDF sampling (one uniform per row instead of a Gumbel per vocabulary entry)."""
+    set of most likely tokens whose probability reaches top_p; `truncated_weights`), then one
+    draw per row by inverse-CDF sampling (one uniform per row instead of a Gumbel per vocabulary
+    entry). axis_name: the `jax.vmap` axis this runs under, if any (generate_stacked's policies),
+    so that top-p's rare full-sort fallback is decided once for all of them, not a select that
+    runs the sort every token."""
     logits = logits.astype(jnp.float32)
     scaled = logits if greedy else logits / temperature
     peak = jnp.max(scaled, axis=-1, keepdims=True)
@@ -92,20 +100,77 @@ def sample_token(
     if greedy:
         token = first_argmax(scaled)
     else:
-        if 0 < top_k < logits.shape[-1]:
-            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-            weights = jnp.where(scaled >= kth, weights, 0.0)
-        if use_top_p:
-            descending = -jnp.sort(-weights, axis=-1)
-            mass_before = jnp.cumsum(descending, axis=-1) - descending
-            total = jnp.sum(weights, axis=-1, keepdims=True)
-            kept = mass_before < top_p * total
-            threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
-            weights = jnp.where(weights >= threshold, weights, 0.0)
+        weights = truncated_weights(scaled, weights, top_p, top_k=top_k, use_top_p=use_top_p,
+                                    candidates=TOP_P_CANDIDATES, axis_name=axis_name)
         uniform = jax.random.uniform(rng, (logits.shape[0],), jnp.float32)
         token = inverse_cdf_sample(weights, uniform)
     picked = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
     return token, picked - log_normalizer
+
+
+def candidate_count(vocab: int, top_k: int, candidates: int) -> int:
+    """How many most likely entries top-p looks at first: top_k when it truncates
+    (0 < top_k < vocab), else min(vocab, candidates)."""
+    return top_k if 0 < top_k < vocab else min(vocab, candidates)
+
+
+def top_p_threshold(descending: jax.Array, total: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The top-p cut for weights sorted in descending order, descending float32[B,C] (the C
+    largest weights of each row, C up to V), total float32[B,1] (each row's whole mass) ->
+    float32[B,1]: the smallest weight among the entries whose mass before them (in that order)
+    is below top_p * total. Entries with weight >= it are kept. Exact when the entries beyond
+    the C given hold no kept entry (their mass before them, the sum of the C, reaches
+    top_p * total)."""
+    mass_before = jnp.cumsum(descending, axis=-1) - descending
+    kept = mass_before < top_p * total
+    return jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
+
+
+def truncated_weights(
+    scaled: jax.Array,
+    weights: jax.Array,
+    top_p: jax.Array,
+    *,
+    top_k: int,
+    use_top_p: bool,
+    candidates: int = TOP_P_CANDIDATES,
+    axis_name: str | None = None,
+) -> jax.Array:
+    """scaled float32[B,V] (logits / T), weights float32[B,V] (exp(scaled - row max)) ->
+    float32[B,V]: the weights with the entries outside top-k (0 < top_k < V: scaled below the
+    k-th largest; ties with it are kept), then outside top-p (`top_p_threshold`), set to 0.
+
+    No full-vocabulary sort per token: `jax.lax.top_k` takes the C = `candidate_count` most
+    likely entries and top-p's cumulative sum runs over those. That is exact when top_k
+    truncates (nothing else has weight, bar ties with the k-th, which share its weight) or when
+    the cut falls before the last candidate (the others hold at least top_p of the mass); only
+    when top_k is off and it does not (a flat distribution) does one `jax.lax.cond` sort the
+    whole vocabulary instead, for every row of the batch (and every policy along `axis_name`)
+    at once, as this function did for every token before."""
+    vocab = scaled.shape[-1]
+    truncating = 0 < top_k < vocab
+    if not truncating and not use_top_p:
+        return weights
+    c = candidate_count(vocab, top_k, candidates)
+    values, indices = jax.lax.top_k(scaled, c)
+    if truncating:  # the k-th largest as a min over all k: XLA:CPU keeps a TopK, whereas [:, -1:] makes a full sort
+        weights = jnp.where(scaled >= jnp.min(values, axis=-1, keepdims=True), weights, 0.0)
+    if not use_top_p:
+        return weights
+    descending = jnp.take_along_axis(weights, indices, axis=-1)  # the c largest weights, largest first
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    threshold = top_p_threshold(descending, total, top_p)
+    if not truncating and c < vocab:
+        # The cut reaches the last candidate (the candidates before it hold less than top_p): it may lie beyond.
+        short = jnp.sum((threshold[:, 0] <= descending[:, -1]).astype(jnp.int32))
+        if axis_name is not None:
+            short = jax.lax.psum(short, axis_name)
+        threshold = jax.lax.cond(
+            short > 0,
+            lambda: top_p_threshold(-jnp.sort(-weights, axis=-1), total, top_p),
+            lambda: threshold,
+        )
+    return jnp.where(weights >= threshold, weights, 0.0)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -211,7 +276,7 @@ def _generate_one(
     def choose(logits, step, done):
         token, logprob = sample_token(
             logits, jax.random.fold_in(rng, step), temperature, top_p,
-            greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+            greedy=greedy, top_k=top_k, use_top_p=use_top_p, axis_name=policy_axis,
         )
         token = jnp.where(done, pad_id, token)
         logprob = jnp.where(done, 0.0, logprob)

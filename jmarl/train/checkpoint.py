@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -92,6 +93,10 @@ def _from_saved(target: Any, saved: Any) -> Any:
     """Converts a restored leaf back to the kind of its target leaf."""
     if _is_key(target):
         return jax.random.wrap_key_data(saved, impl=jax.random.key_impl(target))
+    if isinstance(target, jax.Array) and not getattr(target, "committed", True):
+        # an uncommitted target stays uncommitted: orbax returns arrays pinned to a device, and a
+        # committed input compiles a different program (a resumed run would miss the cache)
+        return jnp.asarray(np.asarray(saved))
     if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
         return saved
     if isinstance(target, np.ndarray):

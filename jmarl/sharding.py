@@ -1,4 +1,4 @@
-"""Sharding: device meshes, partition rules, sharded updates and sampling, multi-host, memory plans.
+"""Sharding: device meshes, partition rules, sharded updates and sampling, multi-host.
 
 JAX is the distributed engine: a `jax.sharding.Mesh` with four named axes, `PartitionSpec`s
 derived from parameter paths, `jax.jit` with in/out shardings, and `jax.distributed` across
@@ -31,17 +31,16 @@ parameter tree), so `adam.mu['layers']['attn']['q_proj']['kernel']` is sharded l
     mesh = make_mesh(fsdp=4, tensor=2)
     params = shard_params(config, params, mesh)        # a notebook shards a model in two lines
 
-Memory planning: `python -m jmarl.sharding plan --model qwen3-8b --mesh fsdp=8 --mesh data=2,fsdp=4`.
+Memory: `python -m jmarl.plan --config X.yaml --devices 8 --device-memory 80GiB` compiles the run's
+own programs for a mesh and reports XLA's per-device figures (`jmarl.plan`).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 import math
 import os
-import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -266,15 +265,35 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 
 def put(tree: Any, sharding_tree: Any) -> Any:
     """Places every leaf with its sharding. In a multi-host run a host (numpy or local) value
-    must be the same on every process; each process then fills its own shards from it."""
+    must be the same on every process; each process then fills its own shards from it. A
+    `jax.ShapeDtypeStruct` leaf (an abstract state, as `jmarl.plan` builds) gets the sharding
+    attached instead: nothing is allocated."""
 
     def place(x, sharding):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return jax.device_put(x, sharding)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(place, tree, sharding_tree)
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of `tree` (arrays or `jax.ShapeDtypeStruct`s): each leaf counted
+    by its shard shape under its sharding (the whole array without one: a single device). The
+    partition rules shard evenly, so every device of a leaf's mesh holds the same. A leaf object
+    that occurs several times (a LoRA base that is also the reference) is counted once."""
+    total, seen = 0, set()
+    for leaf in jax.tree.leaves(tree):
+        if id(leaf) in seen or not hasattr(leaf, "shape"):
+            continue
+        seen.add(id(leaf))
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize  # also typed PRNG keys
+    return total
 
 
 def shard_params(config: Any, params: Params, mesh: Mesh) -> Params:
@@ -314,7 +333,66 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(fetch, tree)
 
 
-# ---------------------------------------------------------------------------------- sharded update
+# ---------------------------------------------------------------------------------- sharded calls
+class ShardedFn:
+    """A jitted function whose arguments are placed on the mesh before each call.
+
+    `arg_shardings(*args)` gives, per argument, a sharding tree (or None: keep the argument's
+    own placement); `__call__` places the arguments with them (a no-op for arrays already
+    there, so host numpy batches work) and calls `jitted`. `jmarl.plan` lowers `jitted` with
+    abstract arguments that carry these same shardings, so the planned program is the one the
+    run executes.
+    """
+
+    def __init__(self, jitted: Callable, shardings_of: Callable[..., tuple]):
+        self.jitted = jitted
+        self._shardings_of = shardings_of
+
+    def arg_shardings(self, *args: Any) -> tuple:
+        """One sharding tree (or None) per argument of a call with `args`."""
+        return self._shardings_of(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        placed = tuple(
+            a if sh is None or a is None else put(a, sh) for a, sh in zip(args, self.arg_shardings(*args))
+        )
+        return self.jitted(*placed)
+
+
+def sharded_jit(
+    fn: Callable,
+    mesh: Mesh,
+    fixed: Sequence[Any],
+    *,
+    batch_argnums: Sequence[int] = (),
+    stacked: bool = False,
+    out_shardings: Any = None,
+    donate_argnums: Sequence[int] = (),
+    compiler_options: Mapping[str, Any] | None = None,
+) -> ShardedFn:
+    """`fn` jitted on `mesh`: argument i is placed with `fixed[i]` (a sharding tree, or None to
+    keep its placement), except the arguments in `batch_argnums`, whose arrays ([N, ...], or
+    [P, N, ...] with `stacked`) get their rows on data/fsdp (`batch_shardings`) from each
+    call's shapes. out_shardings None: XLA propagates them from the inputs."""
+    batch_argnums = tuple(batch_argnums)
+    kwargs: dict[str, Any] = dict(
+        in_shardings=tuple(None if i in batch_argnums else sh for i, sh in enumerate(fixed)),
+        donate_argnums=tuple(donate_argnums),
+        compiler_options=None if compiler_options is None else dict(compiler_options),
+    )
+    if out_shardings is not None:
+        kwargs["out_shardings"] = out_shardings
+    jitted = jax.jit(fn, **kwargs)
+
+    def shardings_of(*args):
+        return tuple(
+            (None if a is None else batch_shardings(a, mesh, stacked=stacked)) if i in batch_argnums else fixed[i]
+            for i, a in enumerate(args)
+        )
+
+    return ShardedFn(jitted, shardings_of)
+
+
 def sharded_update(
     update_fn: Callable,
     mesh: Mesh,
@@ -327,7 +405,7 @@ def sharded_update(
     frozen_stacked: bool = False,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
-) -> Callable:
+) -> ShardedFn:
     """`update(state, frozen, batch) -> (state, metrics)` jitted with in/out shardings on `mesh`.
 
     update_fn: from `jmarl.train.step.make_update` (per policy; `vmap_policies=True` vmaps it
@@ -344,43 +422,42 @@ def sharded_update(
     if vmap_policies:
         fn = jax.vmap(update_fn, in_axes=(0, 0 if frozen_stacked else None, 0))
     replicated = NamedSharding(mesh, P())
-    jitted = jax.jit(
-        fn,
-        in_shardings=(state_shardings, frozen_shardings, batch_shardings_),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=(0,) if donate else (),
-        compiler_options=None if compiler_options is None else dict(compiler_options),
+    return sharded_jit(
+        fn, mesh, (state_shardings, frozen_shardings, batch_shardings_),
+        batch_argnums=(2,) if batch_shardings_ is None else (), stacked=stacked,
+        out_shardings=(state_shardings, replicated), donate_argnums=(0,) if donate else (),
+        compiler_options=compiler_options,
     )
-
-    def update(state, frozen, batch):
-        state = put(state, state_shardings)
-        if frozen is not None and frozen_shardings is not None:
-            frozen = put(frozen, frozen_shardings)
-        placement = batch_shardings_ if batch_shardings_ is not None else batch_shardings(batch, mesh, stacked=stacked)
-        return jitted(state, frozen, put(batch, placement))
-
-    update.jitted = jitted  # type: ignore[attr-defined]
-    return update
 
 
 def shard_trainer(trainer: Any) -> Mesh:
     """Puts a `jmarl.train.trainer.Trainer` on the mesh of its config: every policy group's
-    train state, LoRA base and reference parameters are sharded and its updates run through
-    `sharded_update`. A one-device mesh (the default config) changes nothing. Returns the mesh."""
+    train state, LoRA base and reference parameters are sharded by the partition rules, and its
+    device functions run through `ShardedFn`s: the RL and warm-start updates (`sharded_update`,
+    state donated) and the scoring passes, with batch rows on data/fsdp. A one-device mesh (the
+    default config) changes nothing. An abstract trainer (`Trainer(config, abstract=True)`,
+    `jax.ShapeDtypeStruct` states) gets the shardings attached instead. Returns the mesh."""
     mesh = mesh_from_config(trainer.config.mesh)
     if mesh.size == 1:
         return mesh
     for group, fns in zip(trainer.policies.groups, trainer.fns):
         config = group.model_config
+        ref_is_base = group.ref is not None and group.ref is group.base  # LoRA: the base is the reference
         group.state = shard_train_state(config, group.state, mesh)
+        state_sh = train_state_shardings(config, group.state, mesh)
         frozen_sh = None
         if group.base is not None:
             frozen_sh = shardings(mesh, param_specs(config, group.base, mesh))
             group.base = put(group.base, frozen_sh)
+        ref_sh = None
         if group.ref is not None:
-            group.ref = shard_params(config, group.ref, mesh)
-        state_sh = train_state_shardings(config, group.state, mesh)
-        fns.update = sharded_update(fns.update, mesh, state_sh, frozen_shardings=frozen_sh, stacked=group.stacked)
+            ref_sh = shardings(mesh, param_specs(config, group.ref, mesh))
+            group.ref = group.base if ref_is_base else put(group.ref, ref_sh)
+        stacked = group.stacked
+        fns.update = sharded_update(fns.update, mesh, state_sh, frozen_shardings=frozen_sh, stacked=stacked)
+        fns.sft_update = sharded_update(fns.sft_update, mesh, state_sh, frozen_shardings=frozen_sh, stacked=stacked)
+        fns.score = sharded_jit(fns.score, mesh, (state_sh.params, frozen_sh, None), batch_argnums=(2,), stacked=stacked)
+        fns.score_ref = sharded_jit(fns.score_ref, mesh, (ref_sh, None), batch_argnums=(1,), stacked=stacked)
     log.info("sharded the policies over the mesh %s", format_mesh(axis_sizes(mesh)))
     return mesh
 
@@ -487,121 +564,3 @@ def maybe_initialize_distributed(cfg: Any) -> bool:
     log.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return True
-
-
-# ---------------------------------------------------------------------------------- memory plan
-def preset_configs() -> dict[str, Any]:
-    """Published shapes as `ModelConfig`s (bfloat16 parameters): qwen3-1.7b, qwen3-8b, llama3-8b."""
-    from jmarl.models import ModelConfig
-
-    common = dict(num_kv_heads=8, head_dim=128, param_dtype="bfloat16", compute_dtype="bfloat16")
-    qwen3 = dict(model_type="qwen3", vocab_size=151936, qk_norm=True, rope_theta=1e6, max_position_embeddings=40960,
-                 rms_norm_eps=1e-6, **common)
-    return {
-        "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-                                  tie_word_embeddings=True, **qwen3),
-        "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                                tie_word_embeddings=False, **qwen3),
-        "llama3-8b": ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                 num_layers=32, num_heads=32, rope_theta=500000.0, max_position_embeddings=8192,
-                                 rms_norm_eps=1e-5, **common),
-    }
-
-
-def bytes_per_device(config: Any, tree: Any, mesh: Mesh | Mapping[str, int]) -> int:
-    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under the partition rules."""
-    sizes = axis_sizes(mesh)
-    total = 0
-    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(tree_specs(config, tree, sizes), is_leaf=lambda x: isinstance(x, P))):
-        split = math.prod(sizes[a] for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry))
-        total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
-    return total
-
-
-def memory_plan(
-    config: Any,
-    mesh: Mesh | Mapping[str, int],
-    *,
-    num_policies: int = 1,
-    lora_rank: int | None = None,
-    optimizer: Any = None,
-) -> dict[str, int]:
-    """Bytes per device of parameters, gradients and optimizer state for training on `mesh`,
-    from `jax.eval_shape` (nothing is allocated). num_policies > 1 stacks per-agent copies
-    (of the adapters, with `lora_rank`: the base is then shared and frozen). optimizer defaults
-    to the trainer's AdamW + clipping. Activations are not included (see `config.remat`).
-    Returns {'params', 'frozen', 'grads', 'optimizer', 'total'}."""
-    from jmarl.models import param_shapes
-    from jmarl.train.lora import init_lora
-    from jmarl.train.optim import make_optimizer
-
-    optimizer = optimizer or make_optimizer(1e-6, total_steps=1)
-    base = param_shapes(config)
-    frozen = None
-    trainable = base
-    if lora_rank is not None:
-        frozen = base
-        targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        trainable = jax.eval_shape(lambda: init_lora(base, jax.random.key(0), rank=lora_rank, target_modules=targets))
-    if num_policies > 1:
-        trainable = jax.tree.map(lambda s: jax.ShapeDtypeStruct((num_policies, *s.shape), s.dtype), trainable)
-    opt_state = jax.eval_shape(optimizer.init, trainable)
-    out = {
-        "params": bytes_per_device(config, trainable, mesh),
-        "frozen": 0 if frozen is None else bytes_per_device(config, frozen, mesh),
-        "grads": bytes_per_device(config, trainable, mesh),
-        "optimizer": bytes_per_device(config, opt_state, mesh),
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-def plan_table(model: str, meshes: Sequence[str], *, num_policies: int = 1, lora_rank: int | None = None,
-               param_dtype: str | None = None) -> str:
-    """The markdown table `python -m jmarl.sharding plan` prints (GiB per device)."""
-    presets = preset_configs()
-    if model not in presets:
-        raise JmarlError(f"unknown model {model!r}; choose one of {', '.join(presets)}")
-    config = presets[model]
-    if param_dtype:
-        config = config.replace(param_dtype=param_dtype)
-    gib = 2.0**30
-    lines = [
-        f"{model}: {config.num_params() / 1e9:.2f}B parameters ({config.param_dtype}), policies={num_policies}"
-        + (f", LoRA rank {lora_rank}" if lora_rank else ""),
-        "",
-        "| mesh | devices | params | frozen base | grads | AdamW state | total GiB/device |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for text in meshes:
-        sizes = parse_mesh(text)
-        plan = memory_plan(config, sizes, num_policies=num_policies, lora_rank=lora_rank)
-        cells = [f"{plan[k] / gib:.2f}" for k in ("params", "frozen", "grads", "optimizer", "total")]
-        lines.append(f"| {format_mesh(sizes)} | {math.prod(sizes.values())} | " + " | ".join(cells) + " |")
-    lines += ["", "Activations are extra: they scale with batch x sequence / (data*fsdp) and per layer; "
-              "model.remat=true recomputes each layer in the backward pass so only layer inputs are kept."]
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m jmarl.sharding plan --model qwen3-8b --mesh fsdp=8 --mesh data=2,fsdp=4`."""
-    parser = argparse.ArgumentParser(prog="python -m jmarl.sharding", description="Sharding tools.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="bytes per device of params, grads and optimizer state")
-    plan.add_argument("--model", default="qwen3-8b", help="qwen3-1.7b, qwen3-8b or llama3-8b")
-    plan.add_argument("--mesh", action="append", help="axis=size,... (repeatable), e.g. fsdp=8 or data=2,fsdp=4")
-    plan.add_argument("--policies", type=int, default=1, help="stacked per-agent policies")
-    plan.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank")
-    plan.add_argument("--param-dtype", default=None, help="float32 or bfloat16 (default: bfloat16)")
-    args = parser.parse_args(argv)
-    try:
-        print(plan_table(args.model, args.mesh or ["fsdp=8"], num_policies=args.policies,
-                         lora_rank=args.lora_rank, param_dtype=args.param_dtype))
-    except JmarlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -218,6 +218,14 @@ def test_exported_programs_carry_the_platforms_attention(platform, marker):
         "train_step": (lambda s, bt: update(s, None, bt), (state, batch)),
         "token_logprobs": (lambda p, tk, m: token_logprobs(config, p, tk, m), (params, tokens, mask)),
     }
+    # per-agent policies stacked on a leading axis: the attention runs under jax.vmap
+    stacked_q = jax.ShapeDtypeStruct((2, 1, t, 16, 64), jnp.bfloat16)
+    stacked_kv = jax.ShapeDtypeStruct((2, 1, t, 8, 64), jnp.bfloat16)
+    stacked_len = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    vmapped = jax.vmap(lambda q, k, v, n: jnp.sum(attn.attention(q, k, v, n, causal=True).astype(jnp.float32)))
+    programs["stacked_attention_grad"] = (
+        jax.grad(lambda q, k, v, n: jnp.sum(vmapped(q, k, v, n)), argnums=(0, 1, 2)),
+        (stacked_q, stacked_kv, stacked_kv, stacked_len))
     for name, (fn, args) in programs.items():
         assert marker in _exported_text(fn, args, platform), name
         assert marker not in _exported_text(fn, args, "cpu"), name

@@ -273,8 +273,8 @@ def test_checkpoint_restores_into_target_shardings(tmp_path):
     assert q.sharding.spec == P(None, "fsdp", "tensor") and q.addressable_shards[0].data.shape == (2, 16, 16)
 
 
-# ---------------------------------------------------------------------------------- memory plan
-def test_bytes_per_device_matches_real_shards():
+# ---------------------------------------------------------------------------------- bytes per device
+def test_device_bytes_matches_real_shards_and_abstract_states():
     params = models.init(TINY, jax.random.key(0))
     state = init_train_state(params, OPT)
     for axes in (dict(fsdp=8), dict(fsdp=4, tensor=2), dict(data=2, tensor=4)):
@@ -284,29 +284,12 @@ def test_bytes_per_device_matches_real_shards():
         real = sum(
             s.data.nbytes for leaf in jax.tree.leaves(placed) for s in leaf.addressable_shards if s.device == device0
         )
-        assert sharding.bytes_per_device(TINY, state, axes) == real
-
-
-def test_memory_plan_presets():
-    presets = sharding.preset_configs()
-    assert presets["qwen3-8b"].num_params() == 8_190_735_360  # the published Qwen3-8B count
-    assert presets["llama3-8b"].num_params() == 8_030_261_248  # the published Llama-3-8B count
-    config = presets["qwen3-8b"]
-    one = sharding.memory_plan(config, {})
-    assert one["params"] == config.num_params() * 2 == one["grads"]  # bfloat16
-    assert one["optimizer"] == 2 * one["params"] + 8  # Adam mu + nu (+ two int32 counts)
-    fsdp8 = sharding.memory_plan(config, {"fsdp": 8})
-    # every dimension sharded on fsdp divides by 8; norms (replicated) are the remainder
-    norms = (2 * config.num_layers + 1) * config.hidden_size * 2 + 2 * config.num_layers * config.head_dim * 2
-    assert fsdp8["params"] == (one["params"] - norms) // 8 + norms
-    lora = sharding.memory_plan(config, {}, lora_rank=16, num_policies=2)
-    d, kv, f = config.hidden_size, config.num_kv_heads * config.head_dim, config.intermediate_size
-    per_layer = 16 * ((d + d) * 2 + (d + kv) * 2 + (d + f) * 3)  # rank * (in + out) of q,o / k,v / gate,up,down
-    assert lora["frozen"] == one["params"] and lora["params"] == 2 * config.num_layers * per_layer * 4  # fp32
-    table = sharding.plan_table("qwen3-1.7b", ["fsdp=8", "data=2,fsdp=2,tensor=2"])
-    assert "| fsdp=8 | 8 |" in table and "| data=2,fsdp=2,tensor=2 | 8 |" in table
-    with pytest.raises(JmarlError, match="unknown model"):
-        sharding.plan_table("gpt-5", ["fsdp=8"])
+        assert sharding.device_bytes(placed) == real
+        abstract = sharding.shard_train_state(TINY, jax.eval_shape(lambda: state), mesh)  # shardings attached
+        assert all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None for x in jax.tree.leaves(abstract))
+        assert sharding.device_bytes(abstract) == real
+    assert sharding.device_bytes(state) == sum(x.nbytes for x in jax.tree.leaves(state))  # one device: all of it
+    assert sharding.device_bytes([state, state]) == sharding.device_bytes(state)  # the same arrays count once
 
 
 # ---------------------------------------------------------------------------------- multi-host config

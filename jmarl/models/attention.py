@@ -347,7 +347,9 @@ def _cudnn_or(fallback: Callable, q, k, v, lengths, causal: bool):
     if not cudnn_supports(q, k):
         return fallback(q, k, v, lengths)
     b, t = q.shape[:2]
-    q_lengths = jnp.full((b,), t, jnp.int32)
+    # computed from lengths so that it is batched like them under jax.vmap (a stacked policy
+    # axis): JAX's cuDNN batching rule needs both sequence-length arrays batched
+    q_lengths = lengths * 0 + t
     kwargs = dict(is_causal=causal, query_seq_lengths=q_lengths, key_value_seq_lengths=lengths, implementation="cudnn")
     with _cudnn_version_for_lowering() as available:
         if not available:

@@ -243,14 +243,16 @@ class Transformer(nnx.Module):
             return out, ((k, v) if return_kv else None)
 
         layer_def, layer_state = nnx.split(self.layers)
+        unroll = c.num_layers <= _UNROLL_MAX_LAYERS
+        x = self.embed(compact_rows(tokens, dest))
+        if not last_only and not return_kv:  # the differentiated path: layers rematerialised as configured
+            step = functools.partial(_decoder_step, layer_def, c.attention)
+            x = scan_layers(step, x, layer_state, (cos, sin, lengths), remat=c.remat, policy=c.remat_policy(), unroll=unroll)
+            return restore_rows(self.final_norm(x), dest), None
 
         def body(x, state):
             return nnx.merge(layer_def, state)(x, cos, sin, attend)
 
-        if c.remat != "none":
-            body = jax.checkpoint(body, policy=c.remat_policy(), prevent_cse=False)
-        unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        x = self.embed(compact_rows(tokens, dest))
         if not last_only:
             x, kv = jax.lax.scan(body, x, layer_state, unroll=unroll)
             kv = None if kv is None else jax.tree.map(lambda a: restore_rows(a, dest, axis=2), kv)
@@ -278,31 +280,105 @@ class Transformer(nnx.Module):
         s_positions = prefix_len[rows][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         s_cos, s_sin = rope_tables(c, s_positions, p + t)
 
-        def attend_prefix(q, k, v):
-            return attention_lib.attention(q, k, v, prefix_len, causal=True, impl=c.attention), (k, v)
-
         layer_def, layer_state = nnx.split(self.layers)
-
-        def body(carry, state):
-            xp, xs = carry
-            layer = nnx.merge(layer_def, state)
-            xp, (kp, vp) = layer(xp, p_cos, p_sin, attend_prefix)
-
-            def attend_continuation(q, k, v):
-                out = attention_lib.prefixed_attention(q, k, v, own_len, kp, vp, prefix_len, rows, impl=c.attention)
-                return out, None
-
-            xs, _ = layer(xs, s_cos, s_sin, attend_continuation)
-            return (xp, xs), None
-
-        if c.remat != "none":
-            body = jax.checkpoint(body, policy=c.remat_policy(), prevent_cse=False)
-        unroll = c.num_layers <= _UNROLL_MAX_LAYERS
+        step = functools.partial(_prefixed_step, layer_def, c.attention)
+        consts = (p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows.astype(jnp.int32))
         carry = (self.embed(compact_rows(prefix_tokens, p_dest)), self.embed(compact_rows(tokens, s_dest)))
-        (xp, xs), _ = jax.lax.scan(body, carry, layer_state, unroll=unroll)
+        unroll = c.num_layers <= _UNROLL_MAX_LAYERS
+        xp, xs = scan_layers(step, carry, layer_state, consts, remat=c.remat, policy=c.remat_policy(), unroll=unroll)
         last = jnp.maximum(prefix_len - 1, 0)[:, None, None]
         xp_last = jnp.take_along_axis(xp, last, axis=1)[:, 0]
         return self.final_norm(xp_last), restore_rows(self.final_norm(xs), s_dest)
+
+
+# ---------------------------------------------------------------------------------- layer stack
+def _decoder_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple) -> jax.Array:
+    """One decoder layer on right-padded rows: x [B,T,D] -> [B,T,D]; consts = (cos, sin, lengths)."""
+    cos, sin, lengths = consts
+
+    def attend(q, k, v):
+        return attention_lib.attention(q, k, v, lengths, causal=True, impl=impl), None
+
+    return nnx.merge(layer_def, state)(x, cos, sin, attend)[0]
+
+
+def _prefixed_step(layer_def: Any, impl: str, carry: tuple, state: Any, consts: tuple) -> tuple:
+    """One decoder layer of the shared-prefix layout: the U prefixes [U,P,D], then the N
+    continuations [N,C,D] attending to their prefix's keys/values and to themselves."""
+    p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows = consts
+    xp, xs = carry
+    layer = nnx.merge(layer_def, state)
+
+    def attend_prefix(q, k, v):
+        return attention_lib.attention(q, k, v, prefix_len, causal=True, impl=impl), (k, v)
+
+    xp, (kp, vp) = layer(xp, p_cos, p_sin, attend_prefix)
+
+    def attend_continuation(q, k, v):
+        return attention_lib.prefixed_attention(q, k, v, own_len, kp, vp, prefix_len, rows, impl=impl), None
+
+    xs, _ = layer(xs, s_cos, s_sin, attend_continuation)
+    return xp, xs
+
+
+def scan_layers(step: Callable, carry: Any, layers: Any, consts: Any, *, remat: str, policy: Any, unroll: bool) -> Any:
+    """carry -> step(... step(step(carry, layers[0], consts), layers[1], consts) ...): the layer
+    stack as one `jax.lax.scan` over the stacked layer parameters (leading axis L).
+
+    remat "none": every activation kept for the backward pass; "full": only each layer's input
+    kept, the layer recomputed in the backward pass (`_scan_full_remat`); other names: per-layer
+    `jax.checkpoint` with `policy`."""
+    if remat == "full":
+        return _scan_full_remat(step, carry, layers, consts, unroll)
+    body = lambda c, p: (step(c, p, consts), None)  # noqa: E731
+    if remat != "none":
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.lax.scan(body, carry, layers, unroll=unroll)[0]
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """16-bit floats as their raw uint16 words (other arrays unchanged)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _from_bits(bits: jax.Array, like: jax.Array) -> jax.Array:
+    """Inverse of `_as_bits` for an array of `like`'s dtype."""
+    return jax.lax.bitcast_convert_type(bits, like.dtype) if bits.dtype == jnp.uint16 and like.dtype != jnp.uint16 else bits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _scan_full_remat(step: Callable, carry: Any, layers: Any, consts: Any, unroll: bool) -> Any:
+    """`scan_layers` with full rematerialisation, its backward written out: the forward scan saves
+    each layer's input, the reverse scan recomputes that layer (`jax.vjp`) and back-propagates.
+    The saved inputs are kept as raw 16-bit words when they are bf16/f16: XLA:CPU, which has no
+    bf16 arithmetic, would otherwise convert the whole [L, ...] stack of saved inputs to float32
+    at once before the backward loop (2 x the stack's size more memory); accelerators are unaffected."""
+    return jax.lax.scan(lambda c, p: (step(c, p, consts), None), carry, layers, unroll=unroll)[0]
+
+
+def _scan_full_remat_fwd(step, carry, layers, consts, unroll):
+    def body(c, p):
+        return step(c, p, consts), jax.tree.map(_as_bits, c)
+
+    out, saved = jax.lax.scan(body, carry, layers, unroll=unroll)
+    return out, (saved, layers, consts)
+
+
+def _scan_full_remat_bwd(step, unroll, residuals, d_out):
+    saved, layers, consts = residuals
+
+    def body(d_carry, xs):
+        bits, p = xs
+        c = jax.tree.map(_from_bits, bits, d_carry)
+        _, vjp = jax.vjp(lambda c_, p_: step(c_, p_, consts), c, p)
+        d_c, d_p = vjp(d_carry)
+        return d_c, d_p
+
+    d_carry, d_layers = jax.lax.scan(body, d_out, (saved, layers), reverse=True, unroll=unroll)
+    return d_carry, d_layers, None
+
+
+_scan_full_remat.defvjp(_scan_full_remat_fwd, _scan_full_remat_bwd)
 
 
 # ---------------------------------------------------------------------------------- helpers

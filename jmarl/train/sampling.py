@@ -8,13 +8,17 @@ length bucket, so varied turns reuse a handful of compiled programs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmarl import models
+from jmarl.models import model as model_lib
+from jmarl.models import sampler as sampler_lib
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.train.policies import PolicyGroup, PolicySet
 from jmarl.workflows.base import Completion
@@ -117,3 +121,83 @@ class ModelSampler:
                 )
             )
         return out
+
+    # ---- the program of one call, for the memory planner
+
+    def generation_program(
+        self, group: PolicyGroup, rows: Sequence[int], share: int, params: Any = None
+    ) -> tuple[Callable, tuple]:
+        """(jitted program, abstract arguments) of one `sample` call that gives `rows[i]` rows to
+        the i-th policy of `group`, as requests asking n = `share` completions of distinct
+        prompts of settings.max_prompt_len tokens (blocks of `share` consecutive rows share a
+        prompt). The layout is decided by the sampler's own host code (`left_align`,
+        `contiguous_group_size`, `unique_prompts`) on such prompts, then the KV-cache capacity
+        and program settings follow `jmarl.models.sampler._run`: [(P,) B, S] prompts with
+        B = next_pow2(max(rows)), S the prompt's length bucket. `params`: what to lower with
+        (default: the shapes of the group's `full_params`). Nothing is allocated on a device.
+        """
+        s = self.settings
+        tok = group.tokenizer
+        prompt_len = max(1, s.max_prompt_len)
+        batch = next_pow2(max(max(rows), 1))
+        length = bucket_length(prompt_len, self.buckets)
+        blocks = [
+            synthetic_prompts(n, share, prompt_len, batch, length, tok.pad_id, group.model_config.vocab_size, offset=i)
+            for i, n in enumerate(rows)
+        ]
+        tokens = np.stack([b[0] for b in blocks]) if group.stacked else blocks[0][0]
+        mask = np.stack([b[1] for b in blocks]) if group.stacked else blocks[0][1]
+        length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), DEFAULT_LENGTH_BUCKETS)
+        tokens, mask = sampler_lib.left_align(tokens, mask, length, tok.pad_id)
+        batch_shape = tokens.shape[:-1]
+        size = sampler_lib.contiguous_group_size(tokens, mask)
+        if size > 1:
+            tokens, mask, prompt_rows = tokens[..., ::size, :], mask[..., ::size, :], None
+            capacity = max(int(s.max_new_tokens) - 1, 1)
+        else:
+            tokens, mask, prompt_rows = sampler_lib.unique_prompts(tokens, mask)
+            capacity = length + int(s.max_new_tokens) - 1
+        greedy = float(s.temperature) == 0.0
+        program = sampler_lib._program(
+            group.model_config, group.stacked, int(s.max_new_tokens), greedy, int(s.top_k), float(s.top_p) < 1.0,
+            (int(tok.eos_id),), int(tok.pad_id), size,
+            sampler_lib.first_phase_slots(capacity - (0 if size > 1 else length)),
+        )
+        if params is None:
+            params = full_params_shapes(group)
+        cache = jax.eval_shape(lambda: model_lib.empty_cache(group.model_config, batch_shape, capacity))
+        shape = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        args = (
+            params, cache, shape(tokens), shape(mask), shape(prompt_rows),
+            jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.float32),
+        )
+        return program, args
+
+
+def full_params_shapes(group: PolicyGroup) -> Any:
+    """What the sampler runs `group` with (`PolicyGroup.full_params`) without computing it: the
+    state's own parameters, or for LoRA the merged parameters' `jax.ShapeDtypeStruct`s."""
+    if group.lora_rank is None:
+        return group.state.params
+    merged = lambda adapters, base: dataclasses.replace(group, base=base).full_params(adapters)  # noqa: E731
+    return jax.eval_shape(merged, group.state.params, group.base)
+
+
+def synthetic_prompts(
+    rows: int, share: int, prompt_len: int, batch: int, length: int, pad_id: int, vocab: int, offset: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """int32[batch, length] tokens and bool mask (left padding) of `rows` rows in blocks of
+    `share` identical prompts of `prompt_len` tokens, every block's prompt distinct (also
+    across `offset`s, i.e. policies): the prompts of a sampler call at its largest."""
+    ids = np.arange(rows, dtype=np.int64) // max(share, 1) + offset * (rows + 1)
+    base = max(vocab - 1, 2)
+    prompts = np.empty((rows, prompt_len), np.int32)
+    for j in range(prompt_len - 1, -1, -1):  # the block id in base (vocab - 1), digits 1 .. vocab - 1
+        prompts[:, j] = 1 + ids % base
+        ids = ids // base
+    tokens = np.full((batch, length), pad_id, np.int32)
+    mask = np.zeros((batch, length), bool)
+    tokens[:rows, length - prompt_len:] = prompts
+    mask[:rows, length - prompt_len:] = True
+    return tokens, mask

@@ -69,8 +69,33 @@ TRAINER_PLANS = ("independent", "tree", "joint", "shared", "node_wise")
 # building the run
 
 
-def build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool) -> PolicySet:
-    """The run's policies (see `jmarl.train.policies`), optimizer states initialised."""
+def build_policies(
+    config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool, abstract: bool = False
+) -> PolicySet:
+    """The run's policies (see `jmarl.train.policies`), optimizer states initialised.
+
+    abstract: every device array (parameters, optimizer states, references) is a
+    `jax.ShapeDtypeStruct`, built by `jax.eval_shape` over the same code: nothing is allocated
+    (what `jmarl.plan` compiles against). A model loaded from model.path would still be read
+    from disk; the planner swaps checkpoints for their architecture first (`jmarl.plan`)."""
+    if not abstract:
+        return _build_policies(config, agents, rng, optimizer, need_ref=need_ref)
+    built: dict[str, PolicySet] = {}
+
+    def arrays():
+        built["set"] = _build_policies(config, agents, rng, optimizer, need_ref=need_ref)
+        return [(g.base, g.state, None if g.ref is g.base else g.ref) for g in built["set"].groups]
+
+    shapes = jax.eval_shape(arrays)
+    policies = built["set"]
+    for group, (base, state, ref) in zip(policies.groups, shapes):
+        ref_is_base = group.ref is not None and group.ref is group.base
+        group.base, group.state = base, state
+        group.ref = base if ref_is_base else ref
+    return policies
+
+
+def _build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool) -> PolicySet:
     pc = config.policies
     names, agent_policy = _policy_map(config, tuple(agents))
     ids = tuple(range(len(names)))
@@ -204,14 +229,31 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# the fields of `policy_batch`: name -> (one value per token, padding value, dtype)
+POLICY_FIELDS: dict[str, tuple[bool, Any, Any]] = {
+    "tokens": (True, 0, np.int32),
+    "attention_mask": (True, False, np.bool_),
+    "loss_mask": (True, False, np.bool_),
+    "behavior_logprobs": (True, 0.0, np.float32),
+    "reward": (False, 0.0, np.float32),
+    "group": (False, -1, np.int32),
+    "source_policy": (False, 0, np.int32),
+    "source_seq_logprob": (False, 0.0, np.float32),
+    "agent": (False, 0, np.int32),
+}
+# the fields `to_shared_prefix` adds: name -> dtype (prefix_tokens/mask [parts * U, P], prefix_rows [N])
+PREFIX_FIELDS: dict[str, Any] = {"prefix_tokens": np.int32, "prefix_mask": np.bool_, "prefix_rows": np.int32}
+
+
 def policy_batch(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.ndarray]:
     """One policy's samples as host arrays padded to `size` rows; groups renumbered from 0.
 
-    Padding rows have empty masks and group -1 (they belong to no group).
+    Padding rows have empty masks and group -1 (they belong to no group). Fields: `POLICY_FIELDS`.
     """
     sel = select(rollouts, np.asarray(rollouts.policy) == policy_id)
     n = sel.num_samples
     _, group = np.unique(np.asarray(sel.group), return_inverse=True)
+    values = {k: group.reshape(-1) if k == "group" else getattr(sel, k) for k in POLICY_FIELDS}
 
     def pad(x, fill, dtype):
         x = np.asarray(x, dtype)
@@ -219,32 +261,52 @@ def policy_batch(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.
         out[:n] = x
         return out
 
-    return {
-        "tokens": pad(sel.tokens, 0, np.int32),
-        "attention_mask": pad(sel.attention_mask, False, bool),
-        "loss_mask": pad(sel.loss_mask, False, bool),
-        "behavior_logprobs": pad(sel.behavior_logprobs, 0.0, np.float32),
-        "reward": pad(sel.reward, 0.0, np.float32),
-        "group": pad(group.reshape(-1), -1, np.int32) if n else np.full((size,), -1, np.int32),
-        "source_policy": pad(sel.source_policy, 0, np.int32),
-        "source_seq_logprob": pad(sel.source_seq_logprob, 0.0, np.float32),
-        "agent": pad(sel.agent, 0, np.int32),
-    }
+    return {k: pad(values[k], fill, dtype) for k, (_, fill, dtype) in POLICY_FIELDS.items()}
+
+
+def batch_rows(counts: Sequence[int], parts: int, min_rows: int = 0) -> int:
+    """N, the rows of a group batch: the most samples of any policy (or `min_rows`, a bound
+    known from the plan) rounded up to a power of two, then to a multiple of `parts`."""
+    return _round_up(next_pow2(max(max(counts, default=0), min_rows, 1)), parts)
 
 
 def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0) -> tuple[dict[str, np.ndarray], list[int]]:
     """The group's batch in the shared-prefix layout (`jmarl.train.shared_prefix`): [P, N, ...]
-    when stacked, else [N, ...]; N a power of two x parts.
+    when stacked, else [N, ...]; N a power of two x parts (`batch_rows`).
 
     `min_rows`: a bound on any policy's samples per step known from the plan (0: none); N is
     then fixed across steps, so the update is compiled once per sequence-length bucket.
     """
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
-    size = _round_up(next_pow2(max(max(counts), min_rows, 1)), parts)
+    size = batch_rows(counts, parts, min_rows)
     batches = to_shared_prefix([policy_batch(rollouts, p, size) for p in group.policy_ids], parts)
     if group.stacked:
         return {k: np.stack([b[k] for b in batches]) for k in batches[0]}, counts
     return batches[0], counts
+
+
+# the fields of a warm-start batch before `to_shared_prefix` (`Trainer._sft_batch`)
+SFT_FIELDS: tuple[str, ...] = ("tokens", "attention_mask", "loss_mask")
+
+
+def abstract_group_batch(
+    group: PolicyGroup, rows: int, prefixes: int, prefix_len: int, length: int, *, sft: bool = False
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes `group_batch` gives for N = `rows` samples per policy, `prefixes` (parts x U)
+    distinct-prompt slots of `prefix_len` (P) tokens and continuations of `length` (C) tokens:
+    [N, C] per-token fields, [N] per-sample fields, prefix_tokens/mask [parts x U, P],
+    prefix_rows [N]; a leading policy axis [P, ...] when the group is stacked. sft: the
+    fields of a warm-start batch (`Trainer._sft_batch`: SFT_FIELDS and the prefix fields)."""
+    lead = (len(group.policy_ids),) if group.stacked else ()
+    out = {
+        k: jax.ShapeDtypeStruct(lead + ((rows, length) if per_token else (rows,)), dtype)
+        for k, (per_token, _, dtype) in POLICY_FIELDS.items()
+        if not sft or k in SFT_FIELDS
+    }
+    for k, dtype in PREFIX_FIELDS.items():
+        shape = (rows,) if k == "prefix_rows" else (prefixes, prefix_len)
+        out[k] = jax.ShapeDtypeStruct(lead + shape, dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,10 +316,15 @@ def group_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: in
 class Trainer:
     """Owns a run: env, policies, sampler, compiled functions, logger and checkpoints."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, abstract: bool = False):
+        """abstract: build the run's device functions over `jax.ShapeDtypeStruct` states (sharded
+        like the real ones) and write nothing: what `jmarl.plan` compiles; such a trainer
+        cannot train."""
         self.config = config
+        self.abstract = abstract
         self.out = Path(config.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        if not abstract:
+            self.out.mkdir(parents=True, exist_ok=True)
         self.env = envs.make(config.env.name, **dict(config.env.options))
         self.method = algos.get_method(config.algo.name)
         self.algo_cfg = algo_options(config)
@@ -285,7 +352,8 @@ class Trainer:
         self.sft_optimizer = make_optimizer(ws.lr, total_steps=max(ws.steps, 1), grad_clip=o.grad_clip, weight_decay=0.0)
         self.need_ref = getattr(self.algo_cfg, "kl_coef", 0.0) > 0
         self.policies = build_policies(
-            config, self.env.agents, jax.random.fold_in(self.key, 10**6), self.optimizer, need_ref=self.need_ref
+            config, self.env.agents, jax.random.fold_in(self.key, 10**6), self.optimizer, need_ref=self.need_ref,
+            abstract=abstract,
         )
         if config.workflow.plan == "shared":
             tokenizers = {p: self.policies.group_of(p).tokenizer for p in range(len(self.policies.policy_names))}
@@ -306,7 +374,7 @@ class Trainer:
             for g in self.policies.groups
         ]
         self.mesh = shard_trainer(self)  # config.mesh: shard states, run updates with in/out shardings
-        self.checkpointer = Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
+        self.checkpointer = None if abstract else Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False
 
@@ -598,9 +666,25 @@ class Trainer:
 
     # ---- the loop
 
+    def check_memory(self) -> list[Any]:
+        """Before step 0: when train.memory_check is "on", or "auto" on an accelerator, compiles
+        the run's programs for the real devices (`jmarl.plan`), logs their per-device figures
+        and raises JmarlError, naming the program and the settings to change, when one would not
+        fit in train.device_memory (else the device's own) less train.memory_headroom. Returns
+        the per-program figures ([] when the check is off: it then costs nothing)."""
+        mode = self.config.train.memory_check
+        if mode == "off" or (mode == "auto" and jax.default_backend() == "cpu"):
+            return []
+        from jmarl import plan
+
+        return plan.check_trainer(self)
+
     def run(self) -> dict[str, Any]:
         cfg = self.config
+        if self.abstract:
+            raise JmarlError("this Trainer was built with abstract=True (for jmarl.plan); build Trainer(config) to train")
         t_start = time.perf_counter()
+        self.check_memory()
         (self.out / "config.yaml").write_text(dump_yaml(cfg))
         resumed = self.maybe_resume()
         if not resumed:  # a fresh run into a used output_dir: do not append to the old run's curves

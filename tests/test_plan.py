@@ -1,0 +1,235 @@
+"""`python -m jmarl.plan` and the trainer's memory check before step 0, on a tiny model over
+the 8 simulated CPU devices (data=2, fsdp=2): the planned programs are the trainer's own."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from jmarl import plan
+from jmarl.config import load_config
+from jmarl.errors import JmarlError
+from jmarl.models import sampler as sampler_lib
+from jmarl.rollouts import make_rollouts
+from jmarl.sharding import device_bytes
+from jmarl.train.trainer import Trainer, group_batch
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+RUN = {
+    "seed": 0,
+    "env": {"name": "_toy_env:Letters"},  # two sequential agents, one turn
+    "algo": {"name": "at_grpo"},
+    "model": {"preset": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                         "num_heads": 2, "num_kv_heads": 1}},
+    "tokenizer": "char",
+    "workflow": {"plan": "tree", "group_size": 4, "num_tasks": 2},
+    "policies": {"mode": "per_agent"},  # one stacked group of two policies
+    "sampling": {"max_new_tokens": 8, "max_prompt_len": 48},
+    "optim": {"minibatches": 2},
+    "train": {"steps": 1, "kl_beta": 0.01, "warm_start": {"steps": 1, "demos": 2}},
+    "logging": {"progress": False, "tensorboard": False, "plots": False},
+    "mesh": {"data": 2, "fsdp": 2},
+}
+PROGRAMS = ["sft_update", "generate", "score", "score_ref", "update"]
+
+
+@pytest.fixture(scope="module")
+def run_yaml(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(dict(RUN, output_dir=str(root / "out"))))
+    return path
+
+
+@pytest.fixture(scope="module")
+def planned(run_yaml):
+    """(abstract trainer, its programs, their figures)."""
+    config, notes = plan.load_plan_config(str(run_yaml), [f"output_dir={run_yaml.parent / 'abstract'}"])
+    assert notes == []
+    trainer = Trainer(config, abstract=True)
+    assert not trainer.out.exists() and trainer.checkpointer is None  # an abstract trainer writes nothing
+    programs = plan.trainer_programs(trainer)
+    return trainer, programs, [plan.analyse(p) for p in programs]
+
+
+@pytest.fixture(scope="module")
+def real(run_yaml):
+    return Trainer(load_config(run_yaml))
+
+
+def _figures(m):
+    return (m.state, m.temporaries, m.outputs, m.aliased, m.resident)
+
+
+def test_plan_figures_equal_the_real_trainers_programs_compiled_directly(planned, real):
+    trainer, _, figures = planned
+    assert [f.program for f in figures] == PROGRAMS
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainer.policies.groups[0].state))
+    real_programs = plan.trainer_programs(real)  # real arrays: abstract args from their own shardings
+    assert real_programs[-1].jitted is real.fns[0].update.jitted  # the trainer's own update
+    for want, p in zip(figures, real_programs):
+        stats = p.jitted.lower(*p.args).compile(compiler_options=plan.CPU_FAST_COMPILE).memory_analysis()
+        got = (stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.output_size_in_bytes,
+               stats.alias_size_in_bytes, p.resident)
+        assert got == _figures(want), p.program
+        assert want.total == want.state + want.temporaries + want.outputs - want.aliased
+        assert want.peak == want.total + want.resident
+
+
+def test_update_state_is_sharded_params_and_two_adam_moments(planned):
+    trainer, programs, figures = planned
+    group = trainer.policies.groups[0]
+    update = dict(zip(PROGRAMS, programs))["update"]
+    figure = dict(zip(PROGRAMS, figures))["update"]
+    params = device_bytes(group.state.params)
+    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(group.state.params))
+    assert params < full  # fsdp=2 shards the parameters
+    state = device_bytes(group.state)
+    assert 3 * params <= state <= 3 * params + 1024  # params, mu, nu (+ counters)
+    assert figure.state == device_bytes(update.args)  # XLA's argument bytes: the state and the batch
+    assert figure.aliased >= state - 1024  # the donated state is updated in place
+    assert figure.resident == device_bytes(group.ref) > 0  # the reference stays on the device
+
+
+def test_update_batch_is_the_trainers_batch_at_the_bound(planned, real):
+    _, programs, _ = planned
+    update = dict(zip(PROGRAMS, programs))["update"]
+    assert update.shapes == {"R": 8, "N": 8, "parts": 2, "U": 1, "P": 64, "C": 32}
+    # the largest step: 2 tasks x 1 turn x K=4 candidates per policy, prompts and answers at their caps
+    rows, prompt, answer = 8, 48, 8
+    tokens = np.zeros((2 * rows, prompt + answer), np.int32)
+    for r in range(2 * rows):
+        tokens[r, :prompt] = 1 + (r // 4) % 50  # a node's K candidates share a prompt
+        tokens[r, prompt:] = 2 + r % 7
+    loss = np.zeros(tokens.shape, bool)
+    loss[:, prompt:] = True
+    rollouts = make_rollouts(tokens, loss, np.ones(tokens.shape, bool), np.arange(2 * rows, dtype=np.float32),
+                             np.arange(2 * rows) // 4, policy=np.arange(2 * rows) // rows)
+    group, fns = real.policies.groups[0], real.fns[0]
+    batch, counts = group_batch(group, rollouts, real.parts, real._rows_bound())
+    assert counts == [rows, rows]
+    scored = real._score(group, fns, batch)
+    want = update.args[2]
+    assert sorted(scored) == sorted(want)
+    for k in want:
+        assert (scored[k].shape, np.dtype(scored[k].dtype)) == (want[k].shape, np.dtype(want[k].dtype)), k
+
+
+@pytest.mark.parametrize("rows, share, parts, aligned", [(16, 4, 2, True), (16, 3, 2, False), (12, 1, 3, True)])
+def test_prefix_bound_holds_for_the_worst_layout(rows, share, parts, aligned):
+    from jmarl.train.shared_prefix import to_shared_prefix
+
+    worst = 0
+    for offset in range(share):  # where the first group starts: groups may straddle micro-batches
+        ids = (np.arange(rows) + offset) // share
+        tokens = np.stack([np.full(6, 1 + i, np.int32) for i in ids])
+        tokens = np.concatenate([tokens, np.full((rows, 2), 99, np.int32)], axis=1)
+        loss = np.zeros(tokens.shape, bool)
+        loss[:, 6:] = True
+        batch = {"tokens": tokens, "attention_mask": np.ones(tokens.shape, bool), "loss_mask": loss}
+        worst = max(worst, to_shared_prefix([batch], parts)[0]["prefix_tokens"].shape[0] // parts)
+        if aligned:
+            break
+    assert worst == plan.prefixes_per_part(rows // parts, share, aligned)
+
+
+def test_generation_program_is_the_samplers_call(real, monkeypatch):
+    statics, calls = [], []
+    real_program = sampler_lib._program
+
+    def recording(*static):
+        statics.append(static)
+        program = real_program(*static)
+
+        def call(*args):
+            calls.append(args)
+            return program(*args)
+
+        return call
+
+    monkeypatch.setattr(sampler_lib, "_program", recording)
+    group = real.policies.groups[0]
+    # two prompts cut to sampling.max_prompt_len (their ends differ), K=4 answers each: tree's call for agent a
+    real.sampler.sample([(0, "x" * 80 + f" task {i}") for i in range(2)], 4, jax.random.key(0))
+    _, args = real.sampler.generation_program(group, (8, 0), 4)
+    assert statics[0] == statics[1]  # same program settings: 4 rows share a prompt cache
+    def shape(tree):
+        key = jax.dtypes.prng_key
+        return [(x.shape, "key" if jax.dtypes.issubdtype(x.dtype, key) else np.dtype(x.dtype)) for x in jax.tree.leaves(tree)]
+
+    assert jax.tree.structure(calls[0]) == jax.tree.structure(args)
+    assert shape(calls[0]) == shape(args)
+
+
+def test_cli_fits_and_writes_json(run_yaml, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert plan.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1GiB", "--json", str(out)]) == 0
+    text = capsys.readouterr()
+    assert "update [per_agent]" in text.out and "fits" in text.out and text.err == ""
+    doc = json.loads(out.read_text())
+    assert doc["devices"] == 8 and doc["mesh"] == {"data": 2, "policy": 1, "fsdp": 2, "tensor": 1}
+    assert doc["fits"] is True and doc["device_memory"] == 2**30 and doc["limit"] == int(0.9 * 2**30)
+    assert doc["config"] == str(run_yaml) and doc["jax_version"] == jax.__version__
+    assert [p["program"] for p in doc["programs"]] == PROGRAMS
+    for p in doc["programs"]:
+        assert p["peak"] == p["state"] + p["temporaries"] + p["outputs"] - p["aliased"] + p["resident"] > 0
+
+
+def test_cli_does_not_fit_one_line(run_yaml, capsys):
+    assert plan.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "update of group 'per_agent' needs" in err[0] and "over 921.6 KiB (1 MiB less 10% headroom)" in err[0]
+    assert "optim.grad_accum" in err[0] and "mesh.fsdp" in err[0]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.preset=gpt-5"], "unknown preset 'gpt-5'"),
+    (["mesh.fsdp=16"], "needs 32 devices but only 8"),
+    (["mesh.data=-1", "mesh.fsdp=3"], "do not split"),
+    (["model.preset=null", "model.path=/nowhere/my-model"], "matches no preset"),
+])
+def test_cli_bad_input_one_line(run_yaml, capsys, overrides, words):
+    assert plan.main(["--config", str(run_yaml), "--devices", "8", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0]
+
+
+def test_cli_in_a_fresh_process_simulates_devices(run_yaml, tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "jmarl.plan", "--config", str(run_yaml), "--devices", "4", "mesh.data=1", "mesh.fsdp=8"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: the mesh fsdp=8 needs 8 devices but only 4 are available; lower mesh.* "
+        "(mesh.data=-1 uses whatever the other axes leave)"
+    ]
+
+
+def test_missing_checkpoint_plans_with_the_matching_preset():
+    data, notes = plan.resolve_models({"model": {"path": "checkpoints/Qwen3-1.7B"}, "tokenizer": None})
+    assert data["model"] == {"path": None, "preset": "qwen3-1.7b"} and data["tokenizer"] == "char"
+    assert notes == ["model.path checkpoints/Qwen3-1.7B not found: planning with preset qwen3-1.7b's shapes"]
+    with pytest.raises(JmarlError, match="matches no preset"):
+        plan.resolve_models({"model": {"path": "checkpoints/gpt-5"}})
+
+
+def test_trainer_checks_memory_before_step_0(run_yaml, real):
+    assert real.check_memory() == []  # memory_check auto: off on CPU, nothing compiled
+    tight = Trainer(load_config(run_yaml, ["train.memory_check=on", "train.device_memory=64KiB"]))
+    with pytest.raises(JmarlError, match=r"of group 'per_agent' needs .* over 57.6 KiB \(64 KiB less 10% headroom\)"):
+        tight.run()
+    assert not (tight.out / "metrics.jsonl").exists()  # nothing ran
+    roomy = Trainer(load_config(run_yaml, ["train.memory_check=on", "train.device_memory=1GiB"]))
+    assert [f.program for f in roomy.check_memory()] == PROGRAMS

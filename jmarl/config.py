@@ -602,6 +602,9 @@ class SamplingConfig:
     top_p: float = _field(1.0, gt=0.0, le=1.0)
     top_k: int = _field(0, ge=0)  # 0: off
     max_prompt_len: int = _field(512, ge=1)
+    # rows (completions) per device call at most: a plan's larger request is generated in
+    # consecutive calls, which bounds the KV cache (see python -m jmarl.plan); null: one call
+    max_rows_per_call: int | None = _field(None, ge=1)
 
 
 @dataclass(frozen=True)
@@ -715,20 +718,25 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axis sizes (see `jmarl.sharding.make_mesh`); data -1: all remaining devices.
+    """Device mesh axis sizes (see `jmarl.sharding.make_mesh`); one axis may be -1: all
+    remaining devices (data -1: data parallel, fsdp -1: parameters sharded over them).
 
     The product may be smaller than the device count (the mesh then uses the first devices),
     never larger. The default (all 1) runs unsharded on one device.
     """
 
     data: int = _field(1, ge=-1)
-    fsdp: int = _field(1, ge=1)
-    tensor: int = _field(1, ge=1)
-    policy: int = _field(1, ge=1)
+    fsdp: int = _field(1, ge=-1)
+    tensor: int = _field(1, ge=-1)
+    policy: int = _field(1, ge=-1)
 
     def _validate(self, path: str) -> None:
-        if self.data == 0:
-            raise JmarlError(f"{_join(path, 'data')}: must be >= 1, or -1 for all remaining devices")
+        for name, size in self.axes().items():
+            if size == 0:
+                raise JmarlError(f"{_join(path, name)}: must be >= 1, or -1 for all remaining devices")
+        filled = [name for name, size in self.axes().items() if size == -1]
+        if len(filled) > 1:
+            raise JmarlError(f"{path or 'mesh'}: only one axis may be -1 (all remaining devices), got {', '.join(filled)}")
 
     def axes(self) -> dict[str, int]:
         """Axis name -> size, in mesh order."""

@@ -404,7 +404,10 @@ def analyse(program: Program) -> ProgramMemory:
     import jax
 
     t0 = time.perf_counter()
-    lowered = program.jitted.lower(*program.args)
+    from jmarl.sharding import mesh_context, mesh_of
+
+    with mesh_context(mesh_of(program.args)):  # as the run traces it (`ShardedFn`, the sampler)
+        lowered = program.jitted.lower(*program.args)
     options = CPU_FAST_COMPILE if jax.default_backend() == "cpu" else None
     stats = lowered.compile(compiler_options=options).memory_analysis()
     if stats is None:

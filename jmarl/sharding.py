@@ -82,29 +82,34 @@ def make_mesh(
 ) -> Mesh:
     """A `Mesh` with axes ("data", "policy", "fsdp", "tensor") of the given sizes.
 
-    `data=-1` takes all devices the other axes leave. The product may be smaller than the
-    number of devices (the first devices are used), never larger. `devices` defaults to
-    `jax.devices()` (all processes' devices in a multi-host run). Axes are `Auto`, so code
-    without sharding annotations runs unchanged and XLA propagates the input shardings.
+    One axis may be -1: it takes all devices the other axes leave (`data=-1`: pure data
+    parallelism over whatever is left, `fsdp=-1`: parameters sharded over it). The product may
+    be smaller than the number of devices (the first devices are used), never larger. `devices`
+    defaults to `jax.devices()` (all processes' devices in a multi-host run). Axes are `Auto`,
+    so code without sharding annotations runs unchanged and XLA propagates the input shardings.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": int(data), "fsdp": int(fsdp), "tensor": int(tensor), "policy": int(policy)}
     for name, size in sizes.items():
-        if size < 1 and not (name == "data" and size == -1):
-            raise JmarlError(f"mesh.{name} must be >= 1 (data may be -1: all remaining devices), got {size}")
-    rest = sizes["fsdp"] * sizes["tensor"] * sizes["policy"]
-    if sizes["data"] == -1:
-        if len(devices) % rest:
+        if size < 1 and size != -1:
+            raise JmarlError(f"mesh.{name} must be >= 1 (or -1: all remaining devices), got {size}")
+    filled = [name for name, size in sizes.items() if size == -1]
+    if len(filled) > 1:
+        raise JmarlError(f"mesh: only one axis may be -1 (all remaining devices), got {', '.join(filled)}")
+    if filled:
+        others = math.prod(size for name, size in sizes.items() if name != filled[0])
+        if len(devices) % others:
             raise JmarlError(
-                f"mesh.data=-1: {len(devices)} devices do not split into fsdp*tensor*policy = {rest}; "
+                f"mesh.{filled[0]}=-1: {len(devices)} devices do not split into the other axes' product {others}; "
                 "choose axis sizes whose product divides the device count"
             )
-        sizes["data"] = len(devices) // rest
+        sizes[filled[0]] = len(devices) // others
+    rest = sizes["fsdp"] * sizes["tensor"] * sizes["policy"]
     total = sizes["data"] * rest
     if total > len(devices):
         raise JmarlError(
             f"the mesh {format_mesh(sizes)} needs {total} devices but only {len(devices)} are available; "
-            "lower mesh.* (mesh.data=-1 uses whatever the other axes leave)"
+            "lower mesh.* (an axis of -1 uses whatever the other axes leave)"
         )
     grid = np.asarray(devices[:total], dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
@@ -257,6 +262,27 @@ def cache_specs(cache: Any, mesh: Mesh | Mapping[str, int], *, stacked: bool = F
     return jax.tree.map(lambda x: _fit(rows + ("tensor",), x.shape, sizes), cache)
 
 
+def microbatch_rows(mesh: Mesh, *, stacked: bool) -> Callable[[Any], Any]:
+    """A constraint for a batch split into micro-batches, leaves [M, A, rows, ...]: each
+    micro-batch's rows spread over the batch axes (data, fsdp; and policy unless the policies are
+    stacked, where a vmapped policy axis is sharded on "policy"). Without it, rows sharded as one
+    [N] axis of contiguous blocks leave each micro-batch on a few devices, which then hold a
+    whole micro-batch's activations."""
+    sizes = axis_sizes(mesh)
+    axes = BATCH_AXES if stacked else BATCH_AXES + ("policy",)
+
+    def constrain(x: jax.Array) -> jax.Array:
+        spec = _fit((None, None, axes), x.shape, sizes)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return lambda tree: jax.tree.map(constrain, tree)
+
+
+def policy_axis(mesh: Mesh | None) -> str | None:
+    """'policy' when the mesh shards stacked policies (its policy axis > 1), else None."""
+    return "policy" if mesh is not None and axis_sizes(mesh).get("policy", 1) > 1 else None
+
+
 # ---------------------------------------------------------------------------------- placing arrays
 def shardings(mesh: Mesh, specs: Any) -> Any:
     """NamedSharding per PartitionSpec of a spec tree."""
@@ -334,6 +360,25 @@ def to_host(tree: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------- sharded calls
+def mesh_of(tree: Any) -> Mesh | None:
+    """The mesh of the first leaf of `tree` (arrays or ShapeDtypeStructs) with a NamedSharding."""
+    for leaf in jax.tree.leaves(tree):
+        sh = getattr(leaf, "sharding", None)
+        if isinstance(sh, NamedSharding):
+            return sh.mesh
+    return None
+
+
+def mesh_context(mesh: Mesh | None) -> Any:
+    """`jax.set_mesh(mesh)` for a mesh of several devices (programs traced inside see it: see
+    `jmarl.models.model.batch_sharded`), else a no-op context."""
+    import contextlib
+
+    if mesh is None or mesh.size == 1:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
+
+
 class ShardedFn:
     """A jitted function whose arguments are placed on the mesh before each call.
 
@@ -353,10 +398,10 @@ class ShardedFn:
         return self._shardings_of(*args)
 
     def __call__(self, *args: Any) -> Any:
-        placed = tuple(
-            a if sh is None or a is None else put(a, sh) for a, sh in zip(args, self.arg_shardings(*args))
-        )
-        return self.jitted(*placed)
+        shardings_ = self.arg_shardings(*args)
+        placed = tuple(a if sh is None or a is None else put(a, sh) for a, sh in zip(args, shardings_))
+        with mesh_context(mesh_of(shardings_)):
+            return self.jitted(*placed)
 
 
 def sharded_jit(

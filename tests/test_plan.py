@@ -17,7 +17,7 @@ from jmarl.config import load_config
 from jmarl.errors import JmarlError
 from jmarl.models import sampler as sampler_lib
 from jmarl.rollouts import make_rollouts
-from jmarl.sharding import device_bytes
+from jmarl.sharding import device_bytes, mesh_context, mesh_of
 from jmarl.train.trainer import Trainer, group_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +76,9 @@ def test_plan_figures_equal_the_real_trainers_programs_compiled_directly(planned
     real_programs = plan.trainer_programs(real)  # real arrays: abstract args from their own shardings
     assert real_programs[-1].jitted is real.fns[0].update.jitted  # the trainer's own update
     for want, p in zip(figures, real_programs):
-        stats = p.jitted.lower(*p.args).compile(compiler_options=plan.CPU_FAST_COMPILE).memory_analysis()
+        with mesh_context(mesh_of(p.args)):  # as the run calls it (ShardedFn enters its mesh)
+            lowered = p.jitted.lower(*p.args)
+        stats = lowered.compile(compiler_options=plan.CPU_FAST_COMPILE).memory_analysis()
         got = (stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.output_size_in_bytes,
                stats.alias_size_in_bytes, p.resident)
         assert got == _figures(want), p.program
@@ -213,7 +215,7 @@ def test_cli_in_a_fresh_process_simulates_devices(run_yaml, tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: the mesh fsdp=8 needs 8 devices but only 4 are available; lower mesh.* "
-        "(mesh.data=-1 uses whatever the other axes leave)"
+        "(an axis of -1 uses whatever the other axes leave)"
     ]
 
 

@@ -383,6 +383,24 @@ def test_stacked_policy_that_finishes_first_waits_correctly(qwen2):
             np.testing.assert_array_equal(np.asarray(getattr(both, field)[p]), np.asarray(getattr(alone, field)))
 
 
+def test_one_policy_of_a_stack_equals_its_stacked_rows(qwen2):
+    """generate(stacked params, policy=p) decodes only policy p's rows, with the key the stacked
+    call gives it: the same tokens and log-probs as policy p's rows of generate_stacked."""
+    _, config, params, _ = qwen2
+    other = init(config, jax.random.key(13))
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)
+    t0, m0 = _prompts([4, 6, 2, 5], 6, seed=6)
+    t1, m1 = _prompts([3, 6, 6, 1], 6, seed=7)
+    tokens, mask = np.stack([t0, t1]), np.stack([m0, m1])
+    kw = dict(max_new_tokens=N_NEW, temperature=0.8, stop_tokens=(5, 6))
+    both = generate_stacked(config, stacked, tokens, mask, jax.random.key(2), **kw)
+    for p in (0, 1):
+        one = generate(config, stacked, tokens[p], mask[p], jax.random.key(2), policy=p, **kw)
+        for field in ("tokens", "mask", "lengths"):
+            np.testing.assert_array_equal(np.asarray(getattr(one, field)), np.asarray(getattr(both, field)[p]))
+        np.testing.assert_allclose(np.asarray(one.logprobs), np.asarray(both.logprobs[p]), atol=1e-5)
+
+
 def test_contiguous_group_size():
     t = np.array([[1, 2], [1, 2], [3, 4], [3, 4]])
     m = np.ones_like(t, bool)
@@ -397,6 +415,8 @@ def test_contiguous_group_size():
     masked[1, 0] = False  # same ids, different mask: not the same prompt
     assert contiguous_group_size(t, masked) == 1
     assert contiguous_group_size(t[:1], m[:1]) == 1
+    idle = np.zeros_like(t)  # a stacked policy with no requests: all padding rows
+    assert contiguous_group_size(np.stack([idle, t]), np.stack([np.zeros_like(m), m])) == 2
 
 
 def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):

@@ -34,6 +34,10 @@ def test_make_mesh_sizes_rest_and_errors():
         sharding.make_mesh(data=4, fsdp=4)
     with pytest.raises(JmarlError, match="do not split"):
         sharding.make_mesh(data=-1, fsdp=3)
+    assert dict(sharding.make_mesh(fsdp=-1).shape) == {"data": 1, "policy": 1, "fsdp": 8, "tensor": 1}
+    assert dict(sharding.make_mesh(fsdp=-1, tensor=2).shape)["fsdp"] == 4
+    with pytest.raises(JmarlError, match="only one axis may be -1"):
+        sharding.make_mesh(data=-1, fsdp=-1)
     assert sharding.parse_mesh("fsdp=4,tensor=2") == {"data": 1, "policy": 1, "fsdp": 4, "tensor": 2}
     with pytest.raises(JmarlError, match="axis=size"):
         sharding.parse_mesh("fdsp=4")

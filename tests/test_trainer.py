@@ -200,6 +200,25 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y[i]), rtol=1e-5, atol=1e-2 * cfg.optim.lr)
 
 
+def test_scoring_by_micro_batches_equals_one_pass(tmp_path):
+    """The scoring program runs the step's batch one micro-batch at a time (4 parts here): the
+    same log-probs as one pass over the whole shared-prefix batch."""
+    from jmarl.train.shared_prefix import MODEL_INPUTS
+
+    cfg = load_config(_config(tmp_path, "score"), ["optim.minibatches=2", "optim.grad_accum=2"])
+    t = trainer_mod.Trainer(cfg)
+    group, fns = t.policies.groups[0], t.fns[0]
+    assert t.parts == 4 and group.stacked
+    result = trainer_mod.run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler,
+                                  jax.random.key(4), num_episodes=4)
+    batch, _ = trainer_mod.group_batch(group, trainer_mod.build_rollouts(result.records), t.parts)
+    inputs = {k: jnp.asarray(batch[k]) for k in MODEL_INPUTS}
+    scored = fns.score(group.state.params, group.base, inputs)
+    one_pass = jax.vmap(lambda p, b: shared_prefix_logprobs(group.model_config, p, b, t.temperature))
+    np.testing.assert_allclose(np.asarray(scored), np.asarray(one_pass(group.state.params, inputs)), atol=1e-5)
+    assert float(jnp.abs(scored).sum()) > 0
+
+
 def _single_loss(t):
     mcfg, method, algo_cfg = t.policies.groups[0].model_config, t.method, t.algo_cfg
 
@@ -208,3 +227,22 @@ def _single_loss(t):
         return method.loss(algo_cfg, lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
 
     return loss_fn
+
+
+def test_sampler_call_cap_splits_requests_and_keeps_every_completion(tmp_path):
+    """sampling.max_rows_per_call: requests are generated in consecutive calls of at most that
+    many rows; every request still gets its n completions, reproducibly from the key."""
+    from jmarl.train.sampling import split_calls
+
+    assert split_calls(5, 4, None) == [(0, 5)]
+    assert split_calls(5, 4, 8) == [(0, 2), (2, 4), (4, 5)]
+    assert split_calls(3, 4, 2) == [(0, 1), (1, 2), (2, 3)]  # at least one request per call
+    capped = trainer_mod.Trainer(load_config(_config(tmp_path, "capped"), ["sampling.max_rows_per_call=4"]))
+    requests = [(p, f"prompt {i}") for i, p in enumerate([0, 1, 0, 0, 1])]
+    calls = []
+    original = capped.sampler._sample_group
+    capped.sampler._sample_group = lambda g, reqs, n, key: calls.append(len(reqs) * n) or original(g, reqs, n, key)
+    first = capped.sampler.sample(requests, 2, jax.random.key(5))
+    assert calls == [4, 4, 2] and [len(c) for c in first] == [2] * 5
+    again = capped.sampler.sample(requests, 2, jax.random.key(5))
+    assert [[c.text for c in cs] for cs in first] == [[c.text for c in cs] for cs in again]

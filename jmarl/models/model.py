@@ -47,7 +47,7 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # 4 layers). Deeper models keep the rolled scan, so their compile time stays flat in depth.
 _UNROLL_MAX_LAYERS = 8
 # Tokens per chunk of the feed-forward layer on long inputs (see `MLP`).
-MLP_CHUNK_ROWS = 8192
+MLP_CHUNK_ROWS = 4096
 # Upper bound on the elements of one fp32 [B, chunk, V] logits block in `token_logprobs`.
 _LOGPROB_CHUNK_ELEMENTS = 1 << 24
 
@@ -129,9 +129,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 
-    Above MLP_CHUNK_ROWS tokens it runs MLP_CHUNK_ROWS tokens at a time (`jax.lax.map` under
-    `jax.checkpoint`): the same numbers, but only one chunk's [rows, F] intermediates are alive,
-    in the forward pass and the gradient (at 64k tokens and F = 6144 those are 0.75 GiB each)."""
+    Above MLP_CHUNK_ROWS tokens it runs about MLP_CHUNK_ROWS tokens at a time, in chunks of
+    the token axis (`jax.lax.map` under `jax.checkpoint`): the same numbers, but only one
+    chunk's [rows, F] intermediates are alive, in the forward pass and the gradient (at 64k
+    tokens and F = 6144 those are 0.75 GiB each)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
@@ -139,23 +140,27 @@ class MLP(nnx.Module):
         self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        lead, d = x.shape[:-1], x.shape[-1]
-        rows = int(np.prod(lead))
-        if rows <= MLP_CHUNK_ROWS:
+        """x [B,T,D] (or [T,D]) -> [B,T,D]."""
+        rows = int(np.prod(x.shape[:-1]))
+        if rows <= MLP_CHUNK_ROWS or x.ndim < 3:
             return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        # chunks along the token axis: the batch axis (sharded over the mesh) stays whole in each
+        # chunk, so every device keeps its own rows
+        b, t, d = x.shape
+        n = min(t, -(-rows // MLP_CHUNK_ROWS))
+        size = -(-t // n)
         weights = (self.gate_proj.kernel[...], self.up_proj.kernel[...], self.down_proj.kernel[...])
         dtype = self.gate_proj.dtype
-        n = -(-rows // MLP_CHUNK_ROWS)
-        flat = jnp.pad(x.reshape(rows, d), ((0, n * MLP_CHUNK_ROWS - rows), (0, 0)))
+        chunks = jnp.pad(x, ((0, 0), (0, n * size - t), (0, 0))).reshape(b, n, size, d).swapaxes(0, 1)
 
         @jax.checkpoint
-        def chunk(x_c: jax.Array) -> jax.Array:
+        def chunk(x_c: jax.Array) -> jax.Array:  # [B, size, D]
             gate, up, down = (w.astype(dtype) for w in weights)
             x_c = x_c.astype(dtype)
             return jnp.dot(jax.nn.silu(jnp.dot(x_c, gate)) * jnp.dot(x_c, up), down)
 
-        out = jax.lax.map(chunk, flat.reshape(n, MLP_CHUNK_ROWS, d))
-        return out.reshape(n * MLP_CHUNK_ROWS, -1)[:rows].reshape(*lead, -1)
+        out = jax.lax.map(chunk, chunks)  # [n, B, size, D]
+        return out.swapaxes(0, 1).reshape(b, n * size, -1)[:, :t]
 
 
 class DecoderLayer(nnx.Module):
@@ -200,6 +205,12 @@ class Transformer(nnx.Module):
         self.layers = make_layers(rngs)
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, jnp.dtype(c.param_dtype))
         self.lm_head = None if c.tie_word_embeddings else _linear(c, c.hidden_size, c.vocab_size, False, rngs)
+
+    def head_master(self) -> jax.Array:
+        """The output projection [D, V] as stored (float32 masters; the embedding when tied)."""
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
 
     def head_kernel(self) -> jax.Array:
         """The output projection [D, V] in the compute dtype (the embedding when tied)."""
@@ -251,7 +262,7 @@ class Transformer(nnx.Module):
             return restore_rows(self.final_norm(x), dest), None
 
         def body(x, state):
-            return nnx.merge(layer_def, state)(x, cos, sin, attend)
+            return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)
 
         if not last_only:
             x, kv = jax.lax.scan(body, x, layer_state, unroll=unroll)
@@ -259,7 +270,8 @@ class Transformer(nnx.Module):
             return restore_rows(self.final_norm(x), dest), kv
         first = jax.tree.map(lambda a: a[:-1], layer_state)
         x, kv = jax.lax.scan(body, x, first, unroll=unroll)
-        x, kv_last = nnx.merge(layer_def, jax.tree.map(lambda a: a[-1], layer_state))(x, cos, sin, attend_last, pick_last)
+        last_layer = nnx.merge(layer_def, jax.tree.map(lambda a: a[-1], layer_state))
+        x, kv_last = last_layer(batch_sharded(x), cos, sin, attend_last, pick_last)
         if return_kv:
             kv = jax.tree.map(lambda a, b: restore_rows(jnp.concatenate([a, b[None]]), dest, axis=2), kv, kv_last)
         return self.final_norm(x), kv
@@ -299,14 +311,14 @@ def _decoder_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: t
     def attend(q, k, v):
         return attention_lib.attention(q, k, v, lengths, causal=True, impl=impl), None
 
-    return nnx.merge(layer_def, state)(x, cos, sin, attend)[0]
+    return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)[0]
 
 
 def _prefixed_step(layer_def: Any, impl: str, carry: tuple, state: Any, consts: tuple) -> tuple:
     """One decoder layer of the shared-prefix layout: the U prefixes [U,P,D], then the N
     continuations [N,C,D] attending to their prefix's keys/values and to themselves."""
     p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows = consts
-    xp, xs = carry
+    xp, xs = batch_sharded(carry[0]), batch_sharded(carry[1])
     layer = nnx.merge(layer_def, state)
 
     def attend_prefix(q, k, v):
@@ -382,6 +394,26 @@ _scan_full_remat.defvjp(_scan_full_remat_fwd, _scan_full_remat_bwd)
 
 
 # ---------------------------------------------------------------------------------- helpers
+def batch_sharded(x: jax.Array) -> jax.Array:
+    """x [B, ...] constrained to rows over the mesh's batch axes (data, fsdp) when a program is
+    traced under a mesh (`jax.set_mesh`, as the trainer, the sampler and `jmarl.plan` do);
+    unchanged otherwise. Applied to each layer's input in training, scoring and prefill (not in
+    the one-token decode step): keeps XLA's partitioner from gathering a whole batch's
+    activations onto every device under FSDP (it then gathers each layer's weights instead)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    sizes = dict(mesh.shape)
+    axes = [a for a in ("data", "fsdp") if sizes.get(a, 1) > 1]
+    while axes and x.shape[0] % int(np.prod([sizes[a] for a in axes])):
+        axes.pop()
+    if not axes:
+        return x
+    rows = axes[0] if len(axes) == 1 else tuple(axes)
+    spec = jax.sharding.PartitionSpec(rows, *([jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def compaction(attention_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """mask bool[B,T] -> (dest int32[B,T], lengths int32[B]): the slot each token takes when
     each row's real tokens are moved, in order, to its front (padding after them), and the
@@ -502,7 +534,8 @@ def token_logprobs(
     b, t = tokens.shape
     if t == 1:
         return jnp.zeros((b, t), jnp.float32)
-    lp = chunked_logprobs(model.head_kernel(), h[:, :-1], tokens[:, 1:], temperature, chunk_size=chunk_size)
+    lp = chunked_logprobs(model.head_master(), h[:, :-1], tokens[:, 1:], temperature, chunk_size=chunk_size,
+                          compute_dtype=config.compute_dtype)
     out = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp], axis=1)
     mask = attention_mask.astype(bool)
     has_context = mask & (positions_from_mask(attention_mask) > 0)
@@ -536,7 +569,8 @@ def prefix_token_logprobs(
     rows = rows.astype(jnp.int32)
     prefix_last, h = model.hidden_prefixed(prefix_tokens, prefix_mask, rows, tokens, mask)
     h_in = jnp.concatenate([prefix_last[rows][:, None], h[:, :-1]], axis=1)  # [N, C, D]
-    lp = chunked_logprobs(model.head_kernel(), h_in, tokens, temperature, chunk_size=chunk_size)
+    lp = chunked_logprobs(model.head_master(), h_in, tokens, temperature, chunk_size=chunk_size,
+                          compute_dtype=config.compute_dtype)
     prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)[rows]
     mask = mask.astype(bool)
     has_context = mask & (prefix_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=-1) > 1)
@@ -550,11 +584,15 @@ def chunked_logprobs(
     temperature: float | jax.Array = 1.0,
     *,
     chunk_size: int | None = None,
+    compute_dtype: str | None = None,
 ) -> jax.Array:
     """float32[B,n]: log softmax(h @ kernel / T)[targets] for hidden h [B,n,D], kernel [D,V],
     targets int[B,n]. The full-vocabulary log-softmax runs `chunk_size` positions at a time (by
     default as many as keep a [B, chunk, V] float32 block under 2**24 elements) and is
-    recomputed in the backward pass, so memory stays O(B * chunk * V)."""
+    recomputed in the backward pass, so memory stays O(B * chunk * V). `compute_dtype`: the
+    dtype of the product (default: the kernel's); the kernel is cast inside each chunk, so its
+    gradient accumulates over the chunks in the kernel's own dtype (float32 masters), not in
+    the compute dtype."""
     b, n, _ = h.shape
     v = kernel.shape[-1]
     if chunk_size is None:
@@ -568,7 +606,8 @@ def chunked_logprobs(
 
     @jax.checkpoint
     def chunk_logprobs(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
-        logits = jnp.dot(h_c, kernel, preferred_element_type=jnp.float32) / temperature
+        dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else kernel.dtype
+        logits = jnp.dot(h_c.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32) / temperature
         picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
         return picked - jax.nn.logsumexp(logits, axis=-1)
 

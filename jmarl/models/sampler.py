@@ -38,7 +38,7 @@ equal `generate(config, params_p, prompts_p, masks_p, jax.random.fold_in(rng, p)
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +346,14 @@ def _generate_one(
     return generation, cache
 
 
+def generation_params(config: ModelConfig, params: Params, stacked: bool) -> Params:
+    """The parameters generation reads: floating leaves in the compute dtype, cast once per call
+    (every layer casts its weights to it before use, so the numbers are the same; float32
+    masters are then not read, nor gathered over an FSDP mesh, at every decode step)."""
+    dtype = jnp.dtype(config.compute_dtype)
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
 @functools.lru_cache(maxsize=None)
 def _program(
     config: ModelConfig,
@@ -358,16 +366,22 @@ def _program(
     pad_id: int,
     group_size: int = 1,
     half: int = 0,
+    select: bool = False,
 ):
-    """The jitted generation program for one set of static settings (cache donated)."""
+    """The jitted generation program for one set of static settings (cache donated). With
+    `select`, params are stacked [P, ...] and the program takes a trailing int32 policy index:
+    it generates with that policy alone (its rows unstacked)."""
     core = functools.partial(
         _generate_one, config, max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
         use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id, policy_axis="policy" if stacked else None,
         group_size=group_size, half=half,
     )
 
-    def program(params, cache, tokens, mask, rows, rng, temperature, top_p):
+    def program(params, cache, tokens, mask, rows, rng, temperature, top_p, policy=None):
         _TRACES["count"] += 1  # runs once per trace, i.e. once per compiled program
+        if select:  # one policy of a stacked group: its slice, read in place
+            params = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, policy, keepdims=False), params)
+        params = generation_params(config, params, stacked)
         if stacked:
             rngs = jax.vmap(lambda p: jax.random.fold_in(rng, p))(jnp.arange(tokens.shape[0]))
             rows_axis = None if rows is None else 0
@@ -430,11 +444,14 @@ def unique_prompts(
 def contiguous_group_size(tokens: np.ndarray, mask: np.ndarray) -> int:
     """G > 1 when every row of tokens/mask [..., B, S] lies in a block of G consecutive identical
     rows (b // G the block), as a sampler batch of prompts each repeated G times is; else 1.
-    G is the length of the first run of identical rows."""
+    G is the length of the first run of identical rows of the first entry (of the leading axes,
+    e.g. a stacked policy) whose rows are not all alike: an idle policy's rows (all padding)
+    fit any G."""
     *_, b, s = tokens.shape
     rows = np.concatenate([tokens.reshape(-1, b, s), mask.reshape(-1, b, s).astype(tokens.dtype)], axis=-1)
-    same = np.all(rows[0] == rows[0, :1], axis=-1)
-    g = int(np.argmin(same)) if not same.all() else b
+    runs = [np.all(r == r[:1], axis=-1) for r in rows]
+    mixed = [same for same in runs if not same.all()]
+    g = int(np.argmin(mixed[0])) if mixed else b
     if g < 2 or b % g:
         return 1
     blocks = rows.reshape(rows.shape[0], b // g, g, 2 * s)
@@ -467,6 +484,8 @@ def _run(
     stop_tokens: Sequence[int],
     pad_id: int,
     buckets: Sequence[int],
+    mesh: Any = None,
+    policy: int | None = None,
 ) -> Generation:
     _check_options(max_new_tokens, temperature, top_p, top_k)
     tokens = np.asarray(prompt_tokens)
@@ -493,12 +512,48 @@ def _run(
     program = _program(
         config, stacked, int(max_new_tokens), greedy, int(top_k), float(top_p) < 1.0,
         tuple(int(t) for t in stop_tokens), int(pad_id), group,
-        first_phase_slots(capacity - (0 if group > 1 else length)),
+        first_phase_slots(capacity - (0 if group > 1 else length)), policy is not None,
     )
-    cache = _empty_cache(config, batch_shape, capacity)
+    if mesh is not None and mesh.size > 1:
+        cache, (tokens, mask, rows) = placed_on_mesh(config, mesh, stacked, batch_shape, capacity, (tokens, mask, rows))
+    else:
+        cache = _empty_cache(config, batch_shape, capacity)
     temp = jnp.float32(1.0 if greedy else temperature)
-    generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p))
+    from jmarl.sharding import mesh_context
+
+    extra = () if policy is None else (jnp.int32(policy),)
+    if policy is not None:  # the key the stacked program gives policy p
+        rng = jax.random.fold_in(rng, policy)
+    with mesh_context(mesh):  # the prefill keeps its rows sharded (`jmarl.models.model.batch_sharded`)
+        generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p), *extra)
     return generation
+
+
+def generation_shardings(config: ModelConfig, mesh: Any, stacked: bool, batch_shape: tuple[int, ...], capacity: int,
+                         prompts: tuple) -> tuple[Any, tuple]:
+    """(KV cache shardings, shardings of the prompt arrays) of a generation call on `mesh`: cache
+    and prompt rows over the batch axes (data, fsdp), key/value heads over tensor, a stacked
+    policy axis over policy. None for an absent prompt array."""
+    from jmarl import sharding
+
+    abstract = jax.eval_shape(lambda: empty_cache(config, batch_shape, capacity))
+    cache_sh = sharding.shardings(mesh, sharding.cache_specs(abstract, mesh, stacked=stacked))
+    prompt_sh = tuple(
+        None if x is None else jax.sharding.NamedSharding(mesh, sharding.batch_spec(np.shape(x), mesh, stacked=stacked))
+        for x in prompts)
+    return cache_sh, prompt_sh
+
+
+def placed_on_mesh(config: ModelConfig, mesh: Any, stacked: bool, batch_shape: tuple[int, ...], capacity: int,
+                   prompts: tuple) -> tuple[KVCache, tuple]:
+    """An empty KV cache created sharded on `mesh` and the prompt arrays placed there (see
+    `generation_shardings`): every device holds and decodes only its rows."""
+    from jmarl import sharding
+
+    cache_sh, prompt_sh = generation_shardings(config, mesh, stacked, batch_shape, capacity, prompts)
+    cache = jax.jit(lambda: empty_cache(config, batch_shape, capacity), out_shardings=cache_sh)()
+    placed = tuple(None if x is None else sharding.put(np.asarray(x), sh) for x, sh in zip(prompts, prompt_sh))
+    return cache, placed
 
 
 def generate(
@@ -515,14 +570,21 @@ def generate(
     stop_tokens: Sequence[int] = (),
     pad_id: int = 0,
     buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    mesh: Any = None,
+    policy: int | None = None,
 ) -> Generation:
     """Samples up to max_new_tokens per prompt. prompt_tokens int[B,S], prompt_mask bool[B,S]
     (any padding side) -> Generation with [B, max_new_tokens] fields. temperature 0 = greedy;
-    top_k 0 and top_p 1 disable truncation; a row stops after emitting any of stop_tokens."""
+    top_k 0 and top_p 1 disable truncation; a row stops after emitting any of stop_tokens.
+    `mesh` (a `jax.sharding.Mesh` of several devices): the KV cache and prompt rows are sharded
+    over its batch axes (data, fsdp) and key/value heads over tensor, so each device decodes its
+    own rows; params keep whatever placement they have. `policy`: params are stacked [P, ...]
+    per-agent policies and policy p's are used, with the key `generate_stacked` gives it (the
+    same tokens as its rows there), without decoding the other policies' (padding) rows."""
     return _run(
         config, params, prompt_tokens, prompt_mask, rng, stacked=False,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets,
+        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets, mesh=mesh, policy=policy,
     )
 
 
@@ -540,12 +602,13 @@ def generate_stacked(
     stop_tokens: Sequence[int] = (),
     pad_id: int = 0,
     buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    mesh: Any = None,
 ) -> Generation:
     """P policies of one architecture in one device call: stacked_params with a leading [P]
     axis, prompt_tokens/prompt_mask [P,B,S] -> Generation with [P, B, max_new_tokens] fields.
-    Policy p uses jax.random.fold_in(rng, p)."""
+    Policy p uses jax.random.fold_in(rng, p). `mesh`: see `generate`."""
     return _run(
         config, stacked_params, prompt_tokens, prompt_mask, rng, stacked=True,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets,
+        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets, mesh=mesh,
     )

@@ -33,6 +33,7 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
     max_prompt_len: int = 512
+    max_rows_per_call: int | None = None  # None: one device call per policy group
 
 
 def encode_prompt(tokenizer, prompt: str, max_len: int) -> list[int]:
@@ -61,6 +62,7 @@ class ModelSampler:
         self.settings = settings
         self.buckets = tuple(buckets)
         self.new_tokens = 0
+        self.mesh = None  # the run's mesh (set by the trainer): generation rows sharded over it
 
     def sample(self, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> list[list[Completion]]:
         """For each (policy id, prompt) request, n completions."""
@@ -69,8 +71,12 @@ class ModelSampler:
             idx = [i for i, (p, _) in enumerate(requests) if p in group.policy_ids]
             if idx:
                 key = jax.random.fold_in(rng, gi)
-                for i, comps in zip(idx, self._sample_group(group, [requests[i] for i in idx], n, key)):
-                    out[i] = comps
+                chunks = split_calls(len(idx), n, self.settings.max_rows_per_call)
+                for c, (start, stop) in enumerate(chunks):
+                    chunk_key = key if len(chunks) == 1 else jax.random.fold_in(key, c)
+                    part = idx[start:stop]
+                    for i, comps in zip(part, self._sample_group(group, [requests[i] for i in part], n, chunk_key)):
+                        out[i] = comps
         return out
 
     def _sample_group(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> list[list[Completion]]:
@@ -92,18 +98,28 @@ class ModelSampler:
             for r, (p, _) in enumerate(requests):
                 per_policy[group.index(p)].extend([r] * n)
             batch = next_pow2(max(len(rows) for rows in per_policy))
-            toks, masks = zip(*(left_pad([prompts[r] for r in rows], batch, length, tok.pad_id) for rows in per_policy))
-            gen = models.generate_stacked(
-                group.model_config, group.full_params(), np.stack(toks), np.stack(masks), rng, **kwargs
-            )
-            gen = jax.device_get(gen)
-            located = [(r, pi, j) for pi, rows in enumerate(per_policy) for j, r in enumerate(rows)]
-            pick = lambda a, pi, j: a[pi, j]  # noqa: E731
+            active = [pi for pi, rows in enumerate(per_policy) if rows]
+            if len(active) == 1:  # one policy asked (a tree node's agent): decode its rows only
+                only = active[0]
+                toks, masks = left_pad([prompts[r] for r in per_policy[only]], batch, length, tok.pad_id)
+                gen = jax.device_get(models.generate(
+                    group.model_config, group.full_params(), toks, masks, rng, mesh=self.mesh, policy=only, **kwargs))
+                located = [(r, None, j) for j, r in enumerate(per_policy[only])]
+                pick = lambda a, pi, j: a[j]  # noqa: E731
+            else:
+                toks, masks = zip(*(left_pad([prompts[r] for r in rows], batch, length, tok.pad_id) for rows in per_policy))
+                gen = models.generate_stacked(
+                    group.model_config, group.full_params(), np.stack(toks), np.stack(masks), rng, mesh=self.mesh, **kwargs
+                )
+                gen = jax.device_get(gen)
+                located = [(r, pi, j) for pi, rows in enumerate(per_policy) for j, r in enumerate(rows)]
+                pick = lambda a, pi, j: a[pi, j]  # noqa: E731
         else:
             rows = [r for r in range(len(requests)) for _ in range(n)]
             batch = next_pow2(len(rows))
             toks, masks = left_pad([prompts[r] for r in rows], batch, length, tok.pad_id)
-            gen = jax.device_get(models.generate(group.model_config, group.full_params(), toks, masks, rng, **kwargs))
+            gen = jax.device_get(
+                models.generate(group.model_config, group.full_params(), toks, masks, rng, mesh=self.mesh, **kwargs))
             located = [(r, None, j) for j, r in enumerate(rows)]
             pick = lambda a, pi, j: a[j]  # noqa: E731
 
@@ -139,14 +155,22 @@ class ModelSampler:
         s = self.settings
         tok = group.tokenizer
         prompt_len = max(1, s.max_prompt_len)
+        if s.max_rows_per_call is not None:  # `sample` splits larger requests into calls of at most this
+            cap = max(s.max_rows_per_call // max(share, 1), 1) * max(share, 1)
+            rows = [min(r, cap) for r in rows]
         batch = next_pow2(max(max(rows), 1))
+        active = [i for i, n in enumerate(rows) if n]
+        only = active[0] if group.stacked and len(active) == 1 else None  # `_sample_group`'s one-policy call
+        stacked = group.stacked and only is None
         length = bucket_length(prompt_len, self.buckets)
         blocks = [
             synthetic_prompts(n, share, prompt_len, batch, length, tok.pad_id, group.model_config.vocab_size, offset=i)
             for i, n in enumerate(rows)
         ]
-        tokens = np.stack([b[0] for b in blocks]) if group.stacked else blocks[0][0]
-        mask = np.stack([b[1] for b in blocks]) if group.stacked else blocks[0][1]
+        if only is not None:
+            blocks = [blocks[only]]
+        tokens = np.stack([b[0] for b in blocks]) if stacked else blocks[0][0]
+        mask = np.stack([b[1] for b in blocks]) if stacked else blocks[0][1]
         length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), DEFAULT_LENGTH_BUCKETS)
         tokens, mask = sampler_lib.left_align(tokens, mask, length, tok.pad_id)
         batch_shape = tokens.shape[:-1]
@@ -159,20 +183,35 @@ class ModelSampler:
             capacity = length + int(s.max_new_tokens) - 1
         greedy = float(s.temperature) == 0.0
         program = sampler_lib._program(
-            group.model_config, group.stacked, int(s.max_new_tokens), greedy, int(s.top_k), float(s.top_p) < 1.0,
+            group.model_config, stacked, int(s.max_new_tokens), greedy, int(s.top_k), float(s.top_p) < 1.0,
             (int(tok.eos_id),), int(tok.pad_id), size,
-            sampler_lib.first_phase_slots(capacity - (0 if size > 1 else length)),
+            sampler_lib.first_phase_slots(capacity - (0 if size > 1 else length)), only is not None,
         )
         if params is None:
             params = full_params_shapes(group)
         cache = jax.eval_shape(lambda: model_lib.empty_cache(group.model_config, batch_shape, capacity))
-        shape = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        prompt_sh: tuple = (None, None, None)
+        if self.mesh is not None and self.mesh.size > 1:  # as `jmarl.models.sampler._run` places them
+            cache_sh, prompt_sh = sampler_lib.generation_shardings(
+                group.model_config, self.mesh, stacked, batch_shape, capacity, (tokens, mask, prompt_rows))
+            cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache, cache_sh)
+
+        def shape(x, sh=None):
+            return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
         args = (
-            params, cache, shape(tokens), shape(mask), shape(prompt_rows),
+            params, cache, shape(tokens, prompt_sh[0]), shape(mask, prompt_sh[1]), shape(prompt_rows, prompt_sh[2]),
             jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.float32),
-        )
+        ) + (() if only is None else (jax.ShapeDtypeStruct((), jnp.int32),))
         return program, args
+
+
+def split_calls(requests: int, n: int, max_rows: int | None) -> list[tuple[int, int]]:
+    """[start, stop) ranges of `requests` requests of n rows each, in consecutive calls of at
+    most `max_rows` rows (at least one request per call; one call when max_rows is None)."""
+    per_call = requests if max_rows is None else max(max_rows // max(n, 1), 1)
+    return [(start, min(start + per_call, requests)) for start in range(0, requests, per_call)]
 
 
 def full_params_shapes(group: PolicyGroup) -> Any:

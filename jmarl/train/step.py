@@ -103,6 +103,7 @@ def make_update(
     *,
     num_minibatches: int = 1,
     grad_accum: int = 1,
+    constrain: Callable[[Batch], Batch] | None = None,
 ) -> Callable[[TrainState, Params, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """A pure `update(state, frozen, batch) -> (state, metrics)` for one policy (not jitted).
 
@@ -110,6 +111,8 @@ def make_update(
     `grad_accum` equal micro-batches. An update whose loss or gradient is not finite is
     skipped: parameters and optimizer state stay as they were and `skipped` counts it.
     Metrics are averaged over mini-batches; `grad_norm` is the global norm before clipping.
+    `constrain` maps the split batch [minibatches, grad_accum, rows, ...] to itself (a sharding
+    constraint: `jmarl.sharding.microbatch_rows`).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -143,6 +146,8 @@ def make_update(
             return new_state, metrics
 
         mbs = split_minibatches(batch, num_minibatches, grad_accum)
+        if constrain is not None:  # e.g. spread every micro-batch's rows over the mesh
+            mbs = constrain(mbs)
         indices = jnp.arange(num_minibatches, dtype=jnp.int32)
         state, metrics = jax.lax.scan(minibatch_update, state, (mbs, indices))
         return state, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
@@ -150,12 +155,13 @@ def make_update(
     return update
 
 
-def jit_update(update, *, stacked: bool = False, frozen_stacked: bool = False):
+def jit_update(update, *, stacked: bool = False, frozen_stacked: bool = False, policy_axis: str | None = None):
     """Jits `update` with the state donated; with `stacked`, vmaps it over a leading policy axis.
 
-    `frozen_stacked` says whether the frozen tree (LoRA base) is per policy too or shared.
+    `frozen_stacked` says whether the frozen tree (LoRA base) is per policy too or shared;
+    `policy_axis`: the mesh axis the stacked policy axis is sharded on (vmap's spmd_axis_name).
     """
     fn = update
     if stacked:
-        fn = jax.vmap(update, in_axes=(0, 0 if frozen_stacked else None, 0))
+        fn = jax.vmap(update, in_axes=(0, 0 if frozen_stacked else None, 0), spmd_axis_name=policy_axis)
     return jax.jit(fn, donate_argnums=(0,))

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl import algos, envs, models
+from jmarl import sharding as sharding_lib
 from jmarl.config import Config, agent_policy_map, algo_options, dump_yaml, plan_options
 from jmarl.errors import JmarlError
 from jmarl.rollouts import Rollouts, next_pow2, select
@@ -54,7 +55,7 @@ from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_toke
 from jmarl.train.progress import ProgressBar
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
 from jmarl.train.shared_prefix import MODEL_INPUTS, shared_prefix_logprobs, to_shared_prefix
-from jmarl.train.step import TrainState, init_train_state, jit_update, make_update
+from jmarl.train.step import TrainState, init_train_state, jit_update, make_update, split_minibatches
 from jmarl.workflows import PLANS, build_rollouts, run_plan, summarize
 from jmarl.workflows import memory as memory_store
 
@@ -177,8 +178,12 @@ def _merge(group: PolicyGroup):
     return lambda trainable, frozen: merge_lora(frozen, trainable, rank=group.lora_rank, alpha=group.lora_alpha)
 
 
-def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimizer, *, temperature: float, minibatches: int, grad_accum: int) -> GroupFns:
-    """Update, scoring and warm-start functions for `group`, jitted (vmapped over stacked policies)."""
+def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimizer, *, temperature: float, minibatches: int, grad_accum: int, mesh=None) -> GroupFns:
+    """Update, scoring and warm-start functions for `group`, jitted (vmapped over stacked policies).
+
+    Scoring runs the step's batch one micro-batch at a time (the update's split), so its memory
+    is a micro-batch's, not the step's. With a mesh of several devices, every micro-batch's rows
+    are spread over the batch axes (`jmarl.sharding.microbatch_rows`)."""
     mcfg = group.model_config
     merge = _merge(group)
     is_hacpo = method is algos.hacpo
@@ -206,18 +211,33 @@ def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimiz
         return nll, {"sft_nll": nll}
 
     frozen_stacked = False  # the LoRA base is shared by every policy of the group
+    spread = None if mesh is None or mesh.size == 1 else sharding_lib.microbatch_rows(mesh, stacked=group.stacked)
+    axis = sharding_lib.policy_axis(mesh)
     update = jit_update(
-        make_update(loss_fn, optimizer, num_minibatches=minibatches, grad_accum=grad_accum),
-        stacked=group.stacked, frozen_stacked=frozen_stacked,
+        make_update(loss_fn, optimizer, num_minibatches=minibatches, grad_accum=grad_accum, constrain=spread),
+        stacked=group.stacked, frozen_stacked=frozen_stacked, policy_axis=axis,
     )
-    sft_update = jit_update(make_update(sft_loss, sft_optimizer), stacked=group.stacked, frozen_stacked=frozen_stacked)
-    score = jax.jit(jax.vmap(logprobs_of, in_axes=(0, None, 0)) if group.stacked else logprobs_of)
+    sft_update = jit_update(make_update(sft_loss, sft_optimizer), stacked=group.stacked, frozen_stacked=frozen_stacked,
+                            policy_axis=axis)
+    parts = minibatches * grad_accum
 
-    def ref_logprobs(params, batch):
-        return shared_prefix_logprobs(mcfg, params, batch, temperature)
+    def per_microbatch(fn):
+        """fn(params, batch) -> [rows, C] run over the update's micro-batches in turn."""
+        def scored(params, batch):
+            mbs = split_minibatches(batch, parts, 1)
+            mbs = mbs if spread is None else spread(mbs)
+            out = jax.lax.map(lambda mb: fn(params, jax.tree.map(lambda x: x[0], mb)), mbs)
+            return out.reshape(-1, *out.shape[2:])
+        return scored
+
+    score_one = per_microbatch(lambda tf, batch: logprobs_of(tf[0], tf[1], batch))
+    score = jax.jit(jax.vmap(lambda t, f, b: score_one((t, f), b), in_axes=(0, None, 0), spmd_axis_name=axis)
+                    if group.stacked else lambda t, f, b: score_one((t, f), b))
+
+    ref_logprobs = per_microbatch(lambda params, batch: shared_prefix_logprobs(mcfg, params, batch, temperature))
 
     ref_axes = (None if group.lora_rank is not None else 0, 0)
-    score_ref = jax.jit(jax.vmap(ref_logprobs, in_axes=ref_axes) if group.stacked else ref_logprobs)
+    score_ref = jax.jit(jax.vmap(ref_logprobs, in_axes=ref_axes, spmd_axis_name=axis) if group.stacked else ref_logprobs)
     return GroupFns(update=update, score=score, score_ref=score_ref, sft_update=sft_update)
 
 
@@ -363,17 +383,19 @@ class Trainer:
         self.temperature = s.temperature if s.temperature > 0 else 1.0
         self.sampler = ModelSampler(
             self.policies,
-            SamplingSettings(s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.max_prompt_len),
+            SamplingSettings(s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.max_prompt_len, s.max_rows_per_call),
         )
         self.parts = o.minibatches * o.epochs * o.grad_accum
+        run_mesh = sharding_lib.mesh_from_config(config.mesh)
         self.fns = [
             build_group_fns(
                 g, self.method, self.algo_cfg, self.optimizer, self.sft_optimizer, temperature=self.temperature,
-                minibatches=o.minibatches * o.epochs, grad_accum=o.grad_accum,
+                minibatches=o.minibatches * o.epochs, grad_accum=o.grad_accum, mesh=run_mesh,
             )
             for g in self.policies.groups
         ]
         self.mesh = shard_trainer(self)  # config.mesh: shard states, run updates with in/out shardings
+        self.sampler.mesh = self.mesh  # generation rows and KV cache sharded over the same mesh
         self.checkpointer = None if abstract else Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False

@@ -2,7 +2,7 @@
 
 jmarl's host memory policy (`jmarl.host_memory`: glibc keeps freed memory in the heap) is
 process-wide. With both sides of a comparison in one process, PyTorch ran under it too, which is
-not how transformers, TRL or CoMLRL users run (BENCHMARKS.md: out-of-the-box baselines), and two
+not how transformers, TRL or CoMLRL users run (docs/benchmarks.md: out-of-the-box baselines), and two
 runtimes' thread pools and heaps shared one process. `BaselineProcess` starts
 `python -m benchmarks.baseline_process` with `JMARL_KEEP_HOST_MEMORY=0` (glibc's defaults;
 `host_memory="jmarl"` gives it jmarl's policy instead, to see what the policy does for PyTorch),

@@ -1,4 +1,4 @@
-"""What bounds each CPU row: the roofline figures the README quotes under the benchmark table.
+"""What bounds each CPU row: the roofline figures docs/benchmarks.md quotes under the benchmark tables.
 
     python -m benchmarks.bounds [--shape cpu-small|cpu-medium|all] [--repeats 5] [--out PATH] [--cpu-results PATH]
 

@@ -1,9 +1,9 @@
 """What every benchmark shares: reference shapes, the checkpoint both sides load, the machine and
 library versions, paired A B A B timing and the result row.
 
-A result row (one per comparison, BENCHMARKS.md) holds `name`, `metric`, `jmarl`, `baseline`,
+A result row (one per comparison, docs/benchmarks.md) holds `name`, `metric`, `jmarl`, `baseline`,
 `ratio` = jmarl / baseline throughput (of the medians), `paired_ratio_median` (the median of the
-per-pair ratios, the figure the README quotes), min/median/max of both sides, compile / warm-up
+per-pair ratios, the figure the tables quote), min/median/max of both sides, compile / warm-up
 time separately, the shape and the settings.
 """
 
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# Reference shapes (BENCHMARKS.md). Qwen2 architecture, untied head, fp32 on CPU.
+# Reference shapes (docs/benchmarks.md). Qwen2 architecture, untied head, fp32 on CPU.
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=64),
@@ -36,7 +36,7 @@ SHAPES: dict[str, dict[str, int]] = {
                    num_key_value_heads=8, intermediate_size=14336),
 }
 
-# The GRPO workload (BENCHMARKS.md): 8 prompts x group 8, prompt 64 tokens, 64 new tokens.
+# The GRPO workload (docs/benchmarks.md): 8 prompts x group 8, prompt 64 tokens, 64 new tokens.
 NUM_PROMPTS = 8
 GROUP_SIZE = 8
 PROMPT_LEN = 64

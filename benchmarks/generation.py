@@ -2,11 +2,11 @@
 
     python -m benchmarks.generation [--shape cpu-small|cpu-medium|all] [--repeats 5] [--quick]
 
-For each shape (BENCHMARKS.md `cpu-small` / `cpu-medium`, Qwen2 architecture, fp32) a random
+For each shape (docs/benchmarks.md `cpu-small` / `cpu-medium`, Qwen2 architecture, fp32) a random
 checkpoint is written to a temp dir as HF safetensors and loaded by both sides; the run is gated
 on parity (logits and greedy tokens). Both sides sample at temperature 1 with no top-k/top-p,
 prompt 64 tokens, 64 new tokens, EOS disabled (HF `min_new_tokens = max_new_tokens`, jmarl
-`stop_tokens=()`), at batch 64 (8 prompts x group 8, the GRPO workload of BENCHMARKS.md; jmarl
+`stop_tokens=()`), at batch 64 (8 prompts x group 8, the GRPO workload of docs/benchmarks.md; jmarl
 runs the prefill once per distinct prompt, HF once per row) and batch 8 (8 distinct prompts).
 HF runs in a process of its own, out of the box (`benchmarks.baseline_process`). Warm-up runs are
 excluded (jmarl's compile time is reported separately), then the two sides alternate A B A B for

@@ -1,4 +1,4 @@
-"""One command for a benchmark suite: JSON results and the README table.
+"""One command for a benchmark suite: JSON results and the table in docs/benchmarks.md.
 
     python -m benchmarks.run --suite cpu              # full CPU suite (cpu-small, cpu-medium)
     python -m benchmarks.run --suite cpu --quick      # smoke run: cpu-small, 2 repeats, 16 new tokens
@@ -6,9 +6,9 @@
     python -m benchmarks.run --suite gpu              # 0.5B-8B shapes, bf16, MFU (needs an accelerator)
 
 Writes `benchmarks/results/<suite>.json` (`<suite>_quick.json` with --quick): machine, versions,
-the measured matmul peak, the command, and one row per comparison (BENCHMARKS.md row names;
+the measured matmul peak, the command, and one row per comparison (docs/benchmarks.md row names;
 `name`, `metric`, `jmarl`, `baseline`, `ratio`, min/median/max over >= 5 paired A B A B repeats
-after warm-up, compile time separately). A full run then rewrites the README table between
+after warm-up, compile time separately). A full run then rewrites the table in docs/benchmarks.md between
 `<!-- bench:<suite>:start -->` and `<!-- bench:<suite>:end -->` (`--readme PATH`, `--no-readme`).
 
 Each shape is gated on parity first (`benchmarks.parity`): if jmarl and PyTorch disagree, that
@@ -17,7 +17,7 @@ generation, GRPO, MAGRPO) of each shape then runs in a fresh Python process of i
 benchmark's leftovers cannot slow the next; inside it, the PyTorch side runs in a process of its
 own again (`benchmarks.baseline_process`), out of the box, while jmarl's side runs under jmarl's
 host memory policy; the two still alternate A B A B. `--baseline-host-memory jmarl` gives the
-PyTorch side that policy too (results to `<suite>_baseline_jmarl_memory.json`, README untouched).
+PyTorch side that policy too (results to `<suite>_baseline_jmarl_memory.json`, tables untouched).
 A benchmark that raises (or whose process dies) is recorded under `errors` too and the suite goes on.
 """
 
@@ -37,7 +37,7 @@ from benchmarks.common import machine_info, measure_matmul_peak, versions, write
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
-README = os.path.join(REPO_ROOT, "README.md")
+README = os.path.join(REPO_ROOT, "docs", "benchmarks.md")  # the file whose tables a full run rewrites
 CPU_SHAPES = ("cpu-small", "cpu-medium")
 CPU_PARTS = ("train_step", "generation", "grpo", "magrpo")
 
@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default=",".join(CPU_PARTS), help=f"comma-separated parts of {CPU_PARTS}")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per side (>= 5 unless --quick)")
     parser.add_argument("--out-dir", default=RESULTS_DIR)
-    parser.add_argument("--readme", default=README, help="README whose table is rewritten after a full run")
+    parser.add_argument("--readme", default=README, help="markdown file whose table is rewritten after a full run (default docs/benchmarks.md)")
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("--allow-cpu", action="store_true", help="gpu suite: run the tiny shape on the CPU")
     parser.add_argument("--baseline-host-memory", choices=["default", "jmarl"], default="default",

@@ -1,8 +1,8 @@
-"""The README table of a suite's results, written between `<!-- bench:<suite>:start -->` and
+"""The markdown table of a suite's results (docs/benchmarks.md), written between `<!-- bench:<suite>:start -->` and
 `<!-- bench:<suite>:end -->` (everything between the markers is replaced; nothing else moves).
 
-    python -m benchmarks.table benchmarks/results/cpu.json README.md
-    python -m benchmarks.table benchmarks/results/zen5/cpu.json README.md --marker cpu-zen5
+    python -m benchmarks.table benchmarks/results/cpu.json docs/benchmarks.md
+    python -m benchmarks.table benchmarks/results/zen5/cpu.json docs/benchmarks.md --marker cpu-zen5
 
 `--marker NAME` writes between `<!-- bench:NAME:start/end -->` instead of the suite's own markers
 (a second host's run of the same suite, beside the first).
@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-# BENCHMARKS.md "What to beat": row name -> (minimum jmarl / baseline ratio, what is compared).
+# docs/benchmarks.md "What to beat": row name -> (minimum jmarl / baseline ratio, what is compared).
 TARGETS: dict[str, tuple[float, str]] = {
     "train_step_vs_torch_eager": (1.3, "train step (GRPO loss + backward + AdamW), tokens/s vs PyTorch eager"),
     "train_step_vs_torch_compile": (1.3, "train step, tokens/s vs `torch.compile`"),
@@ -57,7 +57,7 @@ def row_ratio(row: dict[str, Any]) -> float | None:
 
 
 def target_met(row: dict[str, Any]) -> bool | None:
-    """Whether a row reaches its BENCHMARKS.md target (None: no target for this row)."""
+    """Whether a row reaches its docs/benchmarks.md target (None: no target for this row)."""
     target = TARGETS.get(row["name"])
     if target is None:
         return None
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) == 4 and argv[2] == "--marker":
         argv, marker = argv[:2], argv[3]
     if len(argv) != 2:
-        raise SystemExit("usage: python -m benchmarks.table RESULTS.json README.md [--marker NAME]")
+        raise SystemExit("usage: python -m benchmarks.table RESULTS.json MARKDOWN.md [--marker NAME]")
     with open(argv[0]) as f:
         results = json.load(f)
     update_readme(argv[1], results, marker)

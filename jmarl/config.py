@@ -386,7 +386,7 @@ DEFAULT_PLAN: dict[str, str] = {
     "joyagents": "node_wise",
 }
 
-# The group size G each algorithm is defined with (ALGORITHMS.md); used when
+# The group size G each algorithm is defined with (docs/algorithms.md); used when
 # `workflow.group_size` is not given. HACPO's code and JoyAgents-R1 use 8 (JoyAgents' memory
 # cannot admit anything below G = 6 at its default z), the rest 4.
 DEFAULT_GROUP_SIZE: dict[str, int] = {

@@ -5,7 +5,7 @@ step) with `posix_memalign` when the program runs, and frees it when the program
 default JAX runs CPU programs on a worker thread ("async dispatch"); glibc serves a large request
 on a worker thread's own arena with a fresh `mmap` (those arenas are made of heaps of at most
 64 MB) and unmaps it on free, so every execution faults in and zeroes every page of its buffer
-again: on the 2-core CPU of BENCHMARKS.md a cpu-small GRPO iteration took ~158k page faults per
+again: on the 2-core CPU of docs/benchmarks.md a cpu-small GRPO iteration took ~158k page faults per
 step for it (`python -m benchmarks.host_memory`).
 
 The policy:

@@ -24,7 +24,7 @@ _INT_FIELDS = ("group", "env", "turn", "agent", "policy", "source_policy")
 
 @struct.dataclass
 class Rollouts:
-    """N samples of prompt + completion tokens with their bookkeeping (see ARCHITECTURE.md).
+    """N samples of prompt + completion tokens with their bookkeeping (see docs/architecture.md).
 
     tokens int32[N, T], loss_mask bool[N, T] (completion tokens trained on),
     attention_mask bool[N, T] (real tokens), behavior_logprobs f32[N, T] (log-prob of each

@@ -5,7 +5,7 @@
     python scripts/evidence.py hacpo                   # HACPO vs GSPO / GSPO 2x / naive sharing, two tiny models
     python scripts/evidence.py joyagents               # JoyAgents-R1 on Router: memory on/off, top-K vs all
     python scripts/evidence.py hacpo --seeds 0 --steps 2 --no-readme   # a smoke run
-    python scripts/evidence.py hacpo --render          # README table again from results/evidence_hacpo.json
+    python scripts/evidence.py hacpo --render          # the table again from results/evidence_hacpo.json
 
 A table is data (`Table`): a base config with dotted overrides, named variants (more dotted
 overrides), and the cells to report (a variant and a key of the run's summary.json, or the last
@@ -13,7 +13,7 @@ logged value of a metric in metrics.jsonl). Every (variant, seed) is one
 `python -m jmarl.run --config <config> seed=S output_dir=... <base overrides> <variant overrides>`
 process, run one at a time (so each wall time is that of a lone run). The script writes
 results/evidence_<table>.json (per-seed raw numbers, mean, sample std, the exact overrides, wall
-times, versions) and rewrites the table in README.md between
+times, versions) and rewrites the table in docs/evidence.md between
 `<!-- evidence:<table>:start -->` and `<!-- evidence:<table>:end -->`.
 
 Held-out: every run's summary.json holds the greedy evaluation on the env's held-out seeds
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the table's)")
     parser.add_argument("--runs", default="runs/evidence", help="parent of the per-run output dirs")
     parser.add_argument("--out", default=None, help="result JSON (default results/evidence_<table>.json)")
-    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--readme", default="docs/evidence.md", help="markdown file whose table is rewritten")
     parser.add_argument("--no-readme", action="store_true", help="write the JSON only")
     parser.add_argument("--render", action="store_true",
                         help="run nothing: re-render the README table (notes included) from the result JSON")

@@ -1,6 +1,6 @@
 """Plain NumPy (float64, loop-based) reference implementations of jmarl.algos, for the tests.
 
-Written independently from the formulas in ALGORITHMS.md, without segment operations, so that
+Written independently from the formulas in docs/algorithms.md, without segment operations, so that
 the tests compare two different derivations of the same numbers.
 """
 

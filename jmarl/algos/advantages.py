@@ -1,4 +1,4 @@
-"""Group-relative advantages and group filters (ALGORITHMS.md section 1).
+"""Group-relative advantages and group filters (docs/algorithms.md section 1).
 
 Groups are arbitrary int ids in [0, num_groups); id -1 (or any id outside that range) marks a
 padding row that belongs to no group (see `jmarl.rollouts.pad_to`). Every statistic is a

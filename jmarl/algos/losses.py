@@ -1,4 +1,4 @@
-"""Importance ratios, the clipped surrogate, KL penalties and loss aggregation (ALGORITHMS.md 1).
+"""Importance ratios, the clipped surrogate, KL penalties and loss aggregation (docs/algorithms.md section 1).
 
 All per-token arrays are [N, T] with a bool loss mask [N, T] that selects completion tokens;
 values outside the mask never reach a result (they may even be inf/nan). Rows whose mask is

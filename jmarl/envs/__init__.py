@@ -1,4 +1,4 @@
-"""Tasks as immutable-state multi-agent environments (see ENVIRONMENTS.md)."""
+"""Tasks as immutable-state multi-agent environments (see docs/environments.md)."""
 
 from jmarl.envs.base import (
     EVAL_SEED_START,

@@ -57,7 +57,7 @@ class StepResult:
 
 @runtime_checkable
 class Env(Protocol):
-    """The protocol every task implements (see ENVIRONMENTS.md).
+    """The protocol every task implements (see docs/environments.md).
 
     Attributes:
       name: registry name.

@@ -8,7 +8,7 @@ Per turn, sequentially:
    could be parsed or the program failed. Its team reward is 0 (the board did not change).
 2. `planner` sees the board and the tool's proposal and writes the final action, which is
    executed: local reward = the per-move terms, team reward = the outcome terms (solved, ...).
-   local + team is the reward of the task's table in ENVIRONMENTS.md.
+   local + team is the reward of the task's table in docs/environments.md.
 `end_turn` advances the turn; the episode ends when solved or after `max_turns` turns.
 
 A subclass supplies the puzzle: `_generate`, `_key`, `_render`, `_parse_action`, `_apply`,

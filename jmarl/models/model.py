@@ -46,8 +46,9 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # no stacked per-layer residual buffers to zero-fill and copy (~10% of a CPU train step at
 # 4 layers). Deeper models keep the rolled scan, so their compile time stays flat in depth.
 _UNROLL_MAX_LAYERS = 8
-# Tokens per chunk of the feed-forward layer on long inputs (see `MLP`).
-MLP_CHUNK_ROWS = 4096
+# Elements of one [tokens, intermediate] block of the feed-forward layer above which it runs in
+# chunks of tokens (see `MLP`): 4,096 tokens at Qwen3-1.7B's 6,144; tiny models never chunk.
+MLP_CHUNK_ELEMENTS = 4096 * 6144
 # Upper bound on the elements of one fp32 [B, chunk, V] logits block in `token_logprobs`.
 _LOGPROB_CHUNK_ELEMENTS = 1 << 24
 
@@ -129,10 +130,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 
-    Above MLP_CHUNK_ROWS tokens it runs about MLP_CHUNK_ROWS tokens at a time, in chunks of
-    the token axis (`jax.lax.map` under `jax.checkpoint`): the same numbers, but only one
-    chunk's [rows, F] intermediates are alive, in the forward pass and the gradient (at 64k
-    tokens and F = 6144 those are 0.75 GiB each)."""
+    When its [tokens, F] intermediates exceed MLP_CHUNK_ELEMENTS it runs MLP_CHUNK_ELEMENTS / F
+    tokens at a time, in chunks of the token axis (`jax.lax.map` under `jax.checkpoint`): the
+    same numbers, but only one chunk's intermediates are alive, in the forward pass and the
+    gradient (at 64k tokens and F = 6144 those are 0.75 GiB each)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
@@ -142,12 +143,13 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B,T,D] (or [T,D]) -> [B,T,D]."""
         rows = int(np.prod(x.shape[:-1]))
-        if rows <= MLP_CHUNK_ROWS or x.ndim < 3:
+        chunk_rows = max(MLP_CHUNK_ELEMENTS // self.gate_proj.out_features, 1)
+        if rows <= chunk_rows or x.ndim < 3:
             return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
         # chunks along the token axis: the batch axis (sharded over the mesh) stays whole in each
         # chunk, so every device keeps its own rows
         b, t, d = x.shape
-        n = min(t, -(-rows // MLP_CHUNK_ROWS))
+        n = min(t, -(-rows // chunk_rows))
         size = -(-t // n)
         weights = (self.gate_proj.kernel[...], self.up_proj.kernel[...], self.down_proj.kernel[...])
         dtype = self.gate_proj.dtype

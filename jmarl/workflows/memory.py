@@ -9,7 +9,7 @@ update (`admit`, `evict`, `mark_used`, `update_memory`) returns a new value.
 
 Rules (defaults in `MemoryOptions`):
 - Group statistics: mu = mean and sigma = std with `ddof` (default 1, as the group advantage
-  in ALGORITHMS.md) of the G rewards of one node group (the G alternatives sampled at one
+  in docs/algorithms.md) of the G rewards of one node group (the G alternatives sampled at one
   agent node by the `node_wise` plan).
 - Admission: a sample with reward > mu + z * sigma (z = 1.96, the normal 97.5% quantile; strict)
   adds (query, its completion text as the strategy) to its agent's memory. Nothing is admitted

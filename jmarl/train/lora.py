@@ -87,3 +87,9 @@ def merge_lora(base: Params, adapters: Params, *, rank: int, alpha: float) -> Pa
     # `base` sets the structure: each of its leaves meets the adapter subtree at the same path
     # (None, or the {'a', 'b'} dict).
     return jax.tree.map(merge, base, adapters)
+
+
+def attach_lora(base: Params, adapters: Params, *, rank: int, alpha: float) -> Params:
+    """The parameters the model runs with for `adapters` on the frozen `base` (placeholder:
+    merged; to become the unmerged x W + s (x A) B form)."""
+    return merge_lora(base, adapters, rank=rank, alpha=alpha)

@@ -48,7 +48,7 @@ from jmarl.train.algo_state import (
     shared_options,
 )
 from jmarl.train.checkpoint import Checkpointer
-from jmarl.train.lora import init_lora, merge_lora
+from jmarl.train.lora import attach_lora, init_lora
 from jmarl.train.metrics import METRICS_FILE, MetricsLogger, write_summary
 from jmarl.train.optim import make_optimizer
 from jmarl.train.policies import PolicyGroup, PolicySet, build_model, build_tokenizer, stack
@@ -175,7 +175,7 @@ class GroupFns:
 def _merge(group: PolicyGroup):
     if group.lora_rank is None:
         return lambda trainable, frozen: trainable
-    return lambda trainable, frozen: merge_lora(frozen, trainable, rank=group.lora_rank, alpha=group.lora_alpha)
+    return lambda trainable, frozen: attach_lora(frozen, trainable, rank=group.lora_rank, alpha=group.lora_alpha)
 
 
 def build_group_fns(group: PolicyGroup, method, algo_cfg, optimizer, sft_optimizer, *, temperature: float, minibatches: int, grad_accum: int, mesh=None) -> GroupFns:

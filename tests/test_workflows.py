@@ -15,11 +15,14 @@ stop token 1; the log-prob of completion token c is -0.1 * (c + 1) - policy.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import pathlib
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable
-
-import itertools
 
 import jax
 import numpy as np
@@ -27,15 +30,25 @@ import pytest
 
 from jmarl import JmarlError
 from jmarl.envs.base import StepResult
+from jmarl.envs.base import make as make_env
 from jmarl.rollouts import bucket_length, select
 from jmarl.workflows import (
+    PLANS,
     Completion,
     IndependentOptions,
     JointOptions,
+    NodeWiseOptions,
+    Plan,
+    PlanContext,
     SampleRecord,
+    SharedOptions,
     TreeOptions,
     build_rollouts,
+    expert_demonstrations,
+    get_plan,
+    input_fields,
     joint_sample_bound,
+    make_options,
     run_plan,
     sample_independent,
     sample_joint,
@@ -43,6 +56,7 @@ from jmarl.workflows import (
     summarize,
 )
 from jmarl.workflows.base import assert_identical_prompts
+from jmarl.workflows.episodes import ExpertActor, SamplerActor, choose_first, run_episodes
 
 STOP = 1
 
@@ -179,7 +193,7 @@ def rewards(records):
 
 def test_tree_sequential_hand_worked():
     sampler = ScriptedSampler(table_fn(TREE_TABLE))
-    out = sample_tree(CounterEnv(), [9], (0, 1), sampler, KEY, TreeOptions(num_candidates=3))
+    out = sample_tree(CounterEnv(), [9], (0, 1), sampler, KEY, TreeOptions(group_size=3))
     # turn 0 a: totals 1,3,2 -> scores .1,.3,.2 -> 3 continues (total 3)
     # turn 0 b: totals 7,4,3 -> scores .4,.1,0 -> 4 continues (total 7); end of turn 0
     # turn 1 a: totals 9,7,8 -> scores .2+1,0,.1 -> 2 solves; b does not act
@@ -203,7 +217,7 @@ def test_tree_sequential_hand_worked():
 
 def test_tree_parallel_turn_semantics():
     sampler = ScriptedSampler(table_fn(TREE_TABLE))
-    opts = TreeOptions(num_candidates=3)
+    opts = TreeOptions(group_size=3)
     out = sample_tree(CounterEnv(parallel=True), [9], (0, 0), sampler, KEY, opts)
     # both agents observe the turn-start state and are sampled in one call per turn
     assert [[p for _, p in req] for req, _ in sampler.calls] == [
@@ -237,13 +251,13 @@ def test_tree_parallel_turn_semantics():
     ],
 )
 def test_tree_return_to_go(options, expected):
-    opts = TreeOptions(num_candidates=3, reward_mode="return_to_go", **options)
+    opts = TreeOptions(group_size=3, reward_mode="return_to_go", **options)
     out = sample_tree(CounterEnv(), [9], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY, opts)
     assert rewards(out.records) == pytest.approx(expected)
 
 
 def test_tree_alpha_and_first_selection():
-    opts = TreeOptions(num_candidates=3, alpha=0.0, select="first")
+    opts = TreeOptions(group_size=3, alpha=0.0, select="first")
     out = sample_tree(CounterEnv(), [9], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY, opts)
     # "first": a1, b4 (total 5), then a2 (7), b0 (7): 4 nodes; alpha 0: reward = local only
     prompts = [r.prompt for r in out.records[::3]]
@@ -262,7 +276,7 @@ def _hash_fn(policy, agent, turn, history, index):
 def test_tree_best_continues_and_branches_do_not_leak(parallel):
     env = CounterEnv(parallel=parallel, max_turns=3)
     seeds = [30, 31, 32, 30]  # unreachable targets: 3 full turns; two tasks share a seed
-    opts = TreeOptions(num_candidates=4)
+    opts = TreeOptions(group_size=4)
     out = sample_tree(env, seeds, (0, 1), ScriptedSampler(_hash_fn), KEY, opts)
     assert len(out.records) == len(seeds) * 3 * 2 * 4
     groups = by_group(out.records)
@@ -295,7 +309,7 @@ def test_tree_best_continues_and_branches_do_not_leak(parallel):
 def test_tree_sampled_selection_follows_softmax():
     env = CounterEnv(max_turns=1, agents=("a",), turn_order=("a",))
     fn = table_fn({("a", 0): [0, 1]})  # local rewards 0 and .1
-    opts = TreeOptions(num_candidates=2, select="sampled", select_temperature=0.1 / np.log(3))
+    opts = TreeOptions(group_size=2, select="sampled", select_temperature=0.1 / np.log(3))
     out = sample_tree(env, [50] * 400, (0,), ScriptedSampler(fn), KEY, opts)
     chosen = np.array([r.info["chosen"] for r in out.records]).reshape(400, 2)
     assert (chosen.sum(1) == 1).all()
@@ -313,7 +327,7 @@ IND_TABLE = {("a", 0): [3, 1], ("b", 0): [4], ("a", 1): [2], ("b", 1): [0]}
 
 def test_independent_hand_worked():
     sampler = ScriptedSampler(table_fn(IND_TABLE))
-    opts = IndependentOptions(num_episodes=2)
+    opts = IndependentOptions(group_size=2)
     out = sample_independent(CounterEnv(), [9], (0, 1), sampler, KEY, opts)
     # episode 0: a3 b4 | a2 -> total 9 solved (team 1; a .3+.2, b .4)
     # episode 1: a1 b4 | a2 b0 -> total 7 (team 0; a .1+.2, b .4+0)
@@ -335,7 +349,7 @@ def test_independent_hand_worked():
 
 def test_independent_options():
     sampler = ScriptedSampler(table_fn(IND_TABLE))
-    opts = IndependentOptions(num_episodes=2, group_by="task_turn_agent", local_weight=0.0)
+    opts = IndependentOptions(group_size=2, group_by="task_turn_agent", local_weight=0.0)
     out = sample_independent(CounterEnv(), [9], (0, 0), sampler, KEY, opts)
     assert [r.group for r in out.records] == [0, 1, 2, 0, 1, 2, 3]
     assert rewards(out.records) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
@@ -345,7 +359,7 @@ def test_independent_options():
 def test_independent_single_agent_grpo_groups():
     env = CounterEnv(max_turns=1, agents=("a",), turn_order=("a",))
     fn = table_fn({("a", 0): [2, 5, 1, 5]})
-    opts = IndependentOptions(num_episodes=4)
+    opts = IndependentOptions(group_size=4)
     out = sample_independent(env, [5, 6], (0,), ScriptedSampler(fn), KEY, opts)
     assert len(out.records) == 8
     assert [r.group for r in out.records] == [0] * 4 + [1] * 4
@@ -362,7 +376,7 @@ JOINT_TABLE = {("a", 0): [1, 2], ("b", 0): [3, 4], ("a", 1): [5, 0], ("b", 1): [
 def test_joint_aligned_hand_worked():
     env = CounterEnv(parallel=True)
     sampler = ScriptedSampler(table_fn(JOINT_TABLE))
-    out = sample_joint(env, [6], (0, 1), sampler, KEY, JointOptions(num_samples=2))
+    out = sample_joint(env, [6], (0, 1), sampler, KEY, JointOptions(group_size=2))
     # root: (a1, b3) total 4, r 0 -> child; (a2, b4) total 6 solved, r 1, leaf
     # child (history 0a1,0b3): (a5, b1) total 10, r 0; (a0, b2) total 6 solved, r 1
     # root returns: 0 + mean(0, 1) = .5 and 1
@@ -383,14 +397,14 @@ def test_joint_aligned_hand_worked():
     agent_rewards = [e.agent_rewards for e in out.episodes]
     np.testing.assert_allclose(agent_rewards, [(0.2, 0.4), (0.6, 0.4), (0.1, 0.5)])
     gamma = sample_joint(env, [6], (0, 1), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
-                         JointOptions(num_samples=2, gamma=0.5))
+                         JointOptions(group_size=2, gamma=0.5))
     assert rewards(gamma.records)[:4] == [0.25, 1.0, 0.25, 1.0]
 
 
 def test_joint_cross_hand_worked():
     env = CounterEnv(parallel=True)
     out = sample_joint(env, [6], (0, 0), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
-                       JointOptions(num_samples=2, joint_mode="cross"))
+                       JointOptions(group_size=2, joint_mode="cross"))
     # root joint actions (a1,b3) 4, (a1,b4) 5, (a2,b3) 5, (a2,b4) 6 solved: r = 0, 0, 0, 1
     # each of the 3 children has exactly one of its 4 joint actions solving: mean .25
     # Q = [.25, .25, .25, 1]; a's "1" is in joints 0, 1 -> sum .5; a's "2" in 2, 3 -> 1.25
@@ -403,7 +417,7 @@ def test_joint_cross_hand_worked():
     # total 4: (a5,b1) 10, (a5,b2) 11, (a0,b1) 5, (a0,b2) 6 solved
     assert rewards(first_child) == [0.0, 1.0, 0.0, 1.0]
     mean = sample_joint(env, [6], (0, 0), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
-                        JointOptions(num_samples=2, joint_mode="cross", cross_aggregate="mean"))
+                        JointOptions(group_size=2, joint_mode="cross", cross_aggregate="mean"))
     assert rewards(mean.records[:4]) == [0.25, 0.625, 0.25, 0.625]
     assert len(out.episodes) == 1 + 3 * 4
 
@@ -411,10 +425,10 @@ def test_joint_cross_hand_worked():
 def test_joint_early_stop_and_local_weight():
     env = CounterEnv(parallel=True)
     stop = sample_joint(env, [6], (0, 1), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
-                        JointOptions(num_samples=2, early_stop_threshold=0.5))
+                        JointOptions(group_size=2, early_stop_threshold=0.5))
     assert rewards(stop.records) == [0.0, 1.0, 0.0, 1.0]  # mean root reward .5: no children
     local = sample_joint(env, [6], (0, 1), ScriptedSampler(table_fn(JOINT_TABLE)), KEY,
-                         JointOptions(num_samples=2, local_weight=1.0, max_turns=1))
+                         JointOptions(group_size=2, local_weight=1.0, max_turns=1))
     assert rewards(local.records) == [0.1, 1.2, 0.3, 1.4]
 
 
@@ -454,7 +468,7 @@ def test_joint_matches_recursive_reference(mode, g, turns):
     env = CounterEnv(parallel=True, max_turns=turns)
     sampler = ScriptedSampler(_hash_fn)
     out = sample_joint(env, [7], (0, 1), sampler, KEY,
-                       JointOptions(num_samples=g, joint_mode=mode, gamma=0.9))
+                       JointOptions(group_size=g, joint_mode=mode, gamma=0.9))
     expected, _ = _reference_joint(env, _hash_fn, env.reset(7), 0, g, mode, 0.9, turns)
     got = [
         (r.turn, "ab"[r.agent], r.prompt, r.completion.text, round(r.reward, 6))
@@ -475,7 +489,7 @@ def test_joint_sample_count_formula(mode, g, turns):
     env = CounterEnv(parallel=True, max_turns=turns)
     seeds = [1000, 1001]  # unreachable targets: every branch runs all turns
     out = sample_joint(env, seeds, (0, 1), ScriptedSampler(_hash_fn), KEY,
-                       JointOptions(num_samples=g, joint_mode=mode))
+                       JointOptions(group_size=g, joint_mode=mode))
     branching = g if mode == "aligned" else g**2
     nodes = len(seeds) * sum(branching**t for t in range(turns))  # hand formula
     assert len(out.records) == joint_sample_bound(len(seeds), 2, g, turns, mode) == 2 * g * nodes
@@ -488,7 +502,7 @@ def test_joint_sample_count_formula(mode, g, turns):
 
 def test_build_rollouts_alignment_and_routing():
     out = sample_tree(CounterEnv(), [9, 8], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY,
-                      TreeOptions(num_candidates=3))
+                      TreeOptions(group_size=3))
     recs = out.records
     ro = build_rollouts(recs)
     longest = max(
@@ -521,7 +535,7 @@ def test_build_rollouts_alignment_and_routing():
 def test_build_rollouts_rejects_bad_records():
     env = CounterEnv(max_turns=1, agents=("a",), turn_order=("a",))
     sampler = ScriptedSampler(table_fn(TREE_TABLE))
-    (r,) = sample_tree(env, [9], (0,), sampler, KEY, TreeOptions(num_candidates=1)).records
+    (r,) = sample_tree(env, [9], (0,), sampler, KEY, TreeOptions(group_size=1)).records
     c = r.completion
     short = Completion(c.text, c.prompt_tokens, c.completion_tokens, np.zeros(1))
     bad = SampleRecord(**{**r.__dict__, "completion": short})
@@ -546,13 +560,13 @@ def test_plan_errors():
         sample_tree(CounterEnv(), [9], (0,), sampler, KEY)
     with pytest.raises(JmarlError, match="tree.select"):
         TreeOptions(select="greedy")
-    with pytest.raises(JmarlError, match="num_samples"):
-        JointOptions(num_samples=0)
+    with pytest.raises(JmarlError, match="group_size"):
+        JointOptions(group_size=0)
     with pytest.raises(JmarlError, match="sequential"):
         sample_joint(CounterEnv(parallel=False), [9], (0, 0), sampler, KEY)
     with pytest.raises(JmarlError, match="max_samples"):
         sample_joint(CounterEnv(parallel=True, max_turns=4), [9], (0, 0), sampler, KEY,
-                     JointOptions(num_samples=4, joint_mode="cross", max_samples=1000))
+                     JointOptions(group_size=4, joint_mode="cross", max_samples=1000))
     with pytest.raises(JmarlError, match="unknown sampling plan"):
         run_plan("beam", CounterEnv(), [9], (0, 0), sampler, KEY)
     with pytest.raises(JmarlError, match="unknown option"):
@@ -568,9 +582,141 @@ def test_plan_errors():
 
 def test_run_plan_by_name_and_fresh_keys():
     sampler = ScriptedSampler(table_fn(TREE_TABLE))
-    out = run_plan("tree", CounterEnv(), [9], (0, 1), sampler, KEY, num_candidates=3)
+    out = run_plan("tree", CounterEnv(), [9], (0, 1), sampler, KEY, group_size=3)
     direct = sample_tree(CounterEnv(), [9], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY,
-                         TreeOptions(num_candidates=3))
+                         TreeOptions(group_size=3))
     assert rewards(out.records) == rewards(direct.records)
     keys = [k.tobytes() for k in sampler.keys]
     assert len(set(keys)) == len(keys) == 3  # every sampler call gets its own key
+
+
+# ---------------------------------------------------------------- the plan registry
+
+
+def test_plans_are_values_with_one_group_size_name():
+    assert set(PLANS) == {"independent", "tree", "joint", "node_wise", "shared"}
+    options = {"independent": IndependentOptions, "tree": TreeOptions, "joint": JointOptions,
+               "node_wise": NodeWiseOptions, "shared": SharedOptions}
+    for name, plan in PLANS.items():
+        assert isinstance(plan, Plan) and plan.name == name and get_plan(name) is plan
+        assert plan.options is options[name]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.name = "other"
+        fields = {f.name: f for f in dataclasses.fields(plan.options)}
+        # every plan calls its G / K `group_size`, validated under that name
+        assert "group_size" in fields and fields["group_size"].default >= 1
+        assert not {"num_episodes", "num_candidates", "num_samples", "num_alternatives"} & set(fields)
+        with pytest.raises(JmarlError, match=f"{name}: group_size must be >= 1"):
+            plan.options(group_size=0)
+        assert make_options(name, group_size=3).group_size == 3
+        if name != "shared":  # shared is single-step: no turn cap
+            assert "max_turns" in fields and not fields["max_turns"].metadata.get("input")
+        if name == "shared":
+            continue
+        # the plans that route by agent take their options as they are and fix no row bound
+        assert plan.routes_by_agent and plan.rows_per_policy is None
+        opts = plan.options()
+        assert plan.bind(opts, PlanContext(tokenizers={0: None})) is opts
+    assert {n: input_fields(p.options) for n, p in PLANS.items()} == {
+        "independent": (), "tree": (), "joint": (), "node_wise": ("base_sampler", "memory", "query_fn"),
+        "shared": ("num_policies", "tokenizers")}
+    with pytest.raises(JmarlError, match="unknown sampling plan 'beam'; known plans: independent, joint"):
+        get_plan("beam")
+
+
+def test_workflows_do_not_import_the_algorithms():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in sorted((root / "jmarl" / "workflows").glob("*.py")):
+        text = path.read_text()
+        assert "jmarl.algos" not in text and "from jmarl import algos" not in text, path.name
+    code = ("import sys, jmarl.workflows; "
+            "bad = [m for m in sys.modules if m == 'jmarl.algos' or m.startswith('jmarl.algos.')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+# ---------------------------------------------------------------- expert demonstrations
+
+
+def reference_demonstrations(env, seeds, agent_policy, max_turns=None):
+    """The turn loop `Trainer.demonstrations` ran before it called `expert_demonstrations`
+    (without its `shared` expansion to every policy), kept as the reference."""
+    out = []
+    for seed in seeds:
+        state = env.reset(seed)
+        for _ in range(env.max_turns if max_turns is None else max_turns):
+            start = state
+            for agent in env.turn_order:
+                obs = env.observe(start if env.parallel else state, agent)
+                text = env.expert_text(state, agent)
+                out.append((agent_policy[env.agents.index(agent)], obs, text))
+                state, _ = env.step(state, agent, text)
+                if env.done(state):
+                    break
+            if env.done(state):
+                break
+            state = env.end_turn(state)
+            if env.done(state):
+                break
+    return out
+
+
+@dataclass(frozen=True)
+class SlowCounterEnv(CounterEnv):
+    """CounterEnv whose expert adds at most 3 per step, so episodes take several steps; in a
+    parallel turn the expert's text depends on the earlier agents' actions of the turn."""
+
+    def expert_text(self, state: CounterState, agent: str) -> str:
+        return str(min(max(state.seed - state.total, 0), 3))
+
+
+def test_expert_demonstrations_match_the_reference_loop_on_the_toy_envs():
+    from _toy_env import Letters
+
+    cases = [
+        (Letters(), (0, 1), range(5)),
+        (Letters(max_turns=2), (1, 0), [3, 3, 10]),
+        (SlowCounterEnv(), (0, 1), [0, 2, 3, 5, 9, 20]),
+        (SlowCounterEnv(parallel=True, max_turns=3), (0, 1), [0, 2, 3, 5, 9, 20]),
+        (SlowCounterEnv(max_turns=4), (0, 0), [7, 14]),
+        (CounterEnv(parallel=True), (1, 0), [4, 9]),
+    ]
+    for env, policy, seeds in cases:
+        want = reference_demonstrations(env, list(seeds), policy)
+        assert expert_demonstrations(env, seeds, policy) == want, env
+        assert expert_demonstrations(env, [], policy) == []
+    # the cap: the first turn only
+    env = SlowCounterEnv(parallel=True, max_turns=3)
+    got = expert_demonstrations(env, [5, 20], (0, 1), max_turns=1)
+    assert got == reference_demonstrations(env, [5, 20], (0, 1), max_turns=1)
+    # parallel: b observes the turn-start state but acts on the running one (5 - 3 left)
+    assert got == [(0, "a|t0|", "3"), (1, "b|t0|", "2"), (0, "a|t0|", "3"), (1, "b|t0|", "3")]
+    with pytest.raises(JmarlError, match="agent_policy has 1 entries"):
+        expert_demonstrations(env, [9], (0,))
+
+
+def test_expert_demonstrations_match_the_reference_loop_on_plan_path():
+    for options in ({}, {"max_turns": 1}, {"single_agent": True}):
+        env = make_env("plan_path", **options)
+        policy = tuple(range(len(env.agents)))
+        seeds = list(range(8))
+        want = reference_demonstrations(env, seeds, policy)
+        assert len(want) >= len(seeds)
+        assert expert_demonstrations(env, seeds, policy) == want
+
+
+def test_sampler_actor_keeps_the_plans_loop():
+    # a sampler and its SamplerActor drive the loop identically (same calls, keys and nodes)
+    runs = []
+    for env in (CounterEnv(), CounterEnv(parallel=True)):
+        for wrap in (lambda s: s, SamplerActor):
+            sampler = ScriptedSampler(table_fn(TREE_TABLE))
+            traces = run_episodes(env, [(0, 9), (1, 4)], (0, 1), wrap(sampler), KEY,
+                                  num_candidates=2, score=lambda res: float(res.local_reward),
+                                  choose=choose_first, max_turns=2)
+            runs.append((sampler.calls, [k.tobytes() for k in sampler.keys],
+                         [[(n.turn, n.agent, n.prompt, n.chosen, n.scores) for n in t.nodes]
+                          for t in traces]))
+    assert runs[0] == runs[1] and runs[2] == runs[3]
+    # parallel: one sampler call per turn; the expert is asked per agent position instead
+    assert len(runs[2][0]) == 2 and ExpertActor(CounterEnv()).per_turn is False

@@ -13,6 +13,8 @@ with n = G the alternatives come from `ALTS[(agent, turn)]`.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Mapping
@@ -33,6 +35,7 @@ from jmarl.workflows import (
     sample_node_wise,
     update_memory,
 )
+from jmarl.workflows import memory as jmemory
 
 KEY = jax.random.key(0)
 
@@ -138,7 +141,7 @@ class HierSampler:
 def test_node_wise_hand_worked():
     sampler = HierSampler()
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), sampler, KEY,
-                           NodeWiseOptions(num_alternatives=3))
+                           NodeWiseOptions(group_size=3))
     groups = out.stats["node_groups"]
     # base: m routes to x (-0.1), x answers 7, y is inactive, m writes F7 (team 1): total 0.9
     (ep,) = out.episodes
@@ -186,10 +189,10 @@ def test_node_wise_hand_worked():
 def test_sub_agent_count_does_not_change_cost():
     # the same episodes with 1 or 4 extra (never routed) sub-agents: the same 16 samples
     small = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
-                             NodeWiseOptions(num_alternatives=3))
+                             NodeWiseOptions(group_size=3))
     env = HierEnv(agents=("m", "x", "y", "z", "w", "v"))
     big = sample_node_wise(env, [7], (0, 1, 2, 3, 4, 5), HierSampler(), KEY,
-                           NodeWiseOptions(num_alternatives=3))
+                           NodeWiseOptions(group_size=3))
     assert big.stats["num_generated"] == small.stats["num_generated"] == 16
     assert [r.reward for r in big.records] == pytest.approx([r.reward for r in small.records])
 
@@ -252,7 +255,7 @@ def test_sample_count_formula(num_agents, g, turns):
     sampler = ChainSampler()
     seeds = [0, 1]
     out = sample_node_wise(ChainEnv(agents=agents, max_turns=turns), seeds, (0,) * num_agents,
-                           sampler, KEY, NodeWiseOptions(num_alternatives=g, top_k=2))
+                           sampler, KEY, NodeWiseOptions(group_size=g, top_k=2))
     b = num_agents * turns  # base nodes per task
     reruns = g * b * (b - 1) // 2  # every later node of every alternative is re-run
     per_task = b + g * b + reruns
@@ -269,11 +272,11 @@ def test_top_k_scope_batch_base_sampler_and_registry():
     # two identical tasks: batch scope keeps the 2 highest-variance groups of the whole batch
     # (the tie between the tasks goes to the earlier task)
     out = sample_node_wise(HierEnv(), [7, 7], (0, 1, 2), HierSampler(), KEY,
-                           NodeWiseOptions(num_alternatives=3, top_k=2, top_k_scope="batch"))
+                           NodeWiseOptions(group_size=3, top_k=2, top_k_scope="batch"))
     chosen = [(g.task, g.node) for g in out.stats["node_groups"] if g.selected]
     assert chosen == [(0, 2), (1, 2)]
     per_task = sample_node_wise(HierEnv(), [7, 7], (0, 1, 2), HierSampler(), KEY,
-                                NodeWiseOptions(num_alternatives=3, top_k=1))
+                                NodeWiseOptions(group_size=3, top_k=1))
     assert [(g.task, g.node) for g in per_task.stats["node_groups"] if g.selected] == [
         (0, 2), (1, 2)]
     assert [r.group for r in per_task.records] == [0, 0, 0, 1, 1, 1]
@@ -281,7 +284,7 @@ def test_top_k_scope_batch_base_sampler_and_registry():
     base = HierSampler(greedy_fn=lambda p: "F7" if p.startswith("m|t0") else greedy(p))
     plan = HierSampler()
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), plan, KEY,
-                           NodeWiseOptions(num_alternatives=3, base_sampler=base))
+                           NodeWiseOptions(group_size=3, base_sampler=base))
     assert out.stats["num_base"] == 1 and plan.calls == [([(0, "m|t0||mem=")], 3)]
     (only,) = out.stats["node_groups"]
     # "x" re-runs x ("7") and m at turn 1 ("F7"); "y" re-runs y ("5") and m ("F5")
@@ -290,9 +293,9 @@ def test_top_k_scope_batch_base_sampler_and_registry():
     assert only.rewards == pytest.approx((0.9, -0.1, 1.0))
     assert base.num_completions == 1 + 4 == 1 + out.stats["num_reruns"]
     by_name = run_plan("node_wise", HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
-                       num_alternatives=3)
+                       group_size=3)
     direct = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
-                              NodeWiseOptions(num_alternatives=3))
+                              NodeWiseOptions(group_size=3))
     assert [r.reward for r in by_name.records] == [r.reward for r in direct.records]
 
 
@@ -304,7 +307,7 @@ def test_memory_is_retrieved_into_prompts_and_updated():
     memory = Memory(banks=(("x", (entry, other)),), next_id=6)
     sampler = HierSampler()
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), sampler, KEY,
-                           NodeWiseOptions(num_alternatives=3, memory=memory))
+                           NodeWiseOptions(group_size=3, memory=memory))
     groups = out.stats["node_groups"]
     shown = "x|q7|mem=query: x|q7|mem= | strategy: answer the seed"
     assert groups[1].prompt == shown and groups[1].memory_ids == (4,)
@@ -323,8 +326,8 @@ def test_memory_is_retrieved_into_prompts_and_updated():
 def test_node_wise_errors():
     with pytest.raises(JmarlError, match="sequential"):
         sample_node_wise(HierEnv(parallel=True), [7], (0, 1, 2), HierSampler(), KEY)
-    with pytest.raises(JmarlError, match="num_alternatives"):
-        NodeWiseOptions(num_alternatives=0)
+    with pytest.raises(JmarlError, match="group_size"):
+        NodeWiseOptions(group_size=0)
     with pytest.raises(JmarlError, match="top_k_scope"):
         NodeWiseOptions(top_k_scope="global")
     with pytest.raises(JmarlError, match="agent_policy"):
@@ -336,7 +339,7 @@ def test_memory_admission_and_eviction_from_node_groups():
     # "F3"): mu = 1/15, sigma (ddof 1) = sqrt(1/6), z of .9 = 2.04 > 1.96 -> "7" admitted
     alts = {**ALTS, ("x", None): ["7", "3", "3", "3", "3", "3"]}
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(alts), KEY,
-                           NodeWiseOptions(num_alternatives=6, memory=Memory()))
+                           NodeWiseOptions(group_size=6, memory=Memory()))
     x_group = out.stats["node_groups"][1]
     assert x_group.rewards == pytest.approx((0.9,) + (-0.1,) * 5)
     memory = update_memory(Memory(), out, step=3)
@@ -347,9 +350,100 @@ def test_memory_admission_and_eviction_from_node_groups():
     # next step the entry is retrieved into x's prompt; a low outlier there evicts it
     alts = {**ALTS, ("x", None): ["3", "7", "7", "7", "7", "7"]}
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(alts), KEY,
-                           NodeWiseOptions(num_alternatives=6, memory=memory))
+                           NodeWiseOptions(group_size=6, memory=memory))
     x_group = out.stats["node_groups"][1]
     assert x_group.memory_ids == (admitted.id,)
     assert x_group.prompt == "x|q7|mem=query: x|q7|mem= | strategy: 7"
     assert x_group.rewards == pytest.approx((-0.1,) + (0.9,) * 5)
     assert update_memory(memory, out, step=4).entries("x") == ()
+
+
+# ---------------------------------------------------------------- the memory's threshold math
+
+
+def test_memory_thresholds_hand_worked():
+    # a node group of 8 rewards (0,0,0,0,0,0,0,5): mu = 0.625, sigma_ddof1 = sqrt((7 * 0.625^2 + 4.375^2) / 7)
+    # = sqrt((2.734375 + 19.140625) / 7) = sqrt(3.125) = 1.76777; mu + 1.96 sigma = 4.0898 < 5 -> admitted
+    rewards = np.array([0, 0, 0, 0, 0, 0, 0, 5], np.float32)
+    groups = np.zeros(8, np.int32)
+    upper, lower = jmemory.memory_thresholds(rewards, groups, num_groups=1)
+    np.testing.assert_allclose(upper[0], 0.625 + 1.96 * math.sqrt(3.125), rtol=1e-6)
+    np.testing.assert_allclose(lower[0], 0.625 - 1.96 * math.sqrt(3.125), rtol=1e-6)
+    np.testing.assert_array_equal(jmemory.admission_mask(rewards, groups, num_groups=1), [0] * 7 + [1])
+    # mirrored: one -5 among zeros: mu - 1.96 sigma = -4.0898 > -5 -> its retrieved entries are evicted
+    np.testing.assert_array_equal(jmemory.eviction_mask(-rewards, groups, num_groups=1), [0] * 7 + [1])
+    # a group of 4 cannot pass 1.96 sigma: max z = (4 - 1) / sqrt(4) = 1.5
+    assert not jmemory.admission_mask(np.array([0, 0, 0, 5.0]), np.zeros(4, np.int32), num_groups=1).any()
+
+
+def test_memory_masks_per_group():
+    # group 0: the 8 rewards above (admits its 5); group 1: one -5 among seven 0s (evicts);
+    # group 2: all equal (nothing); rows with group -1 (padding) belong to no group
+    rewards = np.array([0] * 7 + [5] + [0] * 7 + [-5] + [2] * 8 + [100, -100], np.float64)
+    groups = np.array([0] * 8 + [1] * 8 + [2] * 8 + [-1, -1])
+    up = jmemory.admission_mask(rewards, groups, num_groups=3)
+    down = jmemory.eviction_mask(rewards, groups, num_groups=3)
+    assert np.flatnonzero(up).tolist() == [7] and np.flatnonzero(down).tolist() == [15]
+    upper, lower = jmemory.memory_thresholds(rewards, groups, num_groups=3)
+    assert upper[16] == lower[16] == 2.0  # sigma 0: mu +- 0, but max == min admits nothing
+    assert (upper[24:] == np.inf).all() and (lower[24:] == -np.inf).all()
+    # ddof 0 (population sigma): one outlier among G reaches sqrt(G - 1): 2 at G = 5 > 1.96
+    five = np.array([0, 0, 0, 0, 1.0])
+    assert jmemory.admission_mask(five, np.zeros(5, int), num_groups=1, ddof=0).tolist() == [0, 0, 0, 0, 1]
+    assert not jmemory.admission_mask(five, np.zeros(5, int), num_groups=1, ddof=1).any()
+    # a group of at most ddof members has no sigma: no thresholds, nothing admitted or evicted
+    upper, lower = jmemory.memory_thresholds(np.array([1.0, 4.0]), np.zeros(2, int), num_groups=1, ddof=2)
+    assert upper.tolist() == [np.inf, np.inf] and lower.tolist() == [-np.inf, -np.inf]
+    # totals equal up to float64 rounding noise are equal rewards (no spurious outlier)
+    noisy = np.array([0.3] * 7 + [0.1 + 0.2])
+    assert not jmemory.admission_mask(noisy, np.zeros(8, int), num_groups=1).any()
+    with pytest.raises(JmarlError, match="3 rewards but 2 group ids"):
+        jmemory.admission_mask(np.zeros(3), np.zeros(2, int), num_groups=1)
+
+
+def test_entry_score_and_memory_bookkeeping():
+    # score = 1 * exp(-age / 10) + 1 * reward_gap: age 0, gap 0.5 -> 1.5; age 10, gap 1 -> e^-1 + 1 = 1.3679
+    np.testing.assert_allclose(jmemory.entry_score(np.array([0, 10]), np.array([0.5, 1.0])), [1.5, math.exp(-1) + 1], rtol=1e-6)
+    np.testing.assert_allclose(
+        jmemory.entry_score(np.array([5]), np.array([2.0]), tau=5.0, time_weight=2.0, reward_weight=0.5),
+        [2 * math.exp(-1) + 1.0], rtol=1e-12)
+    # the store scores its entries with it: tau 10 steps
+    opts = jmemory.MemoryOptions(capacity=2, tau=10.0, top_m=3)
+    mem = jmemory.Memory(opts)
+    for q, gap in (("a", 0.5), ("b", 1.0)):
+        mem = jmemory.admit(mem, "x", q, "s-" + q, reward=gap, baseline=0.0, step=0)
+    assert [x.query for x in mem.entries("x")] == ["a", "b"]
+    np.testing.assert_allclose(jmemory.entry_scores(mem, "x", 10), [math.exp(-1) + 0.5, math.exp(-1) + 1], rtol=1e-6)
+    # at step 10: a scores e^-1 + 0.5 = 0.868, b e^-1 + 1 = 1.368, new c (step 10, gap 0.2) 1 + 0.2 = 1.2 -> a dropped
+    mem2 = jmemory.admit(mem, "x", "c", "s-c", reward=0.2, baseline=0.0, step=10)
+    assert [x.query for x in mem2.entries("x")] == ["b", "c"] and len(mem.entries("x")) == 2
+    b_id = mem2.entries("x")[0].id
+    assert [x.query for x in jmemory.evict(mem2, "x", [b_id]).entries("x")] == ["c"]
+    assert jmemory.evict(mem2, "x", [99]) == mem2  # unknown ids: nothing to evict
+
+
+def test_group_thresholds_is_memory_thresholds_of_one_group():
+    rewards = [0, 0, 0, 0, 0, 0, 0, 5.0]
+    upper, lower = jmemory.memory_thresholds(np.array(rewards, np.float32), np.zeros(8, np.int32), num_groups=1)
+    assert jmemory.group_thresholds(rewards, 1.96, 1) == pytest.approx((float(upper[0]), float(lower[0])))
+    assert jmemory.group_thresholds([1.0, 1.0, 1.0], 1.96, 1) == (math.inf, -math.inf)
+
+
+def test_group_size_too_small_for_the_memory_warns():
+    # Samuelson: one sample of G is at most (G - 1) / sqrt(G) sigmas away: 1.79 at G = 5, 2.04 at G = 6
+    assert jmemory.min_group_size_for_memory(1.96, 1) == 6
+    assert jmemory.min_group_size_for_memory(1.96, 0) == 5  # sqrt(G - 1) > 1.96 from G = 5
+    assert NodeWiseOptions().group_size == 8
+    with pytest.warns(jmemory.MemoryGroupSizeWarning, match="group_size >= 6"):
+        jmemory.check_group_size(jmemory.MemoryOptions(), 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jmemory.check_group_size(jmemory.MemoryOptions(), 6)
+        jmemory.check_group_size(jmemory.MemoryOptions(), NodeWiseOptions().group_size)
+        jmemory.check_group_size(jmemory.MemoryOptions(z=1.0), 4)  # (4 - 1) / 2 = 1.5 > 1
+        jmemory.check_group_size(jmemory.MemoryOptions(ddof=0), 5)
+    # and it is exact: at G = 6 an outlier is admitted, at G = 5 never
+    for g, admitted in ((6, True), (5, False)):
+        r = np.zeros(g, np.float32)
+        r[-1] = 1.0
+        assert bool(jmemory.admission_mask(r, np.zeros(g, np.int32), num_groups=1).any()) == admitted

@@ -19,14 +19,16 @@ import pytest
 
 from jmarl import JmarlError
 from jmarl.envs.base import StepResult
-from jmarl.algos import hacpo
 from jmarl.algos.hacpo import CapabilityWindow, capabilities, update_capabilities
 from jmarl.workflows import (
     Completion,
     SharedOptions,
     TextTokenizer,
+    PLANS,
+    PlanContext,
     build_rollouts,
-    mode_switches,
+    get_plan,
+    input_fields,
     run_plan,
     sample_shared,
 )
@@ -149,7 +151,7 @@ TOKS = {0: CharTok(), 1: PairTok()}
 
 def run(mode, seeds=(4, 9), fn=quiz_fn, **kw):
     sampler = TokSampler(TOKS, fn, kw.pop("truncated", ()))
-    opts = SharedOptions(num_samples=3, num_policies=2, mode=mode, tokenizers=TOKS, **kw)
+    opts = SharedOptions(group_size=3, num_policies=2, mode=mode, tokenizers=TOKS, **kw)
     return sample_shared(QuizEnv(), list(seeds), (0,), sampler, KEY, opts), sampler
 
 
@@ -267,39 +269,57 @@ def test_modes_rollout_counts(mode, generated, records, n_call):
         assert all(r.policy == r.source_policy for r in out.records)
 
 
-def test_naive_output_equals_hacpo_and_switches():
+def test_naive_output_equals_hacpo():
     hacpo, _ = run("hacpo")
     naive, _ = run("naive")
     fields = lambda r: (r.prompt, r.completion.text, r.reward, r.group, r.policy,  # noqa: E731
                         r.source_policy, r.source_seq_logprob,
                         r.completion.completion_tokens.tolist())
     assert [fields(r) for r in hacpo.records] == [fields(r) for r in naive.records]
-    assert mode_switches("hacpo") == {"capability_baseline": True, "discrepancy": True,
-                                      "stepwise_clip": True}
-    assert not any(mode_switches("naive").values())
-    with pytest.raises(JmarlError, match="shared.mode"):
-        mode_switches("share")
+    # the loss switches per mode are the algorithm's (jmarl.algos.hacpo), not the plan's
+    assert not hasattr(workflows, "mode_switches")
 
 
 def test_shared_errors_and_registry():
     with pytest.raises(JmarlError, match="no tokenizer is given for policies \\[1\\]"):
         sample_shared(QuizEnv(), [4], (0,), TokSampler(TOKS, quiz_fn), KEY,
-                      SharedOptions(num_samples=2, tokenizers={0: CharTok()}))
+                      SharedOptions(group_size=2, tokenizers={0: CharTok()}))
     with pytest.raises(JmarlError, match="single-agent"):
         sample_shared(QuizEnv(agents=("a", "b"), turn_order=("a", "b")), [4], (0, 1),
                       TokSampler(TOKS, quiz_fn), KEY, SharedOptions(tokenizers=TOKS))
     with pytest.raises(JmarlError, match="shared.mode"):
         SharedOptions(mode="shared")
-    with pytest.raises(JmarlError, match="num_samples"):
-        SharedOptions(num_samples=0)
+    with pytest.raises(JmarlError, match="group_size"):
+        SharedOptions(group_size=0)
     # gspo needs no tokenizers
     alone = sample_shared(QuizEnv(), [4], (0,), TokSampler(TOKS, quiz_fn), KEY,
-                          SharedOptions(num_samples=3, mode="gspo"))
+                          SharedOptions(group_size=3, mode="gspo"))
     assert len(alone.records) == 6
     by_name = run_plan("shared", QuizEnv(), [4, 9], (0,), TokSampler(TOKS, quiz_fn), KEY,
-                       num_samples=3, tokenizers=TOKS)
+                       group_size=3, tokenizers=TOKS)
     direct, _ = run("hacpo")
     assert [r.reward for r in by_name.records] == [r.reward for r in direct.records]
+
+
+def test_shared_plan_value_binds_run_inputs_and_bounds_rows():
+    plan = get_plan("shared")
+    assert plan is PLANS["shared"] and plan.run is sample_shared and plan.options is SharedOptions
+    assert plan.routes_by_agent is False
+    # num_policies and tokenizers are run inputs, filled by bind from the run's tokenizers
+    assert input_fields(SharedOptions) == ("num_policies", "tokenizers")
+    bound = plan.bind(SharedOptions(group_size=3), PlanContext(tokenizers=TOKS))
+    assert bound.num_policies == len(TOKS) and dict(bound.tokenizers) == dict(TOKS)
+    assert bound.group_size == 3 and bound.mode == "hacpo"
+    by_plan = plan.run(QuizEnv(), [4, 9], (0,), TokSampler(TOKS, quiz_fn), KEY, bound)
+    direct, _ = run("hacpo")
+    assert [r.reward for r in by_plan.records] == [r.reward for r in direct.records]
+    # rows per learner: tasks x sources x samples per policy (an upper bound when lossy drops)
+    for mode, rows in (("hacpo", 5 * 2 * 3), ("naive", 5 * 2 * 3), ("gspo", 5 * 3), ("gspo_2x", 5 * 6)):
+        opts = plan.bind(SharedOptions(group_size=3, mode=mode), PlanContext(tokenizers=TOKS))
+        assert plan.rows_per_policy(opts, 5) == rows
+    # with 2 tasks the hacpo plan gives each learner 2 x 2 x 3 = 12 records (nothing lossy here)
+    per_learner = {k: sum(r.policy == k for r in direct.records) for k in range(2)}
+    assert all(n <= plan.rows_per_policy(bound, 2) == 12 for n in per_learner.values())
 
 
 # ---------------------------------------------------------------- capability window
@@ -325,12 +345,11 @@ def test_capability_window_three_steps_hand_computed():
         (2 / 3, 1 / 3), rtol=1e-6)
 
 
-def test_capability_window_has_one_implementation():
-    # the plan re-exports HACPO's algorithm state rather than defining its own
-    assert workflows.CapabilityWindow is hacpo.CapabilityWindow
-    assert workflows.update_capabilities is hacpo.update_capabilities
-    assert workflows.capabilities is hacpo.capabilities
-    assert not hasattr(hacpo, "push_success")
+def test_capability_window_is_the_algorithms_alone():
+    # HACPO's algorithm state lives in jmarl.algos.hacpo; the plan only reports success rates
+    for name in ("CapabilityWindow", "update_capabilities", "capabilities"):
+        assert not hasattr(workflows, name)
+        assert not hasattr(workflows.shared, name)
 
 
 def test_capability_window_json_and_errors():

@@ -3,8 +3,10 @@
 Plans (`independent`, `tree` for AT-GRPO, `joint` for MAGRPO, `node_wise` for JoyAgents-R1,
 `shared` for HACPO) drive an env through a `Sampler` and return host-side `SampleRecord`s plus
 `EpisodeStats` (and plan stats); `build_rollouts` turns the records into the `Rollouts` batch
-the algorithms consume. `memory` holds JoyAgents-R1's per-agent memory; `shared` holds HACPO's
-capability window.
+the algorithms consume. `PLANS` maps each name to its `Plan` (function, options dataclass and
+what the learner needs to know about it); every options dataclass names its group size
+`group_size`. `memory` holds JoyAgents-R1's per-agent memory (its threshold math included);
+`expert_demonstrations` plays expert episodes with the plans' episode loop.
 """
 
 from jmarl.workflows.base import (
@@ -13,42 +15,42 @@ from jmarl.workflows.base import (
     PlanResult,
     SampleRecord,
     Sampler,
+    input_fields,
     summarize,
 )
 from jmarl.workflows.build import build_rollouts
+from jmarl.workflows.episodes import expert_demonstrations
 from jmarl.workflows.independent import IndependentOptions, sample_independent
 from jmarl.workflows.joint import JointOptions, joint_sample_bound, sample_joint
 from jmarl.workflows.memory import (
     Memory,
     MemoryEntry,
+    MemoryGroupSizeWarning,
     MemoryOptions,
+    check_group_size,
+    min_group_size_for_memory,
     update_memory,
 )
 from jmarl.workflows.node_wise import NodeGroup, NodeWiseOptions, sample_node_wise
-from jmarl.workflows.plans import PLANS, make_options, run_plan
-from jmarl.workflows.shared import (
-    CapabilityWindow,
-    SharedOptions,
-    TextTokenizer,
-    capabilities,
-    mode_switches,
-    sample_shared,
-    update_capabilities,
-)
+from jmarl.workflows.plans import PLANS, Plan, PlanContext, get_plan, make_options, run_plan
+from jmarl.workflows.shared import MODES, SharedOptions, TextTokenizer, sample_shared
 from jmarl.workflows.tree import TreeOptions, sample_tree
 
 __all__ = [
+    "MODES",
     "PLANS",
-    "CapabilityWindow",
     "Completion",
     "EpisodeStats",
     "IndependentOptions",
     "JointOptions",
     "Memory",
     "MemoryEntry",
+    "MemoryGroupSizeWarning",
     "MemoryOptions",
     "NodeGroup",
     "NodeWiseOptions",
+    "Plan",
+    "PlanContext",
     "PlanResult",
     "SampleRecord",
     "Sampler",
@@ -56,10 +58,13 @@ __all__ = [
     "TextTokenizer",
     "TreeOptions",
     "build_rollouts",
-    "capabilities",
+    "check_group_size",
+    "expert_demonstrations",
+    "get_plan",
+    "input_fields",
     "joint_sample_bound",
     "make_options",
-    "mode_switches",
+    "min_group_size_for_memory",
     "run_plan",
     "sample_independent",
     "sample_joint",
@@ -67,6 +72,5 @@ __all__ = [
     "sample_shared",
     "sample_tree",
     "summarize",
-    "update_capabilities",
     "update_memory",
 ]

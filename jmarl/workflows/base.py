@@ -18,6 +18,7 @@ Policies. `agent_policy[i]` is the policy id (learner and generator) of `env.age
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -212,6 +213,18 @@ def split_key(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(next key, subkey for one use)."""
     rng, sub = jax.random.split(rng)
     return rng, sub
+
+
+def input_field(default: Any = None) -> Any:
+    """A plan options field that is a run input (filled by the run, e.g. tokenizers, a memory,
+    a sampler), not a user setting: marked with the field metadata `{"input": True}`."""
+    return field(default=default, metadata={"input": True})
+
+
+def input_fields(options: Any) -> tuple[str, ...]:
+    """Names of the run-input fields (metadata `{"input": True}`) of an options dataclass or
+    instance, in field order."""
+    return tuple(f.name for f in dataclasses.fields(options) if f.metadata.get("input", False))
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> None:

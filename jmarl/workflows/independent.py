@@ -4,7 +4,7 @@ Used by the single-agent baselines (GRPO, Dr.GRPO, DAPO, GSPO with one agent), b
 aligned single-turn setting, and as the "parallel sampling" ablation of AT-GRPO on
 multi-agent envs.
 
-Episodes. For every task seed, `num_episodes` (G) episodes are played to the end
+Episodes. For every task seed, `group_size` (G) episodes are played to the end
 (`env.done` or `max_turns`) with one completion per (episode, turn, agent) node; the loop and
 its sequential/parallel turn semantics are those of `jmarl.workflows.episodes`. The G
 episodes of a task are sampled independently: at turn 0 the sampler receives G copies of the
@@ -53,20 +53,20 @@ from jmarl.workflows.episodes import EpisodeTrace, choose_first, run_episodes
 class IndependentOptions:
     """Options of the `independent` plan (see the module docstring).
 
-    num_episodes: G episodes per task (>= 1); team_weight/local_weight: weights of the team
+    group_size: G episodes per task (>= 1); team_weight/local_weight: weights of the team
     return and of the agent's own local return in its reward; group_by: "task_agent" or
     "task_turn_agent"; max_turns: cap below `env.max_turns` (None: the env's).
     """
 
-    num_episodes: int = 4
+    group_size: int = 4
     team_weight: float = 1.0
     local_weight: float = 1.0
     group_by: str = "task_agent"
     max_turns: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_episodes < 1:
-            raise JmarlError(f"independent: num_episodes must be >= 1, got {self.num_episodes}")
+        if self.group_size < 1:
+            raise JmarlError(f"independent: group_size must be >= 1, got {self.group_size}")
         if self.max_turns is not None and self.max_turns < 1:
             raise JmarlError(f"independent: max_turns must be >= 1 or None, got {self.max_turns}")
         check_choice("independent.group_by", self.group_by, ("task_agent", "task_turn_agent"))
@@ -82,7 +82,7 @@ def sample_independent(
 ) -> PlanResult:
     """G independent episodes per seed -> records (reward = episode return) and episode stats."""
     agent_policy = check_agent_policy(env, agent_policy)
-    tasks = [(t, int(s)) for t, s in enumerate(seeds) for _ in range(options.num_episodes)]
+    tasks = [(t, int(s)) for t, s in enumerate(seeds) for _ in range(options.group_size)]
     traces = run_episodes(
         env,
         tasks,

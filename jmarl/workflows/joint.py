@@ -61,7 +61,7 @@ from jmarl.workflows.base import (
 class JointOptions:
     """Options of the `joint` plan (see the module docstring).
 
-    num_samples: G >= 1 completions per agent per node; joint_mode: "aligned" | "cross";
+    group_size: G >= 1 completions per agent per node; joint_mode: "aligned" | "cross";
     cross_aggregate: "sum" | "mean" (how a completion's return aggregates over its joint
     actions in cross mode); gamma: discount of the children's mean return; local_weight:
     weight of an agent's local reward in its reward; early_stop_threshold: a node whose mean
@@ -69,7 +69,7 @@ class JointOptions:
     max_samples: refuse plans whose sample count could exceed it.
     """
 
-    num_samples: int = 4
+    group_size: int = 4
     joint_mode: str = "aligned"
     cross_aggregate: str = "sum"
     gamma: float = 1.0
@@ -79,8 +79,8 @@ class JointOptions:
     max_samples: int = 65536
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1:
-            raise JmarlError(f"joint: num_samples must be >= 1, got {self.num_samples}")
+        if self.group_size < 1:
+            raise JmarlError(f"joint: group_size must be >= 1, got {self.group_size}")
         if self.max_turns is not None and self.max_turns < 1:
             raise JmarlError(f"joint: max_turns must be >= 1 or None, got {self.max_turns}")
         check_choice("joint.joint_mode", self.joint_mode, ("aligned", "cross"))
@@ -112,12 +112,12 @@ class _Node:
 
 
 def joint_sample_bound(
-    num_tasks: int, num_agents: int, num_samples: int, turns: int, joint_mode: str
+    num_tasks: int, num_agents: int, group_size: int, turns: int, joint_mode: str
 ) -> int:
     """Samples of a full joint tree: n * G * E * sum_{t<T} B**t with B = G or G**n."""
-    branching = num_samples if joint_mode == "aligned" else num_samples**num_agents
+    branching = group_size if joint_mode == "aligned" else group_size**num_agents
     nodes_per_task = sum(branching**t for t in range(turns))
-    return num_tasks * num_agents * num_samples * nodes_per_task
+    return num_tasks * num_agents * group_size * nodes_per_task
 
 
 def sample_joint(
@@ -139,12 +139,12 @@ def sample_joint(
     max_turns = resolve_max_turns(env, options.max_turns)
     acting = [env.agents.index(a) for a in env.turn_order]
     bound = joint_sample_bound(
-        len(seeds), len(acting), options.num_samples, max_turns, options.joint_mode
+        len(seeds), len(acting), options.group_size, max_turns, options.joint_mode
     )
     if bound > options.max_samples:
         raise JmarlError(
             f"joint plan could produce {bound} samples (tasks={len(seeds)}, agents={len(acting)}, "
-            f"G={options.num_samples}, turns={max_turns}, joint_mode={options.joint_mode!r}), "
+            f"G={options.group_size}, turns={max_turns}, joint_mode={options.joint_mode!r}), "
             f"more than max_samples={options.max_samples}; lower G, turns or use aligned mode"
         )
 
@@ -191,7 +191,7 @@ def _sample_frontier(
             node.prompts[a] = env.observe(node.state, env.agents[a])
             requests.append((agent_policy[a], node.prompts[a]))
             slots.append((node, a))
-    answers = call_sampler(sampler, requests, options.num_samples, rng)
+    answers = call_sampler(sampler, requests, options.group_size, rng)
     for (node, a), completions in zip(slots, answers):
         node.completions[a] = completions
 
@@ -204,7 +204,7 @@ def _expand(
     One entry per joint action: the child node, or None where the branch ends (done, last
     turn, or early stop). Every joint action starts from the node's own immutable state.
     """
-    g = options.num_samples
+    g = options.group_size
     if options.joint_mode == "aligned":
         node.joint = [(j,) * len(acting) for j in range(g)]
     else:

@@ -13,8 +13,10 @@ Rules (defaults in `MemoryOptions`):
   agent node by the `node_wise` plan).
 - Admission: a sample with reward > mu + z * sigma (z = 1.96, the normal 97.5% quantile; strict)
   adds (query, its completion text as the strategy) to its agent's memory. Nothing is admitted
-  from a group with sigma = 0. Note that one sample's z-score within G samples is at most
-  (G - 1) / sqrt(G) (ddof 1), so z = 1.96 needs G >= 6 to ever admit or evict.
+  from a group with sigma = 0 or with fewer than 2 (or at most `ddof`) members. Note that one
+  sample's z-score within G samples is at most (G - 1) / sqrt(G) (ddof 1), so z = 1.96 needs
+  G >= 6 to ever admit or evict (`min_group_size_for_memory`; `check_group_size` warns with a
+  `MemoryGroupSizeWarning` when the run's group size is smaller).
 - Eviction: a sample with reward < mu - z * sigma evicts the entries that were retrieved into
   its prompt (every sample of a node group shares the prompt, so a low outlier blames all the
   entries shown at that node).
@@ -30,8 +32,8 @@ Rules (defaults in `MemoryOptions`):
   every entry retrieved into a node group's prompt, then eviction, then admission, over every
   node group of the step (those dropped by top-K selection included).
 
-The threshold and score math is `jmarl.algos.joyagents` (`memory_thresholds`,
-`admission_mask`, `eviction_mask`, `entry_score`); this module is the host-side store around it.
+The threshold and score math (`memory_thresholds`, `admission_mask`, `eviction_mask`,
+`entry_score`) is host-side NumPy in this module, next to the store that uses it.
 Memory is saved with checkpoints as an inspectable JSON file (`save`/`load`); the trainer also
 keeps it in the checkpoint metadata and writes `output_dir/memory.json`.
 """
@@ -43,13 +45,13 @@ import json
 import math
 import os
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from jmarl.algos import joyagents
 from jmarl.errors import JmarlError
 
 _FORMAT = "jmarl.memory"
@@ -176,22 +178,138 @@ def load(path: str | os.PathLike) -> Memory:
         return Memory.from_json(f.read())
 
 
+# ---------------------------------------------------------------- threshold and score math
+
+
+class MemoryGroupSizeWarning(UserWarning):
+    """The group size G is too small for the memory's z: nothing can be admitted or evicted."""
+
+
+def min_group_size_for_memory(z: float, ddof: int = 1) -> int:
+    """The smallest group size G whose most extreme sample can pass mu +- z * sigma.
+
+    A single outlier among G - 1 equal rewards has |r - mu| / sigma = sqrt((G - 1)(G - ddof) / G)
+    ((G - 1) / sqrt(G) with ddof 1, sqrt(G - 1) with ddof 0), the largest z-score any sample of
+    G can reach (Samuelson's inequality); admission needs it strictly above z.
+    """
+    g = max(2, ddof + 1)
+    while math.sqrt((g - 1) * (g - ddof) / g) <= z:
+        g += 1
+    return g
+
+
+def check_group_size(options: MemoryOptions, group_size: int) -> None:
+    """Warns (`MemoryGroupSizeWarning`) when node groups of `group_size` alternatives can never
+    admit or evict anything under `options` (z, ddof): training still works, the memory stays
+    empty. For the learner side to call when the memory is on."""
+    need = min_group_size_for_memory(options.z, options.ddof)
+    if group_size < need:
+        warnings.warn(
+            f"JoyAgents-R1 memory: the group size G = {group_size} is too small for the memory: "
+            f"one sample of a group of G is at most (G - 1) / sqrt(G) standard deviations (ddof "
+            f"{options.ddof}) from the mean, so with z = {options.z} nothing could ever be "
+            f"admitted or evicted; set workflow.group_size >= {need}, lower the memory's z, or "
+            "turn the memory off",
+            MemoryGroupSizeWarning,
+            stacklevel=2,
+        )
+
+
+def _group_stats(
+    rewards: Any, groups: Any, num_groups: int, ddof: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rewards f64[N], segment int[N] (rows outside 0..num_groups-1 -> num_groups), and per
+    segment f64[num_groups + 1]: count, mean, std with `ddof` (NaN where count <= ddof), and
+    whether the group can have outliers (>= 2 members, sigma defined, max > min)).
+
+    Rewards are rounded to float32 first (the precision rewards have on the device), so totals
+    that differ only by float64 rounding noise count as equal rather than as a huge z-score."""
+    r = np.asarray(rewards, np.float32).astype(np.float64).reshape(-1)
+    g = np.asarray(groups).reshape(-1).astype(np.int64)
+    if r.shape != g.shape:
+        raise JmarlError(f"memory: {r.size} rewards but {g.size} group ids")
+    valid = (g >= 0) & (g < num_groups)
+    seg = np.where(valid, g, num_groups)
+    n_seg = num_groups + 1
+    count = np.bincount(seg, weights=valid.astype(np.float64), minlength=n_seg)
+    total = np.bincount(seg, weights=np.where(valid, r, 0.0), minlength=n_seg)
+    mean = total / np.maximum(count, 1.0)
+    sq_dev = np.bincount(seg, weights=np.where(valid, (r - mean[seg]) ** 2, 0.0), minlength=n_seg)
+    defined = count > ddof
+    std = np.full(n_seg, np.nan)
+    std[defined] = np.sqrt(sq_dev[defined] / (count[defined] - ddof))
+    high = np.full(n_seg, -np.inf)
+    low = np.full(n_seg, np.inf)
+    np.maximum.at(high, seg[valid], r[valid])
+    np.minimum.at(low, seg[valid], r[valid])
+    spread = defined & (count >= 2) & (high > low)
+    spread[num_groups] = False  # rows outside every group
+    return r, seg, count, mean, std, spread
+
+
+def memory_thresholds(
+    rewards: Any, groups: Any, *, num_groups: int, z: float = 1.96, ddof: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample (upper, lower) thresholds f64[N] = mu_g +- z * sigma_g of the sample's group
+    (rewards f[N], group ids int[N] in 0..num_groups-1; sigma with `ddof`). A row outside every
+    group, or in a group with at most `ddof` members (no sigma), gets (inf, -inf)."""
+    _, seg, _, mean, std, _ = _group_stats(rewards, groups, num_groups, ddof)
+    mu, sigma = mean[seg], std[seg]
+    known = np.isfinite(sigma) & (seg < num_groups)
+    upper = np.where(known, mu + z * np.where(known, sigma, 0.0), np.inf)
+    lower = np.where(known, mu - z * np.where(known, sigma, 0.0), -np.inf)
+    return upper, lower
+
+
+def admission_mask(
+    rewards: Any, groups: Any, *, num_groups: int, z: float = 1.96, ddof: int = 1
+) -> np.ndarray:
+    """bool[N]: samples whose reward is above mu + z * sigma of their group (admitted to the
+    memory); only in groups with >= 2 members, a defined sigma and max > min."""
+    r, seg, _, _, _, spread = _group_stats(rewards, groups, num_groups, ddof)
+    upper, _ = memory_thresholds(r, groups, num_groups=num_groups, z=z, ddof=ddof)
+    return spread[seg] & (r > upper)
+
+
+def eviction_mask(
+    rewards: Any, groups: Any, *, num_groups: int, z: float = 1.96, ddof: int = 1
+) -> np.ndarray:
+    """bool[N]: samples whose reward is below mu - z * sigma of their group (the entries
+    retrieved into their prompt are evicted); same groups as `admission_mask`."""
+    r, seg, _, _, _, spread = _group_stats(rewards, groups, num_groups, ddof)
+    _, lower = memory_thresholds(r, groups, num_groups=num_groups, z=z, ddof=ddof)
+    return spread[seg] & (r < lower)
+
+
+def entry_score(
+    age: Any,
+    reward_gap: Any,
+    *,
+    tau: float = 10.0,
+    time_weight: float = 1.0,
+    reward_weight: float = 1.0,
+) -> np.ndarray:
+    """Entry score f64[E] = time_weight * exp(-age / tau) + reward_weight * reward_gap, for
+    ages f[E] in steps and reward gaps f[E] (the entry's reward minus its group mean)."""
+    age = np.asarray(age, np.float64)
+    return time_weight * np.exp(-age / tau) + reward_weight * np.asarray(reward_gap, np.float64)
+
+
 # ---------------------------------------------------------------- scoring and retrieval
 
 
 def entry_scores(memory: Memory, agent: str, now: int) -> np.ndarray:
     """f64[E] per entry of `agent`: time_weight * exp(-(now - step) / tau)
-    + reward_weight * (reward - baseline) (`jmarl.algos.joyagents.entry_score`, decay 1 / tau)."""
+    + reward_weight * (reward - baseline) (`entry_score`)."""
     opts = memory.options
     es = memory.entries(agent)
     if not es:
         return np.zeros((0,), np.float64)
     age = np.array([now - e.step for e in es], np.float64)
     gap = np.array([e.reward - e.baseline for e in es], np.float64)
-    score = joyagents.entry_score(
-        age, gap, decay=1.0 / opts.tau, time_weight=opts.time_weight, reward_weight=opts.reward_weight
+    return entry_score(
+        age, gap, tau=opts.tau, time_weight=opts.time_weight, reward_weight=opts.reward_weight
     )
-    return np.asarray(score, np.float64)
 
 
 def ngram_counts(text: str, n: int = 3) -> Counter:
@@ -304,27 +422,25 @@ def mark_used(memory: Memory, agent: str, ids: Iterable[int]) -> Memory:
 
 
 def group_thresholds(rewards: Sequence[float], z: float, ddof: int) -> tuple[float, float]:
-    """(mu + z * sigma, mu - z * sigma) of rewards f[G] (`jmarl.algos.joyagents.memory_thresholds`);
+    """(mu + z * sigma, mu - z * sigma) of one group's rewards f[G] (`memory_thresholds`);
     (inf, -inf) if sigma is 0 or undefined."""
-    r = np.asarray(rewards, np.float32).reshape(-1)
+    r = np.asarray(rewards, np.float64).reshape(-1)
     if r.size <= ddof or r.size < 2 or r.max() == r.min():
         return math.inf, -math.inf
-    upper, lower = joyagents.memory_thresholds(r, np.zeros(r.shape, np.int32), num_groups=1, z=z, ddof=ddof)
+    upper, lower = memory_thresholds(r, np.zeros(r.shape, np.int64), num_groups=1, z=z, ddof=ddof)
     return float(upper[0]), float(lower[0])
 
 
 def _outliers(groups: Sequence[Any], z: float, ddof: int) -> tuple[np.ndarray, np.ndarray]:
     """(admit, evict) bool[sum of group sizes] over every node group's rewards, concatenated
-    (`jmarl.algos.joyagents.admission_mask` / `eviction_mask`, one call for the whole step)."""
-    rewards = np.concatenate([np.asarray(g.rewards, np.float32).reshape(-1) for g in groups])
-    ids = np.concatenate([np.full(len(g.rewards), i, np.int32) for i, g in enumerate(groups)])
-    if ddof > 0:  # a group too small for its ddof has no sigma: it neither admits nor evicts
-        sizes = np.array([len(g.rewards) for g in groups])
-        ids = np.where(sizes[ids] > ddof, ids, -1).astype(np.int32)
+    (`admission_mask` / `eviction_mask`, one call each for the whole step; a group too small
+    for its ddof has no sigma: it neither admits nor evicts)."""
+    rewards = np.concatenate([np.asarray(g.rewards, np.float64).reshape(-1) for g in groups])
+    ids = np.concatenate([np.full(len(g.rewards), i, np.int64) for i, g in enumerate(groups)])
     n = len(groups)
-    up = joyagents.admission_mask(rewards, ids, num_groups=n, z=z, ddof=ddof)
-    down = joyagents.eviction_mask(rewards, ids, num_groups=n, z=z, ddof=ddof)
-    return np.asarray(up), np.asarray(down)
+    up = admission_mask(rewards, ids, num_groups=n, z=z, ddof=ddof)
+    down = eviction_mask(rewards, ids, num_groups=n, z=z, ddof=ddof)
+    return up, down
 
 
 def update_memory(memory: Memory, plan_result: Any, step: int) -> Memory:

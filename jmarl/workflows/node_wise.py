@@ -61,6 +61,7 @@ from jmarl.workflows.base import (
     call_sampler,
     check_agent_policy,
     check_choice,
+    input_field,
     resolve_max_turns,
     split_key,
 )
@@ -74,30 +75,28 @@ QueryFn = Callable[[Any, Any, str], str]
 class NodeWiseOptions:
     """Options of the `node_wise` plan (see the module docstring).
 
-    num_alternatives: G >= 1 per node (default 8: the memory's mu + 1.96 sigma admission needs
-    G >= 6, see `jmarl.algos.joyagents.min_group_size_for_memory`); top_k: groups that produce records (>= 1);
-    top_k_scope: "task" | "batch"; team_weight/local_weight: reward weights; max_turns: cap
-    (None: `env.max_turns`); base_sampler: sampler of the base trajectory and of re-runs
-    (None: the plan's);
-    memory: retrieved into prompts when given; query_fn: memory query (None: the prompt
-    without memory).
+    group_size: G >= 1 alternatives per node (default 8: the memory's mu + 1.96 sigma
+    admission needs G >= 6, see `jmarl.workflows.memory.min_group_size_for_memory` and
+    `check_group_size`); top_k: groups that produce records (>= 1); top_k_scope: "task" |
+    "batch"; team_weight/local_weight: reward weights; max_turns: cap (None: `env.max_turns`).
+    Run inputs (metadata `{"input": True}`): base_sampler: sampler of the base trajectory and
+    of re-runs (None: the plan's); memory: retrieved into prompts when given; query_fn: memory
+    query (None: the prompt without memory).
     """
 
-    num_alternatives: int = 8
+    group_size: int = 8
     top_k: int = 2
     top_k_scope: str = "task"
     team_weight: float = 1.0
     local_weight: float = 1.0
     max_turns: int | None = None
-    base_sampler: Any = None
-    memory: Memory | None = None
-    query_fn: QueryFn | None = None
+    base_sampler: Any = input_field(None)
+    memory: Memory | None = input_field(None)
+    query_fn: QueryFn | None = input_field(None)
 
     def __post_init__(self) -> None:
-        if self.num_alternatives < 1:
-            raise JmarlError(
-                f"node_wise: num_alternatives must be >= 1, got {self.num_alternatives}"
-            )
+        if self.group_size < 1:
+            raise JmarlError(f"node_wise: group_size must be >= 1, got {self.group_size}")
         if self.top_k < 1:
             raise JmarlError(f"node_wise: top_k must be >= 1, got {self.top_k}")
         if self.max_turns is not None and self.max_turns < 1:
@@ -197,7 +196,7 @@ def sample_node_wise(
             f"of its turn), but env {env.name!r} is parallel; use the tree or joint plan"
         )
     max_turns = resolve_max_turns(env, options.max_turns)
-    g = options.num_alternatives
+    g = options.group_size
     play = _Player(env, agent_policy, max_turns, options)
 
     # 1. the base trajectories, all tasks in lock step

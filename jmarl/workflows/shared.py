@@ -25,18 +25,19 @@ Groups. One group per (task, learner): the mixed group of all n*G responses to t
 prompt for learner k (`policy = k`). Records are ordered task, learner, source, sample.
 
 Modes (baselines of the paper): `hacpo` shares (every learner gets n*G samples per task);
-`naive` shares identically (the plan output equals hacpo's; `mode_switches("naive")` turns the
-algorithm's mechanisms off); `gspo` shares nothing (G self samples per learner); `gspo_2x`
+`naive` shares identically (the plan output equals hacpo's; the HACPO algorithm turns its
+mechanisms off for it); `gspo` shares nothing (G self samples per learner); `gspo_2x`
 shares nothing and samples 2G per policy. Rollouts generated per step (`stats
 ["num_generated"]`): E * n * G (hacpo, naive, gspo) or E * n * 2G (gspo_2x), for E tasks;
 training records: E * n * n * G (hacpo, naive), E * n * G (gspo), E * n * 2G (gspo_2x).
 
 Capability (HACPO step 1). `stats["success_rate"]` holds, per policy, the fraction of its own
-generations this step with reward > 0. The trainer pushes it into a `CapabilityWindow`
-(`update_capabilities`) before computing advantages; `capabilities(window)` is P^j, the mean
-success over the last K (default 5) steps, the current one included. The window is an
-immutable value with `to_json`/`from_json` for checkpoints; it lives in `jmarl.algos.hacpo`
-(HACPO's algorithm state) and is re-exported here.
+generations this step with reward > 0. The learner pushes it into HACPO's capability window
+(the algorithm's state, not the plan's) before computing advantages; this plan only reports
+the rates.
+
+Run inputs. `num_policies` and `tokenizers` are filled by the run (the `shared` `Plan`'s
+`bind`: every policy of the run, with its tokenizer), not set by the user.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 import jax
 import numpy as np
 
-from jmarl.algos.hacpo import CapabilityWindow, capabilities, update_capabilities
 from jmarl.errors import JmarlError
 from jmarl.workflows.base import (
     Completion,
@@ -60,12 +60,10 @@ from jmarl.workflows.base import (
     call_sampler,
     check_agent_policy,
     check_choice,
+    input_field,
 )
 
-__all__ = [
-    "MODES", "CapabilityWindow", "SharedOptions", "TextTokenizer", "capabilities", "mode_switches",
-    "retokenize", "sample_shared", "seq_logprob", "update_capabilities",
-]
+__all__ = ["MODES", "SharedOptions", "TextTokenizer", "retokenize", "sample_shared", "seq_logprob"]
 
 MODES = ("hacpo", "naive", "gspo", "gspo_2x")
 
@@ -93,24 +91,25 @@ class TextTokenizer(Protocol):
 class SharedOptions:
     """Options of the `shared` plan (see the module docstring).
 
-    num_samples: G >= 1 completions per policy per task; num_policies: n >= 1 (policy ids
-    0..n-1, which is how HACPO's capability vector P is indexed); mode: "hacpo" | "naive" |
-    "gspo" | "gspo_2x"; tokenizers: policy id -> `TextTokenizer`, needed by the sharing modes;
-    team_weight/local_weight: reward weights; lossy: "drop" | "keep" for cross samples whose
-    text does not round-trip through the learner's tokenizer.
+    group_size: G >= 1 completions per policy per task; mode: "hacpo" | "naive" | "gspo" |
+    "gspo_2x"; team_weight/local_weight: reward weights; lossy: "drop" | "keep" for cross
+    samples whose text does not round-trip through the learner's tokenizer. Run inputs
+    (metadata `{"input": True}`): num_policies: n >= 1 (policy ids 0..n-1, which is how HACPO's
+    capability vector P is indexed); tokenizers: policy id -> `TextTokenizer`, needed by the
+    sharing modes.
     """
 
-    num_samples: int = 8
-    num_policies: int = 2
+    group_size: int = 8
+    num_policies: int = input_field(2)
     mode: str = "hacpo"
-    tokenizers: Mapping[int, Any] | None = None
+    tokenizers: Mapping[int, Any] | None = input_field(None)
     team_weight: float = 1.0
     local_weight: float = 1.0
     lossy: str = "drop"
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1:
-            raise JmarlError(f"shared: num_samples must be >= 1, got {self.num_samples}")
+        if self.group_size < 1:
+            raise JmarlError(f"shared: group_size must be >= 1, got {self.group_size}")
         if self.num_policies < 1:
             raise JmarlError(f"shared: num_policies must be >= 1, got {self.num_policies}")
         check_choice("shared.mode", self.mode, MODES)
@@ -124,18 +123,7 @@ class SharedOptions:
     @property
     def samples_per_policy(self) -> int:
         """Completions each policy generates per task: 2G for gspo_2x, else G."""
-        return 2 * self.num_samples if self.mode == "gspo_2x" else self.num_samples
-
-
-def mode_switches(mode: str) -> dict[str, bool]:
-    """HACPO's mechanism switches for a plan mode (the names of `HACPOConfig`'s fields).
-
-    hacpo: all on; naive: all off (plain mean baseline, weight 1, no stepwise clip); gspo and
-    gspo_2x have no cross samples, so the switches do not matter (left on).
-    """
-    check_choice("shared.mode", mode, MODES)
-    on = mode != "naive"
-    return {"capability_baseline": on, "discrepancy": on, "stepwise_clip": on}
+        return 2 * self.group_size if self.mode == "gspo_2x" else self.group_size
 
 
 def sample_shared(

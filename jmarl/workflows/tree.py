@@ -56,13 +56,13 @@ from jmarl.workflows.independent import episode_stats
 class TreeOptions:
     """Options of the `tree` plan (see the module docstring).
 
-    num_candidates: K >= 1 per node; alpha: weight of the team reward in a candidate's score;
+    group_size: K >= 1 candidates per node; alpha: weight of the team reward in a candidate's score;
     select: "best" | "sampled" | "first"; select_temperature: softmax temperature of
     "sampled"; reward_mode: "immediate" | "return_to_go"; gamma: per-turn discount of the
     return-to-go; return_scope: "path" | "agent"; max_turns: cap (None: `env.max_turns`).
     """
 
-    num_candidates: int = 4
+    group_size: int = 4
     alpha: float = 1.0
     select: str = "best"
     select_temperature: float = 1.0
@@ -72,8 +72,8 @@ class TreeOptions:
     max_turns: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_candidates < 1:
-            raise JmarlError(f"tree: num_candidates must be >= 1, got {self.num_candidates}")
+        if self.group_size < 1:
+            raise JmarlError(f"tree: group_size must be >= 1, got {self.group_size}")
         if self.select_temperature <= 0:
             raise JmarlError(f"tree: select_temperature must be > 0, got {self.select_temperature}")
         if self.max_turns is not None and self.max_turns < 1:
@@ -104,7 +104,7 @@ def sample_tree(
         agent_policy,
         sampler,
         rng,
-        num_candidates=options.num_candidates,
+        num_candidates=options.group_size,
         score=lambda res: float(res.local_reward) + options.alpha * float(res.team_reward),
         choose=choose,
         max_turns=resolve_max_turns(env, options.max_turns),

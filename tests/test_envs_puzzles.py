@@ -75,7 +75,7 @@ def test_plan_path_tool_scores_its_proposal_and_planner_sees_it():
     assert r.local_reward == pytest.approx(1.86) and r.team_reward == 0.0 and not r.done
     assert "Tool agent's proposal [direct]: R R D D" in env.observe(after, "planner")
     _, bad = env.step(state, "tool", "no idea")
-    assert bad.local_reward == env.malformed_reward == -0.5 and bad.info["malformed"]
+    assert bad.local_reward == env.coefficients.malformed_reward == -0.5 and bad.info["malformed"]
     _, bad = env.step(state, "planner", "")
     assert bad.local_reward == -0.5 and bad.team_reward == 0.0
 
@@ -355,3 +355,175 @@ def test_single_agent_mode_has_only_the_planner():
     done, r = env.step(state, "planner", "RRDD")
     assert env.success(done) and r.team_reward == pytest.approx(1.5)
     assert make("plan_path").agents == ("tool", "planner")
+
+
+# ---- reward settings: compact (default) vs pettingllms (the AT-GRPO paper's code) ----------------
+# Every expected number below is worked out by hand from the formulas in docs/environments.md,
+# section 2.6. Per move: -cost + shaping * (gamma * Phi(after) - Phi(before)), Phi = -distance.
+#   compact:     cost 0.01 (moved or blocked), Plan-Path shaping 0.1 gamma 1, Sokoban no shaping
+#   pettingllms: cost 0.01 (moved) / 0.1 Plan-Path, 0.05 Sokoban (blocked),
+#                Plan-Path shaping 1 gamma 0.99, Sokoban box-distance shaping 0.1 gamma 0.99
+
+
+def _both(name, **kw):
+    return make(name, **kw), make(name, reward="pettingllms", **kw)
+
+
+def test_reward_setting_option_and_coefficients():
+    compact, paper = _both("plan_path", size=4)
+    assert compact.reward == "compact" and make("sokoban").reward == "compact"  # library default
+    c, p = compact.coefficients, paper.coefficients
+    assert (c.invalid_cost, c.shaping, c.gamma, c.malformed_reward) == (0.01, 0.1, 1.0, -0.5)
+    assert (p.invalid_cost, p.shaping, p.gamma, p.malformed_reward) == (0.1, 1.0, 0.99, -2.0)
+    sok = make("sokoban", reward="pettingllms").coefficients
+    assert (sok.invalid_cost, sok.shaping, sok.gamma, sok.move_limit, sok.fail_reward) == (
+        0.05, 0.1, 0.99, 200, -5.0)
+    # an option set explicitly overrides that one coefficient of the setting
+    tuned = make("plan_path", reward="pettingllms", invalid_cost=0.5, move_limit=0).coefficients
+    assert (tuned.invalid_cost, tuned.shaping, tuned.move_limit) == (0.5, 1.0, 0)
+    assert make("sokoban", shaping=0.2).coefficients.shaping == 0.2
+    # the setting does not change the puzzles
+    assert all(compact.reset(s) == paper.reset(s) for s in (0, 1, eval_seed(0)))
+    for name in ("plan_path", "sokoban"):
+        with pytest.raises(JmarlError,
+                           match=r"reward must be one of \('compact', 'pettingllms'\), got 'paper'"):
+            make(name, reward="paper")
+    with pytest.raises(JmarlError, match="gamma"):
+        make("plan_path", gamma=0.0)
+    with pytest.raises(JmarlError, match="move_limit"):
+        make("sokoban", move_limit=-1)
+
+
+def test_plan_path_settings_one_move_toward_the_goal():
+    compact, paper = _both("plan_path", size=4)
+    state = dataclasses.replace(path_state(), board=(0, 2))  # d = 2; D -> (1, 2), d = 1
+    # compact: -0.01 + 0.1 * (2 - 1) = 0.09
+    _, r = compact.step(state, "planner", "D")
+    assert r.local_reward == pytest.approx(0.09) and r.team_reward == 0.0
+    # pettingllms: -0.01 + 1 * (0.99 * -1 - (-2)) = -0.01 + 1.01 = 1.00
+    _, r = paper.step(state, "planner", "D")
+    assert r.local_reward == pytest.approx(1.0) and r.team_reward == 0.0
+    assert r.info["shaping"] == pytest.approx(1.01) and r.info["step_cost"] == pytest.approx(-0.01)
+
+
+def test_plan_path_settings_shortest_path():
+    _, paper = _both("plan_path", size=4)
+    # R R D D from d = 4: each move -0.01 + (d - 0.99 (d - 1)) = 0.98 + 0.01 d
+    #   d 4 -> 3: 1.02, 3 -> 2: 1.01, 2 -> 1: 1.00, 1 -> 0: 0.99; local = 4.02
+    # team = goal 1 + shortest 0.5 (both settings)
+    state, r = paper.step(path_state(), "planner", "R R D D")
+    assert r.local_reward == pytest.approx(4.02) and r.team_reward == pytest.approx(1.5)
+    assert r.done and paper.success(state)
+    # the tool's proposal earns the simulated step's local + team: 4.02 + 1.5
+    _, r = paper.step(path_state(), "tool", "R R D D")
+    assert r.local_reward == pytest.approx(5.52) and r.team_reward == 0.0
+
+
+def test_plan_path_settings_invalid_move():
+    compact, paper = _both("plan_path", size=4)
+    # U at (0, 0) bumps the border; stays at d = 4.
+    #   compact: -0.01 + 0.1 * (4 - 4) = -0.01
+    #   pettingllms: -0.1 + 1 * (0.99 * -4 - (-4)) = -0.1 + 0.04 = -0.06
+    assert compact.step(path_state(), "planner", "U")[1].local_reward == pytest.approx(-0.01)
+    state, r = paper.step(path_state(), "planner", "U")
+    assert r.local_reward == pytest.approx(-0.06) and state.board == (0, 0) and r.info["bumps"] == 1
+    # D at (0, 1) (d = 3) walks into the wall (1, 1):
+    #   compact -0.01; pettingllms -0.1 + (0.99 * -3 + 3) = -0.07
+    at = dataclasses.replace(path_state(), board=(0, 1))
+    assert compact.step(at, "planner", "D")[1].local_reward == pytest.approx(-0.01)
+    assert paper.step(at, "planner", "D")[1].local_reward == pytest.approx(-0.07)
+    # U (bump, -0.06) then R (d 4 -> 3, 1.02): 0.96; compact -0.01 + 0.09 = 0.08
+    assert paper.step(path_state(), "planner", "U R")[1].local_reward == pytest.approx(0.96)
+    assert compact.step(path_state(), "planner", "U R")[1].local_reward == pytest.approx(0.08)
+
+
+@pytest.mark.parametrize("name,state", [("plan_path", path_state()),
+                                        ("sokoban", None)])
+def test_settings_malformed_action(name, state):
+    compact, paper = _both(name, size=4 if name == "plan_path" else 5)
+    if state is None:
+        state = _sokoban_state(_room({(2, 2)}, {(2, 3)}, (2, 1)))
+    for env, expected in ((compact, -0.5), (paper, -2.0)):
+        for agent, text in (("tool", "no idea"), ("planner", ""), ("planner", "Actions: []"),
+                            ("tool", "```python\nraise SystemExit(3)\n```")):
+            after, r = env.step(state, agent, text)
+            assert r.local_reward == expected and r.team_reward == 0.0, (env.reward, agent, text)
+            assert r.info["malformed"] and not r.done and after.board == state.board
+
+
+def test_sokoban_settings_box_push_changes_phi():
+    compact, paper = _both("sokoban", size=5)
+    #  # # # # #
+    #  # . . . #
+    #  # P B . #      player (2,1), box (2,2), goal (3,3): box distance 1 + 1 = 2, Phi = -2
+    #  # . . G #
+    state = _sokoban_state(_room({(2, 2)}, {(3, 3)}, (2, 1)))
+    # R pushes the box to (2,3): distance 1, Phi = -1 (not on the goal)
+    #   compact: -0.01
+    #   pettingllms: -0.01 + 0.1 * (0.99 * -1 - (-2)) = -0.01 + 0.101 = 0.091
+    assert compact.step(state, "planner", "R")[1].local_reward == pytest.approx(-0.01)
+    after, r = paper.step(state, "planner", "R")
+    assert r.local_reward == pytest.approx(0.091) and r.team_reward == 0.0
+    assert after.board == ((2, 2), frozenset({(2, 3)}))
+    assert r.info["shaping"] == pytest.approx(0.101)
+    # U walks to (1,1) without a push: Phi stays -2, the shaping is 0.1 * (0.99 - 1) * -2 = 0.002
+    #   pettingllms: -0.01 + 0.002 = -0.008; compact -0.01
+    assert paper.step(state, "planner", "U")[1].local_reward == pytest.approx(-0.008)
+    assert compact.step(state, "planner", "U")[1].local_reward == pytest.approx(-0.01)
+
+
+def test_sokoban_settings_push_onto_goal_and_blocked_move():
+    compact, paper = _both("sokoban", size=5)
+    state = _sokoban_state(_room({(2, 2)}, {(2, 3)}, (2, 1)))  # box 1 from its goal: Phi = -1
+    # R pushes the box onto the goal: Phi -1 -> 0
+    #   compact: -0.01 + 1 = 0.99; pettingllms: -0.01 + 1 + 0.1 * (0.99 * 0 - (-1)) = 1.09
+    #   team: solved 10 in both
+    _, r = compact.step(state, "planner", "R")
+    assert r.local_reward == pytest.approx(0.99) and r.team_reward == pytest.approx(10.0)
+    done, r = paper.step(state, "planner", "R")
+    assert r.local_reward == pytest.approx(1.09) and r.team_reward == pytest.approx(10.0)
+    assert paper.success(done)
+    # L is blocked by the wall (2,0): compact -0.01; pettingllms -0.05 + 0.1 * (0.99 - 1) * -1
+    #   = -0.05 + 0.001 = -0.049
+    assert compact.step(state, "planner", "L")[1].local_reward == pytest.approx(-0.01)
+    _, r = paper.step(state, "planner", "L")
+    assert r.local_reward == pytest.approx(-0.049) and r.info["blocked"] == 1
+
+
+def test_pettingllms_move_limit_fails_the_episode():
+    compact, paper = _both("sokoban", size=5)
+    # 199 moves made so far; the 200th (blocked L, -0.049) reaches the limit unsolved:
+    # team = fail -5 and the episode ends (not solved). compact has no limit.
+    state = dataclasses.replace(_sokoban_state(_room({(2, 2)}, {(2, 3)}, (2, 1))), moves=199)
+    after, r = paper.step(state, "planner", "L R")  # the R after the limit is not played
+    assert r.local_reward == pytest.approx(-0.049) and r.team_reward == pytest.approx(-5.0)
+    assert r.done and r.info["failed"] and r.info["moves"] == 1 and not paper.success(after)
+    assert after.moves == 200 and after.board == state.board
+    assert "move limit reached" in after.history[-1]
+    _, r = paper.step(state, "tool", "L")  # the tool's simulated step carries the failure too
+    assert r.local_reward == pytest.approx(-0.049 - 5.0) and not r.done
+    _, r = compact.step(state, "planner", "L")
+    assert r.team_reward == 0.0 and not r.done
+    # R solves on the 200th move: a success (local 1.09 as above, team 10), not a failure
+    _, r = paper.step(state, "planner", "R")
+    assert r.local_reward == pytest.approx(1.09) and r.team_reward == pytest.approx(10.0)
+    assert not r.info["failed"]
+    # Plan-Path: limit 10,000; a bump at 9,999 moves: -0.06, team -1
+    _, pp = _both("plan_path", size=4)
+    after, r = pp.step(path_state(moves=9_999), "planner", "U")
+    assert r.local_reward == pytest.approx(-0.06) and r.team_reward == pytest.approx(-1.0)
+    assert r.done and not pp.success(after)
+
+
+def test_paper_configs_use_pettingllms_and_quickstart_compact():
+    from pathlib import Path
+
+    from jmarl.config import read_yaml_file
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name in ("plan_path", "sokoban"):
+        env = read_yaml_file(configs / "at_grpo" / f"{name}.yaml")["env"]
+        assert env["options"]["reward"] == "pettingllms"
+        assert make(env["name"], **env["options"]).coefficients.malformed_reward == -2.0
+    quick = read_yaml_file(configs / "quickstart.yaml")["env"]
+    assert make(quick["name"], **quick["options"]).reward == "compact"

@@ -2,17 +2,23 @@
 
 Agents `tool` + `planner` (see `jmarl.envs.puzzle`). Actions: moves "U D L R" (also "up,
 right", a JSON list, "URRD"), optionally after "Actions:". Reward of executing moves m_1..m_k
-from cell p_0 (stopping at the goal):
-  local = sum_i [ -step_cost + shaping * (d(p_{i-1}) - d(p_i)) ]   (d = Manhattan distance to
-          the goal; bumping into a wall or the border is a move that stays put)
+from cell p_0 (stopping at the goal), with Phi(p) = -d(p), d the Manhattan distance to the goal:
+  local = sum_i [ -cost_i + shaping * (gamma * Phi(p_i) - Phi(p_{i-1})) ]
+          cost_i = step_cost for a move that moves, invalid_cost for one into a wall or the
+          border (which stays put, p_i = p_{i-1})
   team  = goal_reward if the goal is reached, + shortest_bonus if the total number of moves of
-          the episode equals the BFS shortest-path length.
+          the episode equals the BFS shortest-path length; fail_reward (and the episode ends)
+          if the episode's moves reach move_limit (> 0) without reaching the goal.
+The coefficients come from the `reward` setting (`PathRewards`, `REWARD_SETTINGS`): "compact"
+(default; gamma 1, so the shaping is shaping * (d(p_{i-1}) - d(p_i))) or "pettingllms" (the
+AT-GRPO paper's code); any coefficient option set overrides the setting's value.
 Sizes: `size=5` (CPU tests, default) to `size=10` (the paper).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,19 +40,63 @@ class PathPuzzle:
 
 
 @dataclass(frozen=True)
+class PathRewards:
+    """Plan-Path's reward coefficients (one set per named `reward` setting).
+
+    step_cost / invalid_cost: charged for a move that moves / for one into a wall or the border;
+    shaping, gamma: the shaping term shaping * (gamma * Phi(p') - Phi(p)), Phi = -distance;
+    goal_reward, shortest_bonus: team terms on reaching the goal (in the fewest moves);
+    malformed_reward: an action that cannot be parsed (tool or planner);
+    move_limit, fail_reward: an episode whose moves reach move_limit (0: no limit) unsolved
+    ends with team term fail_reward.
+    """
+
+    step_cost: float
+    invalid_cost: float
+    shaping: float
+    gamma: float
+    goal_reward: float
+    shortest_bonus: float
+    malformed_reward: float
+    move_limit: int
+    fail_reward: float
+
+
+REWARD_SETTINGS: Mapping[str, PathRewards] = {
+    # jmarl's compact rewards: a bump costs what a move costs, undiscounted shaping 0.1.
+    "compact": PathRewards(step_cost=0.01, invalid_cost=0.01, shaping=0.1, gamma=1.0,
+                           goal_reward=1.0, shortest_bonus=0.5, malformed_reward=-0.5,
+                           move_limit=0, fail_reward=0.0),
+    # PettingLLMs' PlanPathGridEnvState defaults (pettingllms/multi_agent_env/stateful/
+    # env_state.py: DEFAULT_* at lines 903-910, step_single 1159-1214) and its agents' -2 for
+    # an action that cannot be parsed (agents/plan_agent.py:85-86, agents/tool_agent.py:125-126).
+    "pettingllms": PathRewards(step_cost=0.01, invalid_cost=0.1, shaping=1.0, gamma=0.99,
+                               goal_reward=1.0, shortest_bonus=0.5, malformed_reward=-2.0,
+                               move_limit=10_000, fail_reward=-1.0),
+}
+
+
+@dataclass(frozen=True)
 class PlanPath(PuzzleEnv):
     """Plan-Path with `size` x `size` grids whose cells are walls with probability `wall_prob`."""
 
     name: ClassVar[str] = "plan_path"
     generation_options: ClassVar[tuple[str, ...]] = ("size", "wall_prob")
+    reward_settings: ClassVar[Mapping[str, PathRewards]] = REWARD_SETTINGS
     size: int = 5
     wall_prob: float = 0.25
     max_turns: int = 3
-    step_cost: float = 0.01
-    shaping: float = 0.1
-    goal_reward: float = 1.0
-    shortest_bonus: float = 0.5
-    malformed_reward: float = -0.5
+    reward: str = "compact"  # "compact" | "pettingllms": the coefficient set (REWARD_SETTINGS)
+    # Coefficient overrides (None: the `reward` setting's value; see PathRewards).
+    step_cost: float | None = None
+    invalid_cost: float | None = None
+    shaping: float | None = None
+    gamma: float | None = None
+    goal_reward: float | None = None
+    shortest_bonus: float | None = None
+    malformed_reward: float | None = None
+    move_limit: int | None = None
+    fail_reward: float | None = None
     program_timeout_s: float = 5.0
     prompt_style: str = "full"  # "full" | "compact" (see jmarl.envs.puzzle.PROMPT_STYLES)
     single_agent: bool = False  # True: the planner alone (no tool agent), the single-agent baseline
@@ -123,26 +173,32 @@ class PlanPath(PuzzleEnv):
     # ---- dynamics and reward -------------------------------------------------------------------
     def _apply(self, puzzle: PathPuzzle, board: Cell, action: tuple[str, ...],
                moves_so_far: int) -> Applied:
-        pos, local, made, bumps = board, 0.0, 0, 0
+        k = self.coefficients
+        pos, local, made, bumps, costs, shaping, failed = board, 0.0, 0, 0, 0.0, 0.0, False
         for move in action:
             if pos == puzzle.goal:
                 break
             made += 1
             nxt = shift(pos, move)
-            before = manhattan(pos, puzzle.goal)
+            phi = -manhattan(pos, puzzle.goal)  # Phi(p_{i-1})
             if 0 <= nxt[0] < puzzle.size and 0 <= nxt[1] < puzzle.size and nxt not in puzzle.walls:
-                pos = nxt
+                pos, cost = nxt, k.step_cost
             else:
-                bumps += 1
-            local += -self.step_cost + self.shaping * (before - manhattan(pos, puzzle.goal))
+                bumps, cost = bumps + 1, k.invalid_cost
+            term = k.shaping * (k.gamma * -manhattan(pos, puzzle.goal) - phi)
+            local += -cost + term
+            costs, shaping = costs - cost, shaping + term
+            if k.move_limit and pos != puzzle.goal and moves_so_far + made >= k.move_limit:
+                failed = True  # PettingLLMs' timeout failure (steps >= max_steps, unsolved)
+                break
         reached = pos == puzzle.goal
         shortest = reached and moves_so_far + made == puzzle.shortest
-        team = (self.goal_reward + (self.shortest_bonus if shortest else 0.0)) if reached else 0.0
+        team = (k.goal_reward + (k.shortest_bonus if shortest else 0.0)) if reached else 0.0
+        if failed:
+            team = k.fail_reward
         info = {"moves": made, "bumps": bumps, "reached": reached, "shortest": shortest,
-                "step_cost": -self.step_cost * made,
-                "shaping": self.shaping * (manhattan(board, puzzle.goal)
-                                           - manhattan(pos, puzzle.goal))}
-        return Applied(pos, made, local, team, reached, info)
+                "failed": failed, "step_cost": costs, "shaping": shaping}
+        return Applied(pos, made, local, team, reached, info, failed)
 
     def _expert_action(self, puzzle: PathPuzzle, board: Cell) -> tuple[str, ...]:
         return self._path(puzzle.size, puzzle.walls, board, puzzle.goal) or ()

@@ -4,12 +4,20 @@ Per turn, sequentially:
 1. `tool` proposes an action: directly in text, or as a ```python program run in the sandbox
    whose stdout is parsed as the action (the program reads the rendered board on stdin). The
    proposal is not executed; the tool's local reward is the reward the proposal would earn if
-   executed now (local + team terms of that simulated step), or `malformed_reward` if no action
-   could be parsed or the program failed. Its team reward is 0 (the board did not change).
+   executed now (local + team terms of that simulated step), or the malformed reward if no
+   action could be parsed or the program failed. Its team reward is 0 (the board did not change).
 2. `planner` sees the board and the tool's proposal and writes the final action, which is
    executed: local reward = the per-move terms, team reward = the outcome terms (solved, ...).
    local + team is the reward of the task's table in docs/environments.md.
-`end_turn` advances the turn; the episode ends when solved or after `max_turns` turns.
+`end_turn` advances the turn; the episode ends when solved or after `max_turns` turns (or
+when an executed action fails it, e.g. a move limit of the `pettingllms` reward setting).
+
+Named reward settings (Plan-Path, Sokoban): a subclass lists its coefficient sets in
+`reward_settings` ({name: frozen dataclass of coefficients}); its `reward` option picks one
+("compact" by default: small terms that train tiny CPU models well; "pettingllms": the
+coefficients of PettingLLMs' env_state.py, the AT-GRPO paper's code) and every coefficient
+option that is set (not None) overrides that coefficient. `coefficients` is the resolved set.
+See docs/environments.md, section 2.6.
 
 A subclass supplies the puzzle: `_generate`, `_key`, `_render`, `_parse_action`, `_apply`,
 `_expert_action`, `_format_action`, `_instructions`, `solution`.
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +76,8 @@ class PuzzleState:
 class Applied:
     """The outcome of executing one action on a board: the new board, the number of moves it
     made, the per-move (local) and outcome (team) reward terms, whether it solved the puzzle and
-    the reward components."""
+    the reward components; `failed`: the action ends the episode unsolved (a move limit ran
+    out)."""
 
     board: Any
     moves: int
@@ -75,6 +85,7 @@ class Applied:
     team: float
     solved: bool
     info: dict
+    failed: bool = False
 
 
 class PuzzleEnv:
@@ -98,6 +109,21 @@ class PuzzleEnv:
     program_timeout_s: float = 5.0
     answer_label = "Actions"
     generation_options: tuple[str, ...] = ()  # the fields the generated puzzles depend on
+    # {setting name: coefficient dataclass} for envs with a `reward` option (see the module
+    # docstring); empty: the env's own fields are its coefficients.
+    reward_settings: Mapping[str, Any] = {}
+
+    @property
+    def coefficients(self) -> Any:
+        """The reward coefficients in force: those of the `reward` setting, each replaced by the
+        env option of the same name when that option is set (not None). Envs without named
+        settings return themselves (their fields are the coefficients)."""
+        if not self.reward_settings:
+            return self
+        base = self.reward_settings[self.reward]
+        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(base)
+                     if getattr(self, f.name, None) is not None}
+        return dataclasses.replace(base, **overrides)
 
     # ---- subclass hooks ----------------------------------------------------------------------
     def _generate(self, rng: random.Random) -> Any:  # pragma: no cover - abstract
@@ -145,7 +171,8 @@ class PuzzleEnv:
 
     def _feedback(self, action: Any, applied: Applied) -> str:
         """One line on an executed action for later prompts."""
-        return self._format(action) + (" (solved)" if applied.solved else "")
+        return self._format(action) + (" (solved)" if applied.solved else
+                                       " (move limit reached)" if applied.failed else "")
 
     # ---- protocol ----------------------------------------------------------------------------
     def _check_options(self) -> None:
@@ -154,6 +181,17 @@ class PuzzleEnv:
         style = getattr(self, "prompt_style", "full")
         if style not in PROMPT_STYLES:
             raise JmarlError(f"{self.name}: prompt_style must be one of {PROMPT_STYLES}, got {style!r}")
+        if self.reward_settings:
+            setting = getattr(self, "reward", None)
+            if setting not in self.reward_settings:
+                raise JmarlError(f"{self.name}: reward must be one of "
+                                 f"{tuple(self.reward_settings)}, got {setting!r}")
+            coefs = self.coefficients
+            if not 0.0 < coefs.gamma <= 1.0:
+                raise JmarlError(f"{self.name}: gamma must be in (0, 1], got {coefs.gamma}")
+            if coefs.move_limit < 0:
+                raise JmarlError(f"{self.name}: move_limit must be >= 0 (0: no limit), "
+                                 f"got {coefs.move_limit}")
 
     def reset(self, seed: int) -> PuzzleState:
         """The initial state for `seed` (train/eval items are disjoint by content hash)."""
@@ -236,7 +274,7 @@ class PuzzleEnv:
         info: dict = {"source": note, "action": action}
         if action is None:
             info["malformed"] = True
-            return new_state, StepResult(self.malformed_reward, 0.0, False, info)
+            return new_state, StepResult(self.coefficients.malformed_reward, 0.0, False, info)
         applied = self._apply(state.puzzle, state.board, action, state.moves)
         info.update(applied.info, would_solve=applied.solved)
         return new_state, StepResult(float(applied.local + applied.team), 0.0, False, info)
@@ -246,13 +284,14 @@ class PuzzleEnv:
         if action is None:
             new_state = dataclasses.replace(
                 state, history=state.history + (f"turn {state.turn + 1}: unparseable action",))
-            return new_state, StepResult(self.malformed_reward, 0.0, False, {"malformed": True})
+            return new_state, StepResult(self.coefficients.malformed_reward, 0.0, False,
+                                         {"malformed": True})
         applied = self._apply(state.puzzle, state.board, action, state.moves)
         feedback = f"turn {state.turn + 1}: {self._feedback(action, applied)}"
         new_state = dataclasses.replace(
             state, board=applied.board, moves=state.moves + applied.moves,
             history=state.history + (feedback,), solved=state.solved or applied.solved,
-            finished=state.finished or applied.solved)
+            finished=state.finished or applied.solved or applied.failed)
         info = dict(applied.info, action=action, solved=applied.solved)
         return new_state, StepResult(float(applied.local), float(applied.team),
                                      new_state.finished, info)

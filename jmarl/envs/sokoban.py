@@ -5,10 +5,17 @@ boxes for `reverse_steps` random steps; every pull is a push played backwards, s
 is solvable. A breadth-first solver then finds a shortest solution (`solution(seed)`).
 
 Agents `tool` + `planner` (see `jmarl.envs.puzzle`); actions are moves "U D L R" like Plan-Path.
-Reward of executing moves (stopping once solved); a blocked move still costs its step:
-  local = -step_cost per move + box_on_goal per push onto a goal + box_off_goal (negative) per
-          push off a goal
-  team  = solved_reward if every box is on a goal.
+Reward of executing moves (stopping once solved), with Phi(boxes) = -sum over boxes of the
+Manhattan distance to the nearest goal:
+  local = sum over moves of [ -step_cost for a move that moves, or -invalid_cost for a blocked
+          one (a wall, or a box against a wall or box) + box_on_goal per push onto a goal
+          + box_off_goal (negative) per push off a goal
+          + shaping * (gamma * Phi(boxes after) - Phi(boxes before)) ]
+  team  = solved_reward if every box is on a goal; fail_reward (and the episode ends) if the
+          episode's moves reach move_limit (> 0) unsolved.
+The coefficients come from the `reward` setting (`SokobanRewards`, `REWARD_SETTINGS`):
+"compact" (default; a blocked move costs a step, no shaping) or "pettingllms" (the AT-GRPO
+paper's code); any coefficient option set overrides the setting's value.
 Sizes: `size` counts the border walls; 5x5 or 6x6 with 1 box for CPU tests, 6x6 (default) in
 the paper; `boxes` sets the number of boxes; rooms whose shortest solution is shorter than
 `min_moves` are redrawn.
@@ -17,6 +24,7 @@ the paper; `boxes` sets the number of boxes; rooms whose shortest solution is sh
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -70,6 +78,52 @@ def solve(walls: frozenset[Cell], goals: frozenset[Cell], board: Board,
     return bfs(board, successors, lambda b: b[1] == goals, max_nodes=max_nodes)
 
 
+def potential(goals: frozenset[Cell], boxes: frozenset[Cell]) -> int:
+    """Phi = -(sum over boxes of the Manhattan distance to the nearest goal); 0 when solved."""
+    return -sum(min(abs(b[0] - g[0]) + abs(b[1] - g[1]) for g in goals) for b in boxes)
+
+
+@dataclass(frozen=True)
+class SokobanRewards:
+    """Sokoban's reward coefficients (one set per named `reward` setting).
+
+    step_cost / invalid_cost: charged for a move that moves / for a blocked one;
+    box_on_goal, box_off_goal: per push onto / off a goal;
+    shaping, gamma: the box-distance term shaping * (gamma * Phi' - Phi) of every move;
+    solved_reward: team term when every box is on a goal;
+    malformed_reward: an action that cannot be parsed (tool or planner);
+    move_limit, fail_reward: an episode whose moves reach move_limit (0: no limit) unsolved
+    ends with team term fail_reward.
+    """
+
+    step_cost: float
+    invalid_cost: float
+    box_on_goal: float
+    box_off_goal: float
+    shaping: float
+    gamma: float
+    solved_reward: float
+    malformed_reward: float
+    move_limit: int
+    fail_reward: float
+
+
+REWARD_SETTINGS: Mapping[str, SokobanRewards] = {
+    # jmarl's compact rewards: a blocked move costs what a move costs, no box-distance shaping.
+    "compact": SokobanRewards(step_cost=0.01, invalid_cost=0.01, box_on_goal=1.0,
+                              box_off_goal=-0.5, shaping=0.0, gamma=1.0, solved_reward=10.0,
+                              malformed_reward=-0.5, move_limit=0, fail_reward=0.0),
+    # PettingLLMs' SokobanGridEnvState defaults (pettingllms/multi_agent_env/stateful/
+    # env_state.py: DEFAULT_* at lines 1273-1281, _potential 1507-1519, step_single 1594-1662)
+    # and its agents' -2 for an action that cannot be parsed (agents/plan_agent.py:85-86,
+    # agents/tool_agent.py:125-126).
+    "pettingllms": SokobanRewards(step_cost=0.01, invalid_cost=0.05, box_on_goal=1.0,
+                                  box_off_goal=-0.5, shaping=0.1, gamma=0.99,
+                                  solved_reward=10.0, malformed_reward=-2.0, move_limit=200,
+                                  fail_reward=-5.0),
+}
+
+
 @dataclass(frozen=True)
 class Sokoban(PuzzleEnv):
     """Sokoban rooms of `size` x `size` (border included) with `boxes` boxes."""
@@ -77,17 +131,25 @@ class Sokoban(PuzzleEnv):
     name: ClassVar[str] = "sokoban"
     generation_options: ClassVar[tuple[str, ...]] = ("size", "boxes", "wall_prob",
                                                      "reverse_steps", "min_moves")
+    reward_settings: ClassVar[Mapping[str, SokobanRewards]] = REWARD_SETTINGS
     size: int = 6
     boxes: int = 1
     wall_prob: float = 0.15
     reverse_steps: int = 30
     min_moves: int = 3
     max_turns: int = 3
-    step_cost: float = 0.01
-    box_on_goal: float = 1.0
-    box_off_goal: float = -0.5
-    solved_reward: float = 10.0
-    malformed_reward: float = -0.5
+    reward: str = "compact"  # "compact" | "pettingllms": the coefficient set (REWARD_SETTINGS)
+    # Coefficient overrides (None: the `reward` setting's value; see SokobanRewards).
+    step_cost: float | None = None
+    invalid_cost: float | None = None
+    box_on_goal: float | None = None
+    box_off_goal: float | None = None
+    shaping: float | None = None
+    gamma: float | None = None
+    solved_reward: float | None = None
+    malformed_reward: float | None = None
+    move_limit: int | None = None
+    fail_reward: float | None = None
     program_timeout_s: float = 5.0
     prompt_style: str = "full"  # "full" | "compact" (see jmarl.envs.puzzle.PROMPT_STYLES)
     single_agent: bool = False  # True: the planner alone (no tool agent), the single-agent baseline
@@ -184,28 +246,38 @@ class Sokoban(PuzzleEnv):
     # ---- dynamics and reward -------------------------------------------------------------------
     def _apply(self, room: Room, board: Board, action: tuple[str, ...],
                moves_so_far: int) -> Applied:
-        local, made, on, off, blocked = 0.0, 0, 0, 0, 0
+        k = self.coefficients
+        local, made, on, off, blocked, costs, shaping, failed = 0.0, 0, 0, 0, 0, 0.0, 0.0, False
         for move in action:
             if board[1] == room.goals:
                 break
             made += 1
-            local -= self.step_cost
             new_board, src, dst = push(room.walls, board, move)
+            cost = k.invalid_cost if new_board == board else k.step_cost
             blocked += new_board == board
+            local -= cost
+            costs -= cost
             if dst is not None:
                 if dst in room.goals and src not in room.goals:
                     on += 1
-                    local += self.box_on_goal
+                    local += k.box_on_goal
                 elif src in room.goals and dst not in room.goals:
                     off += 1
-                    local += self.box_off_goal
+                    local += k.box_off_goal
+            term = k.shaping * (k.gamma * potential(room.goals, new_board[1])
+                                - potential(room.goals, board[1]))
+            local += term
+            shaping += term
             board = new_board
+            if k.move_limit and board[1] != room.goals and moves_so_far + made >= k.move_limit:
+                failed = True  # PettingLLMs' timeout failure (steps >= max_steps, unsolved)
+                break
         solved = board[1] == room.goals
-        team = self.solved_reward if solved else 0.0
+        team = k.fail_reward if failed else k.solved_reward if solved else 0.0
         info = {"moves": made, "blocked": blocked, "pushed_on": on, "pushed_off": off,
-                "step_cost": -self.step_cost * made, "box_terms": on * self.box_on_goal
-                + off * self.box_off_goal}
-        return Applied(board, made, local, team, solved, info)
+                "failed": failed, "step_cost": costs, "shaping": shaping,
+                "box_terms": on * k.box_on_goal + off * k.box_off_goal}
+        return Applied(board, made, local, team, solved, info, failed)
 
     def _expert_action(self, room: Room, board: Board) -> tuple[str, ...]:
         return solve(room.walls, room.goals, board) or ()

@@ -22,6 +22,8 @@ layer axis L are not sharded, a stacked policy axis P is sharded on `policy`):
     lm_head/kernel [D, V]                (fsdp, tensor)
     */scale (RMSNorm, q/k norms)         replicated
     LoRA {kernel}/a [in, r], {kernel}/b [r, out]: a keeps the kernel's `in` axis, b its `out` axis
+    (adapters as trained, {'a', 'b'} dicts, or attached: a `LoraKernel`'s w is placed like the
+    kernel, its a and b like those; a base held once beside stacked adapters has no policy axis)
 
 An axis that does not divide a dimension is dropped for that dimension (the array is then
 replicated along it), so every spec is valid for every model size and mesh. Optimizer state
@@ -69,6 +71,7 @@ _RULES: dict[tuple[str, str], tuple[Any, ...]] = {
     ("o_proj", "bias"): (None,),
 }
 _LORA_LEAVES = ("a", "b")
+_LORA_KERNEL_FIELDS = ("w",) + _LORA_LEAVES  # `jmarl.models.model.LoraKernel`'s array fields
 
 
 # ---------------------------------------------------------------------------------- meshes
@@ -146,13 +149,28 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------------- partition rules
 def _dict_names(path: tuple) -> tuple[str, ...]:
-    """The trailing run of dict keys of a pytree path (optax/TrainState wrappers stripped)."""
+    """The trailing run of dict keys of a pytree path (optax/TrainState wrappers stripped). A
+    path that ends in a field of an attached LoRA kernel (`LoraKernel` in the kernel's slot)
+    reads as the kernel's own path for w and as the adapter's ({kernel}/a, {kernel}/b) for a, b."""
     names: list[str] = []
+    field = _lora_kernel_field(path)
+    if field is not None:
+        path = path[:-1]
+        names = [] if field == "w" else [field]
     for key in reversed(path):
         if not isinstance(key, jax.tree_util.DictKey):
             break
         names.append(str(key.key))
     return tuple(reversed(names))
+
+
+def _lora_kernel_field(path: tuple) -> str | None:
+    """'w', 'a' or 'b' when `path` ends in that field of a `LoraKernel` held under a dict key
+    (an attached adapter in a kernel's slot), else None."""
+    if len(path) < 2 or not isinstance(path[-2], jax.tree_util.DictKey):
+        return None
+    last = path[-1]
+    return last.name if isinstance(last, jax.tree_util.GetAttrKey) and last.name in _LORA_KERNEL_FIELDS else None
 
 
 @functools.lru_cache(maxsize=32)

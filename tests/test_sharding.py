@@ -12,7 +12,7 @@ from jmarl.config import DistributedConfig, MeshConfig
 from jmarl.errors import JmarlError
 from jmarl import sharding
 from jmarl.train.checkpoint import Checkpointer
-from jmarl.train.lora import init_lora, merge_lora
+from jmarl.train.lora import attach_lora, init_lora
 from jmarl.train.optim import make_optimizer
 from jmarl.train.step import init_train_state, make_update
 
@@ -122,11 +122,11 @@ def _batch(rng, policies=None):
     }
 
 
-def _loss(trainable, frozen, batch, m):
-    """The trainer's loss: model log-probs (LoRA merged over `frozen` when given) -> GRPO."""
-    params = trainable if frozen is None else merge_lora(frozen, trainable, rank=4, alpha=8.0)
+def _loss(trainable, frozen, batch):
+    """The trainer's loss: model log-probs (LoRA attached unmerged over `frozen` when given) -> GRPO."""
+    params = trainable if frozen is None else attach_lora(frozen, trainable, rank=4, alpha=8.0)
     lp = models.token_logprobs(TINY, params, batch["tokens"], batch["attention_mask"])
-    return algos.grpo.loss(algos.grpo.GRPOConfig(), lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
+    return algos.policy_loss(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
 
 
 OPT = make_optimizer(1e-3, total_steps=10, eps=1e-6)
@@ -140,7 +140,7 @@ def _close(a, b, atol=1e-5):
 
 
 def _grad_fn(stacked):
-    grad = jax.grad(lambda p, b: _loss(p, None, b, jnp.int32(0))[0])
+    grad = jax.grad(lambda p, b: _loss(p, None, b)[0])
     return jax.vmap(grad) if stacked else grad
 
 

@@ -20,6 +20,10 @@ Hq = num_heads * head_dim, Hkv = num_kv_heads * head_dim, F = intermediate size:
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]         (absent when embeddings are tied)
 
+LoRA runs unmerged: an adapted kernel's slot may hold a `LoraKernel` (base W, adapter A, B and
+scale s; `jmarl.train.lora.attach_lora`), and every product with it is x W + s (x A) B, the
+frozen W read in place and never copied per adapter. Plain kernels run the same program as before.
+
 Decoder layers are stacked on a leading axis and run with `jax.lax.scan` (unrolled for shallow
 models, rolled beyond `_UNROLL_MAX_LAYERS` so compile time does not grow with depth);
 `config.remat` wraps each layer in `jax.checkpoint` with its policy. Dense layers multiply 2-D [rows, D] views.
@@ -74,6 +78,62 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
+@struct.dataclass
+class LoraKernel:
+    """A projection kernel run with a low-rank adapter, unmerged: x -> x W + scale * (x A) B.
+
+    w [..., in, out]: the frozen base kernel (any float dtype; no gradient flows to it);
+    a [..., in, r], b [..., r, out]: the adapter (float32 when trained); scale = alpha / r
+    (static). Leading axes (the stacked layer axis L, a policy axis) are shared by w, a and b,
+    except that a policy axis may be on a and b alone (one base for every adapter). It sits in
+    the params tree where the kernel sits, so the layer scan and the decode loop slice it like
+    any kernel."""
+
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The base kernel's shape [..., in, out]."""
+        return self.w.shape
+
+    @property
+    def dtype(self) -> Any:
+        """The base kernel's dtype."""
+        return self.w.dtype
+
+    def __getitem__(self, index: Any) -> "LoraKernel":
+        """`kernel[...]` (how NNX reads a parameter): itself; other indices index w, a and b alike."""
+        return self if index is Ellipsis else jax.tree.map(lambda x: x[index], self)
+
+
+def is_lora(x: Any) -> bool:
+    """Whether `x` is a `LoraKernel` (an `is_leaf` for tree maps that stop at one)."""
+    return isinstance(x, LoraKernel)
+
+
+def cast_kernel(kernel: jax.Array | LoraKernel, dtype: Any) -> jax.Array | LoraKernel:
+    """A kernel [in, out] (an array, or a `LoraKernel` whose w, a and b are each cast, w's
+    gradient stopped: the base is frozen) in `dtype`."""
+    if is_lora(kernel):
+        return LoraKernel(jax.lax.stop_gradient(kernel.w).astype(dtype), kernel.a.astype(dtype),
+                          kernel.b.astype(dtype), kernel.scale)
+    return kernel.astype(dtype)
+
+
+def dense(x: jax.Array, kernel: jax.Array | LoraKernel, preferred_element_type: Any = None) -> jax.Array:
+    """x [..., in] @ kernel [in, out] -> [..., out], operands in the compute dtype (`cast_kernel`).
+    A `LoraKernel`: x W + scale * (x A) B, the low-rank path through the [..., r] product x A
+    (W + scale A B is never formed)."""
+    if not is_lora(kernel):
+        return jnp.dot(x, kernel, preferred_element_type=preferred_element_type)
+    low = jnp.dot(x, kernel.a) * kernel.scale  # [..., r], in x's dtype
+    return (jnp.dot(x, kernel.w, preferred_element_type=preferred_element_type)
+            + jnp.dot(low, kernel.b, preferred_element_type=preferred_element_type))
+
+
 class Linear(nnx.Linear):
     """`nnx.Linear` that multiplies a 2-D view of its input: x [..., d_in] -> [..., d_out].
 
@@ -83,8 +143,21 @@ class Linear(nnx.Linear):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
-        y = super().__call__(x.reshape(-1, x.shape[-1]))
+        if is_lora(self.kernel.get_raw_value()):
+            y = self._lora(x.reshape(-1, x.shape[-1]))
+        else:
+            y = super().__call__(x.reshape(-1, x.shape[-1]))
         return y.reshape(*lead, y.shape[-1])
+
+    def _lora(self, x: jax.Array) -> jax.Array:
+        """x [rows, in] -> [rows, out] through a `LoraKernel`: x W + scale (x A) B (+ bias), in
+        the layer's compute dtype."""
+        dtype = self.dtype or x.dtype
+        x = x.astype(dtype)
+        y = dense(x, cast_kernel(self.kernel[...], dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dtype)[None, :]
+        return y
 
 
 def _linear(c: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> Linear:
@@ -157,9 +230,9 @@ class MLP(nnx.Module):
 
         @jax.checkpoint
         def chunk(x_c: jax.Array) -> jax.Array:  # [B, size, D]
-            gate, up, down = (w.astype(dtype) for w in weights)
+            gate, up, down = (cast_kernel(w, dtype) for w in weights)
             x_c = x_c.astype(dtype)
-            return jnp.dot(jax.nn.silu(jnp.dot(x_c, gate)) * jnp.dot(x_c, up), down)
+            return dense(jax.nn.silu(dense(x_c, gate)) * dense(x_c, up), down)
 
         out = jax.lax.map(chunk, chunks)  # [n, B, size, D]
         return out.swapaxes(0, 1).reshape(b, n * size, -1)[:, :t]
@@ -208,23 +281,24 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, jnp.dtype(c.param_dtype))
         self.lm_head = None if c.tie_word_embeddings else _linear(c, c.hidden_size, c.vocab_size, False, rngs)
 
-    def head_master(self) -> jax.Array:
-        """The output projection [D, V] as stored (float32 masters; the embedding when tied)."""
+    def head_master(self) -> jax.Array | LoraKernel:
+        """The output projection [D, V] as stored (float32 masters; the embedding when tied; a
+        `LoraKernel` when the head is adapted)."""
         if self.lm_head is None:
             return self.embed.embedding[...].T
         return self.lm_head.kernel[...]
 
-    def head_kernel(self) -> jax.Array:
+    def head_kernel(self) -> jax.Array | LoraKernel:
         """The output projection [D, V] in the compute dtype (the embedding when tied)."""
         dtype = jnp.dtype(self.config.compute_dtype)
         if self.lm_head is None:
             return self.embed.embedding[...].astype(dtype).T
-        return self.lm_head.kernel[...].astype(dtype)
+        return cast_kernel(self.lm_head.kernel[...], dtype)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """h [..., D] (final-normed) -> float32 logits [..., V]."""
         dtype = jnp.dtype(self.config.compute_dtype)
-        return jnp.dot(h.astype(dtype), self.head_kernel(), preferred_element_type=jnp.float32)
+        return dense(h.astype(dtype), self.head_kernel(), preferred_element_type=jnp.float32)
 
     def hidden(
         self, tokens: jax.Array, attention_mask: jax.Array, *, return_kv: bool = False, last_only: bool = False
@@ -380,6 +454,8 @@ def _scan_full_remat_fwd(step, carry, layers, consts, unroll):
 
 def _scan_full_remat_bwd(step, unroll, residuals, d_out):
     saved, layers, consts = residuals
+    if any(is_lora(x) for x in jax.tree.leaves(layers, is_leaf=is_lora)):
+        return _scan_full_remat_bwd_lora(step, unroll, saved, layers, consts, d_out)
 
     def body(d_carry, xs):
         bits, p = xs
@@ -390,6 +466,35 @@ def _scan_full_remat_bwd(step, unroll, residuals, d_out):
 
     d_carry, d_layers = jax.lax.scan(body, d_out, (saved, layers), reverse=True, unroll=unroll)
     return d_carry, d_layers, None
+
+
+def _scan_full_remat_bwd_lora(step, unroll, saved, layers, consts, d_out):
+    """`_scan_full_remat_bwd` for layers holding `LoraKernel`s: the reverse scan back-propagates
+    to everything but their frozen bases, which get no cotangent (None: zero), so no [in, out]
+    gradient per base kernel is computed or stacked (under a vmap over adapters, one per adapter)."""
+    trainable, frozen = split_frozen(layers)
+
+    def body(d_carry, xs):
+        bits, p, f = xs
+        c = jax.tree.map(_from_bits, bits, d_carry)
+        _, vjp = jax.vjp(lambda c_, p_: step(c_, join_frozen(p_, f), consts), c, p)
+        return vjp(d_carry)
+
+    d_carry, d_trainable = jax.lax.scan(body, d_out, (saved, trainable, frozen), reverse=True, unroll=unroll)
+    return d_carry, d_trainable, None
+
+
+def split_frozen(tree: Any) -> tuple[Any, Any]:
+    """(tree with each `LoraKernel`'s base w replaced by None, the tree of those bases alone:
+    None everywhere else). `join_frozen` puts them back."""
+    trainable = jax.tree.map(lambda x: x.replace(w=None) if is_lora(x) else x, tree, is_leaf=is_lora)
+    frozen = jax.tree.map(lambda x: x.w if is_lora(x) else None, tree, is_leaf=is_lora)
+    return trainable, frozen
+
+
+def join_frozen(trainable: Any, frozen: Any) -> Any:
+    """The inverse of `split_frozen`: each `LoraKernel` of `trainable` gets its base back."""
+    return jax.tree.map(lambda x, w: x.replace(w=w) if is_lora(x) else x, trainable, frozen, is_leaf=is_lora)
 
 
 _scan_full_remat.defvjp(_scan_full_remat_fwd, _scan_full_remat_bwd)
@@ -580,7 +685,7 @@ def prefix_token_logprobs(
 
 
 def chunked_logprobs(
-    kernel: jax.Array,
+    kernel: jax.Array | LoraKernel,
     h: jax.Array,
     targets: jax.Array,
     temperature: float | jax.Array = 1.0,
@@ -609,7 +714,7 @@ def chunked_logprobs(
     @jax.checkpoint
     def chunk_logprobs(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
         dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else kernel.dtype
-        logits = jnp.dot(h_c.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32) / temperature
+        logits = dense(h_c.astype(dtype), cast_kernel(kernel, dtype), preferred_element_type=jnp.float32) / temperature
         picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
         return picked - jax.nn.logsumexp(logits, axis=-1)
 

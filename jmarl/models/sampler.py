@@ -31,7 +31,9 @@ tokens without truncation, so the sampler reports the same quantity. With `tempe
 
 Many policies: `generate_stacked` takes parameters stacked on a leading policy axis [P, ...]
 and prompts [P, B, S]; the program is `jax.vmap`ped over policies, so a whole multi-agent turn
-is one device call. Policy p draws its randomness from `jax.random.fold_in(rng, p)`: its rows
+is one device call. Leaves without the policy axis are shared by every policy (`policy_axes`):
+per-agent LoRA adapters [P, ...] attached to one base (`jmarl.train.lora.attach_lora`) decode
+with that base read once, not P merged copies of it. Policy p draws its randomness from `jax.random.fold_in(rng, p)`: its rows
 equal `generate(config, params_p, prompts_p, masks_p, jax.random.fold_in(rng, p), ...)`.
 """
 
@@ -47,7 +49,7 @@ from flax import struct
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import KVCache, Params, decode_step, empty_cache, prefill
+from jmarl.models.model import KVCache, Params, decode_step, empty_cache, is_lora, param_shapes, prefill
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
 
 _TRACES = {"count": 0}
@@ -354,6 +356,26 @@ def generation_params(config: ModelConfig, params: Params, stacked: bool) -> Par
     return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
 
+def policy_axes(config: ModelConfig, params: Params) -> Params:
+    """The policy axis of each leaf of params stacked over policies (a `jax.vmap` in_axes tree,
+    params' structure): 0 where a leaf has one axis more than `config`'s parameter at its path,
+    None where it has not (held once for every policy: the base of per-agent LoRA adapters,
+    whose `LoraKernel`s then have w None and a, b 0)."""
+
+    def axes(shape: jax.ShapeDtypeStruct, leaf: Any) -> Any:
+        stacked = lambda x: 0 if x.ndim > len(shape.shape) else None  # noqa: E731
+        return jax.tree.map(stacked, leaf) if is_lora(leaf) else stacked(leaf)
+
+    return jax.tree.map(axes, param_shapes(config), params)
+
+
+def select_policy(config: ModelConfig, params: Params, policy: jax.Array) -> Params:
+    """Policy `policy`'s parameters (int32 scalar) of params stacked over policies: its slice of
+    each stacked leaf (read in place), the shared leaves as they are (`policy_axes`)."""
+    return jax.tree.map(lambda p, axis: p if axis is None else jax.lax.dynamic_index_in_dim(p, policy, keepdims=False),
+                        params, policy_axes(config, params))
+
+
 @functools.lru_cache(maxsize=None)
 def _program(
     config: ModelConfig,
@@ -380,12 +402,13 @@ def _program(
     def program(params, cache, tokens, mask, rows, rng, temperature, top_p, policy=None):
         _TRACES["count"] += 1  # runs once per trace, i.e. once per compiled program
         if select:  # one policy of a stacked group: its slice, read in place
-            params = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, policy, keepdims=False), params)
+            params = select_policy(config, params, policy)
         params = generation_params(config, params, stacked)
         if stacked:
             rngs = jax.vmap(lambda p: jax.random.fold_in(rng, p))(jnp.arange(tokens.shape[0]))
             rows_axis = None if rows is None else 0
-            return jax.vmap(core, in_axes=(0, 0, 0, 0, rows_axis, 0, None, None), axis_name="policy")(
+            axes = policy_axes(config, params)
+            return jax.vmap(core, in_axes=(axes, 0, 0, 0, rows_axis, 0, None, None), axis_name="policy")(
                 params, cache, tokens, mask, rows, rngs, temperature, top_p
             )
         return core(params, cache, tokens, mask, rows, rng, temperature, top_p)

@@ -1,4 +1,4 @@
-"""LoRA adapters as a separate pytree over a frozen base: W' = W + (alpha / rank) * A @ B.
+"""LoRA adapters as a separate pytree over a frozen base: y = x W + (alpha / rank) * (x A) B.
 
 Adapters live beside the base parameters, not inside them, so the base is the reference policy
 for free and only the adapters are trained (and stacked on a leading policy axis for
@@ -6,10 +6,17 @@ per-agent LoRA). A kernel of shape [..., in, out] (leading axes such as a stacke
 are kept) gets A [..., in, rank] (random normal / sqrt(in)) and B [..., rank, out] (zeros), so
 a fresh adapter leaves the model unchanged.
 
+The model runs them unmerged (`attach_lora`): each adapted kernel's slot holds a
+`jmarl.models.model.LoraKernel` (W, A, B, scale) and every product is x W + s (x A) B, so the
+frozen base is held once for all the adapters of a group (P per-agent adapters on an 8B base
+cost P x the adapters, not P x 8B of merged weights), in sampling and in the update, and no
+gradient is formed for W. `merge_lora` makes real merged weights where they are needed
+(export to a Hugging Face directory).
+
 Adapters are float32 whatever the base's dtype: they are what the optimizer updates, and
 AdamW updates of bfloat16 weights mostly round away. The base may be stored in bfloat16 (it is
-frozen); the merge adds the adapter product in float32 and stores the result in the base's
-dtype.
+frozen). Unmerged, W, A and B are each cast to the compute dtype for their products; the merge
+adds the adapter product in float32 and stores the result in the base's dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jmarl.errors import JmarlError
+from jmarl.models.model import LoraKernel
 
 Params = Any
 KERNEL_NAMES = ("kernel", "weight")
@@ -90,6 +98,19 @@ def merge_lora(base: Params, adapters: Params, *, rank: int, alpha: float) -> Pa
 
 
 def attach_lora(base: Params, adapters: Params, *, rank: int, alpha: float) -> Params:
-    """The parameters the model runs with for `adapters` on the frozen `base` (placeholder:
-    merged; to become the unmerged x W + s (x A) B form)."""
-    return merge_lora(base, adapters, rank=rank, alpha=alpha)
+    """The parameters the model runs with for `adapters` on the frozen `base`, unmerged: every
+    adapted kernel W [..., in, out] becomes `LoraKernel(W, A, B, alpha / rank)` (the model then
+    computes x W + s (x A) B), other leaves are the base's own arrays. Nothing is computed or
+    copied: W is the base's array. Adapters may carry a leading policy axis [P, ...] that the
+    base does not (`policy_axes` of `jmarl.models.sampler` reads it); under `jax.vmap` over
+    adapters with the base unmapped, each policy reads the one base."""
+    scale = alpha / rank
+
+    def attach(w, ad):
+        if ad is None:
+            return w
+        return LoraKernel(w, ad["a"], ad["b"], scale)
+
+    # `base` sets the structure: each of its leaves meets the adapter subtree at the same path
+    return jax.tree.map(attach, base, adapters)
+

@@ -21,7 +21,7 @@ from jmarl.config import REMAT_AUTO_MIN_PARAMS, ArchConfig, check_preset_name
 from jmarl.errors import JmarlError
 from jmarl.models.config import REMAT_POLICIES
 from jmarl.models.presets import preset_config
-from jmarl.train.lora import merge_lora
+from jmarl.train.lora import attach_lora, merge_lora
 from jmarl.train.step import TrainState
 
 Params = Any
@@ -48,24 +48,29 @@ class PolicyGroup:
     ref: Params | None
 
     def full_params(self, trainable: Params | None = None) -> Params:
-        """Parameters the model runs with (LoRA merged); stacked [P, ...] when `stacked`."""
+        """Parameters the model runs with; stacked [P, ...] when `stacked`. LoRA: the adapters
+        attached to the base unmerged (`attach_lora`: nothing computed or copied), the base's
+        leaves held once and unstacked, the adapters [P, ...] when `stacked` (the sampler's
+        `policy_axes` tells them apart)."""
         trainable = self.state.params if trainable is None else trainable
         if self.lora_rank is None:
             return trainable
-        merge = lambda ad: merge_lora(self.base, ad, rank=self.lora_rank, alpha=self.lora_alpha)  # noqa: E731
-        return jax.vmap(merge)(trainable) if self.stacked else merge(trainable)
+        return attach_lora(self.base, trainable, rank=self.lora_rank, alpha=self.lora_alpha)
 
     def index(self, policy_id: int) -> int:
         """Position of global `policy_id` on this group's policy axis."""
         return self.policy_ids.index(policy_id)
 
     def policy_params(self, policy_id: int) -> Params:
-        """One policy's full parameters (unstacked)."""
-        full = self.full_params()
-        if not self.stacked:
-            return full
-        i = self.index(policy_id)
-        return jax.tree.map(lambda x: x[i], full)
+        """One policy's full parameters as plain arrays (unstacked; LoRA merged into real
+        weights, W + (alpha / rank) A B: what an export writes)."""
+        trainable = self.state.params
+        if self.stacked:
+            i = self.index(policy_id)
+            trainable = jax.tree.map(lambda x: x[i], trainable)
+        if self.lora_rank is None:
+            return trainable
+        return merge_lora(self.base, trainable, rank=self.lora_rank, alpha=self.lora_alpha)
 
 
 @dataclass

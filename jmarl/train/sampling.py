@@ -8,7 +8,6 @@ length bucket, so varied turns reuse a handful of compiled programs.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -215,12 +214,11 @@ def split_calls(requests: int, n: int, max_rows: int | None) -> list[tuple[int, 
 
 
 def full_params_shapes(group: PolicyGroup) -> Any:
-    """What the sampler runs `group` with (`PolicyGroup.full_params`) without computing it: the
-    state's own parameters, or for LoRA the merged parameters' `jax.ShapeDtypeStruct`s."""
-    if group.lora_rank is None:
-        return group.state.params
-    merged = lambda adapters, base: dataclasses.replace(group, base=base).full_params(adapters)  # noqa: E731
-    return jax.eval_shape(merged, group.state.params, group.base)
+    """What the sampler runs `group` with (`PolicyGroup.full_params`), made of the group's own
+    leaves (arrays or `jax.ShapeDtypeStruct`s, their shardings kept): the state's parameters,
+    or for LoRA the base with the adapters attached unmerged (nothing computed; the base's
+    leaves are the group's base, so a planner counts them once)."""
+    return group.full_params()
 
 
 def synthetic_prompts(

@@ -1,0 +1,305 @@
+"""LoRA run unmerged (`attach_lora`: x W + s (x A) B): the same numbers as merged weights
+(`merge_lora`) in every path the model runs (full forward, shared-prefix learner, KV-cache
+sampler, stacked policies), the same adapter gradients, and one base in memory for many
+adapters."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jmarl import models, sharding
+from jmarl.models import model as model_lib
+from jmarl.models import sampler as sampler_lib
+from jmarl.models.model import LoraKernel
+from jmarl.train.lora import attach_lora, init_lora, merge_lora
+from jmarl.train.policies import PolicyGroup
+from jmarl.train.shared_prefix import shared_prefix_logprobs
+
+TINY = models.ModelConfig(
+    model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True,
+)
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+RANK, ALPHA = 4, 8.0
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _adapters(base, seed: int):
+    """Adapters on every projection and the LM head with random non-zero A and B (a fresh
+    adapter's B is zero)."""
+    ad = init_lora(base, jax.random.key(seed), rank=RANK, target_modules=ALL)
+    keys = iter(jax.random.split(jax.random.key(seed + 100), len(jax.tree.leaves(ad))))
+    return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), ad)
+
+
+def _attached(base, ad):
+    return attach_lora(base, ad, rank=RANK, alpha=ALPHA)
+
+
+@jax.jit
+def _merged(base, ad):
+    return merge_lora(base, ad, rank=RANK, alpha=ALPHA)
+
+
+@jax.jit
+def _stack(*trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _fast(fn, *args):
+    """fn(*args), jitted and compiled without LLVM's expensive passes (the same numbers, a
+    faster compile)."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST)(*args)
+
+
+def _close(a, b, rtol=1e-5, atol=1e-5):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
+
+
+def _shared_prefix_batch(rng):
+    """2 left-padded prompts [2, 6] shared by 4 right-padded continuations [4, 5]."""
+    prefix = rng.integers(3, TINY.vocab_size, (2, 6)).astype(np.int32)
+    prefix_mask = np.arange(6)[None] >= np.array([[0], [2]])
+    tokens = rng.integers(3, TINY.vocab_size, (4, 5)).astype(np.int32)
+    mask = np.arange(5)[None] < np.array([[5], [3], [4], [5]])
+    return {"prefix_tokens": prefix, "prefix_mask": prefix_mask, "prefix_rows": np.array([0, 0, 1, 1], np.int32),
+            "tokens": tokens, "attention_mask": mask}
+
+
+BASE = jax.jit(models.init, static_argnums=0)(TINY, jax.random.key(0))
+AD = _adapters(BASE, 1)
+
+
+def test_attach_holds_the_base_and_adapters_unmerged():
+    params = _attached(BASE, AD)
+    q = params["layers"]["attn"]["q_proj"]["kernel"]
+    assert isinstance(q, LoraKernel) and q.scale == ALPHA / RANK
+    assert q.w is BASE["layers"]["attn"]["q_proj"]["kernel"] and q.a is AD["layers"]["attn"]["q_proj"]["kernel"]["a"]
+    assert q.shape == q.w.shape and q.dtype == q.w.dtype
+    assert params["layers"]["attn"]["q_proj"]["bias"] is BASE["layers"]["attn"]["q_proj"]["bias"]
+    assert params["embed"]["embedding"] is BASE["embed"]["embedding"]  # not a target: the base's own
+
+
+def test_logits_and_logprobs_equal_merged():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, TINY.vocab_size, (3, 12)).astype(np.int32)
+    mask = np.ones_like(tokens, bool)
+    mask[0, :4] = False  # left padding
+    mask[1, 9:] = False  # right padding
+    attached, merged = _attached(BASE, AD), _merged(BASE, AD)
+
+    @jax.jit
+    def run(params):
+        return models.apply(TINY, params, tokens, mask), models.token_logprobs(TINY, params, tokens, mask)
+
+    (logits, lp), (want, want_lp) = run(attached), run(merged)
+    _close(logits, want)
+    _close(lp, want_lp)
+    assert float(jnp.max(jnp.abs(want - run(BASE)[0]))) > 0.1  # the adapters matter
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_shared_prefix_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch):
+    """The learner's path (shared prefixes, the layer scan with each remat policy, the feed-forward
+    layer in token chunks, the chunked LM head): log-probs and the gradient w.r.t. A and B."""
+    monkeypatch.setattr(model_lib, "MLP_CHUNK_ELEMENTS", 4 * TINY.intermediate_size)  # chunks of 4 tokens
+    config = TINY.replace(remat=remat)
+    batch = _shared_prefix_batch(np.random.default_rng(1))
+
+    def loss(params):
+        lp = shared_prefix_logprobs(config, params, batch, 0.9)
+        return jnp.sum(jnp.sin(lp)), lp
+
+    (_, lp_a), g_a = _fast(jax.value_and_grad(lambda ad: loss(_attached(BASE, ad)), has_aux=True), AD)
+    (_, lp_m), g_m = _fast(jax.value_and_grad(lambda ad: loss(_merged(BASE, ad)), has_aux=True), AD)
+    _close(lp_a, lp_m)
+    _close(g_a, g_m, rtol=1e-3, atol=1e-4)
+    assert float(jnp.max(jnp.abs(g_a["layers"]["attn"]["q_proj"]["kernel"]["a"]))) > 0  # gradients reach A and B
+    assert float(jnp.max(jnp.abs(g_a["lm_head"]["kernel"]["b"]))) > 0
+
+
+def test_base_gets_no_gradient():
+    """The base in a LoraKernel is frozen: a gradient w.r.t. the whole attached tree is zero on W."""
+    config = TINY.replace(remat="full")
+    batch = _shared_prefix_batch(np.random.default_rng(2))
+    grads = _fast(jax.grad(lambda p: jnp.sum(shared_prefix_logprobs(config, p, batch))), _attached(BASE, AD))
+    q = grads["layers"]["attn"]["q_proj"]["kernel"]
+    assert not np.any(np.asarray(q.w)) and np.any(np.asarray(q.a))
+
+
+def test_greedy_generation_equals_merged():
+    rng = np.random.default_rng(3)
+    prompts = rng.integers(3, TINY.vocab_size, (4, 6)).astype(np.int32)
+    mask = np.arange(6)[None] >= rng.integers(0, 3, (4, 1))
+    grouped = np.repeat(prompts[:2], 2, axis=0), np.repeat(mask[:2], 2, axis=0)  # a group's shared prompt cache
+    kw = dict(max_new_tokens=6, temperature=0.0)
+    for toks, msk in ((prompts, mask), grouped):
+        got = models.generate(TINY, _attached(BASE, AD), toks, msk, jax.random.key(0), **kw)
+        want = models.generate(TINY, _merged(BASE, AD), toks, msk, jax.random.key(0), **kw)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        _close(got.logprobs, want.logprobs)
+
+
+def test_stacked_policies_gradients_with_one_base():
+    """Two policies' adapters [2, ...] vmapped over with the base unmapped (the update's form):
+    each policy's gradient equals the one through its merged weights."""
+    ads = [AD, _adapters(BASE, 2)]
+    batch = _shared_prefix_batch(np.random.default_rng(4))
+    stacked_batch = {k: np.stack([v, v]) for k, v in batch.items()}
+
+    def loss(ad, base, b, join):
+        return jnp.sum(jnp.sin(shared_prefix_logprobs(TINY.replace(remat="full"), join(base, ad), b)))
+
+    grads = _fast(jax.vmap(jax.grad(functools.partial(loss, join=_attached)), in_axes=(0, None, 0)),
+                  _stack(*ads), BASE, stacked_batch)
+    want = _fast(jax.vmap(jax.grad(functools.partial(loss, join=_merged)), in_axes=(0, None, None)),
+                 _stack(*ads), BASE, batch)
+    _close(grads, want, rtol=1e-3, atol=1e-4)
+
+
+def test_stacked_generation_with_one_base():
+    """Two policies' adapters [2, ...] on one base (what `PolicyGroup.full_params` gives): the
+    stacked sampler and one policy of the stack decoded alone generate, greedily, what each
+    policy's merged weights do."""
+    ads = [AD, _adapters(BASE, 2)]
+    attached = _attached(BASE, _stack(*ads))  # the base once, adapters [2, ...]: what PolicyGroup.full_params gives
+    axes = sampler_lib.policy_axes(TINY, attached)
+    assert axes["layers"]["attn"]["q_proj"]["kernel"] == LoraKernel(None, 0, 0, ALPHA / RANK)
+    assert axes["embed"]["embedding"] is None
+    rng = np.random.default_rng(5)
+    prompts = rng.integers(3, TINY.vocab_size, (2, 4, 6)).astype(np.int32)
+    mask = np.ones_like(prompts, bool)
+    kw = dict(max_new_tokens=5, temperature=0.0)
+    got = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), **kw)
+    one = models.generate(TINY, attached, prompts[1], mask[1], jax.random.key(0), policy=1, **kw)
+    for i, ad in enumerate(ads):
+        want = models.generate(TINY, _merged(BASE, ad), prompts[i], mask[i], jax.random.key(0), **kw)
+        np.testing.assert_array_equal(np.asarray(got.tokens[i]), np.asarray(want.tokens))
+        _close(got.logprobs[i], want.logprobs)
+    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(got.tokens[1]))
+
+
+def test_bf16_base_float32_adapters():
+    """A bf16 base with bf16 compute: close to the merged weights, float32 adapter gradients."""
+    config = TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), BASE)
+    tokens = np.random.default_rng(6).integers(3, TINY.vocab_size, (2, 10)).astype(np.int32)
+    mask = np.ones_like(tokens, bool)
+    logprobs = jax.jit(lambda params: models.token_logprobs(config, params, tokens, mask))
+    _close(logprobs(_attached(base, AD)), logprobs(_merged(base, AD)), rtol=0.05, atol=0.05)
+    grads = jax.jit(jax.grad(lambda ad: jnp.sum(models.token_logprobs(config, _attached(base, ad), tokens, mask))))(AD)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+def test_policy_group_runs_unmerged_and_exports_merged():
+    stacked = _stack(AD, _adapters(BASE, 2))
+    group = PolicyGroup(name="lora", model_config=TINY, tokenizer=None, policy_ids=(0, 1), stacked=True,
+                        lora_rank=RANK, lora_alpha=ALPHA, base=BASE, state=types.SimpleNamespace(params=stacked), ref=None)
+    full = group.full_params()
+    q = full["layers"]["attn"]["q_proj"]["kernel"]
+    assert isinstance(q, LoraKernel) and q.w is BASE["layers"]["attn"]["q_proj"]["kernel"] and q.a.shape[0] == 2
+    exported = group.policy_params(1)  # real merged weights for a Hugging Face export
+    _close(exported, _merged(BASE, jax.tree.map(lambda x: x[1], stacked)))
+
+
+def test_sharding_of_attached_adapters_and_sharded_generation():
+    """Specs: a LoraKernel's w is placed like the kernel (no policy axis: one base), a and b like
+    the adapters'. Stacked generation on a (policy, data, tensor) mesh equals the unsharded one."""
+    stacked = _stack(AD, _adapters(BASE, 2))
+    attached = _attached(BASE, stacked)
+    specs = sharding.param_specs(TINY, attached, {"policy": 2, "fsdp": 2, "tensor": 2})
+    assert specs["layers"]["attn"]["q_proj"]["kernel"] == LoraKernel(
+        P(None, "fsdp", "tensor"), P("policy", None, "fsdp"), P("policy", None, None, "tensor"), ALPHA / RANK)
+    assert specs["layers"]["mlp"]["down_proj"]["kernel"].w == P(None, "tensor", "fsdp")
+    assert specs["embed"]["embedding"] == P("tensor", "fsdp")
+
+    rng = np.random.default_rng(7)
+    prompts = rng.integers(3, TINY.vocab_size, (2, 8, 6)).astype(np.int32)
+    mask = np.arange(6) >= rng.integers(0, 3, (2, 8, 1))
+    kw = dict(max_new_tokens=5, temperature=0.0)
+    want = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), **kw)
+    mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
+    got = sharding.generate(TINY, attached, prompts, mask, jax.random.key(0), mesh, stacked=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    _close(got.logprobs, want.logprobs)
+
+
+# ---------------------------------------------------------------------------------- memory
+# A model whose weights dwarf its activations (4.9 MB of weights, a few tokens per policy), so
+# compiled memory shows the weight copies. XLA:CPU also copies each layer's weight slices once
+# (temporaries of about one base whatever the number of policies: the layer scan's slices).
+WIDE = TINY.replace(hidden_size=256, intermediate_size=512, head_dim=64)
+AGENTS = 4
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _stats(jitted, *args):
+    return jitted.lower(*args).compile(compiler_options=FAST).memory_analysis()
+
+
+def _wide(policies: int):
+    """(base, adapters [policies, ...] on all 7 projections, shared-prefix batch [policies, ...]):
+    shapes only. Per policy one 4-token prompt shared by two 3-token continuations."""
+    base = jax.eval_shape(lambda: models.init(WIDE, jax.random.key(0)))
+    ads = jax.eval_shape(lambda: jax.vmap(lambda k: init_lora(models.init(WIDE, jax.random.key(0)), k, rank=RANK,
+                                                              target_modules=ALL[:-1]))(jax.random.split(jax.random.key(1), policies)))
+    s = jax.ShapeDtypeStruct
+    batch = {"prefix_tokens": s((policies, 1, 4), jnp.int32), "prefix_mask": s((policies, 1, 4), jnp.bool_),
+             "prefix_rows": s((policies, 2), jnp.int32), "tokens": s((policies, 2, 3), jnp.int32),
+             "attention_mask": s((policies, 2, 3), jnp.bool_)}
+    return base, ads, batch
+
+
+def _update_bytes(join, policies: int) -> int:
+    """Argument + temporary bytes of the adapters' gradient vmapped over `policies` adapters with
+    the base unmapped (the trainer's update), the model run with `join(base, adapters)`."""
+    base, ads, batch = _wide(policies)
+
+    def loss(ad, b, mb):
+        return jnp.sum(shared_prefix_logprobs(WIDE.replace(remat="full"), join(b, ad), mb))
+
+    stats = _stats(jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None, 0))), ads, base, batch)
+    return int(stats.argument_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def _generation_bytes(params, policies: int) -> int:
+    """Argument + temporary bytes (less the KV cache) of the stacked sampler program over
+    `policies` policies run with `params`."""
+    program = sampler_lib._program(WIDE, True, 3, True, 0, False, (1,), 0)
+    cache = jax.eval_shape(lambda: model_lib.empty_cache(WIDE, (policies, 2), 6))
+    s = jax.ShapeDtypeStruct
+    stats = _stats(program, params, cache, s((policies, 2, 4), jnp.int32), s((policies, 2, 4), jnp.bool_), None,
+                   jax.eval_shape(lambda: jax.random.key(0)), s((), jnp.float32), s((), jnp.float32))
+    return int(stats.argument_size_in_bytes + stats.temp_size_in_bytes) - _bytes(cache)
+
+
+def test_four_agent_update_holds_one_base():
+    """4 per-agent adapters on one base: the update's compiled memory is about the base argument
+    plus XLA:CPU's copy of the layer slices (~2.5x the base), and grows by much less than a base
+    from 1 to 4 agents; merged weights hold 4 merged copies and their gradients (~9x)."""
+    base_bytes = _bytes(_wide(1)[0])
+    one, four = _update_bytes(_attached, 1), _update_bytes(_attached, AGENTS)
+    merged = _update_bytes(_merged, AGENTS)
+    assert four < 3 * base_bytes and four - one < 0.5 * base_bytes, (one, four, base_bytes)
+    assert merged > 6 * base_bytes, (merged, base_bytes)
+
+
+def test_four_agent_generation_holds_one_base():
+    """Stacked generation of 4 per-agent LoRA policies reads the base once (~2.3x the base with
+    XLA:CPU's layer slices), not 4 merged copies (~8x)."""
+    base, ads, _ = _wide(AGENTS)
+    base_bytes = _bytes(base)
+    attached = _generation_bytes(jax.eval_shape(_attached, base, ads), AGENTS)
+    merged = _generation_bytes(jax.eval_shape(jax.vmap(_merged, in_axes=(None, 0)), base, ads), AGENTS)
+    assert attached < 3 * base_bytes < 6 * base_bytes < merged, (attached, merged, base_bytes)

@@ -2,7 +2,7 @@
 same logits, token log-probs, GRPO loss and gradients. A benchmark whose gate fails reports
 nothing (`check_parity` raises `ParityError`).
 
-The GRPO loss on both sides (jmarl's is `jmarl.algos.grpo.loss` with its defaults; the PyTorch
+The GRPO loss on both sides (jmarl's is `jmarl.algos.policy_loss` with GRPO's defaults; the PyTorch
 one below is a minimal re-implementation of the same formula): token ratio
 r = exp(clamp(lp - lp_old, -20, 20)) on completion tokens, per-token loss
 max(-r A, -clip(r, 0.8, 1.2) A), mean over each row's completion tokens, mean over rows.
@@ -84,7 +84,7 @@ def torch_token_logprobs(model, tokens, attention_mask):
 
 
 def torch_grpo_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low: float = 0.2, clip_high: float = 0.2):
-    """The GRPO loss of the module docstring in PyTorch (same formula as `jmarl.algos.grpo.loss`)."""
+    """The GRPO loss of the module docstring in PyTorch (same formula as `jmarl.algos.policy_loss` with GRPO's defaults)."""
     import torch
 
     diff = torch.where(loss_mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
@@ -118,17 +118,18 @@ def torch_loss_of(model, tb: dict[str, Any]):
 
 # ------------------------------------------------------------------------------------------- jmarl
 def jmarl_loss_fn(config, temperature: float = 1.0):
-    """`loss_fn(params, frozen, batch, minibatch_index) -> (loss, metrics)` for
+    """`loss_fn(params, frozen, batch) -> (loss, metrics)` for
     `jmarl.train.step.make_update` over a `GrpoBatch.shared_prefix()` batch: what jmarl's trainer
-    runs (`jmarl.train.shared_prefix.shared_prefix_logprobs` and `jmarl.algos.grpo.loss`)."""
+    runs (`jmarl.train.shared_prefix.shared_prefix_logprobs` and `jmarl.algos.policy_loss`)."""
     from jmarl import algos
     from jmarl.train.shared_prefix import shared_prefix_logprobs
 
     cfg = algos.grpo.GRPOConfig()
 
-    def loss_fn(params, frozen, batch, index):
+    def loss_fn(params, frozen, batch):
         lp = shared_prefix_logprobs(config, params, batch, temperature)
-        return algos.grpo.loss(cfg, lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
+        return algos.policy_loss(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+                                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.aggregation)
 
     return loss_fn
 
@@ -180,7 +181,7 @@ def check_parity(torch_model, config, params, *, rows: int = 4, prompt_len: int 
     shared = {k: jnp.asarray(v) for k, v in batch.shared_prefix().items()}
     loss_fn = jmarl_loss_fn(config)
     lp_shared = np.asarray(jax.jit(lambda p, b: shared_prefix_logprobs(config, p, b))(params, shared))
-    (loss_j, _), grads_j = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, None, shared, jnp.int32(0))
+    (loss_j, _), grads_j = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, None, shared)
 
     errors = {
         "logits_rel_err": _rel_err(logits_j, logits_t),

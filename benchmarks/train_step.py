@@ -10,7 +10,7 @@ clipping at 1.0 and AdamW (lr 1e-6, betas 0.9/0.999, eps 1e-8, weight decay 0.01
 jmarl runs what its trainer runs: `jmarl.train.step.make_update` over the shared-prefix batch
 layout (`jmarl.train.shared_prefix`: each group's prompt runs through the model once, not G
 times; same log-probs, loss and gradients, which the parity gate checks against PyTorch) and
-`jmarl.algos.grpo.loss` with `jmarl.train.optim.make_optimizer`, jitted with the state donated. PyTorch runs the minimal step: HF forward, log-softmax gather, the same loss,
+`jmarl.algos.policy_loss` (GRPO's defaults) with `jmarl.train.optim.make_optimizer`, jitted with the state donated. PyTorch runs the minimal step: HF forward, log-softmax gather, the same loss,
 `backward`, `clip_grad_norm_`, `torch.optim.AdamW.step`, `zero_grad`; once eager and once with
 the loss function (forward + loss; backward through AOTAutograd) under `torch.compile`, each in a
 process of its own, out of the box (`benchmarks.baseline_process`).

@@ -361,8 +361,8 @@ def parse_bytes(text: str | int | float) -> int:
 # The schema
 # --------------------------------------------------------------------------------------------
 
-AlgoName = Literal["grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents"]
-ALGOS: tuple[str, ...] = typing.get_args(AlgoName)
+# algo.name: a registered method (`jmarl.algos.METHODS`) or `package.module:NAME` for your own
+AlgoName = str
 PlanName = Literal["independent", "tree", "joint", "node_wise", "shared"]
 DType = Literal["float32", "bfloat16", "float16"]
 # model.remat: auto = "full" from REMAT_AUTO_MIN_PARAMS parameters up, else "none"; the others
@@ -373,33 +373,6 @@ AttentionName = Literal["auto", "xla", "cudnn", "splash", "blockwise"]
 # `model.remat: auto` rematerialises from this many parameters up (real-size models, where the
 # activations of every layer would not fit); below it (tiny CPU models) remat only costs time.
 REMAT_AUTO_MIN_PARAMS = 100_000_000
-
-# The sampling plan each algorithm is defined with; used when `workflow.plan` is not given.
-DEFAULT_PLAN: dict[str, str] = {
-    "grpo": "independent",
-    "dr_grpo": "independent",
-    "dapo": "independent",
-    "gspo": "independent",
-    "magrpo": "joint",
-    "at_grpo": "tree",
-    "hacpo": "shared",
-    "joyagents": "node_wise",
-}
-
-# The group size G each algorithm is defined with (docs/algorithms.md); used when
-# `workflow.group_size` is not given. HACPO's code and JoyAgents-R1 use 8 (JoyAgents' memory
-# cannot admit anything below G = 6 at its default z), the rest 4.
-DEFAULT_GROUP_SIZE: dict[str, int] = {
-    "grpo": 4,
-    "dr_grpo": 4,
-    "dapo": 4,
-    "gspo": 4,
-    "magrpo": 4,
-    "at_grpo": 4,
-    "hacpo": 8,
-    "joyagents": 8,
-}
-
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -518,8 +491,8 @@ class EnvConfig:
 class WorkflowConfig:
     """How episodes are sampled: the plan, the group size and how many tasks per step."""
 
-    plan: PlanName = "independent"  # filled from the algorithm when not given (DEFAULT_PLAN)
-    group_size: int = _field(4, ge=2)  # G / K per group (>= 2); from the algorithm when not given (DEFAULT_GROUP_SIZE)
+    plan: PlanName = "independent"  # filled from the algorithm when not given (`Method.default_plan`)
+    group_size: int = _field(4, ge=2)  # G / K per group (>= 2); from the algorithm when not given (`Method.default_group_size`)
     num_tasks: int = _field(8, ge=1)  # tasks (env seeds) per training step
     max_turns: int | None = _field(None, ge=1)  # None: the env's own limit
     options: dict[str, Any] = _field(factory=dict)  # plan-specific options
@@ -527,7 +500,8 @@ class WorkflowConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """The learning rule: a name and its options (validated against `jmarl.algos.CONFIGS`)."""
+    """The learning rule: a registered name or `package.module:NAME`, and its options (the
+    method's options dataclass: loss and advantage settings only)."""
 
     name: AlgoName = "grpo"
     options: dict[str, Any] = _field(factory=dict)
@@ -877,94 +851,117 @@ def _check_tokenizer(model: ModelSpec, tokenizer: str | None, path: str) -> None
 # --------------------------------------------------------------------------------------------
 
 
-def _registry(module: str, attr: str) -> Mapping[str, Any] | None:
-    """`module.attr` (a dict name -> options dataclass), or None while it is not written yet."""
+# Settings that have their home elsewhere: name -> (what it is, where to set it). Given in
+# algo.options or workflow.options they exit with that home's name instead of being ignored.
+_GROUP_SIZE_NAMES = ("group_size", "num_generations", "num_candidates", "num_episodes", "num_samples", "num_alternatives")
+_HOMES: dict[str, tuple[str, str]] = {
+    **{name: ("the group size", "workflow.group_size") for name in _GROUP_SIZE_NAMES},
+    "num_turns": ("a sampling setting", "workflow.max_turns"),
+    "max_turns": ("a sampling setting", "workflow.max_turns"),
+    "top_k_groups": ("a sampling setting", "workflow.options.top_k"),
+    "continue_with": ("a sampling setting", "workflow.options.select"),
+    "joint_aggregate": ("a sampling setting", "workflow.options.cross_aggregate"),
+    "early_stop_reward": ("a sampling setting", "workflow.options.early_stop_threshold"),
+    "turn_order": ("the env's", "env.name (the env decides its turn order)"),
+    "cost_weight": ("a reward setting", "env.options (the router env's call_cost / token_cost)"),
+    "kl_coef": ("a run setting", "train.kl_beta"),
+    "kl_kind": ("a run setting", "train.kl_kind"),
+}
+
+
+def _method(config: Config) -> Any:
+    return method_named(config.algo.name)
+
+
+def method_named(name: str) -> Any:
+    """The `jmarl.algos.Method` algo.name names; JmarlError naming algo.name otherwise."""
+    from jmarl import algos
+
     try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            return None
-        raise
-    return getattr(mod, attr, None)
+        return algos.get_method(name)
+    except JmarlError as e:
+        hint = _suggest(name, sorted(algos.METHODS)) if ":" not in name else None
+        raise JmarlError(f"algo.name: {e}" + (f" — did you mean {hint!r}?" if hint else "")) from None
 
 
-# Options that the run sets once for every part: option name -> (config attribute path). Set in
-# algo.options / workflow.options they would silently disagree with the run-level value.
-_ALGO_RUN_LEVEL = {
-    "num_generations": "workflow.group_size",
-    "num_candidates": "workflow.group_size",
-    "num_turns": "workflow.max_turns",
-    "kl_coef": "train.kl_beta",
-    "kl_kind": "train.kl_kind",
-}
-_PLAN_RUN_LEVEL = {
-    "num_episodes": "workflow.group_size",
-    "num_samples": "workflow.group_size",
-    "num_candidates": "workflow.group_size",
-    "max_turns": "workflow.max_turns",
-}
+def _plan_registry() -> Mapping[str, Any]:
+    from jmarl.workflows.plans import PLANS
+
+    return PLANS
 
 
-def _lookup(config: Config, dotted: str) -> Any:
-    value: Any = config
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
+def _settings(cls: type) -> set[str]:
+    """The user settings of an options dataclass (fields not marked as run inputs)."""
+    return {f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get("input")}
 
 
-def _typed_options(
-    config: Config, cls: type, options: Mapping[str, Any], section: str, run_level: Mapping[str, str]
-) -> Any:
-    """`cls` built from `options` plus the run-level values it shares with the rest of the config."""
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    merged = dict(options)
-    for option, source in run_level.items():
-        if option not in names:
+def _check_homes(config: Config, section: str, options: Mapping[str, Any], own: set[str], other: tuple[str, set[str]]) -> None:
+    """Raises for a key of `section`.options that is not one of `own` settings but has a home:
+    the other section's settings (`other` = (its prefix, its settings)), or `_HOMES`."""
+    other_prefix, other_names = other
+    for key in options:
+        if key in own:
             continue
-        if option in options:
-            raise JmarlError(
-                f"{section}.options.{option} is set once for the whole run by {source}; set {source} instead"
-            )
-        value = _lookup(config, source)
-        if value is not None:
-            merged[option] = value
-    return from_dict(cls, merged, f"{section}.options")
+        dotted = f"{section}.options.{key}"
+        if key in _HOMES:
+            what, home = _HOMES[key]
+            raise JmarlError(f"{dotted} is {what}: set {home}")
+        if key in other_names:
+            what = "a sampling setting" if other_prefix == "workflow" else "a loss setting"
+            raise JmarlError(f"{dotted} is {what}: set {other_prefix}.options.{key}")
+
+
+def _all_plan_settings() -> set[str]:
+    return set().union(*(_settings(p.options) for p in _plan_registry().values()))
 
 
 def algo_options(config: Config) -> Any:
-    """The algorithm's typed options (`jmarl.algos.CONFIGS[algo.name]`), run-level values filled in.
+    """The method's typed options (`Method.config`) from algo.options, with the run-level values
+    filled in: kl_coef/kl_kind from train.kl_beta/kl_kind, and norm_length (when the method has
+    it and algo.options does not set it) from sampling.max_new_tokens, the completion budget:
+    a length normaliser that is a constant of the run, never the padded batch width."""
+    method = _method(config)
+    cls = method.config
+    own = _settings(cls)
+    opts = dict(config.algo.options)
+    _check_homes(config, "algo", opts, own - {"kl_coef", "kl_kind"}, ("workflow", _all_plan_settings() - own))
+    if "kl_coef" in own:
+        opts["kl_coef"] = config.train.kl_beta
+    if "kl_kind" in own:
+        opts["kl_kind"] = config.train.kl_kind
+    if "norm_length" in own and opts.get("norm_length") is None:
+        opts["norm_length"] = config.sampling.max_new_tokens
+    return from_dict(cls, opts, "algo.options")
 
-    `num_generations`/`num_candidates` come from workflow.group_size, `num_turns` from
-    workflow.max_turns (when set), `kl_coef`/`kl_kind` from train.kl_beta/kl_kind.
-    """
-    registry = _registry("jmarl.algos", "CONFIGS")
-    if registry is None:
-        raise JmarlError("jmarl.algos.CONFIGS is not available in this checkout")
-    if config.algo.name not in registry:
-        raise JmarlError(
-            f"algo.name: {config.algo.name!r} is not implemented; available: {', '.join(sorted(registry))}"
-        )
-    return _typed_options(config, registry[config.algo.name], config.algo.options, "algo", _ALGO_RUN_LEVEL)
 
-
-def plan_options(config: Config) -> Any | None:
-    """The sampling plan's typed options (`jmarl.workflows.PLANS`), run-level values filled in.
-
-    The group size goes to `num_episodes`/`num_samples`/`num_candidates`, workflow.max_turns to
-    `max_turns`. None when the plan has no options dataclass in this checkout.
-    """
-    plans = _registry("jmarl.workflows", "PLANS")
-    if plans is None or config.workflow.plan not in plans:
-        return None
-    entry = plans[config.workflow.plan]
-    cls = entry[1] if isinstance(entry, tuple) else entry
-    return _typed_options(config, cls, config.workflow.options, "workflow", _PLAN_RUN_LEVEL)
+def plan_options(config: Config) -> Any:
+    """The sampling plan's typed options from workflow.options, with group_size from
+    workflow.group_size and max_turns from workflow.max_turns. Run inputs (fields marked
+    `input`, e.g. the memory or the tokenizers) are refused: the run sets them."""
+    plans = _plan_registry()
+    if config.workflow.plan not in plans:
+        raise JmarlError(f"workflow.plan: {config.workflow.plan!r} is not a plan; choose one of {', '.join(sorted(plans))}")
+    cls = plans[config.workflow.plan].options
+    own = _settings(cls) - {"group_size", "max_turns"}
+    opts = dict(config.workflow.options)
+    inputs = {f.name for f in dataclasses.fields(cls) if f.metadata.get("input")}
+    for key in opts:
+        if key in inputs:
+            raise JmarlError(f"workflow.options.{key} is set by the run, not by the config; remove it")
+    try:
+        loss_settings = _settings(_method(config).config)
+    except JmarlError:
+        loss_settings = set()
+    _check_homes(config, "workflow", opts, own, ("algo", loss_settings - own))
+    opts["group_size"] = config.workflow.group_size
+    if "max_turns" in _settings(cls):
+        opts["max_turns"] = config.workflow.max_turns
+    return from_dict(cls, opts, "workflow.options")
 
 
 def validate_options(config: Config) -> None:
-    """Checks algo, workflow and env options (and the agent map) where those parts exist yet."""
-    if _registry("jmarl.algos", "CONFIGS") is not None:
-        algo_options(config)
+    """Checks algo, workflow and env options (and the agent map)."""
+    algo_options(config)
     plan_options(config)
     _validate_env(config)
 
@@ -998,7 +995,7 @@ def _validate_env(config: Config) -> None:
         built = base.make(env.name, **env.options)
     except JmarlError as e:
         raise JmarlError(f"env.options: {e}") from None
-    if config.workflow.plan != "shared":  # HACPO's shared plan does not route by agent
+    if _plan_registry()[config.workflow.plan].routes_by_agent:  # else every policy answers every prompt
         agent_policy_map(config.policies, tuple(built.agents))
 
 
@@ -1052,13 +1049,14 @@ def apply_override(data: dict[str, Any], override: str) -> dict[str, Any]:
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Validates a merged config dict into a `Config` (fills `workflow.plan` and
-    `workflow.group_size` from the algorithm where they are not given)."""
+    `workflow.group_size` from the method's defaults where they are not given)."""
     data = dict(data)
     algo = data.get("algo")
     workflow = data.get("workflow")
-    known = isinstance(algo, Mapping) and algo.get("name") in DEFAULT_PLAN
-    if known and (workflow is None or isinstance(workflow, Mapping)):
-        defaults = {"plan": DEFAULT_PLAN[algo["name"]], "group_size": DEFAULT_GROUP_SIZE[algo["name"]]}
+    name = algo.get("name", "grpo") if isinstance(algo, Mapping) else "grpo" if algo is None else None
+    if isinstance(name, str) and (workflow is None or isinstance(workflow, Mapping)):
+        method = method_named(name)
+        defaults = {"plan": method.default_plan, "group_size": method.default_group_size}
         data["workflow"] = {**defaults, **(workflow or {})}
     config = from_dict(Config, data)
     validate_options(config)

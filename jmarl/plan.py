@@ -47,16 +47,16 @@ turn order that map to one policy (the most over a group's policies), n = all of
     independent  E x G x T x a                           1 (later turns' prompts differ)
     joint        E x G x a x (1 + B + .. + B^(T-1))      G (B = G aligned, G^n cross)
     node_wise    E x top_k x G (top_k_scope task)        G
-    shared       E x sources x G (Trainer._rows_bound)   G (groups may be cut by lossy drops)
+    shared       E x sources x G (Trainer.rows_bound)    G (groups may be cut by lossy drops)
 
     N = next_pow2(R) rounded up to a multiple of parts = optim.minibatches x epochs x grad_accum
-        (`trainer.batch_rows`, as `group_batch` pads)
+        (`learner.batch_rows`, as `learner_batch` pads)
     U = next_pow2(distinct prompts per micro-batch) <= N / parts: ceil((N / parts) / s), plus
         one where groups may straddle a micro-batch boundary (s does not divide N / parts, or
         the shared plan's lossy drops)
     P = bucket_length(sampling.max_prompt_len), C = bucket_length(sampling.max_new_tokens)
 
-The update's batch is what `Trainer._score` makes of that group batch (traced by
+The update's batch is what `learner.score_batch` makes of that learner batch (traced by
 `jax.eval_shape`: old/ref log-probs, advantages, masks). The warm start's batch: demos x the
 env's max_turns x a rows per policy (the shared plan: x n), next_pow2, every row its own
 prompt. Generation: the sampler calls of one step, each as rows per policy of the group:
@@ -205,7 +205,7 @@ def step_bounds(trainer: Any, group: Any) -> StepBounds:
     cfg = trainer.config
     env = trainer.env
     plan = cfg.workflow.plan
-    opts = trainer._step_plan_options()
+    opts = trainer.step_plan_options()
     e = cfg.workflow.num_tasks
     agent_policy = trainer.policies.agent_policy
     order = [env.agents.index(a) for a in env.turn_order]
@@ -222,27 +222,27 @@ def step_bounds(trainer: Any, group: Any) -> StepBounds:
         return [(tuple(rows if agent_policy[i] == p else 0 for p in ids), share) for i in order]
 
     if plan == "tree":
-        k = opts.num_candidates
+        k = opts.group_size
         rows, share, aligned, calls = e * turns * k * a, k, True, per_agent_calls(e * k, k)
     elif plan == "independent":
-        g = opts.num_episodes
+        g = opts.group_size
         rows, share, aligned, calls = e * g * turns * a, 1, True, per_agent_calls(e * g, 1)
     elif plan == "joint":
-        g = opts.num_samples
+        g = opts.group_size
         branching = g if opts.joint_mode == "aligned" else g**n
         nodes = sum(branching**t for t in range(turns))
         frontier = e * branching ** (turns - 1)
         rows, share, aligned = e * g * a * nodes, g, True
         calls = [(tuple(frontier * agents_of[p] * g for p in ids), g)]
     elif plan == "node_wise":
-        g = opts.num_alternatives
+        g = opts.group_size
         rows = (e if opts.top_k_scope == "task" else 1) * opts.top_k * g
         share, aligned = g, True
         calls = [(tuple(e * turns * agents_of[p] * g for p in ids), g)]
         calls += [(tuple(e * turns * n * g if q == p else 0 for q in ids), 1) for p in ids]
     elif plan == "shared":
         g = opts.samples_per_policy
-        rows, share, aligned = trainer._rows_bound(), g, False
+        rows, share, aligned = trainer.rows_bound(), g, False
         calls = [(tuple(e * g for _ in ids), g)]
     else:
         raise JmarlError(
@@ -251,7 +251,7 @@ def step_bounds(trainer: Any, group: Any) -> StepBounds:
     sft = 0
     ws = cfg.train.warm_start
     if ws.steps > 0:
-        sft = ws.demos * env.max_turns * (n if plan == "shared" else a)
+        sft = ws.demos * env.max_turns * (a if trainer.plan.routes_by_agent else n)
     return StepBounds(rows=rows, share=share, aligned=aligned, calls=tuple(dict.fromkeys(calls)), sft_rows=sft)
 
 
@@ -312,12 +312,10 @@ def trainer_programs(trainer: Any) -> list[Program]:
     abstract=True)`); nothing is compiled or allocated here."""
     import jax
 
-    from jmarl import algos
     from jmarl.rollouts import bucket_length, next_pow2
-    from jmarl.sharding import batch_shardings, device_bytes, param_specs, put, shardings
+    from jmarl.sharding import batch_shardings, device_bytes, put
     from jmarl.train.sampling import full_params_shapes
-    from jmarl.train.shared_prefix import MODEL_INPUTS
-    from jmarl.train.trainer import abstract_group_batch, batch_rows
+    from jmarl.train.learner import abstract_learner_batch, batch_rows, score_batch
 
     cfg = trainer.config
     s = cfg.sampling
@@ -335,15 +333,15 @@ def trainer_programs(trainer: Any) -> list[Program]:
         # warm start
         if b.sft_rows:
             n_sft = next_pow2(b.sft_rows)
-            batch = abstract_group_batch(group, n_sft, n_sft, p_len, c_len, sft=True)
+            batch = abstract_learner_batch(group, n_sft, n_sft, p_len, c_len, sft=True)
             jitted, args = _bind(fns.sft_update, group.state, group.base, batch)
             add("sft_update", jitted, args, _resident(run_state, (group.state, group.base)),
                 {"N": n_sft, "U": n_sft, "P": p_len, "C": c_len})
 
         # generation: of the step's sampler calls, the one with the largest arguments
+        # the group's own leaves, placed as they are (LoRA: the base once, adapters attached
+        # unmerged), so `_resident` does not count them twice
         params = full_params_shapes(group)
-        if group.lora_rank is not None and mesh.size > 1:  # merged on the fly: placed like the base
-            params = put(params, shardings(mesh, param_specs(group.model_config, params, mesh)))
         calls = [(trainer.sampler.generation_program(group, rows, share, params=_abstract(params)), rows, share)
                  for rows, share in b.calls]
         (program, args), rows, share = max(calls, key=lambda c: device_bytes(c[0][1]))
@@ -352,13 +350,14 @@ def trainer_programs(trainer: Any) -> list[Program]:
              "capacity": args[1].values[0].shape[-2]})
 
         # the step's batch
-        n = batch_rows([b.rows], parts, trainer._rows_bound())
+        n = batch_rows([b.rows], parts, trainer.rows_bound())
         u = prefixes_per_part(n // parts, b.share, b.aligned)
-        host = abstract_group_batch(group, n, parts * u, p_len, c_len)
+        host = abstract_learner_batch(group, n, parts * u, p_len, c_len)
         shapes = {"R": b.rows, "N": n, "parts": parts, "U": u, "P": p_len, "C": c_len}
-        inputs = {k: host[k] for k in MODEL_INPUTS}
-        scored = trainer.config.train.recompute_old_logprobs or trainer.method is algos.hacpo
-        old = jax.ShapeDtypeStruct(host["behavior_logprobs"].shape, host["behavior_logprobs"].dtype)  # on one device
+        inputs = host.model_inputs()
+        recompute, cross = trainer.config.train.recompute_old_logprobs, not trainer.plan.routes_by_agent
+        scored = recompute or cross  # a plan that does not route by agent shares samples across policies
+        old = jax.ShapeDtypeStruct(host.behavior_logprobs.shape, host.behavior_logprobs.dtype)  # on one device
         if scored:
             jitted, args = _bind(fns.score, group.state.params, group.base, inputs)
             add("score", jitted, args, _resident(run_state, (group.state.params, group.base)), shapes)
@@ -367,7 +366,13 @@ def trainer_programs(trainer: Any) -> list[Program]:
         if group.ref is not None:  # the old log-probs wait on the device while the reference scores
             jitted, args = _bind(fns.score_ref, group.ref, inputs)
             add("score_ref", jitted, args, _resident(run_state, (group.ref,), old), shapes)
-        batch = jax.eval_shape(_score_fn(trainer, group, fns), group.state, group.base, group.ref, host)
+        device_state = trainer.method_device_state()
+
+        def score(state, base, ref, batch, group=group, fns=fns):
+            return score_batch(_replace(group, state=state, base=base, ref=ref), fns, batch, device_state,
+                               recompute=recompute, cross=cross)
+
+        batch = jax.eval_shape(score, group.state, group.base, group.ref, host)
         jitted, args = _bind(fns.update, group.state, group.base, batch)
         add("update", jitted, args, _resident(run_state, (group.state, group.base)), shapes)
     return out
@@ -375,23 +380,6 @@ def trainer_programs(trainer: Any) -> list[Program]:
 
 def _replace(group: Any, **changes: Any) -> Any:
     return dataclasses.replace(group, **changes)
-
-
-def _score_fn(trainer: Any, group: Any, fns: Any) -> Callable:
-    """(state, base, ref, host batch) -> the update's batch, by the trainer's own `_score`
-    (HACPO's capability window, empty before step 0, given one step: values, not shapes)."""
-    capability = trainer.algo_state.capability
-    if capability is not None and not capability.history:
-        from jmarl.algos.hacpo import update_capabilities
-
-        trainer = copy.copy(trainer)
-        window = update_capabilities(capability, [0.0] * len(trainer.policies.policy_names))
-        trainer.algo_state = dataclasses.replace(trainer.algo_state, capability=window)
-
-    def score(state, base, ref, batch):
-        return trainer._score(_replace(group, state=state, base=base, ref=ref), fns, batch)
-
-    return score
 
 
 # XLA:CPU options that skip LLVM's expensive passes: the buffer assignment (hence every figure)

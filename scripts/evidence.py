@@ -211,7 +211,7 @@ HACPO = Table(
         "(own + re-tokenised cross answers, ~4 dropped as lossy) from the same 1,280 generated rollouts "
         "as GSPO's 32.",
     ),
-    fields=("success_before", "success_after", "mean:rollout/lossy_cross_samples",
+    fields=("success_before", "success_after", "mean:plan/num_lossy",
             "mean:hacpo/success_0", "mean:hacpo/success_1", "mean:rollout/reward_std"),
 )
 
@@ -224,7 +224,7 @@ JOYAGENTS = Table(
     variants=(
         Variant("topk_memory", "top-2 node groups, memory (JoyAgents-R1)", ()),
         Variant("topk_no_memory", "top-2 node groups, no memory", ("algo.options.use_memory=false",)),
-        Variant("all_memory", "all node groups, memory", ("algo.options.top_k_groups=1000",)),
+        Variant("all_memory", "all node groups, memory", ("workflow.options.top_k=1000",)),
     ),
     rows=(
         Line("top-2 node groups, memory (JoyAgents-R1)", variant="topk_memory"),
@@ -253,7 +253,7 @@ JOYAGENTS = Table(
         "The top-K comparison is vacuous in this setting: the 'all node groups' runs are identical to the "
         "top-2 ones (32 samples per step, the same memory), i.e. each task's base trajectory has only two "
         "node groups (G=8 alternatives each, 2 tasks), so top-2 already trains every group. A real "
-        "comparison needs algo.options.top_k_groups=1 or longer trajectories (not run for lack of time).",
+        "comparison needs workflow.options.top_k=1 or longer trajectories (not run for lack of time).",
     ),
     fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
 )

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from jmarl.algos import aggregate_loss, importance_ratio, kl_penalty, policy_loss
@@ -120,7 +120,7 @@ def test_token_loss_gradient_is_minus_ratio_times_advantage_over_count(seed, dua
         clipped |= (a < 0) & (np.maximum(plain, capped) > -dual * a)
     count = mask.sum()
     expected = np.where(mask & ~clipped, -rho * a / count, 0.0)
-    assert (mask & clipped).any() and (mask & ~clipped).any()
+    assume((mask & clipped).any() and (mask & ~clipped).any())  # both cases present (most seeds)
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
     assert np.all(grad[mask & clipped] == 0.0)  # exactly zero where clipped
 

@@ -1,37 +1,41 @@
-"""Method modules: configs, the uniform interface, MAGRPO, AT-GRPO, HACPO and JoyAgents pieces."""
+"""Method values: configs and their one home per setting, the registry, the uniform interface on a
+`LearnerBatch`, every option live, MAGRPO's reference std, HACPO's pieces."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import types
 import typing
-import warnings
 
 import _np_reference as ref
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jmarl.algos import CONFIGS, METHODS, at_grpo, dapo, get_method, hacpo, joyagents, magrpo
+from jmarl.algos import METHODS, Method, MethodContext, dapo, get_method, hacpo, magrpo
+from jmarl.algos.method import finite_advantages
+from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
-from jmarl.workflows import memory as jmemory
+from jmarl.workflows.base import PlanResult
 
 SETTINGS = settings(max_examples=20, deadline=None)
+NAMES = sorted(METHODS)
 
 
 # ------------------------------------------------------------------------------ configs
 
 
-def test_configs_cover_every_method_and_are_typed_frozen_with_defaults():
-    assert set(CONFIGS) == {"grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents"}
-    for name, cls in CONFIGS.items():
+def test_methods_cover_every_method_and_configs_are_typed_frozen_with_defaults():
+    assert set(METHODS) == {"grpo", "dr_grpo", "dapo", "gspo", "magrpo", "at_grpo", "hacpo", "joyagents"}
+    for name, method in METHODS.items():
+        assert isinstance(method, Method) and method.name == name
+        cls = method.config
         cfg = cls()
-        assert METHODS[name].Config is cls
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             # real (not string) annotations, so a config loader can read them off dataclasses.fields
@@ -43,24 +47,34 @@ def test_configs_cover_every_method_and_are_typed_frozen_with_defaults():
             cfg.eps = 1.0  # type: ignore[misc]
 
 
+def test_method_configs_hold_loss_settings_only():
+    sampling = {"num_generations", "num_candidates", "num_turns", "turn_order", "continue_with", "alpha_team",
+                "reward_mode", "gamma", "joint_mode", "joint_aggregate", "early_stop_reward", "top_k_groups", "group_size"}
+    for name, method in METHODS.items():
+        fields = {f.name for f in dataclasses.fields(method.config)}
+        assert not fields & sampling, (name, fields & sampling)
+        assert {"ddof", "eps", "aggregation", "norm_length", "kl_coef", "kl_kind"} <= fields  # the shared LossConfig
+
+
 def test_config_defaults_follow_the_papers():
-    grpo, dr, dp, gs = (CONFIGS[n]() for n in ("grpo", "dr_grpo", "dapo", "gspo"))
+    grpo, dr, dp, gs = (METHODS[n].config() for n in ("grpo", "dr_grpo", "dapo", "gspo"))
     assert (grpo.ratio, grpo.clip_low, grpo.clip_high, grpo.normalize, grpo.aggregation) == (
         "token", 0.2, 0.2, "std", "seq_mean_token_mean")
     assert (dr.normalize, dr.aggregation) == ("none", "seq_mean_token_sum_norm")
     assert (dp.clip_low, dp.clip_high, dp.aggregation, dp.drop_zero_variance) == (0.2, 0.28, "token_mean", True)
     assert (gs.ratio, gs.clip_low, gs.clip_high, gs.aggregation) == ("sequence", 3e-4, 4e-4, "seq_mean_token_mean")
-    ma = CONFIGS["magrpo"]()
-    assert (ma.num_generations, ma.joint_mode, ma.joint_aggregate, ma.gamma, ma.baseline, ma.aggregation) == (
-        4, "aligned", "sum", 1.0, "mean", "seq_sum")
-    at = CONFIGS["at_grpo"]()
-    assert (at.num_candidates, at.alpha, at.reward_mode, at.dual_clip, at.aggregation, at.kl_coef) == (
-        4, 1.0, "immediate", 3.0, "token_mean", 0.0)
-    ha = CONFIGS["hacpo"]()
-    assert (ha.num_generations, ha.capability_window, ha.alpha, ha.delta, ha.delta_step, ha.clip_low, ha.clip_high) == (
-        8, 5, 1.0, 0.2, 0.025, 3e-4, 4e-4)
-    jo = CONFIGS["joyagents"]()
-    assert (jo.top_k_groups, jo.memory_z, jo.memory_time_weight, jo.memory_reward_weight) == (2, 1.96, 1.0, 1.0)
+    ma = METHODS["magrpo"].config()
+    assert (ma.baseline, ma.ddof, ma.eps_mode, ma.ratio, ma.aggregation) == ("mean", 0, "floor", "none", "seq_sum")
+    at = METHODS["at_grpo"].config()
+    assert (at.dual_clip, at.aggregation, at.kl_coef) == (None, "token_mean", 0.0)  # the released code: no dual clip
+    ha = METHODS["hacpo"].config()
+    assert (ha.capability_window, ha.alpha, ha.delta, ha.delta_step, ha.clip_low, ha.clip_high) == (5, 1.0, 0.2, 0.025, 3e-4, 4e-4)
+    jo = METHODS["joyagents"].config()
+    assert (jo.memory_z, jo.memory_time_weight, jo.memory_reward_weight) == (1.96, 1.0, 1.0)
+    defaults = {name: (m.default_plan, m.default_group_size) for name, m in METHODS.items()}
+    assert defaults["at_grpo"] == ("tree", 4) and defaults["magrpo"] == ("joint", 4)
+    assert defaults["hacpo"] == ("shared", 8) and defaults["joyagents"] == ("node_wise", 8)
+    assert defaults["grpo"] == ("independent", 4)
 
 
 @pytest.mark.parametrize(
@@ -72,226 +86,222 @@ def test_config_defaults_follow_the_papers():
         ("grpo", "aggregation", "mean"),
         ("grpo", "dual_clip", 0.5),
         ("grpo", "kl_kind", "k4"),
+        ("grpo", "eps_mode", "clamp"),
+        ("grpo", "variance_rank", "var"),
         ("dapo", "drop_low_mean_frac", 1.5),
         ("gspo", "ratio", "seq"),
         ("dr_grpo", "eps", 0.0),
-        ("magrpo", "joint_mode", "product"),
-        ("magrpo", "joint_aggregate", "max"),
-        ("magrpo", "num_generations", 1),
-        ("magrpo", "gamma", 1.5),
-        ("at_grpo", "reward_mode", "discounted"),
-        ("at_grpo", "continue_with", "worst"),
-        ("at_grpo", "alpha", -1.0),
+        ("dr_grpo", "norm_length", 0),
+        ("magrpo", "normalize", "groupwise"),
         ("hacpo", "delta", 2.0),
         ("hacpo", "omega_min", 0.0),
         ("hacpo", "capability_window", 0),
-        ("joyagents", "top_k_groups", 0),
         ("joyagents", "memory_z", -1.0),
     ],
 )
 def test_out_of_range_config_values_raise_naming_the_field(method, field, value):
     with pytest.raises(JmarlError, match=field):
-        CONFIGS[method](**{field: value})
+        METHODS[method].config(**{field: value})
 
 
-def test_get_method_unknown_name():
-    assert get_method("hacpo") is hacpo
+def test_get_method_names_and_module_paths():
+    assert get_method("hacpo") is hacpo.METHOD
+    assert get_method("jmarl.algos.gspo:METHOD") is METHODS["gspo"]  # package.module:NAME (tests/test_custom_method.py: your own)
     with pytest.raises(JmarlError, match="ppo2.*choose one of"):
         get_method("ppo2")
+    with pytest.raises(JmarlError, match="cannot be imported"):
+        get_method("no_such_module:X")
+    with pytest.raises(JmarlError, match="not a jmarl.algos.Method"):
+        get_method("tests.test_algos_methods:NAMES")
 
 
-# ------------------------------------------------------------------------------ uniform interface
+# ------------------------------------------------------------------------------ the uniform interface
 
 
-def small_batch(seed=0, n=8, t=5):
+def learner_batch(seed=0, n=8, t=5, learner=0):
+    """A LearnerBatch with the loss fields filled (the model fields are unused placeholders)."""
     rng = np.random.default_rng(seed)
     lp = rng.uniform(-3, -0.1, (n, t)).astype(np.float32)
     old = (lp + rng.uniform(-0.3, 0.3, (n, t))).astype(np.float32)
     refp = (lp + rng.uniform(-0.3, 0.3, (n, t))).astype(np.float32)
     mask = rng.random((n, t)) < 0.8
     mask[:, 0] = True
-    rewards = rng.integers(0, 2, n).astype(np.float32)
-    groups = np.repeat(np.arange(n // 4), 4).astype(np.int32)
-    return lp, old, refp, mask, rewards, groups
+    batch = LearnerBatch(
+        prefix_tokens=np.zeros((1, 1), np.int32), prefix_mask=np.ones((1, 1), bool), prefix_rows=np.zeros(n, np.int32),
+        tokens=np.zeros((n, t), np.int32), attention_mask=mask, loss_mask=mask, behavior_logprobs=old,
+        reward=rng.integers(0, 2, n).astype(np.float32), group=np.repeat(np.arange(n // 4), 4).astype(np.int32),
+        agent=np.zeros(n, np.int32), learner=np.full(n, learner, np.int32),
+        source_policy=np.tile([0, 0, 1, 1], n // 4).astype(np.int32),
+        source_seq_logprob=np.array([old[i][mask[i]].mean() for i in range(n)], np.float32),
+        old_logprobs=old, ref_logprobs=refp,
+    )
+    return lp, batch
 
 
-def method_extras(name, n=8):
-    """Per-sample extras for methods whose functions need them (HACPO)."""
-    if name != "hacpo":
-        return {}, {}
-    source = np.tile([0, 0, 1, 1], n // 4).astype(np.int32)
-    adv_extra = {"source": source, "capability": np.array([0.6, 0.3], np.float32), "learner": 0}
-    loss_extra = {"is_cross": source != 0, "discrepancy": np.where(source != 0, 0.5, 1.0).astype(np.float32)}
-    return adv_extra, loss_extra
+def device_state(method, cfg):
+    state = method.init_state(cfg, MethodContext(num_policies=2, group_size=4))
+    if method is hacpo.METHOD:
+        state, _ = method.after_plan(cfg, state, PlanResult((), (), {"success_rate": [0.6, 0.3]}), 0)
+    return method.device_state(cfg, state)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+def prepared(method, cfg, batch):
+    adv = finite_advantages(method.advantages(cfg, batch, device_state(method, cfg)), batch.reward)
+    keep = method.keep_mask(cfg, batch)
+    return batch.replace(advantages=adv, loss_mask=batch.loss_mask & keep[:, None])
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_every_method_runs_through_the_uniform_interface(name):
-    module, cfg = METHODS[name], CONFIGS[name]()
-    lp, old, refp, mask, rewards, groups = small_batch()
-    adv_extra, loss_extra = method_extras(name)
-    adv = module.advantages(cfg, rewards, groups, num_groups=2, **adv_extra)
-    keep = module.keep_mask(cfg, rewards, groups, num_groups=2)
-    assert adv.shape == (8,) and keep.shape == (8,) and keep.dtype == bool
-    value, metrics = module.loss(cfg, lp, old, adv, mask & np.asarray(keep)[:, None], ref_logprobs=refp, **loss_extra)
+    method = METHODS[name]
+    cfg = method.config()
+    lp, batch = learner_batch()
+    batch = prepared(method, cfg, batch)
+    assert batch.advantages.shape == (8,)
+    value, metrics = jax.jit(lambda lp, b: method.loss(cfg, lp, b))(lp, batch)
     assert value.shape == () and np.isfinite(float(value))
     assert {"loss", "pg_loss", "clip_fraction", "ratio_mean", "approx_kl"} <= set(metrics)
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "at_grpo", "joyagents"])
 def test_clipped_presets_equal_the_reference_with_their_defaults(name):
-    module, cfg = METHODS[name], CONFIGS[name](kl_coef=0.05)
-    lp, old, refp, mask, rewards, groups = small_batch(seed=4)
-    adv = module.advantages(cfg, rewards, groups, num_groups=2)
+    method = METHODS[name]
+    cfg = method.config(kl_coef=0.05, norm_length=7)
+    lp, batch = learner_batch(seed=4)
+    adv = method.advantages(cfg, batch, None)
     np.testing.assert_allclose(
-        adv, ref.group_advantages(rewards, groups, 2, cfg.baseline, cfg.normalize, cfg.ddof), rtol=1e-5, atol=1e-6
+        adv, ref.group_advantages(batch.reward, batch.group, 8, cfg.baseline, cfg.normalize, cfg.ddof), rtol=1e-5, atol=1e-6
     )
-    got, _ = module.loss(cfg, lp, old, adv, mask, ref_logprobs=refp)
+    got, _ = method.loss(cfg, lp, batch.replace(advantages=adv))
     want, _ = ref.policy_loss(
-        lp, old, np.asarray(adv), mask, ratio=cfg.ratio, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, ref=refp, kl_coef=0.05, kl_kind=cfg.kl_kind,
+        lp, batch.old_logprobs, np.asarray(adv), batch.loss_mask, ratio=cfg.ratio, clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, ref=batch.ref_logprobs,
+        kl_coef=0.05, kl_kind=cfg.kl_kind, norm_length=7,
     )
     np.testing.assert_allclose(float(got), want, rtol=1e-4, atol=1e-6)
 
 
+def test_dr_grpo_loss_does_not_depend_on_padding():
+    """Dr.GRPO divides by N x a constant (the run's completion budget, `norm_length`): the same
+    samples padded to width 5 or 10 give the same loss (with norm_length None it would halve)."""
+    from jmarl.algos import dr_grpo
+
+    lp, batch = learner_batch(seed=5)
+    batch = batch.replace(advantages=np.linspace(-1, 1, 8).astype(np.float32))
+    pad = lambda x, fill=0: np.concatenate([x, np.full(x.shape, fill, x.dtype)], axis=1)  # noqa: E731
+    wide = batch.replace(loss_mask=pad(batch.loss_mask, False), old_logprobs=pad(batch.old_logprobs), ref_logprobs=None)
+    cfg = dr_grpo.Config(norm_length=16)
+    narrow_loss = float(dr_grpo.METHOD.loss(cfg, lp, batch.replace(ref_logprobs=None))[0])
+    np.testing.assert_allclose(float(dr_grpo.METHOD.loss(cfg, pad(lp), wide)[0]), narrow_loss, rtol=1e-6)
+    unset = dr_grpo.Config()  # norm_length None: the width, which the config layer never leaves in a run
+    ratio = float(dr_grpo.METHOD.loss(unset, pad(lp), wide)[0]) / float(dr_grpo.METHOD.loss(unset, lp, batch.replace(ref_logprobs=None))[0])
+    np.testing.assert_allclose(ratio, 0.5, rtol=1e-5)
+
+
 def test_dapo_keep_mask_drops_zero_variance_groups():
-    rewards = np.array([1, 1, 1, 1, 0, 1, 0, 0], np.float32)
-    groups = np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32)
-    np.testing.assert_array_equal(dapo.keep_mask(dapo.Config(), rewards, groups, num_groups=2), [0, 0, 0, 0, 1, 1, 1, 1])
+    _, batch = learner_batch()
+    batch = batch.replace(reward=np.array([1, 1, 1, 1, 0, 1, 0, 0], np.float32), group=np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32))
+    np.testing.assert_array_equal(dapo.METHOD.keep_mask(dapo.Config(), batch), [0, 0, 0, 0, 1, 1, 1, 1])
+
+
+def test_magrpo_advantage_is_the_references_population_std_floored():
+    # CoMLRL: returns (0, 1, 1, 0): mean 0.5, population std 0.5 -> A = (-1, 1, 1, -1); jmarl's old
+    # default (ddof 1, std + eps) gave +-0.866 = sqrt(3/4), a 13% smaller step.
+    _, batch = learner_batch()
+    batch = batch.replace(reward=np.array([0, 1, 1, 0, 2, 2, 2, 2], np.float32))
+    adv = magrpo.METHOD.advantages(magrpo.Config(), batch, None)
+    np.testing.assert_allclose(adv, [-1, 1, 1, -1, 0, 0, 0, 0], rtol=1e-6)
+    old = magrpo.METHOD.advantages(magrpo.Config(ddof=1, eps_mode="add"), batch, None)
+    np.testing.assert_allclose(np.abs(np.asarray(old)[:4]), np.sqrt(0.75), rtol=1e-5)
 
 
 def test_magrpo_loss_is_minus_advantage_times_summed_logprob():
-    cfg = magrpo.Config()
-    lp, old, _, mask, _, _ = small_batch(seed=2)
-    adv = np.linspace(-1, 1, 8).astype(np.float32)
-    got, _ = magrpo.loss(cfg, lp, old, adv, mask)
-    want, _ = ref.policy_loss(lp, old, adv, mask, ratio="none", aggregation="seq_sum")
+    lp, batch = learner_batch(seed=2)
+    batch = batch.replace(advantages=np.linspace(-1, 1, 8).astype(np.float32))
+    got, _ = magrpo.METHOD.loss(magrpo.Config(), lp, batch)
+    want, _ = ref.policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, ratio="none", aggregation="seq_sum")
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------------ MAGRPO
+# ------------------------------------------------------------------------------ every option is live
+
+# field -> a value (or values: the first that is not the default) to change it to; fields that act
+# only under another setting get it too
+ALTERNATIVES: dict[str, tuple[object, dict]] = {
+    "ddof": ((0, 1), {"normalize": "std"}),
+    "eps": (0.5, {"normalize": "std"}),
+    "aggregation": (("seq_sum", "token_mean"), {}),
+    "norm_length": (3, {"aggregation": "seq_mean_token_sum_norm"}),
+    "kl_coef": (0.5, {}),
+    "kl_kind": ("k1", {"kl_coef": 0.5}),
+    "baseline": ("max", {}),
+    "normalize": (("batch", "std"), {}),
+    "eps_mode": (("floor", "add"), {"eps": 0.5, "normalize": "std"}),
+    "ratio": (("sequence", "token"), {"clip_low": 0.9, "clip_high": 5.0}),
+    "clip_low": (0.01, {"ratio": "token"}),
+    "clip_high": (0.01, {"ratio": "token"}),
+    "dual_clip": (1.01, {"ratio": "token", "clip_low": 0.9, "clip_high": 5.0}),
+    "drop_zero_variance": ((True, False), {}),
+    "drop_low_variance_frac": (0.5, {}),
+    "drop_low_mean_frac": (0.5, {}),
+    "variance_rank": ("range_normalised", {"drop_low_variance_frac": 0.4}),
+    "capability_window": (1, {}),
+    "alpha": (0.3, {}),
+    "delta": (0.05, {}),
+    "delta_step": (0.2, {}),
+    "omega_min": (0.6, {}),
+    "omega_max": (1.5, {}),
+    "max_reward": (0.5, {}),
+    "capability_baseline": (False, {}),
+    "discrepancy": (False, {}),
+    "stepwise_clip": (False, {}),
+}
+# JoyAgents-R1's memory settings change the memory, not the loss (tested in test_trainer_hetero)
+MEMORY_FIELDS = {"memory_z", "memory_time_weight", "memory_reward_weight", "memory_decay", "memory_top_m",
+                 "memory_capacity", "use_memory"}
 
 
-@pytest.mark.parametrize("mode", ["aligned", "cross"])
-@pytest.mark.parametrize("n, g", [(2, 2), (2, 4), (3, 3)])
-def test_joint_action_index_matches_reference(mode, n, g):
-    got = magrpo.joint_action_index(n, g, mode)
-    np.testing.assert_array_equal(got, np.array(ref.joint_actions(n, g, mode)))
-    assert got.shape == ((g, n) if mode == "aligned" else (g**n, n))
+def liveness_batch():
+    """A batch on which every loss setting shows: groups of mixed rewards and variances, ratios far
+    from 1 both ways, padding tokens, a reference, and another policy's samples."""
+    lp, batch = learner_batch(seed=11, n=20, t=6)
+    rng = np.random.default_rng(3)
+    old = (lp + rng.uniform(-1.5, 1.5, lp.shape)).astype(np.float32)
+    reward = np.array([0, 1, 1, 1, 0, 10, 10, 10, 0, .5, .5, 1, 0, .1, 0, 0, 1, 1, 1, 1], np.float32)
+    mask = batch.loss_mask
+    source = np.array([lp[i][mask[i]].mean() + 0.1 for i in range(lp.shape[0])], np.float32)  # cross ratios ~0.9
+    return lp, batch.replace(old_logprobs=old, reward=reward, source_seq_logprob=source)
 
 
-@SETTINGS
-@given(
-    shape=st.sampled_from([(2, 2), (2, 3), (3, 2)]),
-    mode=st.sampled_from(["aligned", "cross"]),
-    aggregate=st.sampled_from(["sum", "mean"]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_completion_returns_match_reference(shape, mode, aggregate, seed):
-    n, g = shape
-    joint = magrpo.joint_action_index(n, g, mode)
-    joint_returns = np.random.default_rng(seed).normal(size=(3, joint.shape[0])).astype(np.float32)  # 3 nodes
-    got = np.asarray(magrpo.completion_returns(joint_returns, joint, num_generations=g, aggregate=aggregate))
-    for node in range(3):
-        want = ref.completion_returns(joint_returns[node], joint.tolist(), g, aggregate)
-        np.testing.assert_allclose(got[node], want, rtol=1e-5, atol=1e-6)
+def outcome(method, cfg, lp, batch, window=((0.6, 0.3),)):
+    state = method.init_state(cfg, MethodContext(num_policies=2, group_size=4))
+    for rates in window:
+        state, _ = method.after_plan(cfg, state, PlanResult((), (), {"success_rate": list(rates)}), 0)
+    b = batch.replace(advantages=finite_advantages(method.advantages(cfg, batch, method.device_state(cfg, state)), batch.reward))
+    b = b.replace(loss_mask=b.loss_mask & method.keep_mask(cfg, b)[:, None], update_index=jnp.asarray(1))
+    loss, metrics = method.loss(cfg, lp, b)
+    grad = jax.grad(lambda x: method.loss(cfg, x, b)[0])(lp)
+    return np.concatenate([np.ravel(b.advantages), np.ravel(b.loss_mask).astype(np.float32), [float(loss)], np.ravel(grad)])
 
 
-def test_completion_returns_hand_worked():
-    # two agents, G=2, cross: joint actions (0,0), (0,1), (1,0), (1,1) with rewards 1, 2, 3, 4
-    # agent 0: completion 0 is in (0,0),(0,1) -> sum 3, mean 1.5; completion 1 -> 3+4 = 7, mean 3.5
-    # agent 1: completion 0 is in (0,0),(1,0) -> 1+3 = 4, mean 2; completion 1 -> 2+4 = 6, mean 3
-    joint = magrpo.joint_action_index(2, 2, "cross")
-    r = np.array([1, 2, 3, 4], np.float32)
-    np.testing.assert_allclose(magrpo.completion_returns(r, joint, num_generations=2), [[3, 7], [4, 6]])
-    np.testing.assert_allclose(magrpo.completion_returns(r, joint, num_generations=2, aggregate="mean"), [[1.5, 3.5], [2, 3]])
-    # aligned: each completion is in exactly one joint action, so its return is that reward
-    aligned = magrpo.joint_action_index(2, 2, "aligned")
-    np.testing.assert_allclose(magrpo.completion_returns(r[:2], aligned, num_generations=2), [[1, 2], [1, 2]])
-
-
-def test_tree_returns_hand_worked():
-    # turn 0: joint actions 0 (r=1) and 1 (r=0); joint action 0's child node has 2 (r=0) and 3 (r=1),
-    # joint action 1's child node has 4 (r=1) and 5 (r=1), joint action 4 was continued: 6 (r=2), 7 (r=0).
-    # gamma 0.9: R4 = 1 + 0.9 * 1 = 1.9; R0 = 1 + 0.9 * 0.5 = 1.45; R1 = 0 + 0.9 * (1.9 + 1) / 2 = 1.305
-    rewards = np.array([1, 0, 0, 1, 1, 1, 2, 0], np.float32)
-    parent = np.array([-1, -1, 0, 0, 1, 1, 4, 4], np.int32)
-    got = magrpo.tree_returns(rewards, parent, gamma=0.9, max_depth=2)
-    np.testing.assert_allclose(got, [1.45, 1.305, 0, 1, 1.9, 1, 2, 0], rtol=1e-6)
-
-
-@SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), gamma=st.sampled_from([1.0, 0.9, 0.5]))
-def test_tree_returns_match_recursive_reference(seed, gamma):
-    rng = np.random.default_rng(seed)
-    parent = [-1, -1, -1]  # a random 3-level tree over 12 joint actions, parents precede children
-    for j in range(3, 12):
-        parent.append(int(rng.integers(0, j)) if rng.random() < 0.9 else -1)
-    depth = lambda j: 0 if parent[j] < 0 else 1 + depth(parent[j])  # noqa: E731
-    rewards = rng.normal(size=12).astype(np.float32)
-    got = magrpo.tree_returns(rewards, np.array(parent), gamma=gamma, max_depth=max(map(depth, range(12))))
-    np.testing.assert_allclose(got, ref.tree_returns(rewards.astype(np.float64), parent, gamma), rtol=1e-5, atol=1e-5)
-
-
-# ------------------------------------------------------------------------------ AT-GRPO
-
-
-def test_at_grpo_group_ids_hand_worked_and_injective():
-    # (env 1, turn 2, agent 1) with 3 turns and 2 agents -> (1 * 3 + 2) * 2 + 1 = 11
-    ids = at_grpo.group_ids(np.array([1, 0, -1, 0]), np.array([2, 0, 0, 3]), np.array([1, 0, 0, 0]), num_turns=3, num_agents=2)
-    np.testing.assert_array_equal(ids, [11, 0, -1, -1])
-    env, turn, agent = np.meshgrid(np.arange(4), np.arange(3), np.arange(2), indexing="ij")
-    all_ids = np.asarray(at_grpo.group_ids(env.ravel(), turn.ravel(), agent.ravel(), num_turns=3, num_agents=2))
-    np.testing.assert_array_equal(np.sort(all_ids), np.arange(24))
-
-
-def test_at_grpo_mixed_reward_and_advantage_per_node():
-    # local (1, 0, 0.5, 0.5) + 2 * team (0, 1, 0, 0) = (1, 2, 0.5, 0.5); one node of K=4
-    r = at_grpo.mixed_reward(np.array([1, 0, 0.5, 0.5]), np.array([0, 1, 0, 0]), alpha=2.0)
-    np.testing.assert_allclose(r, [1, 2, 0.5, 0.5])
-    adv = at_grpo.advantages(at_grpo.Config(), r, np.zeros(4, np.int32), num_groups=1)
-    np.testing.assert_allclose(adv, ref.group_advantages(np.asarray(r), [0] * 4, 1), rtol=1e-5)
-
-
-def test_returns_to_go_hand_worked():
-    # chain 0 -> 2 -> 3 (continued candidates), 1 not continued; gamma 0.5:
-    # G3 = 4, G2 = 2 + 0.5 * 4 = 4, G0 = 1 + 0.5 * 4 = 3, G1 = 7
-    got = at_grpo.returns_to_go(np.array([1, 7, 2, 4.0]), np.array([2, -1, 3, -1]), gamma=0.5, max_steps=2)
-    np.testing.assert_allclose(got, [3, 7, 4, 4])
-
-
-def test_at_grpo_node_rewards_immediate_and_return_to_go():
-    # local (1, 0, 0.5) + 0.5 * team (2, 2, 0) = (2, 1, 0.5); sample 0 is continued by sample 2.
-    local, team, nxt = np.array([1, 0, 0.5]), np.array([2, 2, 0]), np.array([2, -1, -1])
-    immediate = at_grpo.node_rewards(at_grpo.Config(alpha=0.5), local, team)
-    np.testing.assert_allclose(immediate, [2, 1, 0.5])
-    # return-to-go with gamma 0.9: G0 = 2 + 0.9 * 0.5 = 2.45
-    cfg = at_grpo.Config(alpha=0.5, reward_mode="return_to_go", gamma=0.9)
-    np.testing.assert_allclose(at_grpo.node_rewards(cfg, local, team, next_index=nxt), [2.45, 1, 0.5], rtol=1e-6)
-    with pytest.raises(JmarlError, match="next_index"):
-        at_grpo.node_rewards(cfg, local, team)
-
-
-@SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), gamma=st.sampled_from([1.0, 0.8]))
-def test_returns_to_go_match_reference(seed, gamma):
-    rng = np.random.default_rng(seed)
-    nxt = [int(rng.integers(j + 1, 10)) if j < 9 and rng.random() < 0.6 else -1 for j in range(10)]
-    rewards = rng.normal(size=10).astype(np.float32)
-    got = at_grpo.returns_to_go(rewards, np.array(nxt), gamma=gamma, max_steps=9)
-    np.testing.assert_allclose(got, ref.returns_to_go(rewards.astype(np.float64), nxt, gamma), rtol=1e-5, atol=1e-5)
-
-
-def test_choose_candidate():
-    rewards = np.array([[0.0, 1.0, 1.0, 0.5], [2.0, 0.0, 0.0, 0.0]], np.float32)
-    np.testing.assert_array_equal(at_grpo.choose_candidate(rewards, mode="best"), [1, 0])  # first of the ties
-    np.testing.assert_array_equal(at_grpo.choose_candidate(rewards, mode="first"), [0, 0])
-    key = jax.random.key(0)
-    picks = at_grpo.choose_candidate(np.zeros((500, 4)), mode="sampled", key=key)
-    assert set(np.asarray(picks).tolist()) == {0, 1, 2, 3}
-    np.testing.assert_array_equal(picks, at_grpo.choose_candidate(np.zeros((500, 4)), mode="sampled", key=key))
-    with pytest.raises(JmarlError, match="key"):
-        at_grpo.choose_candidate(rewards, mode="sampled")
+@pytest.mark.parametrize("name", NAMES)
+def test_every_option_of_every_method_changes_what_runs(name):
+    method = METHODS[name]
+    lp, batch = liveness_batch()
+    fields = [f.name for f in dataclasses.fields(method.config) if f.name not in MEMORY_FIELDS]
+    for field in fields:
+        value, context = ALTERNATIVES[field]
+        context = {k: v for k, v in context.items() if k in fields}
+        base = method.config(**context)
+        values = value if isinstance(value, tuple) else (value,)
+        value = next(v for v in values if v != getattr(base, field))
+        changed = dataclasses.replace(base, **{field: value})
+        if field == "capability_window":  # only a window of several steps shows it
+            window = ((0.6, 0.3), (0.1, 0.9))
+            a, b = outcome(method, base, lp, batch, window), outcome(method, changed, lp, batch, window)
+        else:
+            a, b = outcome(method, base, lp, batch), outcome(method, changed, lp, batch)
+        assert not np.allclose(a, b, equal_nan=True), f"{name}: algo.options.{field}={value!r} changes nothing"
 
 
 # ------------------------------------------------------------------------------ HACPO
@@ -313,44 +323,43 @@ def test_hacpo_two_agents_hand_worked():
     # Learner 0: mu = (1*1 + 1*0 + 2*1 + 2*1) / 4 = 1.25 > max reward 1 -> fall back to own mean (1 + 0)/2 = 0.5
     a0 = hacpo.capability_advantages(rewards, groups, source, cap, 0, num_groups=1)
     np.testing.assert_allclose(a0, (rewards - 0.5) / sigma, rtol=1e-6)  # (1, -1, 1, 1) * 0.999998
+    # the learner given per row gives the same
+    np.testing.assert_allclose(hacpo.capability_advantages(rewards, groups, source, cap, np.zeros(4, np.int32), num_groups=1), a0)
     # Same learner with max_reward = 2: 1.25 <= 2, no fallback -> A = (r - 1.25) / 0.5 = (-0.5, -2.5, -0.5, -0.5)
     a0_max2 = hacpo.capability_advantages(rewards, groups, source, cap, 0, num_groups=1, max_reward=2.0)
     np.testing.assert_allclose(a0_max2, np.array([-0.5, -2.5, -0.5, -0.5]) * 0.5 / sigma, rtol=1e-6)
     # Learner 1: mu = (0.5*1 + 0.5*0 + 1*1 + 1*1) / 4 = 0.625 <= 1 -> A = (r - 0.625) / 0.5 = (0.75, -1.25, 0.75, 0.75)
     a1 = hacpo.capability_advantages(rewards, groups, source, cap, 1, num_groups=1)
     np.testing.assert_allclose(a1, np.array([0.75, -1.25, 0.75, 0.75]) * 0.5 / sigma, rtol=1e-6)
-    # A second prompt where learner 0 keeps its weighted baseline: rewards agent 0 (0, 0), agent 1 (1, 0):
-    # mu = (0 + 0 + 2*1 + 2*0) / 4 = 0.5 <= 1; sigma = std_ddof1(0, 0, 1, 0) = 0.5 -> A = (-1, -1, 1, -1)
-    a0b = hacpo.capability_advantages(np.array([0, 0, 1, 0], np.float32), groups, source, cap, 0, num_groups=1)
-    np.testing.assert_allclose(a0b, np.array([-1, -1, 1, -1]) * 0.5 / sigma, rtol=1e-6)
 
     # Discrepancy coefficients: learner 0 on agent 1's answers uses omega^{1,0} = 0.5, on its own 1;
     # learner 1 on agent 0's answers uses omega^{0,1} = 2.
     np.testing.assert_allclose(hacpo.discrepancy_coefficients(cap, source, 0), [1, 1, 0.5, 0.5], rtol=1e-6)
     np.testing.assert_allclose(hacpo.discrepancy_coefficients(cap, source, 1), [2, 2, 1, 1], rtol=1e-6)
 
+    # The method's advantage is their product (the cross loss reads only omega * A).
+    _, batch = learner_batch(n=4, learner=0)
+    batch = batch.replace(reward=rewards, group=groups, source_policy=source)
+    got = hacpo.METHOD.advantages(hacpo.Config(), batch, jnp.asarray(cap))
+    np.testing.assert_allclose(got, (rewards - 0.5) / sigma * np.array([1, 1, 0.5, 0.5]), rtol=1e-6)
+
     # Stepwise clip bounds with delta 0.2, delta_step 0.025: m=0 -> [0.8, 1]; m=1 -> [0.825, 1]; m=2 -> [0.85, 1]
     for m, low in ((0, 0.8), (1, 0.825), (2, 0.85)):
         lo, hi = hacpo.stepwise_clip_bounds(m, delta=0.2, delta_step=0.025)
         np.testing.assert_allclose([float(lo), float(hi)], [low, 1.0], rtol=1e-6)
-    # the lower bound never passes 1: m=10 -> min(1.05, 1) = 1
-    np.testing.assert_allclose(float(hacpo.stepwise_clip_bounds(10)[0]), 1.0)
+    np.testing.assert_allclose(float(hacpo.stepwise_clip_bounds(10)[0]), 1.0)  # never past 1
 
-    # Cross ratio s = exp(mean lp_learner - source_seq_logprob) = 0.82 (source mean log-prob 0, learner
-    # tokens all log 0.82). alpha = 1: s~ = c * sg(c) -> value c^2, d s~ / d(mean lp) = c * c (inside the clip).
+    # Cross ratio s = exp(mean lp_learner - source_seq_logprob) = 0.82; alpha = 1: s~ = c * sg(c)
     mask = np.ones((1, 3), bool)
     lp = np.full((1, 3), np.log(0.82), np.float32)
     for m, c in ((0, 0.82), (1, 0.825), (2, 0.85)):  # m=0 inside [0.8, 1]; m=1, 2 clipped up to the bound
-        s = hacpo.cross_ratio(lp, mask, np.zeros(1, np.float32), m)
-        np.testing.assert_allclose(s, [c * c], rtol=1e-5)  # 0.6724, 0.680625, 0.7225
+        np.testing.assert_allclose(hacpo.cross_ratio(lp, mask, np.zeros(1, np.float32), m), [c * c], rtol=1e-5)
     grad = jax.grad(lambda x: hacpo.cross_ratio(x, mask, np.zeros(1), 0)[0])(lp)
     np.testing.assert_allclose(grad, np.full((1, 3), 0.82 * 0.82 / 3), rtol=1e-5)  # d mean / d lp_t = 1/3
-    grad_clipped = jax.grad(lambda x: hacpo.cross_ratio(x, mask, np.zeros(1), 1)[0])(lp)
-    np.testing.assert_array_equal(grad_clipped, 0.0)
+    np.testing.assert_array_equal(jax.grad(lambda x: hacpo.cross_ratio(x, mask, np.zeros(1), 1)[0])(lp), 0.0)
 
-    # Combined loss for learner 0 at m=0: a self sample with lp == lp_old (s = 1, inside the GSPO clip),
-    # A = 1 -> -1; a cross sample from agent 1 with s = 0.82, omega = 0.5, A = 1 -> -(0.82^2) * 0.5 = -0.3362.
-    # seq_mean_token_mean = (-1 - 0.3362) / 2 = -0.6681
+    # Combined loss for learner 0 at m=0: a self sample with lp == lp_old (s = 1), A = 1 -> -1; a cross
+    # sample from agent 1 with s = 0.82, omega * A = 0.5 -> -(0.82^2) * 0.5 = -0.3362; mean -0.6681.
     lp2 = np.concatenate([np.full((1, 3), -1.0, np.float32), lp])
     loss, metrics = hacpo.loss(
         hacpo.Config(), lp2, np.full((2, 3), -1.0, np.float32), np.ones(2, np.float32), np.ones((2, 3), bool),
@@ -360,6 +369,19 @@ def test_hacpo_two_agents_hand_worked():
     np.testing.assert_allclose(float(loss), (-1 - 0.3362) / 2, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["cross_ratio_mean"]), 0.82, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["cross_fraction"]), 0.5)
+    # the same through the method on a LearnerBatch: the weight folded into the advantage
+    _, b = learner_batch(n=2)
+    b = b.replace(loss_mask=np.ones((2, 3), bool), old_logprobs=np.full((2, 3), -1.0, np.float32), ref_logprobs=None,
+                  advantages=np.array([1.0, 0.5], np.float32), source_policy=np.array([0, 1], np.int32),
+                  source_seq_logprob=np.array([-1.0, 0.0], np.float32), update_index=jnp.asarray(0))
+    np.testing.assert_allclose(float(hacpo.METHOD.loss(hacpo.Config(), lp2, b)[0]), (-1 - 0.3362) / 2, rtol=1e-5)
+
+
+def test_hacpo_naive_mode_turns_the_mechanisms_off():
+    cfg = hacpo.Config()
+    naive = hacpo.METHOD.configure(cfg, types.SimpleNamespace(mode="naive"))
+    assert (naive.capability_baseline, naive.discrepancy, naive.stepwise_clip) == (False, False, False)
+    assert hacpo.METHOD.configure(cfg, types.SimpleNamespace(mode="hacpo")) == cfg
 
 
 def test_capability_window_is_immutable_and_keeps_the_last_k_steps():
@@ -374,6 +396,8 @@ def test_capability_window_is_immutable_and_keeps_the_last_k_steps():
         hacpo.update_capabilities(w, [0.5])
     with pytest.raises(JmarlError, match="empty"):
         hacpo.capabilities(w0)
+    state = hacpo.HACPOState(w, 2)
+    assert hacpo.HACPOState.from_json(state.to_json()) == state
 
 
 def test_success_rate():
@@ -406,7 +430,8 @@ def hacpo_adv(max_reward):
 @given(seed=st.integers(0, 2**31 - 1), m=st.integers(0, 3), stepwise=st.booleans(), alpha=st.sampled_from([1.0, 0.5]))
 def test_hacpo_loss_matches_reference(seed, m, stepwise, alpha):
     rng = np.random.default_rng(seed)
-    lp, old, _, mask, _, _ = small_batch(seed)
+    _, batch = learner_batch(seed)
+    old, mask = batch.old_logprobs, batch.loss_mask
     lp = (old + rng.uniform(-3e-4, 3e-4, old.shape)).astype(np.float32)  # self ratios near the GSPO clip
     adv = rng.normal(size=8).astype(np.float32)
     is_cross = rng.random(8) < 0.5
@@ -419,7 +444,8 @@ def test_hacpo_loss_matches_reference(seed, m, stepwise, alpha):
 
 
 def test_hacpo_kl_applies_to_self_samples_only():
-    lp, old, refp, mask, _, _ = small_batch(seed=9)
+    lp, batch = learner_batch(seed=9)
+    old, refp, mask = batch.old_logprobs, batch.ref_logprobs, batch.loss_mask
     adv = np.linspace(-1, 1, 8).astype(np.float32)
     is_cross = np.arange(8) % 2 == 1
     base, _ = hacpo.loss(hacpo.Config(), lp, old, adv, mask, is_cross=is_cross)
@@ -436,84 +462,3 @@ def test_hacpo_kl_applies_to_self_samples_only():
 @functools.cache
 def hacpo_loss(cfg):
     return jax.jit(functools.partial(hacpo.loss, cfg))
-
-
-# ------------------------------------------------------------------------------ JoyAgents
-
-
-def test_joyagents_memory_thresholds_hand_worked():
-    # a node group of 8 rewards (0,0,0,0,0,0,0,5): mu = 0.625, sigma_ddof1 = sqrt((7 * 0.625^2 + 4.375^2) / 7)
-    # = sqrt((2.734375 + 19.140625) / 7) = sqrt(3.125) = 1.76777; mu + 1.96 sigma = 4.0898 < 5 -> admitted
-    rewards = np.array([0, 0, 0, 0, 0, 0, 0, 5], np.float32)
-    groups = np.zeros(8, np.int32)
-    upper, lower = joyagents.memory_thresholds(rewards, groups, num_groups=1)
-    np.testing.assert_allclose(upper[0], 0.625 + 1.96 * math.sqrt(3.125), rtol=1e-6)
-    np.testing.assert_allclose(lower[0], 0.625 - 1.96 * math.sqrt(3.125), rtol=1e-6)
-    np.testing.assert_array_equal(joyagents.admission_mask(rewards, groups, num_groups=1), [0] * 7 + [1])
-    # mirrored: one -5 among zeros: mu - 1.96 sigma = -4.0898 > -5 -> its retrieved entries are evicted
-    np.testing.assert_array_equal(joyagents.eviction_mask(-rewards, groups, num_groups=1), [0] * 7 + [1])
-    # a group of 4 cannot pass 1.96 sigma: max z = (4 - 1) / sqrt(4) = 1.5
-    assert not joyagents.admission_mask(np.array([0, 0, 0, 5.0]), np.zeros(4, np.int32), num_groups=1).any()
-
-
-def test_joyagents_entry_score_and_memory_bookkeeping():
-    # score = 1 * exp(-0.1 * age) + 1 * reward_gap: age 0, gap 0.5 -> 1.5; age 10, gap 1 -> e^-1 + 1 = 1.3679
-    np.testing.assert_allclose(joyagents.entry_score(np.array([0, 10]), np.array([0.5, 1.0])), [1.5, math.exp(-1) + 1], rtol=1e-6)
-    # the bookkeeping lives in the one memory store (jmarl.workflows.memory), which scores with
-    # this entry_score: decay 0.1 per step = tau 10 steps
-    opts = jmemory.MemoryOptions(capacity=2, tau=10.0, top_m=3)
-    mem = jmemory.Memory(opts)
-    for q, gap in (("a", 0.5), ("b", 1.0)):
-        mem = jmemory.admit(mem, "x", q, "s-" + q, reward=gap, baseline=0.0, step=0)
-    assert [x.query for x in mem.entries("x")] == ["a", "b"]
-    np.testing.assert_allclose(jmemory.entry_scores(mem, "x", 10), [math.exp(-1) + 0.5, math.exp(-1) + 1], rtol=1e-6)
-    # at step 10: a scores e^-1 + 0.5 = 0.868, b e^-1 + 1 = 1.368, new c (step 10, gap 0.2) 1 + 0.2 = 1.2 -> a dropped
-    mem2 = jmemory.admit(mem, "x", "c", "s-c", reward=0.2, baseline=0.0, step=10)
-    assert [x.query for x in mem2.entries("x")] == ["b", "c"] and len(mem.entries("x")) == 2
-    b_id = mem2.entries("x")[0].id
-    assert [x.query for x in jmemory.evict(mem2, "x", [b_id]).entries("x")] == ["c"]
-    assert jmemory.evict(mem2, "x", [99]) == mem2  # unknown ids: nothing to evict
-    # retrieval: most similar first, ties by lower id (equal reward gaps)
-    big = jmemory.Memory(jmemory.MemoryOptions(capacity=8, top_m=3))
-    for q in ("zzzz qqqq", "the quick fox", "the quick fox jumps", "the quick fox"):
-        big = jmemory.admit(big, "x", q, "s" + str(len(big.entries("x"))), reward=1.0, baseline=0.0, step=0)
-    assert [e.id for e in jmemory.retrieve(big, "x", "the quick fox")] == [1, 3, 2]
-    assert jmemory.Memory.from_json(mem2.to_json()) == mem2
-    with pytest.raises(JmarlError, match="malformed memory"):
-        jmemory.Memory.from_json('{"format": "jmarl.memory", "agents": {"x": [{"query": "x"}]}}')
-
-
-def test_joyagents_memory_math_has_one_implementation():
-    # the store calls the algorithm's threshold math instead of re-implementing it
-    assert not any(hasattr(joyagents, name) for name in ("Memory", "MemoryEntry", "admit", "evict", "retrieve"))
-    rewards = [0, 0, 0, 0, 0, 0, 0, 5.0]
-    upper, lower = joyagents.memory_thresholds(np.array(rewards, np.float32), np.zeros(8, np.int32), num_groups=1)
-    assert jmemory.group_thresholds(rewards, 1.96, 1) == pytest.approx((float(upper[0]), float(lower[0])))
-
-
-def test_joyagents_group_size_too_small_for_the_memory_warns():
-    # Samuelson: one sample of G is at most (G - 1) / sqrt(G) sigmas away: 1.79 at G = 5, 2.04 at G = 6
-    assert joyagents.min_group_size_for_memory(1.96, 1) == 6
-    assert joyagents.min_group_size_for_memory(1.96, 0) == 5  # sqrt(G - 1) > 1.96 from G = 5
-    assert joyagents.Config().num_generations == 8
-    with pytest.warns(joyagents.MemoryGroupSizeWarning, match="group_size >= 6"):
-        joyagents.Config(num_generations=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        joyagents.Config(num_generations=6)
-        joyagents.Config(num_generations=4, use_memory=False)  # no memory: any G >= 2
-        joyagents.Config(num_generations=4, memory_z=1.0)  # (4 - 1) / 2 = 1.5 > 1
-    # and it is exact: at G = 6 an outlier is admitted, at G = 5 never
-    for g, admitted in ((6, True), (5, False)):
-        r = np.zeros(g, np.float32)
-        r[-1] = 1.0
-        assert bool(joyagents.admission_mask(r, np.zeros(g, np.int32), num_groups=1).any()) == admitted
-
-
-def test_joyagents_top_k_node_groups_and_reward():
-    cfg = joyagents.Config()  # top-2
-    # group variances: g0 (0,1) 0.5, g1 (0,0) 0, g2 (0,4) 8, g3 (1,2) 0.5 -> top-2: g2, then g0 (tie with g3, lower id)
-    rewards = np.array([0, 1, 0, 0, 0, 4, 1, 2], np.float32)
-    groups = np.repeat(np.arange(4), 2).astype(np.int32)
-    np.testing.assert_array_equal(joyagents.keep_mask(cfg, rewards, groups, num_groups=4), [1, 1, 0, 0, 1, 1, 0, 0])
-    np.testing.assert_allclose(joyagents.total_reward(np.array([1.0]), np.array([0.5]), np.array([2.0]), cost_weight=0.1), [1.3])

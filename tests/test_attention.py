@@ -210,7 +210,7 @@ def test_exported_programs_carry_the_platforms_attention(platform, marker):
     tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
     mask = jax.ShapeDtypeStruct((b, t), jnp.bool_)
 
-    def loss(p, frozen, batch, m):
+    def loss(p, frozen, batch):
         lp = token_logprobs(config, p, batch["tokens"], batch["mask"])
         return -jnp.mean(lp), {}
 

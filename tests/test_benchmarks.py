@@ -255,12 +255,12 @@ def test_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint):
     layout = make_batch(config.vocab_size, 4, 8, 8, group_size=2).shared_prefix()
     batch = {k: jax.numpy.asarray(v) for k, v in layout.items()}
     original = attention_module.attention
-    full = float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0])
+    full = float(jax.jit(jmarl_loss_fn(config))(params, None, batch)[0])
     with bounds.attention_ablated():
         assert attention_module.attention is not original
-        ablated = float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0])
+        ablated = float(jax.jit(jmarl_loss_fn(config))(params, None, batch)[0])
     assert attention_module.attention is original
-    assert float(jax.jit(jmarl_loss_fn(config))(params, None, batch, 0)[0]) == pytest.approx(full, rel=1e-6)
+    assert float(jax.jit(jmarl_loss_fn(config))(params, None, batch)[0]) == pytest.approx(full, rel=1e-6)
     assert abs(ablated - full) > 1e-6
 
 

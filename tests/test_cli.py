@@ -33,14 +33,15 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (("configs/no_such.yaml",), "config file not found: configs/no_such.yaml"),
         ((QUICKSTART, "train.steps"), "bad override 'train.steps': expected key=value, e.g. train.steps=10"),
         ((QUICKSTART, "algo.name=grpoo"),
-         "algo.name: must be one of 'grpo', 'dr_grpo', 'dapo', 'gspo', 'magrpo', 'at_grpo', 'hacpo', "
-         "'joyagents'; got 'grpoo' — did you mean 'grpo'?"),
+         "algo.name: unknown algorithm 'grpoo'; choose one of at_grpo, dapo, dr_grpo, grpo, gspo, hacpo, "
+         "joyagents, magrpo (or give your own Method as 'package.module:NAME') — did you mean 'grpo'?"),
+        ((QUICKSTART, "algo.options.alpha=0.5"), "algo.options.alpha is a sampling setting: set workflow.options.alpha"),
         ((QUICKSTART, "env.name=sokobn"),
          "env.name: unknown env 'sokobn'; registered envs: code, math, plan_path, router, sokoban, sudoku, "
          "writing — did you mean 'sokoban'?"),
     ],
     ids=["unknown-key", "wrong-type", "negative-lr", "group-size", "missing-file", "override-syntax",
-         "unknown-algo", "unknown-env"],
+         "unknown-algo", "misplaced-setting", "unknown-env"],
 )
 def test_user_errors_are_one_line_with_status_2(args, message):
     result = run_cli("--config", *args)

@@ -210,22 +210,30 @@ def test_defaults_and_plan_from_algorithm():
 
 
 def test_group_size_defaults_to_the_algorithms_own():
-    """G comes from the algorithm when workflow.group_size is not given: JoyAgents-R1 and HACPO
-    use 8 (so JoyAgents' memory, which needs G >= 6 at z = 1.96, works out of the box), the rest 4;
-    an explicit group size always wins."""
-    from jmarl.algos.joyagents import MemoryGroupSizeWarning
+    """G comes from the method when workflow.group_size is not given: JoyAgents-R1 and HACPO use 8
+    (so JoyAgents' memory, which needs G >= 6 at z = 1.96, works out of the box), the rest 4; an
+    explicit group size always wins. The memory warns, when the run builds it, if G is too small."""
+    from jmarl.algos import MethodContext, joyagents
+    from jmarl.workflows.memory import MemoryGroupSizeWarning
 
     assert make().workflow.group_size == 4
     for algo, g in [("grpo", 4), ("magrpo", 4), ("at_grpo", 4), ("hacpo", 8), ("joyagents", 8)]:
         assert make(algo={"name": algo}).workflow.group_size == g
         assert make(algo={"name": algo}, workflow={"num_tasks": 2}).workflow.group_size == g
+    joy = make(algo={"name": "joyagents"})
+    assert plan_options(joy).group_size == 8
+    assert make(algo={"name": "joyagents"}, workflow={"group_size": 6}).workflow.group_size == 6
+
+    def memory(group_size):
+        config = make(algo={"name": "joyagents"}, workflow={"group_size": group_size})
+        context = MethodContext(num_policies=1, group_size=group_size, plan_options=plan_options(config))
+        return joyagents.METHOD.init_state(algo_options(config), context)
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemoryGroupSizeWarning)
-        joy = make(algo={"name": "joyagents"})
-    assert algo_options(joy).num_generations == 8
-    assert make(algo={"name": "joyagents"}, workflow={"group_size": 6}).workflow.group_size == 6
+        assert memory(8) is not None
     with pytest.warns(MemoryGroupSizeWarning, match="group_size >= 6"):
-        make(algo={"name": "joyagents"}, workflow={"group_size": 4})
+        memory(4)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +250,8 @@ def test_group_size_defaults_to_the_algorithms_own():
         ({"mesh": {"tensor": -2}}, "mesh.tensor: must be >= -1, got -2"),
         ({"mesh": {"data": -1, "fsdp": -1}}, "mesh: only one axis may be -1"),
         ({"algo": {"name": "grpoo"}},
-         "algo.name: must be one of 'grpo', .*; got 'grpoo' — did you mean 'grpo'?"),
+         "algo.name: unknown algorithm 'grpoo'; choose one of at_grpo, dapo, dr_grpo, grpo, gspo, hacpo, joyagents, magrpo "
+         r"\(or give your own Method as 'package.module:NAME'\) — did you mean 'grpo'\?"),
         ({"env": {"name": "sokobn"}},
          "env.name: unknown env 'sokobn'; registered envs: .* — did you mean 'sokoban'?"),
         ({"optim": {"schedule": "cosin"}}, "optim.schedule: .* did you mean 'cosine'?"),
@@ -322,44 +331,21 @@ def test_dump_yaml_round_trips():
     assert config_to_dict(config)["policies"]["lora"]["target_modules"] == ["q_proj"]
 
 
-# ------------------------------------------------------------------------------ options registries
+# ------------------------------------------------------------------------------ options and their homes
 
 
-@dataclass(frozen=True)
-class ToyAlgo:
-    num_generations: int = 8
-    kl_coef: float = 0.0
-    clip_high: float = 0.2
-    normalize: str = "std"
-
-    def __post_init__(self):
-        if self.normalize not in ("std", "none"):
-            raise JmarlError(f"ToyAlgo.normalize = {self.normalize!r} is not supported")
-
-
-@dataclass(frozen=True)
-class ToyTree:
-    num_candidates: int = 4
-    max_turns: int | None = None
-    select: str = "best"
-
-
-@pytest.fixture
-def registries(monkeypatch):
-    """Test-local registries in place of jmarl.algos.CONFIGS and jmarl.workflows.PLANS."""
-    monkeypatch.setattr(jmarl.algos, "CONFIGS", {"grpo": ToyAlgo, "at_grpo": ToyAlgo}, raising=False)
-    monkeypatch.setattr(jmarl.workflows, "PLANS", {"tree": (None, ToyTree)}, raising=False)
-
-
-def test_algo_options_validated_and_filled_from_the_run(registries):
+def test_algo_options_validated_and_filled_from_the_run():
     config = make(algo={"name": "grpo", "options": {"clip_high": 0.28}}, workflow={"group_size": 6},
-                  train={"kl_beta": 0.05})
-    assert algo_options(config) == ToyAlgo(num_generations=6, kl_coef=0.05, clip_high=0.28)
-    assert plan_options(config) is None  # 'independent' has no options class in this registry
-    tree = make(algo={"name": "at_grpo"},
-                workflow={"group_size": 3, "max_turns": 2, "options": {"select": "first"}})
-    assert plan_options(tree) == ToyTree(num_candidates=3, max_turns=2, select="first")
-    assert plan_options(make(algo={"name": "at_grpo"})) == ToyTree(num_candidates=4, max_turns=None)
+                  train={"kl_beta": 0.05}, sampling={"max_new_tokens": 48})
+    opts = algo_options(config)
+    assert (opts.clip_high, opts.kl_coef, opts.kl_kind) == (0.28, 0.05, "k3")
+    assert opts.norm_length == 48  # the completion budget: a constant of the run, never the padded width
+    assert algo_options(make(algo={"name": "dr_grpo", "options": {"norm_length": 7}})).norm_length == 7
+    assert plan_options(config).group_size == 6
+    tree = make(algo={"name": "at_grpo"}, workflow={"group_size": 3, "max_turns": 2, "options": {"select": "first"}})
+    opts = plan_options(tree)
+    assert (opts.group_size, opts.max_turns, opts.select) == (3, 2, "first")
+    assert plan_options(make(algo={"name": "at_grpo"})).group_size == 4
 
 
 @pytest.mark.parametrize(
@@ -370,19 +356,56 @@ def test_algo_options_validated_and_filled_from_the_run(registries):
         ({"algo": {"name": "grpo", "options": {"clip_high": "big"}}},
          "algo.options.clip_high: expected float"),
         ({"algo": {"name": "grpo", "options": {"normalize": "max"}}},
-         "algo.options: ToyAlgo.normalize = 'max' is not supported"),
-        ({"algo": {"name": "grpo", "options": {"kl_coef": 0.1}}},
-         "algo.options.kl_coef is set once for the whole run by train.kl_beta; set train.kl_beta instead"),
-        ({"algo": {"name": "dapo"}}, "algo.name: 'dapo' is not implemented; available: at_grpo, grpo"),
+         "algo.options: GRPOConfig.normalize = 'max' is not supported"),
+        ({"algo": {"name": "grpo", "options": {"kl_coef": 0.1}}}, "algo.options.kl_coef is a run setting: set train.kl_beta"),
+        ({"algo": {"name": "at_grpo", "options": {"alpha": 0.5}}},
+         "algo.options.alpha is a sampling setting: set workflow.options.alpha"),
+        ({"algo": {"name": "magrpo", "options": {"joint_mode": "cross"}}},
+         "algo.options.joint_mode is a sampling setting: set workflow.options.joint_mode"),
+        ({"algo": {"name": "magrpo", "options": {"gamma": 0.9}}},
+         "algo.options.gamma is a sampling setting: set workflow.options.gamma"),
+        ({"algo": {"name": "at_grpo", "options": {"num_candidates": 2}}}, "algo.options.num_candidates is the group size: set workflow.group_size"),
+        ({"algo": {"name": "joyagents", "options": {"top_k_groups": 3}}}, "algo.options.top_k_groups is a sampling setting: set workflow.options.top_k"),
+        ({"algo": {"name": "at_grpo", "options": {"continue_with": "best"}}}, "algo.options.continue_with is a sampling setting: set workflow.options.select"),
+        ({"algo": {"name": "no_such:METHOD"}}, "algo.name: algo.name 'no_such:METHOD' cannot be imported"),
         ({"algo": {"name": "at_grpo"}, "workflow": {"options": {"selct": "best"}}},
          "unknown key 'workflow.options.selct' — did you mean 'workflow.options.select'?"),
         ({"algo": {"name": "at_grpo"}, "workflow": {"options": {"num_candidates": 2}}},
-         "workflow.options.num_candidates is set once for the whole run by workflow.group_size"),
+         "workflow.options.num_candidates is the group size: set workflow.group_size"),
+        ({"algo": {"name": "at_grpo"}, "workflow": {"options": {"group_size": 2}}},
+         "workflow.options.group_size is the group size: set workflow.group_size"),
+        ({"algo": {"name": "at_grpo"}, "workflow": {"options": {"dual_clip": 2.0}}},
+         "workflow.options.dual_clip is a loss setting: set algo.options.dual_clip"),
+        ({"algo": {"name": "joyagents"}, "workflow": {"options": {"memory": None}}},
+         "workflow.options.memory is set by the run, not by the config"),
     ],
 )
-def test_options_errors(registries, sections, message):
+def test_options_errors(sections, message):
     with pytest.raises(JmarlError, match="^" + message):
         make(**sections)
+
+
+def _method_and_plan_settings():
+    from jmarl.workflows.plans import PLANS
+
+    for name, method in sorted(jmarl.algos.METHODS.items()):
+        plan = PLANS[method.default_plan].options
+        loss = {f.name for f in dataclasses.fields(method.config)}
+        sampling = {f.name for f in dataclasses.fields(plan) if not f.metadata.get("input")} - {"group_size", "max_turns"}
+        yield name, sorted(sampling - loss), sorted(loss - sampling - {"kl_coef", "kl_kind"})
+
+
+@pytest.mark.parametrize("name, sampling, loss", list(_method_and_plan_settings()))
+def test_every_setting_given_in_the_other_section_names_its_home(name, sampling, loss):
+    """For each method with its plan: each of the plan's settings given in algo.options, and each
+    of the method's settings given in workflow.options, exits naming the section it belongs to."""
+    assert sampling and loss
+    for key in sampling:
+        with pytest.raises(JmarlError, match=f"^algo.options.{key} is a sampling setting: set workflow.options.{key}$"):
+            make(algo={"name": name, "options": {key: None}}, workflow={"group_size": 8})
+    for key in loss:
+        with pytest.raises(JmarlError, match=f"^workflow.options.{key} is a loss setting: set algo.options.{key}$"):
+            make(algo={"name": name}, workflow={"group_size": 8, "options": {key: None}})
 
 
 @dataclass(frozen=True)

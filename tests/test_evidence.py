@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jmarl import envs
-from jmarl.train.trainer import before_summary, step_info_means
+from jmarl.train.evaluate import step_info_means
+from jmarl.train.metrics import before_summary
 from jmarl.workflows.base import Completion
 from jmarl.workflows import memory as memory_store
 from jmarl.workflows.independent import IndependentOptions, numeric_info, sample_independent
@@ -66,7 +67,7 @@ def test_independent_records_carry_writing_components_and_means_match_env_score(
     }
     seeds = [envs.eval_seed(i) for i in range(3)]
     res = sample_independent(env, seeds, (0, 1), FixedTextSampler(texts), jax.random.key(0),
-                             IndependentOptions(num_episodes=1))
+                             IndependentOptions(group_size=1))
     expected = [env.score(env.reset(s).source, texts["concise"], texts["detailed"]) for s in seeds]
     scored = [r for r in res.records if "structure" in r.info["env_info"]]
     assert len(scored) == len(seeds)  # one scoring step per episode (the one completing the pair)

@@ -18,7 +18,8 @@ from jmarl.errors import JmarlError
 from jmarl.models import sampler as sampler_lib
 from jmarl.rollouts import make_rollouts
 from jmarl.sharding import device_bytes, mesh_context, mesh_of
-from jmarl.train.trainer import Trainer, group_batch
+from jmarl.train.learner import learner_batch, score_batch
+from jmarl.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -96,7 +97,8 @@ def test_update_state_is_sharded_params_and_two_adam_moments(planned):
     assert params < full  # fsdp=2 shards the parameters
     state = device_bytes(group.state)
     assert 3 * params <= state <= 3 * params + 1024  # params, mu, nu (+ counters)
-    assert figure.state == device_bytes(update.args)  # XLA's argument bytes: the state and the batch
+    # XLA's argument bytes: the state and the batch fields the loss reads (jit drops unread ones)
+    assert device_bytes(update.args[:2]) <= figure.state <= device_bytes(update.args)
     assert figure.aliased >= state - 1024  # the donated state is updated in place
     assert figure.resident == device_bytes(group.ref) > 0  # the reference stays on the device
 
@@ -116,13 +118,12 @@ def test_update_batch_is_the_trainers_batch_at_the_bound(planned, real):
     rollouts = make_rollouts(tokens, loss, np.ones(tokens.shape, bool), np.arange(2 * rows, dtype=np.float32),
                              np.arange(2 * rows) // 4, policy=np.arange(2 * rows) // rows)
     group, fns = real.policies.groups[0], real.fns[0]
-    batch, counts = group_batch(group, rollouts, real.parts, real._rows_bound())
+    batch, counts = learner_batch(group, rollouts, real.parts, real.rows_bound())
     assert counts == [rows, rows]
-    scored = real._score(group, fns, batch)
+    scored = score_batch(group, fns, batch, real.method_device_state(), recompute=True, cross=False)
     want = update.args[2]
-    assert sorted(scored) == sorted(want)
-    for k in want:
-        assert (scored[k].shape, np.dtype(scored[k].dtype)) == (want[k].shape, np.dtype(want[k].dtype)), k
+    shapes = lambda b: jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), b)  # noqa: E731
+    assert shapes(scored) == shapes(want)
 
 
 @pytest.mark.parametrize("rows, share, parts, aligned", [(16, 4, 2, True), (16, 3, 2, False), (12, 1, 3, True)])

@@ -31,10 +31,10 @@ SETUP = textwrap.dedent(
     OPT = make_optimizer(1e-3, total_steps=10, eps=1e-6)
     FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # faster CPU compiles
 
-    def loss_fn(params, frozen, batch, m):
+    def loss_fn(params, frozen, batch):
         lp = models.token_logprobs(CONFIG, params, batch["tokens"], batch["attention_mask"])
-        return algos.grpo.loss(algos.grpo.GRPOConfig(), lp, batch["old_logprobs"], batch["advantages"],
-                               batch["loss_mask"])
+        return algos.policy_loss(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+                                 aggregation="seq_mean_token_mean")
 
     def make_batch():
         rng = np.random.default_rng(0)

@@ -99,12 +99,12 @@ def test_same_logprobs_loss_and_gradients_as_the_plain_layout():
     cfg = algos.grpo.GRPOConfig()
     optimizer = make_optimizer(1e-3, total_steps=10, grad_clip=1.0)
 
-    def plain_loss(p, frozen, b, m):
+    def plain_loss(p, frozen, b):
         lp = models.token_logprobs(TINY, p, b["tokens"], b["attention_mask"])
-        return algos.grpo.loss(cfg, lp, b["old_logprobs"], b["advantages"], b["loss_mask"])
+        return algos.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], aggregation=cfg.aggregation)
 
-    def shared_loss(p, frozen, b, m):
-        return algos.grpo.loss(cfg, shared_prefix_logprobs(TINY, p, b), b["old_logprobs"], b["advantages"], b["loss_mask"])
+    def shared_loss(p, frozen, b):
+        return algos.policy_loss(shared_prefix_logprobs(TINY, p, b), b["old_logprobs"], b["advantages"], b["loss_mask"], aggregation=cfg.aggregation)
 
     results = []
     for loss_fn, batch in ((plain_loss, plain), (shared_loss, shared)):

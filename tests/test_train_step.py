@@ -12,9 +12,9 @@ from jmarl.train.optim import learning_rate_schedule, make_optimizer
 from jmarl.train.step import init_train_state, jit_update, make_update
 
 
-def _loss(params, frozen, batch, m):
+def _loss(params, frozen, batch):
     pred = batch["x"] @ params["w"]
-    return jnp.mean((pred - batch["y"]) ** 2), {"m": m.astype(jnp.float32)}
+    return jnp.mean((pred - batch["y"]) ** 2), {}
 
 
 def _batch(n=8, seed=0):
@@ -36,7 +36,6 @@ def test_minibatches_match_numpy_sgd():
         w = w - 0.1 * 2 * xs.T @ (xs @ w - ys) / 4
     np.testing.assert_allclose(state.params["w"], w, rtol=1e-5)
     assert int(state.step) == 2 and int(state.skipped) == 0
-    assert float(metrics["m"]) == pytest.approx(0.5)  # mean of minibatch indices 0 and 1
 
 
 def test_non_finite_minibatch_is_skipped():
@@ -96,3 +95,45 @@ def test_lora_fresh_adapter_is_identity_and_only_targets_kernels():
     np.testing.assert_allclose(merged["layers"]["q_proj"]["kernel"], expected, rtol=1e-6)
     with pytest.raises(JmarlError, match="matched no kernel"):
         init_lora(params, jax.random.key(0), rank=2, target_modules=["nothing"])
+
+
+def _learner_batch(n=8, t=4, seed=0):
+    """A LearnerBatch whose micro-batches hold very different token counts."""
+    from jmarl.batch import LearnerBatch
+
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((n, t), bool)
+    mask[: n // 2] = True  # the first half full rows ...
+    mask[n // 2 :, 0] = True  # ... the second half one token each
+    return LearnerBatch(
+        prefix_tokens=np.zeros((n, 1), np.int32), prefix_mask=np.ones((n, 1), bool), prefix_rows=np.arange(n, dtype=np.int32),
+        tokens=rng.normal(size=(n, t)).astype(np.float32), attention_mask=mask, loss_mask=mask,
+        advantages=rng.normal(size=n).astype(np.float32), old_logprobs=np.zeros((n, t), np.float32),
+    )
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_sum"])
+def test_gradient_accumulation_gives_the_whole_minibatch_mean(aggregation):
+    """token_mean over a mini-batch of 4 + 4 rows with 16 and 4 tokens is sum / 20, not the mean of
+    sum_a / 16 and sum_b / 4: the update hands the loss the mini-batch's counts (per micro-batch)."""
+    from jmarl.algos.losses import policy_loss
+
+    def loss_fn(params, frozen, batch):
+        lp = params["w"] * batch.tokens
+        loss, metrics = policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, ratio="none",
+                                    aggregation=aggregation, norm_length=4, num_tokens=batch.num_tokens, num_rows=batch.num_rows)
+        return loss, {"update_index": batch.update_index.astype(jnp.float32)}
+
+    batch = _learner_batch()
+    opt = optax.sgd(1.0)
+    fresh = lambda: init_train_state({"w": jnp.array(0.3, jnp.float32)}, opt)  # noqa: E731  (the update donates it)
+    whole = jit_update(make_update(loss_fn, opt, grad_accum=1))(fresh(), None, batch)[0]
+    accumulated = jit_update(make_update(loss_fn, opt, grad_accum=2))(fresh(), None, batch)[0]
+    np.testing.assert_allclose(accumulated.params["w"], whole.params["w"], rtol=1e-6)
+    # by hand for token_mean: d/dw of -sum(A_i * x_it) / 20 over the masked tokens
+    if aggregation == "token_mean":
+        m = batch.loss_mask
+        grad = -np.sum(np.where(m, batch.advantages[:, None] * batch.tokens, 0.0)) / m.sum()
+        np.testing.assert_allclose(whole.params["w"], 0.3 - grad, rtol=1e-5)
+    _, metrics = jit_update(make_update(loss_fn, opt, num_minibatches=2))(fresh(), None, batch)
+    assert float(metrics["update_index"]) == pytest.approx(0.5)  # updates 0 and 1 of the step

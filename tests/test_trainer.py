@@ -18,8 +18,10 @@ from safetensors.numpy import load_file
 from jmarl import models
 from jmarl.config import load_config
 from jmarl.train import trainer as trainer_mod
+from jmarl.train.learner import learner_batch, score_batch
 from jmarl.train.shared_prefix import shared_prefix_logprobs
 from jmarl.train.step import make_update
+from jmarl.workflows import build_rollouts, run_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -177,12 +179,12 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
     group, fns = t.policies.groups[0], t.fns[0]
     assert group.stacked and group.policy_ids == (0, 1)
     key = jax.random.key(3)
-    result = trainer_mod.run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, key, num_episodes=4)
-    rollouts = trainer_mod.build_rollouts(result.records)
-    batch, counts = trainer_mod.group_batch(group, rollouts, t.parts)
+    result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, key, group_size=4)
+    rollouts = build_rollouts(result.records)
+    batch, counts = learner_batch(group, rollouts, t.parts)
     assert counts == [8, 8]
-    scored = t._score(group, fns, batch)
-    assert float(jnp.abs(scored["advantages"]).sum()) > 0  # the toy env gives varied rewards
+    scored = score_batch(group, fns, batch, None, recompute=True, cross=False)
+    assert float(jnp.abs(scored.advantages).sum()) > 0  # the toy env gives varied rewards
     start = jax.tree.map(jnp.array, group.state)
     stacked_state, _ = fns.update(jax.tree.map(jnp.array, start), None, scored)
 
@@ -191,7 +193,7 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
         one_state = jax.tree.map(lambda x: x[i], start)
         one_batch = jax.tree.map(lambda x: x[i], scored)
         # each policy's slice holds only its own agent's samples
-        assert set(np.asarray(batch["agent"][i])[: counts[i]]) == {i}
+        assert set(np.asarray(batch.agent[i])[: counts[i]]) == {i}
         alone, _ = single(one_state, None, one_batch)
         # Adam's first step moves a parameter by lr * g / (|g| + eps): where g is at rounding
         # level (~eps) the step itself is rounding-sensitive, so allow 1% of lr (a wrong update
@@ -203,16 +205,13 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
 def test_scoring_by_micro_batches_equals_one_pass(tmp_path):
     """The scoring program runs the step's batch one micro-batch at a time (4 parts here): the
     same log-probs as one pass over the whole shared-prefix batch."""
-    from jmarl.train.shared_prefix import MODEL_INPUTS
-
     cfg = load_config(_config(tmp_path, "score"), ["optim.minibatches=2", "optim.grad_accum=2"])
     t = trainer_mod.Trainer(cfg)
     group, fns = t.policies.groups[0], t.fns[0]
     assert t.parts == 4 and group.stacked
-    result = trainer_mod.run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler,
-                                  jax.random.key(4), num_episodes=4)
-    batch, _ = trainer_mod.group_batch(group, trainer_mod.build_rollouts(result.records), t.parts)
-    inputs = {k: jnp.asarray(batch[k]) for k in MODEL_INPUTS}
+    result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, jax.random.key(4), group_size=4)
+    batch, _ = learner_batch(group, build_rollouts(result.records), t.parts)
+    inputs = jax.tree.map(jnp.asarray, batch.model_inputs())
     scored = fns.score(group.state.params, group.base, inputs)
     one_pass = jax.vmap(lambda p, b: shared_prefix_logprobs(group.model_config, p, b, t.temperature))
     np.testing.assert_allclose(np.asarray(scored), np.asarray(one_pass(group.state.params, inputs)), atol=1e-5)
@@ -222,9 +221,8 @@ def test_scoring_by_micro_batches_equals_one_pass(tmp_path):
 def _single_loss(t):
     mcfg, method, algo_cfg = t.policies.groups[0].model_config, t.method, t.algo_cfg
 
-    def loss_fn(params, frozen, batch, m):
-        lp = shared_prefix_logprobs(mcfg, params, batch, t.temperature)
-        return method.loss(algo_cfg, lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
+    def loss_fn(params, frozen, batch):
+        return method.loss(algo_cfg, shared_prefix_logprobs(mcfg, params, batch, t.temperature), batch)
 
     return loss_fn
 

@@ -17,7 +17,10 @@ from jmarl.algos import hacpo, joyagents
 from jmarl.config import load_config
 from jmarl.errors import JmarlError
 from jmarl.train import trainer as trainer_mod
-from jmarl.train.algo_state import AlgoState, hacpo_mode_config, init_algo_state, memory_options
+from jmarl.algos import MethodContext
+from jmarl.algos.joyagents import memory_options
+from jmarl.train import build as build_mod
+from jmarl.train import learner as learner_mod
 from jmarl.workflows import memory as memory_store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,13 +85,13 @@ def test_hacpo_tiny_heterogeneous_pair_trains_and_resumes_its_capability_window(
     assert (out / "export" / "llama" / "tokenizer.json").exists()
 
     # stop, then resume: the window (and rollout count) come back from the checkpoint metadata
-    saved = trainer.algo_state
-    assert len(saved.capability.history) == 2 and saved.capability.size == 2
+    saved = trainer.method_state
+    assert len(saved.window.history) == 2 and saved.window.size == 2 and saved.num_policies == 2
     resumed = trainer_mod.Trainer(load_config(REPO / "configs/hacpo/math_tiny.yaml", common + ["resume=true", "train.steps=4"]))
-    assert resumed.algo_state.capability.history == ()
+    assert resumed.method_state.window.history == ()
     assert resumed.maybe_resume() and resumed.step == 3
-    assert resumed.algo_state == saved
-    np.testing.assert_array_equal(hacpo.capabilities(resumed.algo_state.capability), hacpo.capabilities(saved.capability))
+    assert resumed.method_state == saved and resumed.rollouts_generated == trainer.rollouts_generated
+    np.testing.assert_array_equal(hacpo.capabilities(resumed.method_state.window), hacpo.capabilities(saved.window))
 
 
 @pytest.mark.slow
@@ -114,55 +117,53 @@ def test_joyagents_tiny_router_trains_and_resumes_its_memory(tmp_path):
     assert any(x["train/grad_norm"] > 0 for x in steps)
 
     # the memory learned something, is injected into the next step's prompts and was saved
-    memory = trainer.algo_state.memory
+    memory = trainer.method_state
     assert memory is not None and memory.options == memory_options(trainer.algo_cfg)
     assert steps[-1]["memory/entries"] == sum(len(es) for _, es in memory.banks) > 0
-    assert trainer._step_plan_options().memory is memory
+    assert trainer.step_plan_options().memory is memory
     assert memory_store.load(out / "memory.json") == memory
 
     resumed = trainer_mod.Trainer(load_config(REPO / "configs/joyagents/router_tiny.yaml", common + ["resume=true", "train.steps=4"]))
-    assert resumed.algo_state.memory == memory_store.Memory(memory.options)
+    assert resumed.method_state == memory_store.Memory(memory.options)
     assert resumed.maybe_resume() and resumed.step == 3
-    assert resumed.algo_state == trainer.algo_state
-    assert resumed.algo_state.rollouts_generated == sum(x["rollout/generated"] for x in steps)
+    assert resumed.method_state == trainer.method_state
+    assert resumed.rollouts_generated == sum(x["rollout/generated"] for x in steps)
 
 
-def test_algo_state_round_trips_through_json_meta():
+def test_method_states_round_trip_through_json_meta():
     window = hacpo.CapabilityWindow(size=3)
     for row in [(0.5, 0.25), (1.0, 0.0)]:
         window = hacpo.update_capabilities(window, row)
-    mem = memory_store.admit(memory_store.Memory(), "master", "q", "ROUTE: math", reward=1.0, baseline=0.2, step=4)
-    state = AlgoState(capability=window, memory=mem, rollouts_generated=96)
-    meta = json.loads(json.dumps(state.to_meta()))  # what the checkpoint stores
-    assert AlgoState.from_meta(meta) == state
-    assert AlgoState.from_meta(AlgoState().to_meta()) == AlgoState()
+    state = hacpo.HACPOState(window, 2)
+    meta = json.loads(json.dumps(hacpo.METHOD.state_to_json(state)))  # what the checkpoint stores
+    assert hacpo.METHOD.state_from_json(hacpo.Config(), meta) == state
     with pytest.raises(JmarlError, match="malformed"):
-        AlgoState.from_meta({"capability": '{"size": 2}'})
+        hacpo.METHOD.state_from_json(hacpo.Config(), {"window": '{"size": 2}'})
+    mem = memory_store.admit(memory_store.Memory(), "master", "q", "ROUTE: math", reward=1.0, baseline=0.2, step=4)
+    meta = json.loads(json.dumps(joyagents.METHOD.state_to_json(mem)))
+    assert joyagents.METHOD.state_from_json(joyagents.Config(), meta) == mem
 
 
-def test_hacpo_modes_switch_mechanisms_and_count_rollouts():
-    cfg = hacpo.HACPOConfig()
-    assert hacpo_mode_config(cfg, "hacpo") == cfg
-    naive = hacpo_mode_config(cfg, "naive")
-    assert not (naive.capability_baseline or naive.discrepancy or naive.stepwise_clip)
-    # an ablation switch set in algo.options stays off in every mode
-    no_clip = hacpo_mode_config(hacpo.HACPOConfig(stepwise_clip=False), "hacpo")
-    assert no_clip.capability_baseline and no_clip.discrepancy and not no_clip.stepwise_clip
-    assert init_algo_state("hacpo", hacpo.HACPOConfig(capability_window=4), "shared").capability.size == 4
-    assert init_algo_state("grpo", None, "independent") == AlgoState()
+def test_method_states_start_from_the_run():
+    from jmarl.workflows import IndependentOptions, NodeWiseOptions
+
+    ctx = lambda opts: MethodContext(num_policies=2, group_size=8, plan_options=opts)  # noqa: E731
+    state = hacpo.METHOD.init_state(hacpo.HACPOConfig(capability_window=4), ctx(None))
+    assert state.window.size == 4 and state.num_policies == 2
+    np.testing.assert_array_equal(hacpo.METHOD.device_state(hacpo.Config(), state), [1.0, 1.0])  # empty: equal
     joy = joyagents.JoyAgentsConfig()
-    assert init_algo_state("joyagents", joy, "node_wise").memory == memory_store.Memory(memory_options(joy))
-    assert init_algo_state("joyagents", joy, "independent") == AlgoState()  # no node groups to learn from
-    assert init_algo_state("joyagents", dataclasses.replace(joy, use_memory=False), "node_wise") == AlgoState()
+    assert joyagents.METHOD.init_state(joy, ctx(NodeWiseOptions())) == memory_store.Memory(memory_options(joy))
+    assert joyagents.METHOD.init_state(joy, ctx(IndependentOptions())) is None  # no node groups to learn from
+    assert joyagents.METHOD.init_state(dataclasses.replace(joy, use_memory=False), ctx(NodeWiseOptions())) is None
 
 
 def test_shared_plan_needs_two_heterogeneous_policies(tmp_path):
     config = load_config(REPO / "configs/hacpo/math_tiny.yaml", [f"output_dir={tmp_path}"])
-    names, agent_policy = trainer_mod._policy_map(config, ("solver",))
+    names, agent_policy = build_mod._policy_map(config, ("solver",), False)
     assert names == ("qwen", "llama") and agent_policy == (0,)  # the shared plan does not route by agent
     only_qwen = dataclasses.replace(config.policies, models={"qwen": config.policies.models["qwen"]})
     with pytest.raises(JmarlError, match="two or more"):
-        trainer_mod._policy_map(dataclasses.replace(config, policies=only_qwen), ("solver",))
+        build_mod._policy_map(dataclasses.replace(config, policies=only_qwen), ("solver",), False)
 
 
 # ---------------------------------------------------------------- HACPO over three scripted steps
@@ -191,36 +192,36 @@ HAND = [
 def test_hacpo_three_scripted_steps_match_hand_computed_values():
     from test_workflows_shared import TOKS, QuizEnv, TokSampler, seed_of
 
-    from jmarl.train.algo_state import after_plan, hacpo_batch_fn, hacpo_inputs
     from jmarl.workflows import SharedOptions, build_rollouts, sample_shared
 
-    cfg = hacpo.HACPOConfig(capability_window=2)
-    state = init_algo_state("hacpo", cfg, "shared")
+    method, cfg = hacpo.METHOD, hacpo.HACPOConfig(capability_window=2)
+    state = method.init_state(cfg, MethodContext(num_policies=2, group_size=2))
     for step, (script, hand) in enumerate(zip(SCRIPT, HAND)):
         def answer(policy, prompt, j, script=script):
             s = seed_of(prompt)
             return str(s + 1 if script[policy][j] else s + 7)
 
-        opts = SharedOptions(num_samples=2, num_policies=2, tokenizers=TOKS)
+        opts = SharedOptions(group_size=2, num_policies=2, tokenizers=TOKS)
         result = sample_shared(QuizEnv(), [3 + step], (0,), TokSampler(TOKS, answer), jax.random.key(step), opts)
-        state, metrics = after_plan(state, result, step)
-        np.testing.assert_allclose(hacpo.capabilities(state.capability), hand["P"], rtol=1e-6)
-        assert metrics["rollout/generated_total"] == 4 * (step + 1)
+        state, metrics = method.after_plan(cfg, state, result, step)
+        np.testing.assert_allclose(hacpo.capabilities(state.window), hand["P"], rtol=1e-6)
+        assert metrics["hacpo/capability_0"] == pytest.approx(hand["P"][0])
         rollouts = build_rollouts(result.records)
         for k in (0, 1):
-            batch = trainer_mod.policy_batch(rollouts, k, 8)
-            adv, weight, keep, is_cross = hacpo_batch_fn(cfg, 8, False)(
-                *hacpo_inputs(batch, (k,), False, hacpo.capabilities(state.capability))
-            )
-            np.testing.assert_array_equal(batch["source_policy"][:4], [0, 0, 1, 1])
-            np.testing.assert_array_equal(batch["reward"][:4], hand["r"])
-            expected = (np.asarray(hand["r"]) - hand["base"][k]) / (hand["std"] + cfg.eps)
+            rows = learner_mod.policy_rows(rollouts, k, 8)
+            batch = learner_mod.LearnerBatch(prefix_tokens=rows["tokens"][:1], prefix_mask=rows["attention_mask"][:1],
+                                             prefix_rows=np.zeros(8, np.int32), **rows)
+            adv = method.advantages(cfg, batch, method.device_state(cfg, state))
+            keep = method.keep_mask(cfg, batch)
+            np.testing.assert_array_equal(batch.source_policy[:4], [0, 0, 1, 1])
+            np.testing.assert_array_equal(batch.reward[:4], hand["r"])
+            own = np.array([0, 0, 1, 1]) == k
+            # the method's advantage is A times the discrepancy weight omega^{source, k} (1 on own samples)
+            weight = np.where(own, 1.0, hand["w"][k])
+            expected = (np.asarray(hand["r"]) - hand["base"][k]) / (hand["std"] + cfg.eps) * weight
             np.testing.assert_allclose(np.asarray(adv)[:4], expected, rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(np.asarray(adv)[4:], 0.0)  # padding rows
-            own = np.array([0, 0, 1, 1]) == k
-            np.testing.assert_allclose(np.asarray(weight)[:4][~own], hand["w"][k], rtol=1e-6)
-            np.testing.assert_allclose(np.asarray(weight)[:4][own], 1.0)
-            np.testing.assert_array_equal(np.asarray(is_cross)[:4], ~own)
+            np.testing.assert_array_equal(np.asarray(batch.is_cross())[:4], ~own)
             np.testing.assert_array_equal(np.asarray(keep), [True] * 4 + [False] * 4)
 
 
@@ -229,7 +230,7 @@ def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
     import jax.numpy as jnp
     import optax
 
-    from jmarl.train.step import make_update
+    from jmarl.train.step import init_train_state, make_update
 
     cfg = hacpo.HACPOConfig()
     for m, low in enumerate((0.8, 0.825, 0.85)):
@@ -237,16 +238,20 @@ def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
     # a cross sample whose ratio s = exp(-0.19) = 0.827 lies inside the bounds at m = 0 and 1 only
     lp0 = np.log(0.827)
 
-    def loss_fn(params, frozen, batch, m):
-        lp = params["lp"] + jnp.zeros(batch["mask"].shape)
-        return hacpo.loss(
-            cfg, lp, lp, jnp.ones(lp.shape[0]), batch["mask"], is_cross=jnp.ones(lp.shape[0], bool),
-            source_seq_logprob=jnp.zeros(lp.shape[0]), minibatch_index=m,
-        )
+    def loss_fn(params, frozen, batch):
+        lp = params["lp"] + jnp.zeros(batch.loss_mask.shape)
+        return hacpo.METHOD.loss(cfg, lp, batch.replace(old_logprobs=lp))
 
+    n = 3
+    batch = learner_mod.LearnerBatch(
+        prefix_tokens=np.zeros((n, 1), np.int32), prefix_mask=np.ones((n, 1), bool), prefix_rows=np.arange(n, dtype=np.int32),
+        tokens=np.zeros((n, 4), np.int32), attention_mask=np.ones((n, 4), bool), loss_mask=np.ones((n, 4), bool),
+        advantages=np.ones(n, np.float32), learner=np.zeros(n, np.int32), source_policy=np.ones(n, np.int32),
+        source_seq_logprob=np.zeros(n, np.float32), old_logprobs=np.zeros((n, 4), np.float32),
+    )
     update = jax.jit(make_update(loss_fn, optax.sgd(0.0), num_minibatches=3))
-    state = trainer_mod.init_train_state({"lp": jnp.asarray(lp0, jnp.float32)}, optax.sgd(0.0))
-    _, metrics = update(state, None, {"mask": np.ones((3, 4), bool)})
+    state = init_train_state({"lp": jnp.asarray(lp0, jnp.float32)}, optax.sgd(0.0))
+    _, metrics = update(state, None, batch)
     assert float(metrics["cross_clip_fraction"]) == pytest.approx(1 / 3)  # clipped at m = 2 only
     assert float(metrics["cross_ratio_mean"]) == pytest.approx(0.827, rel=1e-5)
 
@@ -264,5 +269,5 @@ def test_hacpo_modes_in_the_trainer(tmp_path, monkeypatch, mode, rows, generated
     assert cfg.capability_baseline == cfg.stepwise_clip == (mode != "naive") and not cfg.discrepancy
     # rows per learner per step: 2 tasks x 2 policies x G (sharing) or its own G / 2G only;
     # rollouts generated per step: 2 tasks x 2 policies x G (2G for gspo_2x)
-    assert trainer._rows_bound() == rows
+    assert trainer.rows_bound() == rows
     assert 2 * 2 * trainer.plan_opts.samples_per_policy == generated

@@ -1,15 +1,13 @@
-"""Algorithm core: advantages, losses and one module per method, as pure jittable functions.
+"""Algorithm core: one `Method` value per learning rule, and the pure functions they are built of.
 
-Shared blocks live in `advantages` and `losses`; every method module (`grpo`, `dr_grpo`,
-`dapo`, `gspo`, `magrpo`, `at_grpo`, `hacpo`, `joyagents`) exposes the same interface:
-`Config` (a frozen dataclass with the paper defaults), `advantages(cfg, rewards, groups, *,
-num_groups, ...)`, `keep_mask(cfg, rewards, groups, *, num_groups)` and
-`loss(cfg, logprobs, old_logprobs, advantages, loss_mask, *, ref_logprobs=None, ...)`.
+Shared blocks live in `advantages` (group statistics, advantages, filters) and `losses`
+(ratios, the clipped surrogate, KL, aggregation); `method` defines the `Method` value, the loss
+settings every method shares (`LossConfig`, `GroupPolicyConfig`) and the registry. Every method
+module (`grpo`, `dr_grpo`, `dapo`, `gspo`, `magrpo`, `at_grpo`, `hacpo`, `joyagents`) builds
+its `METHOD`; `get_method(name)` takes a registered name or `package.module:NAME`.
 """
 
 from __future__ import annotations
-
-from types import ModuleType
 
 from jmarl.algos import at_grpo, dapo, dr_grpo, grpo, gspo, hacpo, joyagents, magrpo
 from jmarl.algos.advantages import GroupStats, filter_groups, group_advantages, group_stats, top_k_groups
@@ -22,28 +20,27 @@ from jmarl.algos.losses import (
     masked_token_mean,
     policy_loss,
 )
-from jmarl.errors import JmarlError
+from jmarl.algos.method import (
+    GroupPolicyConfig,
+    LossConfig,
+    Method,
+    MethodContext,
+    group_policy_advantages,
+    group_policy_keep_mask,
+    group_policy_loss,
+    group_policy_method,
+    load_method,
+)
 
-METHODS: dict[str, ModuleType] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "dapo": dapo,
-    "gspo": gspo,
-    "magrpo": magrpo,
-    "at_grpo": at_grpo,
-    "hacpo": hacpo,
-    "joyagents": joyagents,
+METHODS: dict[str, Method] = {
+    m.METHOD.name: m.METHOD for m in (grpo, dr_grpo, dapo, gspo, magrpo, at_grpo, hacpo, joyagents)
 }
 
-CONFIGS: dict[str, type] = {name: module.Config for name, module in METHODS.items()}
 
-
-def get_method(name: str) -> ModuleType:
-    """The method module for `name` (one of METHODS), or JmarlError naming the choices."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise JmarlError(f"unknown algorithm {name!r}; choose one of {', '.join(sorted(METHODS))}") from None
+def get_method(name: str) -> Method:
+    """The method `name`: one of METHODS, or `package.module:NAME` naming your own `Method`;
+    JmarlError naming the choices otherwise."""
+    return load_method(name, METHODS)
 
 
 __all__ = [
@@ -55,17 +52,25 @@ __all__ = [
     "hacpo",
     "joyagents",
     "magrpo",
-    "CONFIGS",
     "METHODS",
+    "GroupPolicyConfig",
     "GroupStats",
+    "LossConfig",
+    "Method",
+    "MethodContext",
     "aggregate_loss",
     "clipped_surrogate",
     "filter_groups",
     "get_method",
     "group_advantages",
+    "group_policy_advantages",
+    "group_policy_keep_mask",
+    "group_policy_loss",
+    "group_policy_method",
     "group_stats",
     "importance_ratio",
     "kl_penalty",
+    "load_method",
     "masked_seq_mean",
     "masked_token_mean",
     "policy_loss",

@@ -3,7 +3,9 @@
 Groups are arbitrary int ids in [0, num_groups); id -1 (or any id outside that range) marks a
 padding row that belongs to no group (see `jmarl.rollouts.pad_to`). Every statistic is a
 segment reduction, so any grouping (per prompt, per (env, turn, agent), per tree node) is one
-call with static shapes, and every function is `jax.jit`- and `jax.vmap`-able.
+call with static shapes, and every function is `jax.jit`- and `jax.vmap`-able. The options that
+reproduce verl's, TRL's, CoMLRL's and PettingLLMs' numbers (`eps_mode`, `normalize="batch"`,
+`variance_rank`) are listed in docs/fidelity.md.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import numpy as np
 from jmarl.errors import JmarlError
 
 BASELINES = ("mean", "max", "loo", "none")
-NORMALIZERS = ("std", "none")
+NORMALIZERS = ("std", "batch", "none")
+EPS_MODES = ("add", "floor")
+VARIANCE_RANKS = ("std", "range_normalised")
 
 
 class GroupStats(NamedTuple):
@@ -38,6 +42,14 @@ def _segments(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array]
     return jnp.where(valid, groups, num_groups).astype(jnp.int32), valid
 
 
+def _segment_var(
+    values: jax.Array, seg: jax.Array, valid: jax.Array, mean: jax.Array, count: jax.Array, ddof: int
+) -> jax.Array:
+    """Variance [S] of values f32[N] per segment about `mean` [S], divided by max(count - ddof, 1)."""
+    sq_dev = jnp.where(valid, jnp.square(values - mean[seg]), 0.0)
+    return jax.ops.segment_sum(sq_dev, seg, num_segments=mean.shape[0]) / jnp.maximum(count - ddof, 1.0)
+
+
 def _stats(values: jax.Array, seg: jax.Array, valid: jax.Array, num_groups: int, ddof: int) -> GroupStats:
     """GroupStats over num_groups + 1 segments (the last one collects padding rows)."""
     n_seg = num_groups + 1
@@ -45,8 +57,7 @@ def _stats(values: jax.Array, seg: jax.Array, valid: jax.Array, num_groups: int,
     count = jax.ops.segment_sum(valid.astype(values.dtype), seg, num_segments=n_seg)
     total = jax.ops.segment_sum(values, seg, num_segments=n_seg)
     mean = total / jnp.maximum(count, 1.0)
-    sq_dev = jnp.where(valid, jnp.square(values - mean[seg]), 0.0)
-    var = jax.ops.segment_sum(sq_dev, seg, num_segments=n_seg) / jnp.maximum(count - ddof, 1.0)
+    var = _segment_var(values, seg, valid, mean, count, ddof)
     nonempty = count > 0
     high = jnp.where(nonempty, jax.ops.segment_max(values, seg, num_segments=n_seg), 0.0)
     low = jnp.where(nonempty, jax.ops.segment_min(values, seg, num_segments=n_seg), 0.0)
@@ -61,6 +72,27 @@ def group_stats(values: jax.Array, groups: jax.Array, *, num_groups: int, ddof: 
     return GroupStats(*(x[:num_groups] for x in full))
 
 
+def _batch_std(values: jax.Array, valid: jax.Array, ddof: int) -> jax.Array:
+    """Scalar std (with `ddof`) of the valid entries of values f32[N]; 0 when there are none."""
+    count = jnp.sum(valid.astype(values.dtype))
+    mean = jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(count, 1.0)
+    sq_dev = jnp.where(valid, jnp.square(values - mean), 0.0)
+    return jnp.sqrt(jnp.sum(sq_dev) / jnp.maximum(count - ddof, 1.0))
+
+
+def _scale(centered: jax.Array, std: jax.Array, eps: float, eps_mode: str) -> jax.Array:
+    """centered f32[N] / (std + eps) with eps_mode "add", / max(std, eps) with "floor"; std [N] or scalar."""
+    if eps_mode == "floor":
+        return centered / jnp.maximum(std, eps)
+    return centered / (std + eps)
+
+
+def _check_choice(func: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise JmarlError naming the option and its choices when value is not one of them."""
+    if value not in choices:
+        raise JmarlError(f"{func} {name}={value!r}; choose one of {choices}")
+
+
 def group_advantages(
     rewards: jax.Array,
     groups: jax.Array,
@@ -70,18 +102,21 @@ def group_advantages(
     normalize: str = "std",
     ddof: int = 1,
     eps: float = 1e-6,
+    eps_mode: str = "add",
 ) -> jax.Array:
     """Group-relative advantages f32[N] from rewards f32[N] and group ids int[N].
 
-    A_i = (r_i - b_g(i)) / (std_g(i) + eps) with `normalize="std"`, or r_i - b_g(i) with "none".
+    A_i = (r_i - b_g(i)) / (s + eps) with eps_mode "add" (default), or / max(s, eps) with
+    "floor" (CoMLRL's MAGRPO). The scale s is the group's std with `normalize="std"`, the std of
+    every valid (non-padding) reward of the batch with "batch" (TRL's scale_rewards="batch"; the
+    baseline stays per group), and there is no division with "none". Both stds use `ddof`.
     Baselines: "mean" (group mean), "max" (group max, ReMax), "loo" (mean of the other members),
     "none" (0). A singleton group, a group whose rewards are all equal, and a padding row
     (group -1) get advantage 0.
     """
-    if baseline not in BASELINES:
-        raise JmarlError(f"group_advantages baseline={baseline!r}; choose one of {BASELINES}")
-    if normalize not in NORMALIZERS:
-        raise JmarlError(f"group_advantages normalize={normalize!r}; choose one of {NORMALIZERS}")
+    _check_choice("group_advantages", "baseline", baseline, BASELINES)
+    _check_choice("group_advantages", "normalize", normalize, NORMALIZERS)
+    _check_choice("group_advantages", "eps_mode", eps_mode, EPS_MODES)
     rewards = jnp.asarray(rewards, jnp.float32)
     seg, valid = _segments(groups, num_groups)
     stats = _stats(rewards, seg, valid, num_groups, ddof)
@@ -96,7 +131,9 @@ def group_advantages(
         base = jnp.zeros_like(rewards)
     centered = rewards - base
     if normalize == "std":
-        centered = centered / (stats.std[seg] + eps)
+        centered = _scale(centered, stats.std[seg], eps, eps_mode)
+    elif normalize == "batch":
+        centered = _scale(centered, _batch_std(rewards, valid, ddof), eps, eps_mode)
     informative = valid & (count >= 2) & (stats.max[seg] > stats.min[seg])
     return jnp.where(informative, centered, 0.0)
 
@@ -116,6 +153,13 @@ def _lowest_fraction(key: jax.Array, present: jax.Array, frac: float) -> jax.Arr
     return present & (_rank_within_present(key, present) < num_drop)
 
 
+def _range_normalised_variance(rewards: jax.Array, seg: jax.Array, valid: jax.Array, stats: GroupStats) -> jax.Array:
+    """PettingLLMs' key [G + 1]: population variance (ddof 0) / (max - min)^2, 0 where max == min."""
+    var0 = _segment_var(rewards, seg, valid, stats.mean, stats.count, 0)
+    spread = stats.max - stats.min
+    return jnp.where(spread > 0, var0 / jnp.where(spread > 0, jnp.square(spread), 1.0), 0.0)
+
+
 def filter_groups(
     rewards: jax.Array,
     groups: jax.Array,
@@ -125,29 +169,38 @@ def filter_groups(
     drop_low_variance_frac: float = 0.0,
     drop_low_mean_frac: float = 0.0,
     ddof: int = 1,
+    variance_rank: str = "std",
 ) -> jax.Array:
     """Per-sample keep mask bool[N] from rewards f32[N] and group ids int[N] (static shapes).
 
     Each filter is decided on the full set of non-empty groups and the kept samples are those
     that pass all of them: `drop_zero_variance` drops groups whose rewards are all equal
     (singletons included; DAPO dynamic sampling); `drop_low_variance_frac` drops the
-    floor(frac * #groups) groups with the lowest reward variance; `drop_low_mean_frac` the
-    floor(frac * #groups) with the lowest mean reward (ties: lower group id dropped first).
-    Padding rows (group -1) are never kept.
+    floor(frac * #groups) groups with the lowest reward spread, ranked by `variance_rank`:
+    "std" (the std with `ddof`) or "range_normalised" (PettingLLMs: population variance /
+    (max - min)^2, 0 for a group whose rewards are all equal; `ddof` does not enter);
+    `drop_low_mean_frac` the floor(frac * #groups) with the lowest mean reward (ties: lower
+    group id dropped first). Padding rows (group -1) are never kept.
     """
+    _check_choice("filter_groups", "variance_rank", variance_rank, VARIANCE_RANKS)
     fractions = {"drop_low_variance_frac": drop_low_variance_frac, "drop_low_mean_frac": drop_low_mean_frac}
     for name, frac in fractions.items():
         if not 0.0 <= frac <= 1.0:
             raise JmarlError(f"filter_groups {name}={frac!r} must lie in [0, 1]")
     rewards = jnp.asarray(rewards, jnp.float32)
     seg, valid = _segments(groups, num_groups)
-    stats = GroupStats(*(x[:num_groups] for x in _stats(rewards, seg, valid, num_groups, ddof)))
+    full = _stats(rewards, seg, valid, num_groups, ddof)
+    stats = GroupStats(*(x[:num_groups] for x in full))
     present = stats.count > 0
     drop = jnp.zeros((num_groups,), bool)
     if drop_zero_variance:
         drop = drop | (present & (stats.max <= stats.min))
     if drop_low_variance_frac > 0.0:
-        drop = drop | _lowest_fraction(stats.std, present, drop_low_variance_frac)
+        if variance_rank == "range_normalised":
+            spread_key = _range_normalised_variance(jnp.where(valid, rewards, 0.0), seg, valid, full)[:num_groups]
+        else:
+            spread_key = stats.std
+        drop = drop | _lowest_fraction(spread_key, present, drop_low_variance_frac)
     if drop_low_mean_frac > 0.0:
         drop = drop | _lowest_fraction(stats.mean, present, drop_low_mean_frac)
     drop_full = jnp.concatenate([drop, jnp.ones((1,), bool)])

@@ -1,15 +1,13 @@
 """DAPO (single-agent baseline): GRPO with clip-higher (0.2/0.28), token-level loss mean and
-dynamic sampling (groups with zero reward variance are dropped: see `keep_mask`)."""
+dynamic sampling (groups with zero reward variance are dropped from the loss)."""
 
 from dataclasses import dataclass
 
-from jmarl.algos.grpo import GRPOConfig, advantages, keep_mask, loss
-
-__all__ = ["DAPOConfig", "Config", "advantages", "keep_mask", "loss"]
+from jmarl.algos.method import GroupPolicyConfig, group_policy_method
 
 
 @dataclass(frozen=True)
-class DAPOConfig(GRPOConfig):
+class DAPOConfig(GroupPolicyConfig):
     """DAPO defaults: clip 0.2/0.28, aggregation "token_mean", drop_zero_variance, no KL."""
 
     clip_high: float = 0.28
@@ -18,3 +16,4 @@ class DAPOConfig(GRPOConfig):
 
 
 Config = DAPOConfig
+METHOD = group_policy_method("dapo", DAPOConfig)

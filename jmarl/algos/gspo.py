@@ -3,13 +3,11 @@
 
 from dataclasses import dataclass
 
-from jmarl.algos.grpo import GRPOConfig, advantages, keep_mask, loss
-
-__all__ = ["GSPOConfig", "Config", "advantages", "keep_mask", "loss"]
+from jmarl.algos.method import GroupPolicyConfig, group_policy_method
 
 
 @dataclass(frozen=True)
-class GSPOConfig(GRPOConfig):
+class GSPOConfig(GroupPolicyConfig):
     """GSPO defaults: ratio "sequence", clip 3e-4/4e-4, aggregation "seq_mean_token_mean"."""
 
     ratio: str = "sequence"
@@ -18,3 +16,4 @@ class GSPOConfig(GRPOConfig):
 
 
 Config = GSPOConfig
+METHOD = group_policy_method("gspo", GSPOConfig)

@@ -21,16 +21,18 @@ sharing: plain mean baseline, weight 1, cross samples treated like self GSPO sam
 """
 
 import json
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmarl.algos import _checks
-from jmarl.algos.advantages import _segments, _stats, filter_groups
-from jmarl.algos.grpo import validate_policy_fields
+from jmarl.algos.advantages import _segments, _stats
+from jmarl.algos.method import LossConfig, Method, MethodContext
+from jmarl.batch import LearnerBatch
 from jmarl.algos.losses import (
     LOG_RATIO_CLAMP,
     aggregate_loss,
@@ -45,10 +47,14 @@ sg = jax.lax.stop_gradient
 
 
 @dataclass(frozen=True)
-class HACPOConfig:
-    """HACPO defaults (authors' code): G=8, K=5, alpha 1, delta 0.2, delta_step 0.025, GSPO clip 3e-4/4e-4."""
+class HACPOConfig(LossConfig):
+    """HACPO defaults (authors' code): K=5, alpha 1, delta 0.2, delta_step 0.025, GSPO clip 3e-4/4e-4.
 
-    num_generations: int = 8
+    The group size G is workflow.group_size (8 by default for HACPO); the sharing mode
+    (hacpo, naive, gspo, gspo_2x) is the `shared` plan's workflow.options.mode, and `naive`
+    turns the three mechanism switches below off (`configure`).
+    """
+
     capability_window: int = 5
     alpha: float = 1.0
     delta: float = 0.2
@@ -58,21 +64,18 @@ class HACPOConfig:
     omega_min: float = 0.1
     omega_max: float = 10.0
     max_reward: float | None = None
-    ddof: int = 1
-    eps: float = 1e-6
-    aggregation: str = "seq_mean_token_mean"
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
     capability_baseline: bool = True
     discrepancy: bool = True
     stepwise_clip: bool = True
 
     def __post_init__(self) -> None:
-        validate_policy_fields(self)
+        super().__post_init__()
         _checks.check_int(self, "capability_window", low=1)
         _checks.check_range(self, "alpha", low=0.0)
         _checks.check_range(self, "delta", low=0.0, high=1.0)
         _checks.check_range(self, "delta_step", low=0.0)
+        _checks.check_range(self, "clip_low", low=0.0, high=1.0, high_inclusive=False)
+        _checks.check_range(self, "clip_high", low=0.0)
         _checks.check_range(self, "omega_min", low=0.0, high=1.0, low_inclusive=False)
         _checks.check_range(self, "omega_max", low=1.0)
         _checks.check_range(self, "max_reward", allow_none=True)
@@ -183,7 +186,7 @@ def capability_advantages(
     eps: float = 1e-6,
 ) -> jax.Array:
     """Learner k's advantages f32[N] over mixed groups, from rewards f32[N], prompt groups int[N],
-    source agent int[N], capabilities P f32[n] and the learner index k (scalar, may be traced).
+    source agent int[N], capabilities P f32[n] and the learner index k (int[] or int[N], may be traced).
 
     mu^k_g = (1/|g|) sum_{i in g} omega^{k, source_i} r_i; if mu^k_g > max reward (`max_reward`,
     or the group's highest reward when None) it is replaced by the mean of the learner's own
@@ -195,8 +198,8 @@ def capability_advantages(
     seg, valid = _segments(groups, num_groups)
     stats = _stats(rewards, seg, valid, num_groups, ddof)
     n_seg = num_groups + 1
-    omega_row = capability_ratio(capability, omega_min=omega_min, omega_max=omega_max)[learner]
-    weight = omega_row[jnp.clip(source, 0, omega_row.shape[0] - 1)]
+    omega = capability_ratio(capability, omega_min=omega_min, omega_max=omega_max)
+    weight = omega[learner, jnp.clip(source, 0, omega.shape[0] - 1)]
     weighted = jax.ops.segment_sum(jnp.where(valid, weight * rewards, 0.0), seg, n_seg)
     mu = weighted / jnp.maximum(stats.count, 1.0)
     own = valid & (source == learner)
@@ -299,11 +302,6 @@ def discrepancy(
     return weight if cfg.discrepancy else jnp.ones_like(weight)
 
 
-def keep_mask(cfg: HACPOConfig, rewards: jax.Array, groups: jax.Array, *, num_groups: int) -> jax.Array:
-    """bool[N]: every non-padding sample (HACPO has no group filter)."""
-    return filter_groups(rewards, groups, num_groups=num_groups)
-
-
 def loss(
     cfg: HACPOConfig,
     logprobs: jax.Array,
@@ -316,6 +314,8 @@ def loss(
     source_seq_logprob: jax.Array | None = None,
     discrepancy: jax.Array | None = None,
     minibatch_index: jax.Array | int = 0,
+    num_tokens: jax.Array | None = None,
+    num_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Combined self + cross loss and metrics.
 
@@ -324,6 +324,7 @@ def loss(
     (mean source log-prob at rollout; default the masked mean of old_logprobs), discrepancy
     f32[N] (omega^{j,k}; default 1), minibatch_index m (scalar). Self samples: GSPO clipped
     surrogate with ratio exp(mean_t(lp - lp_old)); cross samples: -s~ * omega * A.
+    num_tokens/num_rows: the mini-batch's counts per micro-batch (`aggregate_loss`).
     """
     loss_mask = jnp.asarray(loss_mask, bool)
     adv = jnp.asarray(advantages, jnp.float32)
@@ -357,7 +358,8 @@ def loss(
 
     per_seq = jnp.where(is_cross, cross_loss, self_loss)
     per_token = jnp.broadcast_to(per_seq[:, None], logprobs.shape)
-    pg_loss = aggregate_loss(per_token, loss_mask, cfg.aggregation)
+    counts = dict(norm_length=cfg.norm_length, num_tokens=num_tokens, num_rows=num_rows)
+    pg_loss = aggregate_loss(per_token, loss_mask, cfg.aggregation, **counts)
     self_mask = loss_mask & ~is_cross[:, None]
     ref_kl = jnp.zeros((), jnp.float32)
     total = pg_loss
@@ -365,7 +367,7 @@ def loss(
         kl = jnp.where(self_mask, kl_penalty(logprobs, ref_logprobs, loss_mask, cfg.kl_kind), 0.0)
         ref_kl = masked_token_mean(kl, self_mask)
         if cfg.kl_coef != 0.0:
-            total = pg_loss + cfg.kl_coef * aggregate_loss(kl, loss_mask, cfg.aggregation)
+            total = pg_loss + cfg.kl_coef * aggregate_loss(kl, loss_mask, cfg.aggregation, **counts)
 
     rows = jnp.any(loss_mask, axis=-1)
     self_rows, cross_rows = rows & ~is_cross, rows & is_cross
@@ -385,3 +387,90 @@ def loss(
         "ref_kl": sg(ref_kl),
     }
     return total, metrics
+
+
+# ---------------------------------------------------------------- the method value
+
+
+def learner_advantages(cfg: HACPOConfig, batch: LearnerBatch, capability: jax.Array) -> jax.Array:
+    """The learner's capability-aware advantages times each sample's discrepancy weight
+    omega^{source, learner} (1 on self samples): f32[N]. The cross loss -s~ * omega * A (and
+    the clipped form of naive sharing) only ever reads the product, so it is the advantage
+    the loss receives. capability: P f32[n] (`device_state`)."""
+    adv = advantages(cfg, batch.reward, batch.group, num_groups=batch.num_samples, source=batch.source_policy,
+                     capability=capability, learner=batch.learner)
+    return adv * discrepancy(cfg, capability, batch.source_policy, batch.learner)
+
+
+def learner_loss(cfg: HACPOConfig, logprobs: jax.Array, batch: LearnerBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`loss` on a learner batch: cross samples are those another policy generated; m is the
+    update's index within the step (`batch.update_index`)."""
+    index = jnp.zeros((), jnp.int32) if batch.update_index is None else batch.update_index
+    return loss(
+        cfg, logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, ref_logprobs=batch.ref_logprobs,
+        is_cross=batch.is_cross(), source_seq_logprob=batch.source_seq_logprob, minibatch_index=index,
+        num_tokens=batch.num_tokens, num_rows=batch.num_rows,
+    )
+
+
+SHARING_MODES_WITHOUT_MECHANISMS = ("naive",)
+
+
+def configure(cfg: HACPOConfig, plan_options: Any) -> HACPOConfig:
+    """`cfg` as the `shared` plan's mode leaves it: naive sharing turns the three mechanisms
+    off (plain mean baseline, weight 1, no stepwise clip); the other modes keep the options."""
+    if getattr(plan_options, "mode", None) not in SHARING_MODES_WITHOUT_MECHANISMS:
+        return cfg
+    return dataclasses.replace(cfg, capability_baseline=False, discrepancy=False, stepwise_clip=False)
+
+
+@dataclass(frozen=True)
+class HACPOState:
+    """HACPO's state across steps: the capability window of `num_policies` policies."""
+
+    window: CapabilityWindow
+    num_policies: int
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (the checkpoint metadata keeps it)."""
+        return {"window": self.window.to_json(), "num_policies": self.num_policies}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "HACPOState":
+        """The state written by `to_json`."""
+        try:
+            return cls(CapabilityWindow.from_json(data["window"]), int(data["num_policies"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise JmarlError(f"malformed HACPO state in the checkpoint metadata ({err})") from None
+
+
+def init_window(cfg: HACPOConfig, context: MethodContext) -> HACPOState:
+    """An empty capability window of `capability_window` steps over the run's policies."""
+    return HACPOState(CapabilityWindow(size=cfg.capability_window), context.num_policies)
+
+
+def push_success(cfg: HACPOConfig, state: HACPOState, result: Any, step: int) -> tuple[HACPOState, dict[str, float]]:
+    """The window with this step's per-policy success rates (the plan's stats["success_rate"])
+    pushed, before any advantage of the step; metrics hacpo/capability_<p>, hacpo/success_<p>."""
+    success = result.stats["success_rate"]
+    window = update_capabilities(state.window, success)
+    metrics = {f"hacpo/capability_{p}": float(v) for p, v in enumerate(capabilities(window))}
+    metrics.update({f"hacpo/success_{p}": float(v) for p, v in enumerate(success)})
+    return HACPOState(window, state.num_policies), metrics
+
+
+def window_capabilities(cfg: HACPOConfig, state: HACPOState) -> jax.Array:
+    """P f32[n], what `learner_advantages` reads; equal capabilities (ones) while the window is
+    empty (never during training, where the step's rates are pushed first; `jmarl.plan`
+    compiles with it)."""
+    if not state.window.history:
+        return jnp.ones((state.num_policies,), jnp.float32)
+    return jnp.asarray(capabilities(state.window), jnp.float32)
+
+
+METHOD = Method(
+    name="hacpo", config=HACPOConfig, advantages=learner_advantages, loss=learner_loss,
+    default_plan="shared", default_group_size=8, plans=("shared",), configure=configure,
+    init_state=init_window, after_plan=push_success, device_state=window_capabilities,
+    state_to_json=HACPOState.to_json, state_from_json=lambda cfg, data: HACPOState.from_json(data),
+)

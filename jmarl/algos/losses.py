@@ -111,20 +111,37 @@ def kl_penalty(
     return jnp.where(loss_mask, jnp.exp(d) - d - 1.0, 0.0)
 
 
+def _nonzero(count: jax.Array) -> jax.Array:
+    """count where it is > 0, else 1 (an empty batch's loss is 0, not NaN); float32[]."""
+    count = jnp.asarray(count, jnp.float32)
+    return jnp.where(count > 0, count, 1.0)
+
+
 def aggregate_loss(
-    per_token: jax.Array, loss_mask: jax.Array, aggregation: str, *, norm_length: int | None = None
+    per_token: jax.Array,
+    loss_mask: jax.Array,
+    aggregation: str,
+    *,
+    norm_length: int | None = None,
+    num_tokens: jax.Array | None = None,
+    num_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Reduces per-token losses [N, T] under mask [N, T] to a scalar.
 
-    token_mean: sum(L*m) / sum(m); seq_mean_token_mean: mean_i(sum_t(L*m) / sum_t(m));
-    seq_mean_token_sum_norm (Dr.GRPO): sum(L*m) / (N * norm_length), norm_length defaults to T;
-    seq_sum: mean_i sum_t(L*m). N counts the rows with a non-empty mask.
+    token_mean: sum(L*m) / n_tok; seq_mean_token_mean: sum_i(sum_t(L*m) / sum_t(m)) / n_rows;
+    seq_mean_token_sum_norm (Dr.GRPO): sum(L*m) / (n_rows * norm_length), norm_length defaults
+    to T; seq_sum: sum_i sum_t(L*m) / n_rows. n_tok and n_rows count the masked tokens and the
+    rows with a non-empty mask of this batch, unless `num_tokens` / `num_rows` give them: under
+    gradient accumulation the update passes the whole mini-batch's counts divided by the number
+    of micro-batches, so the mean of the micro-batch losses is the mini-batch's exact mean.
     """
     _check("aggregation", aggregation, AGGREGATIONS)
     masked = jnp.where(loss_mask, per_token, 0.0)
-    rows = jnp.maximum(jnp.sum(jnp.any(loss_mask, axis=-1)), 1)
+    rows = jnp.sum(jnp.any(loss_mask, axis=-1)) if num_rows is None else num_rows
+    rows = _nonzero(rows)
     if aggregation == "token_mean":
-        return jnp.sum(masked) / jnp.maximum(jnp.sum(loss_mask), 1)
+        tokens = jnp.sum(loss_mask) if num_tokens is None else num_tokens
+        return jnp.sum(masked) / _nonzero(tokens)
     if aggregation == "seq_mean_token_mean":
         return jnp.sum(masked_seq_mean(per_token, loss_mask)) / rows
     if aggregation == "seq_mean_token_sum_norm":
@@ -155,13 +172,15 @@ def policy_loss(
     ref_logprobs: jax.Array | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
+    num_tokens: jax.Array | None = None,
+    num_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped policy-gradient loss: (scalar, metrics) from log-probs [N, T], advantages [N] or [N, T].
 
     Per token: clipped surrogate of `importance_ratio(kind=ratio)` (no clipping for ratio="none",
     which gives the on-policy -A * lp gradient; with aggregation="seq_sum" that is MAGRPO's
     -A * sum_t lp), plus kl_coef * kl_penalty(kl_kind) when `ref_logprobs` is given, reduced by
-    `aggregate_loss`. Metrics (scalars): loss, pg_loss, clip_fraction, dual_clip_fraction,
+    `aggregate_loss` (with the mini-batch's counts `num_tokens` / `num_rows` when given). Metrics (scalars): loss, pg_loss, clip_fraction, dual_clip_fraction,
     ratio_mean, approx_kl (k3 estimate of KL(old || current) over masked tokens), ref_kl.
     """
     _check("ratio", ratio, RATIOS)
@@ -175,14 +194,15 @@ def policy_loss(
         per_token, clipped, dual = clipped_surrogate(
             rho, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
         )
-    pg_loss = aggregate_loss(per_token, loss_mask, aggregation, norm_length=norm_length)
+    counts = dict(norm_length=norm_length, num_tokens=num_tokens, num_rows=num_rows)
+    pg_loss = aggregate_loss(per_token, loss_mask, aggregation, **counts)
     ref_kl = jnp.zeros((), jnp.float32)
     total = pg_loss
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, loss_mask, kl_kind)
         ref_kl = masked_token_mean(kl, loss_mask)
         if kl_coef != 0.0:
-            total = pg_loss + kl_coef * aggregate_loss(kl, loss_mask, aggregation, norm_length=norm_length)
+            total = pg_loss + kl_coef * aggregate_loss(kl, loss_mask, aggregation, **counts)
     log_ratio = token_log_ratio(logprobs, old_logprobs, loss_mask)
     metrics = {
         "loss": total,

@@ -200,3 +200,27 @@ def plot_metrics(output_dir: str | Path) -> list[Path]:
 
 def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "metric"
+
+
+def before_summary(metrics: dict[str, float]) -> dict[str, float]:
+    """The held-out evaluation before RL (after any warm start) as summary.json fields:
+    eval/<metric> -> before_eval_<metric> (eval/info/<key> -> before_eval_info/<key>)."""
+    return {k.replace("eval/", "before_eval_", 1): float(v) for k, v in metrics.items() if k.startswith("eval/")}
+
+
+def results_table(summary: dict[str, Any], config: Any, out: Path) -> str:
+    """The before/after table printed at the end of a run (held-out greedy success)."""
+    before, after = float(summary["success_before"]), float(summary["success_after"])
+    start = "after warm start" if config.train.warm_start.steps > 0 else "initial model"
+    rows = [
+        (start, f"{100 * before:5.1f}%"),
+        (f"after {summary['steps']} {config.algo.name} steps", f"{100 * after:5.1f}%"),
+        ("change", f"{100 * (after - before):+5.1f} points"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    title = f"held-out success on {config.env.name} ({config.eval.num_episodes} episodes, "
+    title += "greedy)" if config.eval.greedy else "sampled)"
+    lines = [title] + [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines.append(f"  wall time {summary.get('wall_seconds', 0.0):.0f} s; outputs in {out}: summary.json, "
+                 "metrics.jsonl, plots/, checkpoints/, export/")
+    return "\n".join(lines)

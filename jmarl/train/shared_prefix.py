@@ -22,18 +22,18 @@ of two; length buckets) so that steps reuse a few compiled programs. [N] fields 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from jmarl.batch import MODEL_INPUTS  # what the model reads from a shared-prefix batch
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, prefix_token_logprobs
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 
-# what the model reads from a shared-prefix batch (the rest is for the loss)
-MODEL_INPUTS = ("prefix_tokens", "prefix_mask", "prefix_rows", "tokens", "attention_mask")
+
 
 
 def split_prompts(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -105,11 +105,13 @@ def to_shared_prefix(
     return out
 
 
-def shared_prefix_logprobs(config: ModelConfig, params: Params, batch: dict[str, jax.Array], temperature: float | jax.Array = 1.0) -> jax.Array:
-    """float32[N, C]: the continuation token log-probs of a shared-prefix (micro-)batch (reads
-    `MODEL_INPUTS`; prefix_rows are taken modulo the number of prefixes it holds)."""
-    prefix = batch["prefix_tokens"]
-    rows = batch["prefix_rows"] % prefix.shape[0]
+def shared_prefix_logprobs(config: ModelConfig, params: Params, batch: Any, temperature: float | jax.Array = 1.0) -> jax.Array:
+    """float32[N, C]: the continuation token log-probs of a shared-prefix (micro-)batch, a
+    `LearnerBatch` or a dict (reads `MODEL_INPUTS`; prefix_rows are taken modulo the number of
+    prefixes it holds)."""
+    get = batch.__getitem__ if isinstance(batch, Mapping) else lambda name: getattr(batch, name)
+    prefix = get("prefix_tokens")
+    rows = get("prefix_rows") % prefix.shape[0]
     return prefix_token_logprobs(
-        config, params, prefix, batch["prefix_mask"], rows, batch["tokens"], batch["attention_mask"], temperature
+        config, params, prefix, get("prefix_mask"), rows, get("tokens"), get("attention_mask"), temperature
     )

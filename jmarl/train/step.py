@@ -1,10 +1,12 @@
 """The jitted policy update: mini-batches, gradient accumulation, non-finite skip, policy vmap.
 
-A loss function has the signature `loss_fn(trainable, frozen, batch, minibatch_index) ->
-(loss, metrics)`: `trainable` is what the optimizer updates (full parameters, or LoRA
-adapters), `frozen` what it does not (None, or the LoRA base), `batch` a dict of arrays with a
-leading sample axis N, `minibatch_index` the int32 index m of the update within the step
-(HACPO's stepwise clipping reads it).
+A loss function has the signature `loss_fn(trainable, frozen, batch) -> (loss, metrics)`:
+`trainable` is what the optimizer updates (full parameters, or LoRA adapters), `frozen` what it
+does not (None, or the LoRA base), `batch` a pytree of arrays with a leading sample axis N. A
+`jmarl.batch.LearnerBatch` micro-batch arrives with `update_index` (the index m of the optimizer
+update within the step) and the mini-batch's counts `num_tokens` / `num_rows` (its trained
+tokens and rows divided by the number of micro-batches) filled in, so that a loss normalised by
+them is the exact mean over the whole mini-batch under gradient accumulation.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
 
 Params = Any
 Batch = dict[str, jax.Array]
-LossFn = Callable[[Params, Params, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+LossFn = Callable[[Params, Params, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 @struct.dataclass
@@ -97,6 +100,18 @@ def split_minibatches(batch: Batch, num_minibatches: int, grad_accum: int) -> Ba
     )
 
 
+def minibatch_fields(mb: Batch, index: jax.Array, grad_accum: int) -> Callable[[Batch], Batch]:
+    """A function that fills a micro-batch of mini-batch `mb` ([grad_accum, rows, ...] leaves)
+    with `update_index` and the mini-batch's counts per micro-batch (trained tokens and rows,
+    summed over the mini-batch and divided by grad_accum), when it is a `LearnerBatch`."""
+    if not isinstance(mb, LearnerBatch):
+        return lambda micro_batch: micro_batch
+    mask = mb.loss_mask
+    num_tokens = jnp.sum(mask, dtype=jnp.float32) / grad_accum
+    num_rows = jnp.sum(jnp.any(mask, axis=-1), dtype=jnp.float32) / grad_accum
+    return lambda micro_batch: micro_batch.replace(update_index=index, num_tokens=num_tokens, num_rows=num_rows)
+
+
 def make_update(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -117,17 +132,18 @@ def make_update(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def update(state: TrainState, frozen: Params, batch: Batch):
-        def grads_of(params, micro_batch, index):
-            (loss, metrics), grads = grad_fn(params, frozen, micro_batch, index)
+        def grads_of(params, micro_batch):
+            (loss, metrics), grads = grad_fn(params, frozen, micro_batch)
             return grads, loss, metrics
 
         def minibatch_update(state: TrainState, mb_and_index):
             mb, index = mb_and_index
-            shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], mb), index)
+            fill = minibatch_fields(mb, index, grad_accum)
+            shapes = jax.eval_shape(grads_of, state.params, fill(jax.tree.map(lambda x: x[0], mb)))
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
             def micro(acc, micro_batch):
-                return jax.tree.map(jnp.add, acc, grads_of(state.params, micro_batch, index)), None
+                return jax.tree.map(jnp.add, acc, grads_of(state.params, fill(micro_batch))), None
 
             summed, _ = jax.lax.scan(micro, zeros, mb)
             grads, loss, metrics = jax.tree.map(lambda x: x / grad_accum, summed)

@@ -1,0 +1,209 @@
+"""The learner side of a step: `LearnerBatch`es from `Rollouts`, and a policy group's device functions.
+
+Host side: `learner_batch` turns the step's `Rollouts` into one group's batch (its policies'
+samples padded to N rows, a power of two times the update's parts, in the shared-prefix layout,
+stacked [P, ...] for stacked policies); `sft_batch` does the same for warm-start
+demonstrations. Device side, per `PolicyGroup` (jitted once, vmapped over stacked policies):
+`score` (log-probs under the current policy, micro-batch by micro-batch), `score_ref`,
+`prepare` (the method's advantages and keep mask) and the two updates (RL and warm start).
+Nothing here branches on a method's or a plan's name: the method is a `jmarl.algos.Method`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmarl import sharding as sharding_lib
+from jmarl.algos.method import Method, finite_advantages
+from jmarl.batch import PREFIX_FIELDS, ROLLOUT_FIELDS, LearnerBatch, pad_rows
+from jmarl.rollouts import Rollouts, bucket_length, next_pow2, select
+from jmarl.train.lora import attach_lora
+from jmarl.train.policies import PolicyGroup
+from jmarl.train.shared_prefix import shared_prefix_logprobs, to_shared_prefix
+from jmarl.train.step import jit_update, make_update, split_minibatches
+
+# the fields of a warm-start batch before the shared-prefix layout
+SFT_FIELDS: tuple[str, ...] = ("tokens", "attention_mask", "loss_mask")
+
+
+# ---------------------------------------------------------------------------------- host batches
+
+
+def batch_rows(counts: Sequence[int], parts: int, min_rows: int = 0) -> int:
+    """N, the rows of a group batch: the most samples of any policy (or `min_rows`, a bound
+    known from the plan) rounded up to a power of two, then to a multiple of `parts`."""
+    n = next_pow2(max(max(counts, default=0), min_rows, 1))
+    return -(-n // parts) * parts
+
+
+def policy_rows(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.ndarray]:
+    """One policy's samples as host arrays padded to `size` rows (`ROLLOUT_FIELDS`), groups
+    renumbered from 0, `learner` = policy_id. Padding rows: empty masks, group -1."""
+    sel = select(rollouts, np.asarray(rollouts.policy) == policy_id)
+    _, group = np.unique(np.asarray(sel.group), return_inverse=True)
+    values = {k: group.reshape(-1) if k == "group" else getattr(sel, k) for k in ROLLOUT_FIELDS}
+    out = {k: pad_rows(values[k], size, fill, dtype) for k, (_, fill, dtype) in ROLLOUT_FIELDS.items()}
+    out["learner"] = np.full((size,), policy_id, np.int32)
+    return out
+
+
+def _stacked(group: PolicyGroup, parts: list[dict[str, np.ndarray]]) -> LearnerBatch:
+    if group.stacked:
+        return LearnerBatch(**{k: np.stack([p[k] for p in parts]) for k in parts[0]})
+    return LearnerBatch(**parts[0])
+
+
+def learner_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0) -> tuple[LearnerBatch, list[int]]:
+    """The group's `LearnerBatch` (host arrays) and each policy's sample count. N is a power of
+    two times `parts` (`batch_rows`); `min_rows`, a bound on any policy's samples per step
+    known from the plan (0: none), fixes N across steps, so the update compiles once per
+    sequence-length bucket."""
+    counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
+    size = batch_rows(counts, parts, min_rows)
+    return _stacked(group, to_shared_prefix([policy_rows(rollouts, p, size) for p in group.policy_ids], parts)), counts
+
+
+def sft_batch(group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> LearnerBatch | None:
+    """A warm-start batch from (policy id, prompt token ids, completion token ids) rows (the
+    completion trained on), padded per policy to a power of two; None without rows."""
+    if not rows:
+        return None
+    t = bucket_length(max(len(p) + len(c) for _, p, c in rows))
+    per = [[r for r in rows if r[0] == pid] for pid in group.policy_ids]
+    size = next_pow2(max(len(x) for x in per))
+
+    def arrays(policy_rows_: list) -> dict[str, np.ndarray]:
+        tokens = np.zeros((size, t), np.int32)
+        attn = np.zeros((size, t), bool)
+        loss = np.zeros((size, t), bool)
+        for j, (_, p, c) in enumerate(policy_rows_):
+            tokens[j, : len(p) + len(c)] = list(p) + list(c)
+            attn[j, : len(p) + len(c)] = True
+            loss[j, len(p) : len(p) + len(c)] = True
+        return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
+
+    return _stacked(group, to_shared_prefix([arrays(x) for x in per]))
+
+
+def abstract_learner_batch(
+    group: PolicyGroup, rows: int, prefixes: int, prefix_len: int, length: int, *, sft: bool = False
+) -> LearnerBatch:
+    """The shapes `learner_batch` gives for N = `rows` samples per policy, `prefixes` (parts x U)
+    prompt slots of `prefix_len` (P) tokens and continuations of `length` (C) tokens, as
+    `jax.ShapeDtypeStruct`s; a leading policy axis when the group is stacked. sft: the fields
+    of `sft_batch` only."""
+    lead = (len(group.policy_ids),) if group.stacked else ()
+    out = {
+        k: jax.ShapeDtypeStruct(lead + ((rows, length) if per_token else (rows,)), dtype)
+        for k, (per_token, _, dtype) in ROLLOUT_FIELDS.items()
+        if not sft or k in SFT_FIELDS
+    }
+    if not sft:
+        out["learner"] = jax.ShapeDtypeStruct(lead + (rows,), np.int32)
+    for k, dtype in PREFIX_FIELDS.items():
+        shape = (rows,) if k == "prefix_rows" else (prefixes, prefix_len)
+        out[k] = jax.ShapeDtypeStruct(lead + shape, dtype)
+    return LearnerBatch(**out)
+
+
+# ---------------------------------------------------------------------------------- device functions
+
+
+@dataclass
+class GroupFns:
+    """The compiled functions of one `PolicyGroup`."""
+
+    update: Any  # (state, frozen, LearnerBatch) -> (state, metrics)
+    score: Any  # (trainable, frozen, model inputs) -> logprobs [N, C], vmapped when stacked
+    score_ref: Any  # (ref params, model inputs) -> logprobs [N, C]
+    sft_update: Any
+    prepare: Any  # (LearnerBatch, method device state) -> LearnerBatch with advantages, keep in loss_mask
+
+
+def model_params(group: PolicyGroup):
+    """(trainable, frozen) -> what the model runs with: the trainable tree, or for LoRA the
+    adapters attached to the frozen base (`attach_lora`)."""
+    if group.lora_rank is None:
+        return lambda trainable, frozen: trainable
+    return lambda trainable, frozen: attach_lora(frozen, trainable, rank=group.lora_rank, alpha=group.lora_alpha)
+
+
+def build_group_fns(
+    group: PolicyGroup, method: Method, cfg: Any, optimizer, sft_optimizer, *, temperature: float,
+    minibatches: int, grad_accum: int, mesh=None,
+) -> GroupFns:
+    """Update, scoring, advantage and warm-start functions for `group`, jitted (vmapped over
+    stacked policies). Scoring runs the step's batch one micro-batch at a time (the update's
+    split), so its memory is a micro-batch's. With a mesh of several devices every
+    micro-batch's rows are spread over the batch axes (`jmarl.sharding.microbatch_rows`)."""
+    mcfg = group.model_config
+    params_of = model_params(group)
+
+    def logprobs_of(trainable, frozen, batch):
+        return shared_prefix_logprobs(mcfg, params_of(trainable, frozen), batch, temperature)
+
+    def rl_loss(trainable, frozen, batch: LearnerBatch):
+        return method.loss(cfg, logprobs_of(trainable, frozen, batch), batch)
+
+    def sft_loss(trainable, frozen, batch: LearnerBatch):
+        lp = logprobs_of(trainable, frozen, batch)
+        mask = batch.loss_mask
+        nll = -jnp.sum(lp * mask) / jnp.maximum(jnp.sum(mask), 1)
+        return nll, {"sft_nll": nll}
+
+    spread = None if mesh is None or mesh.size == 1 else sharding_lib.microbatch_rows(mesh, stacked=group.stacked)
+    axis = sharding_lib.policy_axis(mesh)
+    jit = dict(stacked=group.stacked, frozen_stacked=False, policy_axis=axis)  # the LoRA base is shared
+    update = jit_update(make_update(rl_loss, optimizer, num_minibatches=minibatches, grad_accum=grad_accum, constrain=spread), **jit)
+    sft_update = jit_update(make_update(sft_loss, sft_optimizer), **jit)
+    parts = minibatches * grad_accum
+
+    def per_microbatch(fn):
+        """fn(params, batch) -> [rows, C] run over the update's micro-batches in turn."""
+        def scored(params, batch):
+            mbs = split_minibatches(batch, parts, 1)
+            mbs = mbs if spread is None else spread(mbs)
+            out = jax.lax.map(lambda mb: fn(params, jax.tree.map(lambda x: x[0], mb)), mbs)
+            return out.reshape(-1, *out.shape[2:])
+        return scored
+
+    def vmapped(fn, in_axes):
+        return jax.jit(jax.vmap(fn, in_axes=in_axes, spmd_axis_name=axis) if group.stacked else fn)
+
+    score_one = per_microbatch(lambda tf, batch: logprobs_of(tf[0], tf[1], batch))
+    score = vmapped(lambda t, f, b: score_one((t, f), b), (0, None, 0))
+    ref_logprobs = per_microbatch(lambda params, batch: shared_prefix_logprobs(mcfg, params, batch, temperature))
+    score_ref = vmapped(ref_logprobs, (None if group.lora_rank is not None else 0, 0))
+
+    def prepare_one(batch: LearnerBatch, state: Any) -> LearnerBatch:
+        advantages = finite_advantages(method.advantages(cfg, batch, state), batch.reward)
+        keep = method.keep_mask(cfg, batch)
+        return batch.replace(advantages=advantages, loss_mask=batch.loss_mask & keep[..., None])
+
+    prepare = vmapped(prepare_one, (0, None))
+    return GroupFns(update=update, score=score, score_ref=score_ref, sft_update=sft_update, prepare=prepare)
+
+
+def score_batch(
+    group: PolicyGroup, fns: GroupFns, batch: LearnerBatch, method_state: Any, *, recompute: bool, cross: bool
+) -> LearnerBatch:
+    """The update's batch: old log-probs, reference log-probs when the group has a reference,
+    then the method's advantages and keep mask (`prepare`, given the method's device state).
+
+    Old log-probs are the sampler's behaviour log-probs, or with `recompute` the current
+    policy's scores; with `cross` (the batch holds samples another policy generated, whose
+    behaviour log-probs under the learner are unknown) those samples take the scores. Works on
+    abstract batches too (`jmarl.plan`)."""
+    inputs = batch.model_inputs()
+    old = jnp.asarray(batch.behavior_logprobs)
+    if recompute or cross:
+        scored = fns.score(group.state.params, group.base, inputs)
+        own = jnp.asarray(batch.source_policy == batch.learner)
+        old = scored if recompute else jnp.where(own[..., None], old, scored)
+    ref = None if group.ref is None else fns.score_ref(group.ref, inputs)
+    return fns.prepare(batch.replace(old_logprobs=old, ref_logprobs=ref), method_state)

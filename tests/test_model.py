@@ -92,6 +92,7 @@ def test_apply_matches_pytorch_on_right_and_left_padding(variant):
     assert np.abs(out - ref)[mask].max() < 1e-4
 
 
+@pytest.mark.slow
 def test_prefill_runs_the_last_layer_for_the_last_slot_only(variant):
     """A prefill's last layer computes keys/values for every slot but its attention output and
     MLP for the last slot alone: the logits still equal PyTorch's at the last slot, and the cache
@@ -187,6 +188,7 @@ def test_prefix_token_logprobs_match_pytorch_on_joined_rows(variant):
     assert np.all(out[cont_mask & (np.arange(6) > 0)] < 0)
 
 
+@pytest.mark.slow
 def test_prefix_token_logprobs_gradient_equals_joined_rows(tmp_path):
     """Gradients of a weighted sum of log-probs: shared prefixes (computed once, keys/values
     gathered per row) equal the plain forward over the joined rows, remat and chunking included."""
@@ -272,6 +274,7 @@ def test_init_matches_param_shapes_and_is_loadable_by_transformers(tmp_path):
     assert np.abs(np.asarray(apply(config, params, tokens, mask)) - ref)[mask].max() < 1e-4
 
 
+@pytest.mark.slow
 def test_remat_vmap_and_chunking_agree(tmp_path):
     config, params = load_hf(make_tiny_checkpoint(tmp_path, "qwen2"))
     tokens, mask = _batch(4)

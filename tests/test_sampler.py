@@ -98,6 +98,21 @@ def test_greedy_matches_transformers_with_left_padding_and_stop_token(tiny):
     np.testing.assert_allclose(np.asarray(out.logprobs), np.where(got_mask, rescored, 0), atol=1e-4)
 
 
+def test_continuous_engine_greedy_matches_transformers(tiny):
+    """The same parity through `jmarl.models.engine` (2 slots for 4 prompts: refills happen)."""
+    from jmarl.models import engine
+
+    _, config, params, model = tiny
+    tokens, mask = _prompts([9, 4, 7, 1], 9)
+    ref = _hf_greedy(model, tokens, mask, N_NEW)
+    prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
+    res = engine.run(config, params, prompts, 1, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0,
+                     num_slots=2, chunk_steps=4)
+    assert res.stats.prefills > 1
+    np.testing.assert_array_equal(np.stack([c[0][0] for c in res.completions]), ref)
+
+
+@pytest.mark.slow
 def test_repeated_prompts_share_one_prefill_and_match_transformers(tiny):
     _, config, params, model = tiny
     distinct, distinct_mask = _prompts([6, 3, 5], 6, seed=5)
@@ -324,6 +339,7 @@ def test_left_align():
     assert out_mask.tolist() == (out > 0).tolist()
 
 
+@pytest.mark.slow
 def test_varied_prompt_lengths_reuse_bucketed_programs(qwen2):
     _, config, params, _ = qwen2
     buckets = (8, 16, 32)
@@ -341,6 +357,7 @@ def test_varied_prompt_lengths_reuse_bucketed_programs(qwen2):
     assert num_compiled_programs() - before <= len(used) <= len(buckets)
 
 
+@pytest.mark.slow
 def test_stacked_policies_equal_separate_calls(qwen2):
     _, config, params, _ = qwen2
     other = init(config, jax.random.key(11))
@@ -445,6 +462,7 @@ def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):
     np.testing.assert_allclose(np.asarray(a.logprobs)[order], np.asarray(b.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_new", [N_NEW, N_NEW + 1])  # blocks of 6 + 5 and 6 + 6 generated slots
 def test_two_phase_decode_equals_one_phase(qwen2, monkeypatch, n_new):
     """The decode loop in two phases over two cache blocks gives the same tokens and log-probs

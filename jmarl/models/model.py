@@ -796,8 +796,8 @@ def decode_step(
     earlier: KVCache | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
-    (a scalar shared by all rows); attends to the cache slots where key_mask bool[B,C] is True
-    (the slot itself included). Returns (float32 logits [B,V], updated cache).
+    (a scalar shared by all rows, or int[B]: one slot per row); attends to the cache slots where
+    key_mask bool[B,C] is True (the slot itself included). Returns (float32 logits [B,V], updated cache).
 
     `earlier`: a read-only cache whose C0 slots come before `cache`'s (key_mask is then
     bool[B, C0 + C]): the first phase's block of a decode loop in two phases (`jmarl.models.sampler`).
@@ -824,8 +824,12 @@ def decode_step(
         def attend(q, k, v, i=i):
             k = k.transpose(0, 2, 3, 1).astype(keys[i].dtype)  # [B, KV, hd, 1]
             v = v.swapaxes(1, 2).astype(values[i].dtype)  # [B, KV, 1, hd]
-            k_buf = jax.lax.dynamic_update_slice(keys[i], k, (0, 0, 0, slot))
-            v_buf = jax.lax.dynamic_update_slice(values[i], v, (0, 0, slot, 0))
+            if jnp.ndim(slot) == 0:
+                k_buf = jax.lax.dynamic_update_slice(keys[i], k, (0, 0, 0, slot))
+                v_buf = jax.lax.dynamic_update_slice(values[i], v, (0, 0, slot, 0))
+            else:  # a write index per row (the continuous-batching engine's slots)
+                k_buf = _write_rows(keys[i], k, slot, axis=3)
+                v_buf = _write_rows(values[i], v, slot, axis=2)
             k_all = (k_buf,) if earlier is None else (earlier.keys[i], k_buf)
             v_all = (v_buf,) if earlier is None else (earlier.values[i], v_buf)
             if prefix is None:
@@ -838,6 +842,13 @@ def decode_step(
         x, (keys[i], values[i]) = layer(x, cos, sin, attend)
     h = model.final_norm(x[:, 0])
     return model.logits(h), KVCache(keys=tuple(keys), values=tuple(values))
+
+
+def _write_rows(buffer: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+    """buffer [B, ...] with new [B, ...] (size 1 along `axis`) written at index slot[b] of `axis`
+    in row b (a scatter, updated in place inside a loop)."""
+    update = lambda buf, x, s: jax.lax.dynamic_update_index_in_dim(buf, x, s, axis - 1)  # noqa: E731
+    return jax.vmap(update)(buffer, new, slot)
 
 
 Blocks = jax.Array | Sequence[jax.Array]

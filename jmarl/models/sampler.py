@@ -86,6 +86,7 @@ def sample_token(
     top_k: int,
     use_top_p: bool,
     axis_name: str | None = None,
+    uniform: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """logits float32[B,V] -> (token int32[B], log-prob float32[B] under softmax(logits / T),
     before truncation). Greedy: argmax, log-prob at T=1. Else top-k, then top-p (the smallest
@@ -93,7 +94,8 @@ def sample_token(
     draw per row by inverse-CDF sampling (one uniform per row instead of a Gumbel per vocabulary
     entry). axis_name: the `jax.vmap` axis this runs under, if any (generate_stacked's policies),
     so that top-p's rare full-sort fallback is decided once for all of them, not a select that
-    runs the sort every token."""
+    runs the sort every token. uniform float32[B] in [0, 1): the rows' draws, given (drawn from
+    rng otherwise; the engine draws each completion's own, `jmarl.models.engine`)."""
     logits = logits.astype(jnp.float32)
     scaled = logits if greedy else logits / temperature
     peak = jnp.max(scaled, axis=-1, keepdims=True)
@@ -104,7 +106,8 @@ def sample_token(
     else:
         weights = truncated_weights(scaled, weights, top_p, top_k=top_k, use_top_p=use_top_p,
                                     candidates=TOP_P_CANDIDATES, axis_name=axis_name)
-        uniform = jax.random.uniform(rng, (logits.shape[0],), jnp.float32)
+        if uniform is None:
+            uniform = jax.random.uniform(rng, (logits.shape[0],), jnp.float32)
         token = inverse_cdf_sample(weights, uniform)
     picked = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
     return token, picked - log_normalizer

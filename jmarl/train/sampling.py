@@ -1,13 +1,20 @@
 """The model-backed `Sampler`: prompts -> chat template -> tokens -> jitted KV-cache sampler.
 
-Requests of all policies in one `PolicyGroup` (one architecture) go to the device in one call:
-a stacked group generates [P, B, S] prompts with `generate_stacked`, so a whole multi-agent
-turn is one program. Batch sizes are rounded up to a power of two and prompt lengths to a
-length bucket, so varied turns reuse a handful of compiled programs.
+Two engines (`SamplingSettings.engine`):
+- static: requests of all policies in one `PolicyGroup` (one architecture) go to the device in
+  one call: a stacked group generates [P, B, S] prompts with `generate_stacked`, so a whole
+  multi-agent turn is one program. Batch sizes are rounded up to a power of two and prompt
+  lengths to a length bucket, so varied turns reuse a handful of compiled programs;
+- continuous: `jmarl.models.engine`: slots capped by the KV budget, a queue, refills between
+  decode chunks; one engine run per asked policy of a group (each run decodes that policy's
+  rows only, so no policy's rows are padding).
+
+`ModelSampler.take_stats()` returns (and resets) the rollout figures since its last call.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -16,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl import models
+from jmarl.models import engine as engine_lib
 from jmarl.models import model as model_lib
 from jmarl.models import sampler as sampler_lib
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
@@ -33,23 +41,45 @@ class SamplingSettings:
     top_k: int = 0
     max_prompt_len: int = 512
     max_rows_per_call: int | None = None  # None: one device call per policy group
+    engine: str = "static"  # "static" | "continuous" (jmarl.models.engine)
+    kv_budget_bytes: int | None = None  # the continuous engine's KV bytes per device; None: device default
+    engine_chunk_steps: int = 8  # decode steps between refills (continuous)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "SamplingSettings":
+        """From a `jmarl.config.SamplingConfig`."""
+        return cls(
+            config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.max_prompt_len,
+            config.max_rows_per_call, config.engine, config.kv_budget(), config.engine_chunk_steps,
+        )
+
+
+def _chat_text(tokenizer, prompt: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
 def encode_prompt(tokenizer, prompt: str, max_len: int) -> list[int]:
     """The chat-templated prompt's token ids, keeping the last `max_len` tokens."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(_chat_text(tokenizer, prompt))
     return ids[-max_len:]
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int) -> list[list[int]]:
+    """`encode_prompt` of each prompt, through the tokenizer's `encode_batch` when it has one."""
+    texts = [_chat_text(tokenizer, p) for p in prompts]
+    batch = getattr(tokenizer, "encode_batch", None)
+    encoded = batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
+    return [ids if len(ids) <= max_len else ids[-max_len:] for ids in encoded]
 
 
 def left_pad(rows: Sequence[Sequence[int]], batch: int, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """int32[batch, length] tokens and bool mask, each row right-aligned (left padding)."""
     tokens = np.full((batch, length), pad_id, np.int32)
-    mask = np.zeros((batch, length), bool)
-    for i, r in enumerate(rows):
-        if r:
-            tokens[i, length - len(r):] = r
-            mask[i, length - len(r):] = True
+    lengths = np.zeros(batch, np.int64)
+    lengths[: len(rows)] = [len(r) for r in rows]
+    mask = np.arange(length)[None, :] >= (length - lengths)[:, None]
+    if lengths.any():
+        tokens[mask] = np.concatenate([np.asarray(r, np.int32).reshape(-1) for r in rows])
     return tokens, mask
 
 
@@ -62,9 +92,38 @@ class ModelSampler:
         self.buckets = tuple(buckets)
         self.new_tokens = 0
         self.mesh = None  # the run's mesh (set by the trainer): generation rows sharded over it
+        self.engine_stats = engine_lib.EngineStats()  # the continuous engine's counters, all calls
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        self._stats = {"rows": 0, "decoded_rows": 0, "slot_steps": 0, "busy_slot_steps": 0, "requests": 0,
+                       "queue_wait": 0, "seconds": 0.0}
+
+    def take_stats(self) -> dict[str, float]:
+        """The rollout figures since the last call (then reset): rollout/row_utilization (real
+        completion rows / decoded rows), rollout/slot_utilization (busy slot-steps / slot-steps,
+        continuous engine only), rollout/queue_wait (mean decode chunks a request waited before
+        its first completion started, continuous engine only), time/generate (seconds in sample)."""
+        st = self._stats
+        out = {"time/generate": float(st["seconds"])}
+        if st["decoded_rows"]:
+            out["rollout/row_utilization"] = st["rows"] / st["decoded_rows"]
+        if st["slot_steps"]:
+            out["rollout/slot_utilization"] = st["busy_slot_steps"] / st["slot_steps"]
+        if st["requests"]:
+            out["rollout/queue_wait"] = st["queue_wait"] / st["requests"]
+        self._reset_stats()
+        return out
 
     def sample(self, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> list[list[Completion]]:
         """For each (policy id, prompt) request, n completions."""
+        start = time.perf_counter()
+        try:
+            return self._sample(requests, n, rng)
+        finally:
+            self._stats["seconds"] += time.perf_counter() - start
+
+    def _sample(self, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> list[list[Completion]]:
         out: list[list[Completion]] = [[] for _ in requests]
         for gi, group in enumerate(self.policies.groups):
             idx = [i for i, (p, _) in enumerate(requests) if p in group.policy_ids]
@@ -81,7 +140,9 @@ class ModelSampler:
     def _sample_group(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> list[list[Completion]]:
         tok = group.tokenizer
         s = self.settings
-        prompts = [encode_prompt(tok, text, s.max_prompt_len) for _, text in requests]
+        prompts = encode_prompts(tok, [text for _, text in requests], s.max_prompt_len)
+        if s.engine == "continuous":
+            return self._engine_group(group, requests, prompts, n, rng)
         length = bucket_length(max(len(p) for p in prompts), self.buckets)
         kwargs = dict(
             max_new_tokens=s.max_new_tokens,
@@ -105,6 +166,7 @@ class ModelSampler:
                     group.model_config, group.full_params(), toks, masks, rng, mesh=self.mesh, policy=only, **kwargs))
                 located = [(r, None, j) for j, r in enumerate(per_policy[only])]
                 pick = lambda a, pi, j: a[j]  # noqa: E731
+                self._stats["decoded_rows"] += batch
             else:
                 toks, masks = zip(*(left_pad([prompts[r] for r in rows], batch, length, tok.pad_id) for rows in per_policy))
                 gen = models.generate_stacked(
@@ -113,6 +175,7 @@ class ModelSampler:
                 gen = jax.device_get(gen)
                 located = [(r, pi, j) for pi, rows in enumerate(per_policy) for j, r in enumerate(rows)]
                 pick = lambda a, pi, j: a[pi, j]  # noqa: E731
+                self._stats["decoded_rows"] += batch * len(per_policy)
         else:
             rows = [r for r in range(len(requests)) for _ in range(n)]
             batch = next_pow2(len(rows))
@@ -121,8 +184,11 @@ class ModelSampler:
                 models.generate(group.model_config, group.full_params(), toks, masks, rng, mesh=self.mesh, **kwargs))
             located = [(r, None, j) for j, r in enumerate(rows)]
             pick = lambda a, pi, j: a[j]  # noqa: E731
+            self._stats["decoded_rows"] += batch
+        self._stats["rows"] += len(located)
 
         out: list[list[Completion]] = [[] for _ in requests]
+        prompt_arrays = [np.asarray(p, np.int32) for p in prompts]  # one array per request, shared by its n completions
         for r, pi, j in located:
             length_j = int(pick(gen.lengths, pi, j))
             comp = np.asarray(pick(gen.tokens, pi, j)[:length_j], np.int32)
@@ -130,11 +196,50 @@ class ModelSampler:
             out[r].append(
                 Completion(
                     text=tok.decode(comp.tolist()),
-                    prompt_tokens=np.asarray(prompts[r], np.int32),
+                    prompt_tokens=prompt_arrays[r],
                     completion_tokens=comp,
                     logprobs=np.asarray(pick(gen.logprobs, pi, j)[:length_j], np.float32),
                 )
             )
+        return out
+
+    def _engine_group(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], prompts: list[list[int]], n: int,
+                      rng: jax.Array) -> list[list[Completion]]:
+        """The continuous engine: one run per asked policy of the group (stacked groups: with
+        that policy's parameters and the key fold_in(rng, its index)), decoding only real rows."""
+        tok = group.tokenizer
+        s = self.settings
+        if group.stacked:
+            by_policy: dict[int, list[int]] = {}
+            for r, (p, _) in enumerate(requests):
+                by_policy.setdefault(group.index(p), []).append(r)
+            runs = [(pi, jax.random.fold_in(rng, pi), idx) for pi, idx in sorted(by_policy.items())]
+        else:
+            runs = [(None, rng, list(range(len(requests))))]
+        out: list[list[Completion]] = [[] for _ in requests]
+        for policy, key, idx in runs:
+            result = engine_lib.run(
+                group.model_config, group.full_params(), [prompts[r] for r in idx], n, key,
+                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, kv_budget_bytes=s.kv_budget_bytes,
+                chunk_steps=s.engine_chunk_steps, buckets=self.buckets, policy=policy,
+            )
+            st = result.stats
+            self.engine_stats.add(st)
+            self._stats["rows"] += st.rows
+            self._stats["decoded_rows"] += st.rows  # a slot only ever decodes a real completion
+            self._stats["slot_steps"] += st.slot_steps
+            self._stats["busy_slot_steps"] += st.busy_slot_steps
+            self._stats["requests"] += st.requests
+            self._stats["queue_wait"] += st.queue_wait_chunks
+            for r, comps in zip(idx, result.completions):
+                prompt_array = np.asarray(prompts[r], np.int32)  # shared by the request's completions
+                for comp, logprobs in comps:
+                    self.new_tokens += len(comp)
+                    out[r].append(Completion(
+                        text=tok.decode(comp.tolist()), prompt_tokens=prompt_array,
+                        completion_tokens=comp, logprobs=logprobs,
+                    ))
         return out
 
     # ---- the program of one call, for the memory planner

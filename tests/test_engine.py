@@ -1,0 +1,170 @@
+"""Continuous-batching engine (`jmarl.models.engine`): greedy equal to the static sampler,
+sampled log-probs equal to re-scoring, reproducible across slot counts, refills, shared
+prompts prefilled once, the KV budget, and the ModelSampler integration and its stats."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jmarl import models
+from jmarl.errors import JmarlError
+from jmarl.rollouts import bucket_length
+from jmarl.models import engine
+from jmarl.train.policies import PolicyGroup, PolicySet, stack
+from jmarl.train.sampling import ModelSampler, SamplingSettings, left_pad
+
+TINY = models.ModelConfig(
+    model_type="qwen3", vocab_size=99, hidden_size=32, intermediate_size=64, num_layers=2,  # vocab: CharTokenizer's
+    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True,
+)
+PARAMS = jax.jit(models.init, static_argnums=0)(TINY, jax.random.key(0))
+N_NEW = 10
+
+
+def _prompts(count, seed=0, low=2, high=9):
+    rs = np.random.default_rng(seed)
+    return [rs.integers(3, TINY.vocab_size, int(rs.integers(low, high))).tolist() for _ in range(count)]
+
+
+def _static(prompt, **kwargs):
+    tokens, mask = left_pad([prompt], 1, 8, 0)
+    g = jax.device_get(models.generate(TINY, PARAMS, tokens, mask, jax.random.key(0), **kwargs))
+    n = int(g.lengths[0])
+    return g.tokens[0, :n], g.logprobs[0, :n]
+
+
+def _stop_token():
+    """A token the greedy static sampler emits mid-way for the first prompt (so stops happen)."""
+    tokens, _ = _static(_prompts(1)[0], max_new_tokens=N_NEW, temperature=0.0)
+    return int(tokens[3])
+
+
+def test_greedy_equals_static_sampler_with_refills_and_stops():
+    prompts = _prompts(6)
+    stop = _stop_token()
+    res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), max_new_tokens=N_NEW, temperature=0.0,
+                     stop_tokens=(stop,), num_slots=4, chunk_steps=4)
+    assert res.stats.prefills > 1 and res.stats.rows == 6
+    lengths = []
+    for r, prompt in enumerate(prompts):
+        want_tokens, want_lp = _static(prompt, max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,))
+        got_tokens, got_lp = res.completions[r][0]
+        np.testing.assert_array_equal(got_tokens, want_tokens)
+        np.testing.assert_allclose(got_lp, want_lp, atol=1e-5)
+        lengths.append(len(got_tokens))
+    assert min(lengths) < N_NEW  # the stop token ended at least one row early
+
+
+def _rescored(prompt, completion, temperature):
+    """token_logprobs of the completion after its prompt (left-padded to one width: one compile)."""
+    full, mask = left_pad([prompt + completion.tolist()], 1, 8 + N_NEW, 0)
+    lp = models.token_logprobs(TINY, PARAMS, full, mask, temperature)
+    return np.asarray(lp)[0, 8 + N_NEW - len(completion):]
+
+
+def test_sampled_logprobs_equal_rescoring_under_truncation():
+    prompts = _prompts(3, seed=1)
+    res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(2), max_new_tokens=N_NEW, temperature=0.7,
+                     top_k=5, top_p=0.9, num_slots=4, chunk_steps=4)
+    for r, prompt in enumerate(prompts):
+        for tokens, logprobs in res.completions[r]:
+            assert len(tokens) == N_NEW
+            np.testing.assert_allclose(logprobs, _rescored(prompt, tokens, 0.7), atol=1e-4)
+
+
+def test_same_seed_same_outputs_whatever_the_slots():
+    prompts = _prompts(5, seed=2)
+    limits = [3, N_NEW, 1, 7, 5]  # rows end at different steps: refills happen at different points
+    runs = [
+        engine.run(TINY, PARAMS, prompts, 3, jax.random.key(7), max_new_tokens=N_NEW, temperature=1.0,
+                   num_slots=slots, chunk_steps=chunk, limits=limits)
+        for slots, chunk in [(4, 4), (1, 4), (4, 2)]
+    ]
+    for other in runs[1:]:
+        for a, b in zip(runs[0].completions, other.completions):
+            for (ta, la), (tb, lb) in zip(a, b):
+                np.testing.assert_array_equal(ta, tb)
+                np.testing.assert_allclose(la, lb, atol=1e-5)
+    # the completions of one request differ (their draws are their own)
+    assert any(not np.array_equal(runs[0].completions[0][0][0], c[0]) for c in runs[0].completions[0][1:])
+    different = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(8), max_new_tokens=N_NEW, num_slots=4,
+                           chunk_steps=4, limits=limits)
+    assert any(not np.array_equal(a[0][0], b[0][0]) for a, b in zip(runs[0].completions, different.completions))
+
+
+def test_more_requests_than_slots_all_served_with_per_request_limits():
+    prompts = _prompts(9, seed=3)
+    limits = [1 + (3 * r) % N_NEW for r in range(9)]
+    res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(3), max_new_tokens=N_NEW, num_slots=4,
+                     chunk_steps=4, limits=limits)
+    st = res.stats
+    assert st.rows == 18 and st.slots == 4 and st.prefills >= 3
+    for r in range(9):
+        assert [len(t) for t, _ in res.completions[r]] == [limits[r]] * 2
+    assert 0 < st.busy_slot_steps <= st.slot_steps
+    assert st.queue_wait_chunks > 0  # later requests waited for slots
+
+
+def test_shared_prompt_prefilled_once():
+    prompt = _prompts(1, seed=4)
+    res = engine.run(TINY, PARAMS, prompt, 4, jax.random.key(4), max_new_tokens=N_NEW, num_slots=4, chunk_steps=4)
+    assert res.stats.prefills == 1 and res.stats.prompts_prefilled == 1
+    assert len(res.completions[0]) == 4
+
+
+def test_budget_caps_slots_and_refuses_a_request_that_cannot_fit():
+    capacity = bucket_length(8) + N_NEW - 1
+    per_slot = engine.slot_bytes(TINY, capacity)
+    assert per_slot == 2 * 2 * 2 * 8 * capacity * 4
+    assert engine.slots_for_budget(TINY, capacity, 5 * per_slot, rows=100) == 4
+    assert engine.slots_for_budget(TINY, capacity, 64 * per_slot, rows=3) == 4  # no more than the rows
+    assert engine.slots_for_budget(TINY, capacity, per_slot, rows=3) == 1
+    res = engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0), max_new_tokens=N_NEW,
+                     kv_budget_bytes=7 * per_slot, chunk_steps=4)
+    assert res.stats.slots == 4 and res.stats.rows == 6
+    with pytest.raises(JmarlError, match="sampling.kv_budget_bytes"):
+        engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0), max_new_tokens=N_NEW, kv_budget_bytes=per_slot - 1)
+    assert engine.default_kv_budget() > 0
+
+
+def _policy_set():
+    tok = models.CharTokenizer()
+    stacked = stack([PARAMS, models.init(TINY, jax.random.key(1))])
+    group = PolicyGroup(name="g", model_config=TINY, tokenizer=tok, policy_ids=(0, 1), stacked=True, lora_rank=None,
+                        lora_alpha=1.0, base=None, state=types.SimpleNamespace(params=stacked), ref=None)
+    return PolicySet(policy_names=("a", "b"), agent_policy=(0, 1), groups=[group])
+
+
+def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_rows():
+    policies = _policy_set()
+    requests = [(0, "hi"), (1, "hello there"), (1, "abc")]
+    static = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0))
+    cont = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0, engine="continuous",
+                                                   kv_budget_bytes=1 << 20, engine_chunk_steps=4))
+    a = static.sample(requests, 2, jax.random.key(0))
+    b = cont.sample(requests, 2, jax.random.key(0))
+    for ca, cb in zip(a, b):
+        assert len(ca) == len(cb) == 2
+        for x, y in zip(ca, cb):
+            np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    stats = cont.take_stats()
+    assert stats["rollout/row_utilization"] == 1.0
+    assert 0 < stats["rollout/slot_utilization"] <= 1.0
+    assert stats["rollout/queue_wait"] == 0.0 and stats["time/generate"] > 0
+    assert static.take_stats()["rollout/row_utilization"] == 6 / 8  # [2 policies, 4 rows], 6 real
+    # one policy asked: only its rows
+    cont.sample([(1, "x")], 2, jax.random.key(0))
+    assert cont.take_stats()["rollout/row_utilization"] == 1.0
+    assert cont.take_stats() == {"time/generate": 0.0}  # reset by the previous call
+
+
+def test_sampling_config_fields():
+    from jmarl.config import SamplingConfig
+
+    cfg = SamplingConfig(engine="continuous", kv_budget_bytes="2MiB")
+    settings = SamplingSettings.from_config(cfg)
+    assert settings.engine == "continuous" and settings.kv_budget_bytes == 2 << 20
+    assert SamplingConfig().engine == "static" and SamplingConfig().kv_budget() is None

@@ -60,6 +60,7 @@ evaluation problems; the split is a hash of the problem (fraction `eval_fraction
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import functools
 import inspect
@@ -68,6 +69,7 @@ import os
 import re
 import secrets
 import textwrap
+import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
@@ -430,9 +432,9 @@ def _parse_outcomes(result: SandboxResult, nonce: str,
     return tuple(passed)
 
 
-@functools.lru_cache(maxsize=1024)
-def _run_cached(jobs: tuple[ProgramCheck, ...], test_timeout_s: float,
-                memory_mb: int) -> tuple[tuple[bool, ...], ...]:
+def _run_uncached(jobs: tuple[ProgramCheck, ...], test_timeout_s: float,
+                  memory_mb: int) -> tuple[tuple[bool, ...], ...]:
+    """Runs every job (each with tests) in its own sandbox, all through one `run_many`."""
     nonces = [secrets.token_hex(16) for _ in jobs]
     checks = [[_value_check(t) for t in job.tests] for job in jobs]
     inputs = [_harness_input(job, c, nonce, test_timeout_s)
@@ -445,18 +447,39 @@ def _run_cached(jobs: tuple[ProgramCheck, ...], test_timeout_s: float,
     return tuple(_parse_outcomes(r, nonce, c) for r, nonce, c in zip(results, nonces, checks))
 
 
+# Outcomes per (job, test_timeout_s, memory_mb), least recently used dropped first: a job's
+# sandbox run does not depend on the other jobs of its call, so a batch prefetched by
+# `Code.step_many` serves the single-job calls of the steps that follow.
+_CACHE_SIZE = 4096
+_CACHE: collections.OrderedDict[tuple[ProgramCheck, float, int], tuple[bool, ...]] = (
+    collections.OrderedDict())
+_CACHE_LOCK = threading.Lock()
+
+
 def run_tests(jobs: Sequence[ProgramCheck], *, test_timeout_s: float = 1.0,
               memory_mb: int = 512) -> list[tuple[bool, ...]]:
     """Runs each job in its own sandbox (concurrently); per job, one bool per test (passed).
 
-    A job with no tests gives (); results are cached per (jobs, limits).
+    A job with no tests gives (); results are cached per (job, limits) (thread-safe).
     """
-    jobs = tuple(jobs)
-    out: list[tuple[bool, ...] | None] = [() if not j.tests else None for j in jobs]
-    todo = tuple(j for j in jobs if j.tests)
+    limits = (float(test_timeout_s), int(memory_mb))
+    keys = [(j, *limits) for j in jobs]
+    out: list[tuple[bool, ...] | None] = []
+    with _CACHE_LOCK:
+        for job, key in zip(jobs, keys):
+            hit = () if not job.tests else _CACHE.get(key)
+            if hit is not None and job.tests:
+                _CACHE.move_to_end(key)
+            out.append(hit)
+    todo = tuple(dict.fromkeys(j for j, o in zip(jobs, out) if o is None))
     if todo:
-        it = iter(_run_cached(todo, float(test_timeout_s), int(memory_mb)))
-        out = [o if o is not None else next(it) for o in out]
+        done = dict(zip(todo, _run_uncached(todo, *limits)))
+        with _CACHE_LOCK:
+            for job, passed in done.items():
+                _CACHE[(job, *limits)] = passed
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+        out = [o if o is not None else done[j] for j, o in zip(jobs, out)]
     return out  # type: ignore[return-value]
 
 
@@ -640,6 +663,41 @@ class Code:
         if self.variant == "coder_tester":
             return self._step_coder_tester(state, agent, code)
         return self._step_helper_main(state, agent, code)
+
+    def step_many(self, items: Sequence[tuple[CodeState, str, str]]) -> list[tuple[CodeState, StepResult]]:
+        """`[self.step(*item) for item in items]`, with the sandbox runs of every item's step
+        (hidden tests, the tester's tests on the program and on the reference) batched through
+        one `run_many` first; the steps then read them from `run_tests`' cache."""
+        jobs = [job for state, agent, text in items for job in self._step_jobs(state, agent, text)]
+        if jobs:
+            run_tests(jobs, test_timeout_s=self.test_timeout_s, memory_mb=self.memory_mb)
+        return [self.step(state, agent, text) for state, agent, text in items]
+
+    def _step_jobs(self, state: CodeState, agent: str, text: str) -> list[ProgramCheck]:
+        """The sandbox jobs `step(state, agent, text)` runs (mirrors `step`)."""
+        if state.finished or agent not in self.agents:
+            return []
+        code = extract_code(text)
+        codes = tuple(code if a == agent else c for a, c in zip(self.agents, state.codes))
+        state = dataclasses.replace(state, codes=codes)  # type: ignore[arg-type]
+        p = state.problem
+        if self.variant == "helper_main":
+            program = self._joint_program(state)
+        elif agent == "coder":
+            program = code
+        else:
+            program, tests = self._program_and_tests(state)
+            if not tests:
+                return []
+            jobs = []
+            if _parse(program, self.max_code_chars) is not None:
+                jobs.append(self._job(p, program, tests))
+            if p.reference is not None:
+                jobs.append(self._job(p, p.reference, tests))
+            return jobs
+        if _parse(program, self.max_code_chars) is None:
+            return []
+        return [self._job(p, program, p.tests)]
 
     def end_turn(self, state: CodeState) -> CodeState:
         if state.finished:

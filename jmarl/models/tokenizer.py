@@ -2,6 +2,8 @@
 character tokenizer for offline tasks and tests.
 
 Interface (both classes): `encode(text) -> list[int]` (no special tokens added),
+`encode_batch(texts) -> list[list[int]]` (the same, for many texts at once: the `tokenizers`
+library's batch encode, or one vectorised lookup for the character tokenizer),
 `decode(ids, skip_special_tokens=True) -> str`, `apply_chat_template(messages,
 add_generation_prompt=True, tokenize=False)`, `pad_id`, `eos_id`, `bos_id`, `vocab_size`.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
 
 from jmarl.errors import JmarlError
 
@@ -30,6 +34,8 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -57,20 +63,34 @@ class CharTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Character ids; no special tokens are added."""
-        unknown = self.piece_to_id[self.UNKNOWN_CHAR]
-        return [self.piece_to_id.get(ch, unknown) for ch in text]
+        return self._ids(text).tolist()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`[encode(t) for t in texts]`: one vectorised table lookup per text (measured faster
+        than one lookup over the joined texts, whose split costs more than it saves)."""
+        return [self._ids(t).tolist() for t in texts]
+
+    def _ids(self, text: str) -> np.ndarray:
+        """int32[len(text)]: the id of every character (code points through a lookup table)."""
+        table = getattr(self, "_table", None)
+        if table is None:
+            unknown = self.piece_to_id[self.UNKNOWN_CHAR]
+            table = np.full(129, unknown, np.int32)  # code points >= 128 share the last slot
+            for piece, i in self.piece_to_id.items():
+                if len(piece) == 1 and ord(piece) < 128:
+                    table[ord(piece)] = i
+            self._table = table
+        points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+        return table[np.minimum(points, 128)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Concatenated characters; special tokens dropped unless `skip_special_tokens=False`."""
-        pieces = []
-        for i in ids:
-            i = int(i)
-            if not 0 <= i < self.vocab_size:
-                raise JmarlError(f"token id {i} is outside CharTokenizer's vocabulary of {self.vocab_size}")
-            if i < len(self.specials) and skip_special_tokens:
-                continue
-            pieces.append(self.id_to_piece[i])
-        return "".join(pieces)
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise JmarlError(f"token id {bad[0]} is outside CharTokenizer's vocabulary of {self.vocab_size}")
+        pieces, first = self.id_to_piece, len(self.specials) if skip_special_tokens else 0
+        return "".join([pieces[i] for i in ids if i >= first])
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
@@ -119,6 +139,18 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no special tokens are added."""
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`[encode(t) for t in texts]` in one call: the fast tokenizer's Rust batch encode
+        (parallel over texts, no offsets computed); a slow tokenizer encodes one by one."""
+        texts = list(texts)
+        if not texts:
+            return []
+        backend = getattr(self.hf, "backend_tokenizer", None) if getattr(self.hf, "is_fast", False) else None
+        if backend is None:
+            return [self.encode(t) for t in texts]
+        encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+        return [e.ids for e in encode(texts, add_special_tokens=False)]  # each a fresh list
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""

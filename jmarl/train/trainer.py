@@ -32,11 +32,13 @@ from jmarl import algos, envs, models, workflows
 from jmarl import sharding as sharding_lib
 from jmarl.algos.method import MethodContext
 from jmarl.config import Config, algo_options, dump_yaml, plan_options
+from jmarl.envs.sandbox import run_summary as sandbox_summary
 from jmarl.errors import JmarlError
 from jmarl.sharding import shard_trainer, to_host
 from jmarl.train.build import build_policies, init_state
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.evaluate import evaluate
+from jmarl.train.host_loop import run_rollout
 from jmarl.train.learner import build_group_fns, learner_batch, score_batch, sft_batch
 from jmarl.train.metrics import METRICS_FILE, MetricsLogger, before_summary, results_table, write_summary
 from jmarl.train.optim import make_optimizer
@@ -96,9 +98,7 @@ class Trainer:
         self.rollouts_generated = 0
         s = config.sampling
         self.temperature = s.temperature if s.temperature > 0 else 1.0
-        self.sampler = ModelSampler(
-            self.policies, SamplingSettings(s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.max_prompt_len, s.max_rows_per_call),
-        )
+        self.sampler = ModelSampler(self.policies, SamplingSettings.from_config(s))
         self.parts = o.minibatches * o.epochs * o.grad_accum
         run_mesh = sharding_lib.mesh_from_config(config.mesh)
         self.fns = [
@@ -203,8 +203,7 @@ class Trainer:
         key = jax.random.fold_in(self.key, self.step)
         seeds = [envs.train_seed(self.step * cfg.workflow.num_tasks + i) for i in range(cfg.workflow.num_tasks)]
         self.sampler.new_tokens = 0
-        result = self.plan.run(self.env, seeds, self.policies.agent_policy, self.sampler, key, self.step_plan_options())
-        t_gen = time.perf_counter() - t0
+        result, timings = run_rollout(self, seeds, key)  # time/generate, time/env, time/host + the sampler's stats
         metrics = {f"rollout/{k}": v for k, v in summarize(result.episodes).items()}
         # the method's state learns from the plan before any advantage (HACPO's window, the memory)
         self.method_state, method_metrics = self.method.after_plan(self.algo_cfg, self.method_state, result, self.step)
@@ -213,8 +212,8 @@ class Trainer:
         self.rollouts_generated += generated
         metrics.update({f"plan/{k}": float(v) for k, v in result.stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         metrics.update({"rollout/generated": float(generated), "rollout/generated_total": float(self.rollouts_generated),
-                        "rollout/samples": float(len(result.records)), "time/generate": t_gen,
-                        "rollout/new_tokens_per_s": self.sampler.new_tokens / max(t_gen, 1e-9)})
+                        "rollout/samples": float(len(result.records)), **timings,
+                        "rollout/new_tokens_per_s": self.sampler.new_tokens / max(timings["time/generate"], 1e-9)})
         if not result.records:
             return metrics
         rollouts = build_rollouts(result.records, pad_id=self.policies.groups[0].tokenizer.pad_id)
@@ -240,7 +239,7 @@ class Trainer:
             for k, v in m.items():
                 metrics[f"train/{k}" if len(self.policies.groups) == 1 else f"train/{group.name}/{k}"] = float(np.mean(v))
             metrics["train/skipped_updates"] = metrics.get("train/skipped_updates", 0.0) + float(np.sum(jax.device_get(group.state.skipped)))
-        metrics.update({"time/score": t_score, "time/update": t_update, "time/step": time.perf_counter() - t0})
+        metrics.update({"time/score": t_score, "time/update": t_score + t_update, "time/step": time.perf_counter() - t0})
         metrics["perf/train_tokens_per_s"] = float(np.sum(np.asarray(rollouts.attention_mask))) / max(t_score + t_update, 1e-9)
         return metrics
 
@@ -302,6 +301,7 @@ class Trainer:
         if before is None:
             self.warm_start()
             before_metrics = self.evaluate()
+            logger.log(0, before_metrics)  # the model RL starts from: step 0 of the evaluation curves
             before = before_metrics.get("eval/success_rate", 0.0)
             before_fields = before_summary(before_metrics)
             write_summary(self.out, {"success_before": before, "steps": self.step, **before_fields})
@@ -326,7 +326,7 @@ class Trainer:
         summary = {
             "success_before": before, "success_after": final.get("eval/success_rate", 0.0), "steps": self.step,
             "wall_seconds": time.perf_counter() - t_start, "rollouts_generated": self.rollouts_generated,
-            **{k.replace("eval/", "eval_"): v for k, v in final.items()}, **before_fields,
+            **{k.replace("eval/", "eval_"): v for k, v in final.items()}, **before_fields, **sandbox_summary(),
         }
         write_summary(self.out, summary)
         self.checkpointer.close()

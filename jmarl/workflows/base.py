@@ -199,9 +199,8 @@ def assert_identical_prompts(records: Sequence[SampleRecord]) -> None:
     first: dict[int, SampleRecord] = {}
     for r in records:
         ref = first.setdefault(r.group, r)
-        same_tokens = np.array_equal(
-            np.asarray(ref.completion.prompt_tokens), np.asarray(r.completion.prompt_tokens)
-        )
+        a, b = ref.completion.prompt_tokens, r.completion.prompt_tokens
+        same_tokens = a is b or np.array_equal(np.asarray(a), np.asarray(b))  # one request's n share one array
         if ref.prompt != r.prompt or not same_tokens:
             raise JmarlError(
                 f"group {r.group} mixes different prompts (env {r.env}, turn {r.turn}, "

@@ -41,6 +41,7 @@ from jmarl.workflows.base import (
     resolve_max_turns,
     split_key,
 )
+from jmarl.workflows.stepping import step_all
 
 # (rewards f32[E, K], rng) -> chosen candidate index int[E]
 ChooseFn = Callable[[np.ndarray, jax.Array], np.ndarray]
@@ -225,11 +226,13 @@ def run_episodes(
             if not (env.parallel and actor.per_turn):
                 rng, key = _split(rng)
                 completions = act(turn, {(e, agent): prompts[(e, agent)] for e in acting}, key)
-            # every candidate is applied to the same immutable parent state: its own branch
-            branches = [
-                [env.step(states[e], agent, c.text) for c in completions[(e, agent)]]
-                for e in acting
-            ]
+            # every candidate is applied to the same immutable parent state: its own branch;
+            # all candidates of the turn's agent position are stepped together
+            flat = step_all(
+                env, [(states[e], agent, c.text) for e in acting for c in completions[(e, agent)]]
+            )
+            k = num_candidates
+            branches = [flat[row * k : (row + 1) * k] for row in range(len(acting))]
             scores = np.array([[score(res) for _, res in b] for b in branches], np.float64)
             rng, key = _split(rng)
             chosen = np.asarray(choose(scores, key)).reshape(-1)

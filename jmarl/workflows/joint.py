@@ -55,6 +55,7 @@ from jmarl.workflows.base import (
     resolve_max_turns,
     split_key,
 )
+from jmarl.workflows.stepping import step_all
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ def sample_joint(
         rng, key = split_key(rng)
         live = [nodes[i] for i in frontier]
         _sample_frontier(env, live, acting, agent_policy, sampler, key, options)
+        _play_joint(env, live, acting, options)
         next_frontier = []
         for i in frontier:
             for child in _expand(env, nodes[i], acting, options, max_turns):
@@ -196,33 +198,45 @@ def _sample_frontier(
         node.completions[a] = completions
 
 
+def _play_joint(env: Any, frontier: list[_Node], acting: list[int], options: JointOptions) -> None:
+    """Fills `joint` and `outcomes` of every frontier node: each joint action is played on its
+    own copy of the node's immutable state (the agents' actions in `turn_order`, stopping once
+    the env is done, then `end_turn`). The joint actions of every node are stepped together,
+    one agent position at a time (`step_all`)."""
+    g = options.group_size
+    runs = []  # [node, picks, state, team reward, local rewards]
+    for node in frontier:
+        if options.joint_mode == "aligned":
+            node.joint = [(j,) * len(acting) for j in range(g)]
+        else:
+            node.joint = list(itertools.product(range(g), repeat=len(acting)))
+        runs.extend([node, picks, node.state, 0.0, [0.0] * len(env.agents)] for picks in node.joint)
+    for pos, a in enumerate(acting):
+        live = [r for r in runs if not env.done(r[2])]
+        name = env.agents[a]
+        stepped = step_all(env, [(r[2], name, r[0].completions[a][r[1][pos]].text) for r in live])
+        for r, (state, res) in zip(live, stepped):
+            r[2] = state
+            r[3] += float(res.team_reward)
+            r[4][a] += float(res.local_reward)
+    for node in frontier:
+        node.outcomes = []
+    for node, _, state, team, local in runs:
+        if not env.done(state):
+            state = env.end_turn(state)
+        node.outcomes.append((state, team, local))
+
+
 def _expand(
     env: Any, node: _Node, acting: list[int], options: JointOptions, max_turns: int
 ) -> list[_Node | None]:
-    """Scores every joint action of `node` (fills joint/rewards) and returns its children.
-
-    One entry per joint action: the child node, or None where the branch ends (done, last
-    turn, or early stop). Every joint action starts from the node's own immutable state.
-    """
-    g = options.group_size
-    if options.joint_mode == "aligned":
-        node.joint = [(j,) * len(acting) for j in range(g)]
-    else:
-        node.joint = list(itertools.product(range(g), repeat=len(acting)))
+    """Scores every joint action of `node` (fills rewards from the outcomes `_play_joint`
+    filled) and returns its children: one entry per joint action, the child node, or None
+    where the branch ends (done, last turn, or early stop)."""
+    outcomes = node.outcomes
     rewards = np.zeros((len(node.joint), len(env.agents)), np.float64)
-    outcomes = []
-    for j, picks in enumerate(node.joint):
-        state, team, local = node.state, 0.0, [0.0] * len(env.agents)
-        for a, pick in zip(acting, picks):
-            if env.done(state):
-                break
-            state, res = env.step(state, env.agents[a], node.completions[a][pick].text)
-            team += float(res.team_reward)
-            local[a] += float(res.local_reward)
-        if not env.done(state):
-            state = env.end_turn(state)
+    for j, (_, team, local) in enumerate(outcomes):
         rewards[j] = team + options.local_weight * np.asarray(local)
-        outcomes.append((state, team, local))
     node.rewards = rewards
     stop = (
         options.early_stop_threshold is not None
@@ -243,7 +257,6 @@ def _expand(
                 local_before=tuple(b + x for b, x in zip(node.local_before, local)),
             )
         )
-    node.outcomes = outcomes
     return children
 
 

@@ -65,6 +65,7 @@ from jmarl.workflows.base import (
     resolve_max_turns,
     split_key,
 )
+from jmarl.workflows.stepping import step_all
 from jmarl.workflows.memory import Memory, format_entry, retrieve, with_memory_context
 
 # (env, state, agent name) -> the text memory entries are matched against
@@ -289,8 +290,11 @@ class _Player:
             for i, (c,) in zip(need, call_sampler(sampler, requests, 1, key)):
                 actions[i] = (c, actions[i][1])
             sampled += len(need)
-            for (b, d), (completion, kind) in zip(ready, actions):
-                self._apply(b, d, completion, kind)
+            stepped = step_all(
+                self.env, [(d.state, self.env.agents[d.agent], c.text) for (_, d), (c, _) in zip(ready, actions)]
+            )
+            for (b, d), (completion, kind), result in zip(ready, actions, stepped):
+                self._apply(b, d, completion, kind, result)
 
     def _next_decision(self, b: _Branch) -> _Decision | None:
         """Advances `b` to its next active agent (closing finished turns); None at the end."""
@@ -323,11 +327,14 @@ class _Player:
             state = with_memory_context(state, name, [format_entry(e) for e in entries])
         return _Decision(self.agent_index[name], state, env.observe(state, name), query, ids)
 
-    def _apply(self, b: _Branch, d: _Decision, completion: Completion, kind: str) -> None:
-        """Steps `b` with the agent's completion and records the node."""
+    def _apply(
+        self, b: _Branch, d: _Decision, completion: Completion, kind: str, result: tuple[Any, Any]
+    ) -> None:
+        """Advances `b` by the step `result` (state, StepResult) of the agent's completion
+        (stepped by the caller, with every other branch of the round) and records the node."""
         opts = self.options
         state_at, total_before = b.state, b.total
-        b.state, res = self.env.step(d.state, self.env.agents[d.agent], completion.text)
+        b.state, res = result
         b.total += opts.team_weight * float(res.team_reward) + opts.local_weight * float(
             res.local_reward
         )

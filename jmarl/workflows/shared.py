@@ -62,6 +62,7 @@ from jmarl.workflows.base import (
     check_choice,
     input_field,
 )
+from jmarl.workflows.stepping import step_all
 
 __all__ = ["MODES", "SharedOptions", "TextTokenizer", "retokenize", "sample_shared", "seq_logprob"]
 
@@ -163,10 +164,16 @@ def sample_shared(
 
     rewards = np.zeros((len(seeds), n, g), np.float64)
     episodes: list[EpisodeStats] = []
+    stepped = iter(step_all(env, [
+        (state, agent_name, completion.text)
+        for e, state in enumerate(states)
+        for j in range(n)
+        for completion in answers[e * n + j]
+    ]))
     for e, (seed, state) in enumerate(zip(seeds, states)):
         for j in range(n):
             for i, completion in enumerate(answers[e * n + j]):
-                final, res = env.step(state, agent_name, completion.text)
+                final, res = next(stepped)
                 rewards[e, j, i] = options.local_weight * float(
                     res.local_reward
                 ) + options.team_weight * float(res.team_reward)

@@ -496,6 +496,7 @@ class WorkflowConfig:
     num_tasks: int = _field(8, ge=1)  # tasks (env seeds) per training step
     max_turns: int | None = _field(None, ge=1)  # None: the env's own limit
     options: dict[str, Any] = _field(factory=dict)  # plan-specific options
+    env_workers: int | None = _field(None, ge=1)  # threads stepping a turn's env branches; None: min(8, CPUs); 1: serial
 
 
 @dataclass(frozen=True)
@@ -579,6 +580,25 @@ class SamplingConfig:
     # rows (completions) per device call at most: a plan's larger request is generated in
     # consecutive calls, which bounds the KV cache (see python -m jmarl.plan); null: one call
     max_rows_per_call: int | None = _field(None, ge=1)
+    # static: one fixed batch per call (every row keeps its slot until the longest ends);
+    # continuous: the slot engine (jmarl.models.engine): a finished row's slot takes the next
+    # queued completion, rows in flight capped by kv_budget_bytes (docs/scaling.md, "Rollout engine")
+    engine: Literal["static", "continuous"] = "static"
+    # KV-cache bytes per device for the continuous engine's slots: "4GiB", "4e9", an int
+    # (`parse_bytes`); null: a quarter of the device's memory limit, 1 GiB on CPU
+    kv_budget_bytes: str | int | None = None
+    engine_chunk_steps: int = _field(8, ge=1)  # decode steps between two refills of the engine's slots
+
+    def _validate(self, path: str) -> None:
+        if self.kv_budget_bytes is not None:
+            try:
+                parse_bytes(self.kv_budget_bytes)
+            except JmarlError as e:
+                raise JmarlError(f"{_join(path, 'kv_budget_bytes')}: {e}; or null for the device's default") from None
+
+    def kv_budget(self) -> int | None:
+        """kv_budget_bytes in bytes (None: the engine derives it from the device)."""
+        return None if self.kv_budget_bytes is None else parse_bytes(self.kv_budget_bytes)
 
 
 @dataclass(frozen=True)
@@ -740,6 +760,15 @@ class DistributedConfig:
             raise JmarlError(f"{_join(path, 'initialize')}: 'never' contradicts coordinator_address; remove one")
 
 
+@dataclass(frozen=True)
+class SandboxConfig:
+    """The code sandbox (`jmarl.envs.sandbox`, docs/sandbox.md) that runs model-written programs."""
+
+    # strict: refuse to run model-written code where the sandbox cannot keep it off this user's
+    # files (no namespaces: level 'rlimits'); allow_weak: run it there anyway (the run logs the level)
+    isolation: Literal["strict", "allow_weak"] = "strict"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """One run: what to train (model, policies), on what (env, workflow), how (algo, optim)."""
@@ -761,6 +790,7 @@ class Config:
     logging: LoggingConfig = _field(factory=LoggingConfig)
     mesh: MeshConfig = _field(factory=MeshConfig)
     distributed: DistributedConfig = _field(factory=DistributedConfig)
+    sandbox: SandboxConfig = _field(factory=SandboxConfig)
 
     def _validate(self, path: str) -> None:
         if self.policies.mode == "heterogeneous":
@@ -1059,8 +1089,25 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
         defaults = {"plan": method.default_plan, "group_size": method.default_group_size}
         data["workflow"] = {**defaults, **(workflow or {})}
     config = from_dict(Config, data)
+    _apply_sandbox(config)
     validate_options(config)
     return config
+
+
+def _apply_sandbox(config: Config) -> None:
+    """Sets the sandbox's isolation policy; for an env that runs model-written programs, checks
+    the isolation level now, so that a refused level stops the run before it starts (the level
+    is logged when the first program runs)."""
+    from jmarl.envs import base, sandbox
+
+    sandbox.set_isolation_policy(config.sandbox.isolation)
+    try:
+        cls = base.env_class(config.env.name)
+    except Exception:  # an unknown env is reported by validate_options
+        return
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    if fields & {"program_timeout_s", "test_timeout_s"}:  # the tool agents, the code task
+        sandbox.require_isolation(log=False)
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:

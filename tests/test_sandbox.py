@@ -5,15 +5,21 @@ no process of the run left behind (no descendant of this process, no process of 
 uid, no zombie child); its temporary directory removed; and the parent unaffected. The network
 and filesystem attacks are tried twice: through Python's API (which the audit hook refuses)
 and through raw libc calls via ctypes (which bypass the hook, so only the kernel stops them).
+The attacks on a user's files (home directory, a file in the host's /tmp) run at every level
+this machine offers, and, as root, again as a throwaway unprivileged uid (userns, landlock and
+rlimits levels), the way a researcher runs jmarl.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import resource
+import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +31,7 @@ from jmarl.errors import JmarlError
 
 MARGIN_S = 4.0  # process start-up and kill/cleanup on a loaded 2-core machine
 LEVEL = sandbox.isolation_level()
+LANDLOCK = sandbox._probe("landlock")
 
 
 def _sandbox_dirs() -> set[str]:
@@ -38,6 +45,9 @@ def private_runs(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("jobs")))
     monkeypatch.setattr(sandbox, "_UID_BASE", 3_000_000_000 + (os.getpid() % 2**16) * 2**12)
     monkeypatch.setattr(sandbox, "_UID_SPAN", 2**12)
+    # The behaviour tests run at whatever level this machine offers (the refusal of a weak
+    # level under the default "strict" policy is tested on its own).
+    monkeypatch.setattr(sandbox, "_POLICY", "allow_weak")
 
 
 def _proc_table() -> list[tuple[int, int, str, int]]:
@@ -113,6 +123,14 @@ def test_normal_program_output_and_stdin(guarded):
     assert r.status == "ok"
     assert r.stdout == "hello world\n10\n"
     assert r.stderr == ""
+
+
+def test_run_summary_names_the_level_code_ran_at():
+    """After `run_python` has run model-written code, a run's summary records the level it ran
+    at (what `isolation_level()` reports)."""
+    r = sandbox.run_python("print(6 * 7)")
+    assert r.status == "ok" and r.stdout == "42\n"
+    assert sandbox.run_summary() == {"sandbox_isolation": sandbox.isolation_level()}
 
 
 def test_wrong_program_has_traceback(guarded):
@@ -320,7 +338,7 @@ def test_files_outside_workdir_are_untouched(guarded, tmp_path):
     assert victim.read_text() == "precious"
 
 
-@pytest.mark.skipif(LEVEL != "namespaces", reason="needs the namespaces level (root)")
+@pytest.mark.skipif(LEVEL in ("landlock", "rlimits"), reason="needs namespaces")
 def test_raw_syscalls_cannot_touch_files_outside(guarded, tmp_path):
     # Raw libc calls bypass the audit hook. The host's /tmp is hidden behind the sandbox's own
     # tmpfs; elsewhere, a world-writable directory is protected by the read-only mounts alone.
@@ -358,7 +376,7 @@ def test_raw_syscalls_cannot_touch_files_outside(guarded, tmp_path):
         shutil.rmtree(shared)
 
 
-@pytest.mark.skipif(LEVEL != "namespaces", reason="needs the namespaces level (root)")
+@pytest.mark.skipif(LEVEL in ("landlock", "rlimits"), reason="needs namespaces")
 def test_tmp_is_private_and_size_limited(guarded):
     r = guarded("import os, tempfile\n"
                 "print(os.getcwd(), tempfile.gettempdir(), os.listdir('/tmp'))\n"
@@ -371,7 +389,7 @@ def test_tmp_is_private_and_size_limited(guarded):
 
 def test_segfault_is_killed(guarded):
     r = guarded("import ctypes\nctypes.string_at(0)")
-    if LEVEL == "rlimits":
+    if LEVEL in ("landlock", "rlimits"):
         assert r.status == "error"  # ctypes is refused by the hook
     else:
         assert r.status == "killed" and "SIGSEGV" in r.stderr
@@ -419,10 +437,12 @@ def test_namespaces_level_identity(guarded):
         assert root == "denied"
 
 
-@pytest.mark.parametrize("level", ["userns", "rlimits"])
+@pytest.mark.parametrize("level", ["userns", "landlock", "rlimits"])
 def test_fallback_levels_still_contain(guarded, level):
-    if level == "userns" and LEVEL == "rlimits":
+    if level == "userns" and LEVEL in ("landlock", "rlimits"):
         pytest.skip("user namespaces unavailable")
+    if level == "landlock" and not LANDLOCK:
+        pytest.skip("Landlock unavailable")
     lst = _listener()
     try:
         assert guarded("print(input()[::-1])", "abc", level=level).stdout == "cba\n"
@@ -434,9 +454,363 @@ def test_fallback_levels_still_contain(guarded, level):
         _assert_never_accepted(lst)
         r = guarded("import os\nif os.fork() == 0:\n    import time; time.sleep(1000)\n"
                     "print('forked')", level=level, timeout_s=1.5)
-        if level == "rlimits":
+        if level in ("landlock", "rlimits"):
             assert r.status == "error" and "os.fork" in r.stderr  # the hook refuses fork
         else:
             assert r.stdout == "forked\n"  # the child is killed with the PID namespace
     finally:
         lst.close()
+
+
+# --------------------------------------------------- hostile programs against the user's files
+#
+# The same hostile programs run as root (in this process, at this machine's level) and as an
+# ordinary user (a throwaway uid, at "userns" and at a forced "rlimits"): a fake home directory
+# of the user holding a secret, a file of the user in the host's /tmp to overwrite, and a
+# listener on 127.0.0.1. Nothing may be read, listed, written or reached.
+
+
+def _hostile_cases(home: str, secret_file: str, victim: str, port: int) -> list:
+    """[name, code, timeout_s] of every hostile (and one normal) program."""
+    libc = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    connect = ("import socket, struct\nfd = libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0)\n"
+               "addr = struct.pack('=H', socket.AF_INET) + struct.pack('!H', %d)"
+               " + socket.inet_aton('127.0.0.1') + bytes(8)\n"
+               "print(libc.connect(fd, addr, len(addr)), ctypes.get_errno())\n" % port)
+    return [
+        ["normal", "import sys\nprint('hello', sum(range(10)))", 2.0],
+        ["read_secret", f"print(open({secret_file!r}).read())", 2.0],
+        ["list_home", f"import os\nprint(os.listdir({home!r}))", 2.0],
+        ["walk_home", f"import os\nprint(list(os.walk({home!r})))", 2.0],
+        ["list_tmp", "import os\nprint(os.listdir('/tmp'))", 2.0],
+        ["write_victim", f"open({victim!r}, 'w').write('pwned')", 2.0],
+        ["libc_read", libc + f"fd = libc.open({secret_file.encode()!r}, 0)\n"
+                             "buf = ctypes.create_string_buffer(4096)\n"
+                             "n = libc.read(fd, buf, 4096)\n"
+                             "print(fd, n, buf.raw[:max(n, 0)])", 2.0],
+        # O_WRONLY | O_TRUNC
+        ["libc_write", libc + f"fd = libc.open({victim.encode()!r}, 0o1001, 0)\n"
+                              "print(fd, libc.write(fd, b'pwned', 5), ctypes.get_errno())", 2.0],
+        ["libc_create", libc + f"print(libc.open({(home + '/planted').encode()!r}, 0o101, 0o644),"
+                               " ctypes.get_errno())", 2.0],
+        ["subprocess_cat", "import subprocess\n"
+                           f"r = subprocess.run(['cat', {secret_file!r}], capture_output=True)\n"
+                           "print(r.returncode, r.stdout, r.stderr)", 2.0],
+        ["posix_spawn_cat", "import os\n"
+                            f"pid = os.posix_spawn('/bin/cat', ['cat', {secret_file!r}], {{}})\n"
+                            "print(os.waitpid(pid, 0))", 2.0],
+        ["shell", "import subprocess\n"
+                  f"cmd = 'ls -la {home}; cat {secret_file}; echo pwned > {victim}'\n"
+                  "r = subprocess.run(['sh', '-c', cmd], capture_output=True)\n"
+                  "print(r.returncode, r.stdout, r.stderr)", 2.0],
+        ["connect_python", "import socket\n"
+                           f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                           "s.sendall(b'hello')\nprint('connected')", 2.0],
+        ["connect_libc", libc + connect, 2.0],
+        ["environ", "import os\nprint(dict(os.environ))\n"
+                    "for name in os.listdir('/proc'):\n"
+                    "    try:\n"
+                    "        print(open(f'/proc/{name}/environ', 'rb').read())\n"
+                    "    except Exception as e:\n"
+                    "        print('denied', type(e).__name__)\n", 2.0],
+        ["loop", "while True:\n    pass", 1.0],
+        ["memory", "x = bytearray(30 * 2**30)\nprint('allocated')", 2.0],
+        ["flood", "while True:\n    print('spam' * 100)", 2.0],
+        ["fork_bomb", "import os\nwhile True:\n    try:\n        os.fork()\n"
+                      "    except Exception:\n        pass", 2.0],
+        ["orphan", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(10_000)\n"
+                   "print('parent done')", 2.0],
+        ["segfault", "import ctypes\nctypes.string_at(0)", 2.0],
+    ]
+
+
+def _check_hostile(level: str, runs: dict, secrets_: list[str], victim: str, home: str,
+                   home_names: list[str], hook: str | None = None) -> None:
+    """Asserts every hostile run at `level` was contained; `runs[name] = [status, out, err]`.
+
+    `hook`: the level the audit hook ran as (default: `level`); "userns" at "landlock" leaves
+    ctypes and child processes to the kernel alone."""
+    for name, (status, out, err) in runs.items():
+        for secret in secrets_:
+            assert secret not in out and secret not in err, (level, name, out, err)
+        for entry in home_names[1:]:  # the home's entries (no program names) were never listed
+            assert entry not in out and entry not in err, (level, name, out, err)
+        assert "allocated" not in out and "connected" not in out, (level, name, out)
+    weak = (hook or level) in ("landlock", "rlimits")  # the hook refuses ctypes, processes
+    assert runs["normal"][:2] == ["ok", "hello 45\n"], runs["normal"]
+    for name in ("read_secret", "list_home", "connect_python"):
+        assert runs[name][0] == "error", (level, name, runs[name])
+    # (With namespaces, /tmp is the program's own working directory: writing there is allowed
+    # and leaves the host's file alone, checked below.)
+    assert runs["write_victim"][0] == "error" or not weak, runs["write_victim"]
+    assert runs["walk_home"][1] in ("[]\n", ""), runs["walk_home"]
+    assert os.path.basename(victim) not in runs["list_tmp"][1]
+    if weak:  # the audit hook refuses ctypes, child processes and reading outside
+        for name in ("libc_read", "libc_write", "libc_create", "subprocess_cat",
+                     "posix_spawn_cat", "shell", "connect_libc", "segfault"):
+            assert runs[name][0] == "error", (level, name, runs[name])
+        assert runs["fork_bomb"][0] in ("timeout", "error")
+        assert runs["orphan"][0] == "error" and "os.fork" in runs["orphan"][2]
+    elif level == "landlock":  # Landlock alone refuses: permission denied, no TCP
+        for name in ("libc_read", "libc_write", "libc_create"):
+            assert runs[name][0] == "ok" and runs[name][1].split()[0] == "-1", (name, runs[name])
+        assert runs["connect_libc"][0] == "ok"
+        ret, err = map(int, runs["connect_libc"][1].split())
+        assert ret == -1 and err == 13  # EACCES from Landlock (ABI >= 4)
+        assert runs["subprocess_cat"][0] == "ok"
+        assert "Permission denied" in runs["subprocess_cat"][1]
+        assert runs["posix_spawn_cat"][0] == "ok"
+        assert "Permission denied" in runs["posix_spawn_cat"][2]
+        assert runs["shell"][0] == "ok" and "Permission denied" in runs["shell"][1]
+        assert runs["list_tmp"][0] == "error"
+        assert runs["segfault"][0] == "killed" and "SIGSEGV" in runs["segfault"][2]
+        assert runs["fork_bomb"][0] in ("timeout", "error")
+        assert runs["orphan"][1] == "parent done\n"
+    else:  # the kernel refuses: the files do not exist in the private root, no network
+        for name in ("libc_read", "libc_write", "libc_create"):
+            assert runs[name][0] == "ok" and runs[name][1].split()[0] == "-1", (name, runs[name])
+        assert runs["connect_libc"][0] == "ok"
+        ret, err = map(int, runs["connect_libc"][1].split())
+        assert ret == -1 and err in (101, 111)  # ENETUNREACH / ECONNREFUSED
+        assert runs["subprocess_cat"][0] == "ok" and "No such file" in runs["subprocess_cat"][1]
+        assert runs["posix_spawn_cat"][0] == "ok" and "No such file" in runs["posix_spawn_cat"][2]
+        assert runs["shell"][0] == "ok" and "No such file" in runs["shell"][1]
+        assert runs["segfault"][0] == "killed" and "SIGSEGV" in runs["segfault"][2]
+        assert runs["fork_bomb"][0] in ("timeout", "error")
+        assert runs["orphan"][1] == "parent done\n"
+        assert runs["environ"][0] == "ok" and "denied" in runs["environ"][1]
+    assert runs["loop"][0] == "timeout"
+    assert runs["memory"][0] == "memory"
+    assert runs["flood"][0] == "killed"
+    with open(victim) as f:
+        assert f.read() == "precious"
+    assert sorted(os.listdir(home)) == sorted(home_names)
+
+
+def _fake_user_files(base: str, uid: int) -> tuple[str, str, str, str, list[str]]:
+    """(home, secret file, victim in the host's /tmp, secret, home entries), owned by `uid`."""
+    token = secrets.token_hex(8)
+    secret = "jmarl-ssh-key-" + secrets.token_hex(16)
+    home = os.path.join(base, "home")
+    os.makedirs(os.path.join(home, ".ssh"))
+    secret_file = os.path.join(home, ".ssh", "id_rsa")
+    with open(secret_file, "w") as f:
+        f.write(secret)
+    notes = os.path.join(home, f"notes-{token}.txt")
+    with open(notes, "w") as f:
+        f.write(secret)
+    fd, victim = tempfile.mkstemp(prefix="jmarl-victim-", dir="/tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write("precious")
+    for path in (home, os.path.join(home, ".ssh")):
+        os.chmod(path, 0o700)
+    for path in (secret_file, notes, victim):
+        os.chmod(path, 0o600)
+    for path in (home, os.path.join(home, ".ssh"), secret_file, notes, victim):
+        os.chown(path, uid, uid)
+    return home, secret_file, victim, secret, [".ssh", f"notes-{token}.txt"]
+
+
+@pytest.mark.parametrize("level", sandbox.ISOLATION_LEVELS)
+def test_hostile_programs_against_user_files(guarded, tmp_path, monkeypatch, level):
+    if not sandbox._probe(level):
+        pytest.skip(f"level {level} unavailable here")
+    env_secret = "jmarl-env-secret-" + secrets.token_hex(8)
+    monkeypatch.setenv("JMARL_TEST_SECRET", env_secret)
+    base = tempfile.mkdtemp(prefix="jmarl-sbuser-", dir="/var/tmp")
+    lst = _listener()
+    try:
+        home, secret_file, victim, secret, names = _fake_user_files(base, os.getuid())
+        runs = {}
+        for name, code, timeout in _hostile_cases(home, secret_file, victim,
+                                                  lst.getsockname()[1]):
+            r = guarded(code, timeout_s=timeout, memory_mb=512, level=level)
+            runs[name] = [r.status, r.stdout, r.stderr]
+        _check_hostile(level, runs, [secret, env_secret], victim, home, names)
+        _assert_never_accepted(lst)
+    finally:
+        lst.close()
+        shutil.rmtree(base)
+        if "victim" in locals():
+            os.unlink(victim)
+
+
+# As root, run a driver as a throwaway uid. The driver needs the interpreter and the repo: if
+# one of them sits under a directory other users cannot enter (e.g. /root), a private mount
+# namespace of the driver covers that directory with an empty tmpfs holding only that tree.
+_SETUP = r'''
+import ctypes, json, os, sys
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+def mount(src, dst, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    if libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {dst}: {os.strerror(err)}")
+os.umask(0o022)
+if libc.unshare(0x00020000) != 0:
+    raise OSError(ctypes.get_errno(), "unshare")
+mount(None, "/", None, 16384 | (1 << 18))  # MS_REC | MS_PRIVATE
+for path, stage in cfg["expose"]:
+    mount(path, stage, None, 4096 | 16384)  # MS_BIND | MS_REC
+for hidden in cfg["cover"]:
+    mount("tmpfs", hidden, "tmpfs", 2 | 4, "mode=0755,size=1m")
+for path, stage in cfg["expose"]:
+    os.makedirs(path, exist_ok=True)
+    mount(stage, path, None, 8192)  # MS_MOVE
+os.setgroups([])
+os.setgid(cfg["uid"])
+os.setuid(cfg["uid"])
+os.chdir(cfg["home"])
+os.execve(cfg["exe"], [cfg["exe"], "-I", "-S", "-c", cfg["driver"], json.dumps(cfg["args"])],
+          cfg["env"])
+'''
+
+_DRIVER = r'''
+import json, os, sys
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["repo"])
+from jmarl.envs import sandbox
+from jmarl.errors import JmarlError
+out = {"uid": os.getuid(), "level": sandbox.isolation_level(), "runs": {}, "left": []}
+for level, hook in args["levels"]:
+    if level == "userns" and out["level"] != "userns":
+        continue
+    if level == "landlock" and not sandbox._probe("landlock"):
+        continue
+    runs = out["runs"][f"{level} {hook or level}"] = {}
+    for name, code, timeout in args["cases"]:
+        r = sandbox._run(code, "", level, timeout_s=timeout, memory_mb=512,
+                         max_output_bytes=65536, hook_level=hook)
+        runs[name] = [r.status, r.stdout[-4000:], r.stderr[-4000:]]
+        out["left"] += sandbox._descendants(os.getpid())
+# The default policy refuses the weak level; allow_weak accepts it.
+sandbox._LEVEL = "rlimits"
+try:
+    sandbox.run_python("print(1)")
+    out["strict"] = "ran"
+except JmarlError as e:
+    out["strict"] = str(e)
+sandbox.set_isolation_policy("allow_weak")
+out["allow_weak"] = sandbox.run_python("print(1)").stdout
+print(json.dumps(out))
+'''
+
+
+def _hidden_ancestor(path: str) -> str | None:
+    parts = path.strip("/").split("/")
+    for i in range(1, len(parts) + 1):
+        ancestor = "/" + "/".join(parts[:i])
+        if not os.stat(ancestor).st_mode & 0o001:
+            return ancestor
+    return None
+
+
+def _throwaway_uid() -> int:
+    used = {row[3] for row in _proc_table()}
+    while True:
+        uid = 2_900_000_000 + secrets.randbelow(2**20)
+        if uid not in used:
+            return uid
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as an ordinary user already (see above)")
+@pytest.mark.skipif(LEVEL != "namespaces", reason="root without mount namespaces cannot show a "
+                    "throwaway uid the interpreter")
+def test_hostile_programs_as_unprivileged_user(tmp_path):
+    uid = _throwaway_uid()
+    base = tempfile.mkdtemp(prefix="jmarl-sbuser-", dir="/var/tmp")
+    os.chmod(base, 0o755)
+    lst = _listener()
+    victim = None
+    try:
+        home, secret_file, victim, secret, names = _fake_user_files(base, uid)
+        env_secret = "jmarl-env-secret-" + secrets.token_hex(8)
+        exe, prefix = sandbox._python_prefix()
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))
+        repo = os.path.dirname(repo)
+        expose, cover = [], []
+        for i, path in enumerate(sorted({prefix, repo})):
+            hidden = _hidden_ancestor(path)
+            if hidden is not None:
+                stage = tmp_path / f"stage{i}"
+                stage.mkdir()
+                expose.append([path, str(stage)])
+                if hidden not in cover:
+                    cover.append(hidden)
+        cases = _hostile_cases(home, secret_file, victim, lst.getsockname()[1])
+        cfg = {"uid": uid, "home": home, "exe": exe, "expose": expose, "cover": cover,
+               "driver": _DRIVER,
+               "env": {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
+                       "JMARL_TEST_SECRET": env_secret},
+               "args": {"repo": repo, "cases": cases,
+                        "levels": [["userns", None], ["landlock", None], ["landlock", "userns"],
+                                   ["rlimits", None]]}}
+        proc = subprocess.run([exe, "-I", "-S", "-c", _SETUP, json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["uid"] == uid
+        if LEVEL == "namespaces":  # this kernel allows user namespaces
+            assert out["level"] == "userns" and "userns userns" in out["runs"]
+        assert out["left"] == []
+        if LANDLOCK:
+            assert "landlock userns" in out["runs"]
+        for key, runs in out["runs"].items():
+            level, hook = key.split()
+            _check_hostile(level, runs, [secret, env_secret], victim, home, names, hook)
+        assert "sandbox.isolation: allow_weak" in out["strict"]
+        assert out["allow_weak"] == "1\n"
+        _assert_never_accepted(lst)
+        assert [row for row in _proc_table() if row[3] == uid] == []  # nothing left running
+    finally:
+        lst.close()
+        shutil.rmtree(base)
+        if victim is not None:
+            os.unlink(victim)
+
+
+def test_strict_policy_refuses_weak_level(monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "_LEVEL", "rlimits")
+    monkeypatch.setattr(sandbox, "_POLICY", None)
+    monkeypatch.delenv("JMARL_SANDBOX_ISOLATION", raising=False)
+    assert sandbox.isolation_policy() == "strict"
+    with pytest.raises(JmarlError, match="sandbox.isolation: allow_weak"):
+        sandbox.run_python("print(1)")
+    with pytest.raises(JmarlError, match="sandbox.isolation: allow_weak"):
+        sandbox.run_many(["print(1)"])
+    monkeypatch.setenv("JMARL_SANDBOX_ISOLATION", "allow_weak")
+    monkeypatch.setattr(sandbox, "_LOGGED", False)
+    assert sandbox.run_python("print(1)").stdout == "1\n"
+    assert "isolation level 'rlimits'" in capsys.readouterr().err
+    with pytest.raises(JmarlError, match="sandbox.isolation"):
+        sandbox.set_isolation_policy("loose")
+
+
+def test_config_sets_the_isolation_policy(monkeypatch):
+    from jmarl.config import load_config
+
+    monkeypatch.setattr(sandbox, "_POLICY", None)
+    config = load_config("configs/quickstart.yaml", ["sandbox.isolation=allow_weak"])
+    assert config.sandbox.isolation == "allow_weak"
+    assert sandbox.isolation_policy() == "allow_weak"
+    monkeypatch.setattr(sandbox, "_LEVEL", "rlimits")
+    with pytest.raises(JmarlError, match="sandbox.isolation: allow_weak"):
+        load_config("configs/quickstart.yaml")  # plan_path's tool agent runs programs
+    with pytest.raises(JmarlError, match="isolation"):
+        load_config("configs/quickstart.yaml", ["sandbox.isolation=loose"])
+
+
+def test_root_layout_never_binds_a_home_directory(guarded, monkeypatch):
+    exe, prefix = sandbox._python_prefix()
+    binds, _ = sandbox._root_layout(exe, prefix)
+    assert any(prefix == b or prefix.startswith(b.rstrip("/") + "/") for b in binds)
+    assert not any(b in ("/", "/home", "/root", "/etc", "/tmp") for b in binds)
+    # An interpreter installed over the home directory (--prefix=$HOME): only the interpreter,
+    # its standard library and its shared library are bound, and programs still run.
+    monkeypatch.setenv("HOME", os.path.join(prefix, "home"))
+    binds, _ = sandbox._root_layout(exe, prefix)
+    assert prefix not in binds and exe in binds
+    if LEVEL in ("namespaces", "userns"):
+        r = guarded("import decimal, json\nprint(json.dumps(str(decimal.Decimal(1) / 4)))")
+        assert r.status == "ok" and r.stdout == '"0.25"\n', r

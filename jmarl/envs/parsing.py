@@ -233,7 +233,11 @@ class ProgramRun:
 
 def run_program(code: str, stdin: str = "", timeout_s: float = 5.0,
                 memory_mb: int = 256) -> ProgramRun:
-    """Runs `code` in the sandbox (`jmarl.envs.sandbox.run_python`); never raises."""
+    """Runs `code` in the sandbox (`jmarl.envs.sandbox.run_python`). A program's failure is a
+    result, never an exception; only the sandbox refusing this machine's isolation level
+    (`JmarlError`, naming `sandbox.isolation`) is raised: that is the user's setting to change."""
+    from jmarl.errors import JmarlError
+
     try:
         from jmarl.envs.sandbox import run_python  # lazy: the sandbox spawns processes
     except Exception:  # noqa: BLE001 - sandbox missing or broken: a defined failure
@@ -241,6 +245,8 @@ def run_program(code: str, stdin: str = "", timeout_s: float = 5.0,
     try:
         result = run_python(code, stdin, timeout_s=timeout_s, memory_mb=memory_mb,
                             max_output_bytes=64_000)
+    except JmarlError:
+        raise
     except Exception:  # noqa: BLE001 - any sandbox failure is the program's failure
         return ProgramRun("error", "")
     return ProgramRun(str(result.status), clip_text(result.stdout))

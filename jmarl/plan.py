@@ -680,6 +680,9 @@ def run_plan(args: argparse.Namespace, say: Callable[[str], None]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 fits, 2 does not fit or bad input)."""
+    from jmarl.run import quiet_third_party
+
+    quiet_third_party()
     args = _parser().parse_intermixed_args(argv)
     try:
         return run_plan(args, lambda line: print(line, flush=True))

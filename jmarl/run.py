@@ -8,12 +8,18 @@ Before the trainer starts JAX's backends, a run sets two process-wide things (`p
 (`jmarl.host_memory.apply_on_cpu`; JMARL_KEEP_HOST_MEMORY=0: off), and the persistent
 compilation cache `train.compilation_cache` names (`jmarl.compile_cache`; "auto" by default, so a
 resumed or repeated run loads its compiled programs instead of compiling them again).
+
+The command line also keeps third-party notices a user cannot act on out of its output
+(`quiet_third_party`: transformers' "PyTorch was not found" and its other advisory notices;
+jmarl runs its models in JAX, torch is only a test and benchmark extra). Warnings of jmarl's own
+(`warnings.warn`, e.g. MemoryGroupSizeWarning) and every other warning are still shown.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -22,6 +28,22 @@ from jmarl.config import Config, dump_yaml, load_config
 from jmarl.errors import JmarlError
 
 _TRAINER = "jmarl.train.trainer"
+
+
+# Environment settings that silence third-party notices a user of the CLI cannot act on; set
+# (unless the user set them) before anything imports the package that reads them.
+QUIET_ENV = {
+    # transformers' logger.warning_advice: "PyTorch was not found. Models won't be available ..."
+    # on every import without torch, and its other advice-only notices
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
+
+def quiet_third_party() -> None:
+    """Sets QUIET_ENV in os.environ where the user has not set the variable. Called by the
+    command lines (`python -m jmarl.run`, `python -m jmarl.plan`), not by `import jmarl`."""
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,6 +125,7 @@ def run_training(config: Config) -> object:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
+    quiet_third_party()
     args = _parser().parse_intermixed_args(argv)
     try:
         config = load_config(args.config, args.overrides)

@@ -127,6 +127,7 @@ def _tiny(**changes) -> ModelConfig:
     return ModelConfig(**dict(base, **changes))
 
 
+@pytest.mark.slow
 def test_shared_prefix_learner_blockwise_equals_plain_layout_and_gradients():
     """prefix_token_logprobs with the blockwise form (2 x 512-token blocks of prompt) equals
     token_logprobs on the joined rows by the dense form, and so do the parameter gradients."""
@@ -158,6 +159,7 @@ def test_shared_prefix_learner_blockwise_equals_plain_layout_and_gradients():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), g_shared, g_plain)
 
 
+@pytest.mark.slow
 def test_remat_policies_give_equal_gradients(monkeypatch):
     """remat none / full / dots, and the feed-forward layer in token chunks: the same gradient
     of a long-sequence loss as the plain layers (the blockwise form and the chunked MLP run
@@ -195,6 +197,7 @@ def _exported_text(fn, args, platform: str) -> str:
     return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args).mlir_module()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform,marker", [("cuda", "__cudnn$fmhaSoftmax"), ("tpu", "tpu_custom_call")])
 def test_exported_programs_carry_the_platforms_attention(platform, marker):
     """The train step (loss + gradient + AdamW), token_logprobs and generate, lowered on this CPU

@@ -226,6 +226,7 @@ def test_gpu_suite_refuses_without_an_accelerator(capsys):
     assert "no GPU/TPU backend" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpu_suite_code_path_runs_on_the_cpu_with_allow_cpu(tmp_path):
     """`--allow-cpu` runs the accelerator suite's code path (parity gate, train-step MFU,
     generation) on the tiny shape, so that it is exercised here, where no accelerator is lent."""
@@ -242,141 +243,7 @@ def test_gpu_suite_code_path_runs_on_the_cpu_with_allow_cpu(tmp_path):
     assert rows["generation_new_tokens_per_s"]["jmarl"] > 0
 
 
-def test_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint):
-    """`benchmarks.bounds.attention_ablated` changes what a freshly traced loss computes (so the
-    ablated step really runs without attention) and restores the model afterwards."""
-    import jax
-
-    from benchmarks import bounds
-    from benchmarks.parity import jmarl_loss_fn
-    from jmarl.models import attention as attention_module
-
-    _, config, params, _ = tiny_checkpoint
-    layout = make_batch(config.vocab_size, 4, 8, 8, group_size=2).shared_prefix()
-    batch = {k: jax.numpy.asarray(v) for k, v in layout.items()}
-    original = attention_module.attention
-    full = float(jax.jit(jmarl_loss_fn(config))(params, None, batch)[0])
-    with bounds.attention_ablated():
-        assert attention_module.attention is not original
-        ablated = float(jax.jit(jmarl_loss_fn(config))(params, None, batch)[0])
-    assert attention_module.attention is original
-    assert float(jax.jit(jmarl_loss_fn(config))(params, None, batch)[0]) == pytest.approx(full, rel=1e-6)
-    assert abs(ablated - full) > 1e-6
-
-
-@pytest.mark.parametrize("group", [1, 4])
-def test_decode_attention_ablation_swaps_only_inside_the_block(tiny_checkpoint, group):
-    """`benchmarks.bounds.decode_attention_ablated` makes generation (per-row prompt caches, and
-    groups sharing one prompt cache) compute something else inside the block, and the sampler
-    gives its first tokens again afterwards (no program compiled inside is reused)."""
-    import jax
-
-    from benchmarks import bounds
-    from jmarl.models import generate
-    from jmarl.models import model as model_module
-
-    _, config, params, _ = tiny_checkpoint
-    distinct = np.random.default_rng(0).integers(3, config.vocab_size, (8 // group, 8)).astype(np.int32)
-    prompts = np.repeat(distinct, group, axis=0)
-    mask = np.ones_like(prompts, bool)
-
-    def greedy():
-        out = generate(config, params, prompts, mask, jax.random.key(0), max_new_tokens=6, temperature=0.0)
-        return np.asarray(out.tokens), np.asarray(out.logprobs)
-
-    tokens, logprobs = greedy()
-    originals = model_module.cached_attention, model_module.prefixed_cached_attention
-    with bounds.decode_attention_ablated():
-        ablated_tokens, ablated_logprobs = greedy()
-    assert (model_module.cached_attention, model_module.prefixed_cached_attention) == originals
-    assert np.array_equal(ablated_tokens[:, 0], tokens[:, 0])  # the first token comes from the prefill
-    assert not np.allclose(ablated_logprobs[:, 1:], logprobs[:, 1:])
-    again_tokens, again_logprobs = greedy()
-    assert np.array_equal(again_tokens, tokens) and np.allclose(again_logprobs, logprobs)
-
-
-def test_bounds_refuses_a_missing_cpu_results_file(tmp_path, capsys):
-    """An explicit --cpu-results that does not exist exits 2 naming the file and the fix (before any
-    measurement), instead of silently leaving out the ratios against HF and TRL."""
-    from benchmarks import bounds
-
-    missing = tmp_path / "nowhere" / "cpu.json"
-    with pytest.raises(SystemExit) as exit_info:
-        bounds.main(["--cpu-results", str(missing), "--out", str(tmp_path / "bounds.json")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert str(missing) in err and "no such file" in err and "benchmarks.run" in err
-    assert not (tmp_path / "bounds.json").exists()
-
-
-def test_decode_matmul_floor_runs_the_products_of_every_layer(tiny_checkpoint):
-    """The product-only decode loop returns [rows, D] finite activations, and its result depends on
-    the last layer's down projection (so no product is dead code)."""
-    import jax
-
-    from benchmarks import bounds
-
-    _, config, params, _ = tiny_checkpoint
-    out = np.asarray(bounds.decode_matmul_floor(config, params, rows=8, steps=3)())
-    assert out.shape == (8, config.hidden_size) and np.isfinite(out).all()
-    changed = jax.tree.map(lambda a: a, params)
-    down = params["layers"]["mlp"]["down_proj"]["kernel"]
-    changed["layers"]["mlp"]["down_proj"]["kernel"] = down.at[-1].multiply(3.0)
-    assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)
-    for proj in ("k_proj", "v_proj"):  # every output unit of the key/value products is used
-        changed = jax.tree.map(lambda a: a, params)
-        kernel = params["layers"]["attn"][proj]["kernel"]
-        changed["layers"]["attn"][proj]["kernel"] = kernel.at[0, :, -1].multiply(3.0)
-        assert not np.allclose(np.asarray(bounds.decode_matmul_floor(config, changed, rows=8, steps=3)()), out)
-
-
-def test_attention_read_slots_by_hand():
-    """Step t of 63 reads the prompt and t generated slots (32 on average); at batch 64 each of the
-    8 prompts once for its group of 8 rows, at batch 8 each row's own prompt."""
-    from benchmarks import bounds
-
-    assert bounds.attention_read_slots(64) == (8, 64, 32)
-    assert bounds.attention_read_slots(8) == (8, 64, 32)
-    assert bounds.attention_read_slots(128, prompt_len=16, new_tokens=10) == (16, 16, 5)
-
-
-def test_decode_floor_with_cache_reads_feeds_every_read_into_the_result(tiny_checkpoint):
-    """With cache_reads the loop's result depends on the random cache it reads (another seed,
-    another result), and the products' part is the same loop's: without them the seed is unused."""
-    from benchmarks import bounds
-
-    _, config, params, _ = tiny_checkpoint
-    plain = np.asarray(bounds.decode_matmul_floor(config, params, rows=8, steps=3)())
-    with_reads = [np.asarray(bounds.decode_matmul_floor(config, params, rows=r, steps=3, cache_reads=True, seed=s)())
-                  for r, s in ((8, 0), (8, 1), (64, 0))]
-    assert np.isfinite(with_reads[0]).all() and with_reads[2].shape == (64, config.hidden_size)
-    assert not np.array_equal(with_reads[0], plain)
-    assert not np.array_equal(with_reads[0], with_reads[1])
-    np.testing.assert_array_equal(np.asarray(bounds.decode_matmul_floor(config, params, rows=8, steps=3, seed=1)()), plain)
-
-
-def test_generation_bounds_add_the_prefill_and_compare_the_floor_with_hf(tiny_checkpoint):
-    """Each batch's floor is the prefill (a one-token generation) plus the product-only loop, and
-    the best ratio those allow is HF's seconds, read from a results row, over that floor."""
-    from benchmarks import bounds
-
-    _, config, params, _ = tiny_checkpoint
-    hf_rows = [{"name": "generation_small_batch_vs_hf_generate", "size": "tiny", "baseline": 8 * 64 / 2.0}]
-    out = bounds.bound_generation("tiny", config, params, repeats=1, bandwidth=1e10, cpu_results={"rows": hf_rows})
-    for b in (64, 8):
-        # two separately timed single runs: no order between them is asserted (a busy machine
-        # can make the one-token run the slower), only that both were measured
-        assert out[f"prefill_b{b}_s"] > 0 and out[f"generation_b{b}_s"] > 0
-        assert out[f"generation_b{b}_floor_s"] == out[f"prefill_b{b}_s"] + out[f"decode_matmul_floor_b{b}_s"]
-        assert out[f"generation_b{b}_floor_with_cache_reads_s"] == (
-            out[f"prefill_b{b}_s"] + out[f"decode_floor_with_cache_reads_b{b}_s"])
-        assert out[f"generation_b{b}_attention_share"] == 1 - out[f"generation_b{b}_attention_ablated_s"] / out[f"generation_b{b}_s"]
-    assert out["hf_generate_b8_s"] == 2.0
-    assert out["generation_b8_ratio_at_floor"] == 2.0 / out["generation_b8_floor_s"]
-    assert out["generation_b8_ratio_at_floor_with_cache_reads"] == 2.0 / out["generation_b8_floor_with_cache_reads_s"]
-    assert "hf_generate_b64_s" not in out  # no HF row for batch 64 in these results
-
-
+@pytest.mark.slow
 def test_isolated_part_hands_back_its_failure():
     """A part runs in a child process; what it raises comes back as an error row of that part."""
     from benchmarks import run
@@ -410,6 +277,7 @@ def test_host_memory_summary_by_hand():
     assert s["page_faults"] == {"off": 160.0, "on": 0.0, "on_over_off": 0.0}
 
 
+@pytest.mark.slow
 def test_host_memory_children_run_the_trainer_under_each_setting():
     """One GRPO iteration of the benchmark trainer on the tiny shape in a fresh process per
     setting: the child reports the policy it ran under and the trainer's own timings."""
@@ -458,6 +326,7 @@ def test_baseline_process_failures_come_back_as_errors():
         BaselineProcess("tests._baseline_setups:half_of_index", host_memory="kept")
 
 
+@pytest.mark.slow
 def test_baseline_process_runs_hf_generate_under_either_allocator(tiny_checkpoint, tmp_path):
     """The generation baseline in its own process: out of the box, or under jmarl's policy."""
     import jax
@@ -476,80 +345,3 @@ def test_baseline_process_runs_hf_generate_under_either_allocator(tiny_checkpoin
             assert hf.info["host_memory_policy"] == policy
             assert hf.info["pid"] != __import__("os").getpid()
             assert all(0 < hf.run(seed) < 60 for seed in (0, 1))
-
-
-def test_matrix_products_counts_each_signature_and_every_scan_iteration():
-    """Hand-worked: a plain product once, one inside a scan of 3 (and a nested jit), a batched
-    einsum once; FLOPs and the batched-matmul view by hand. A while loop is refused."""
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks import bounds
-
-    def f(x, w, m, q, k):
-        y = x @ w  # [4,3] x [3,5]
-
-        @jax.jit
-        def body(c, _):
-            return jnp.tanh(c @ m), None  # [4,5] x [5,5]
-
-        y, _ = jax.lax.scan(body, y, None, length=3)
-        scores = jnp.einsum("bqd,bkd->bqk", q, k)  # batch 2: [6,4] x [7,4]^T
-        return y.sum() + scores.sum()
-
-    shapes = [(4, 3), (3, 5), (5, 5), (2, 6, 4), (2, 7, 4)]
-    products = bounds.matrix_products(f, *[jnp.ones(s, jnp.float32) for s in shapes])
-    assert [(p.lhs, p.rhs, p.count, p.batched) for p in products] == [
-        ((4, 3), (3, 5), 1, False), ((4, 5), (5, 5), 3, False), ((2, 6, 4), (2, 7, 4), 1, True)]
-    assert [p.flops for p in products] == [2 * 4 * 3 * 5, 2 * 4 * 5 * 5, 2 * 2 * 6 * 4 * 7]
-    assert [p.as_batched_matmul() for p in products] == [(1, 4, 3, 5), (1, 4, 5, 5), (2, 6, 4, 7)]
-    assert products[2].dimension_numbers == (((2,), (2,)), ((0,), (0,)))
-
-    def looped(x, w):
-        return jax.lax.while_loop(lambda c: c.sum() < 10.0, lambda c: c @ w, x)
-
-    with pytest.raises(ValueError, match="while"):
-        bounds.matrix_products(looped, jnp.ones((2, 2)), jnp.ones((2, 2)))
-
-
-def test_products_floor_runs_each_product_count_times_as_numpy_does():
-    """The floor program's outputs equal a NumPy loop of the same recurrence (each run writes
-    tanh of the previous output's first element into the lhs's first element, then multiplies),
-    so every run happens; a batched product runs as [b, m, k] x [b, k, n]."""
-    from benchmarks import bounds
-
-    plain = bounds.Product((4, 3), (5, 3), (((1,), (1,)), ((), ())), "float32", 3)  # x @ w^T, as written
-    batched = bounds.Product((6, 2, 4), (2, 7, 4), (((2,), (2,)), ((1,), (0,))), "float32", 2)
-    assert bounds.floor_operands(batched) == ((2, 6, 4), (2, 4, 7), bounds.BATCHED_MATMUL)
-    products = [plain, batched]
-    got = bounds.products_floor(products, seed=3)()
-    for p, (a, b), out in zip(products, bounds.floor_inputs(products, seed=3), got):
-        a, b = np.array(a, np.float64), np.array(b, np.float64)
-        want = None
-        for _ in range(p.count):
-            a.flat[0] = 0.0 if want is None else np.tanh(want.flat[0])
-            want = a @ b.T if not p.batched else np.einsum("bmk,bkn->bmn", a, b)
-        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-
-
-def test_train_step_bounds_count_the_benchmark_steps_products(tiny_checkpoint):
-    """On the tiny model: the products the benchmark's update runs, dense and batched (attention)
-    ones; their FLOPs are the step's executed FLOPs (`shared_prefix_train_flops`, worked by hand in
-    `test_shared_prefix_flops_by_hand`) plus the LM head's forward once more on the completion
-    tokens (the log-prob chunks recompute it in the backward pass)."""
-    import jax.numpy as jnp
-
-    from benchmarks import bounds
-    from benchmarks.train_step import jmarl_update
-
-    _, config, params, _ = tiny_checkpoint
-    batch = make_batch(config.vocab_size, 8, 8, 8, group_size=4)
-    update, state, device_batch = jmarl_update(config, params, batch)
-    products = bounds.matrix_products(update, state, None, device_batch)
-    assert any(p.batched for p in products) and any(not p.batched for p in products)
-    layout = batch.shared_prefix()
-    (prefixes, p_len), (rows, c_len) = layout["prefix_tokens"].shape, layout["tokens"].shape
-    executed = common.shared_prefix_train_flops("tiny", prefixes, p_len, rows, c_len)
-    head = 2.0 * config.hidden_size * config.vocab_size * rows * c_len
-    assert sum(p.flops * p.count for p in products) == pytest.approx(executed + head, rel=1e-9)
-    assert all(p.dtype == str(jnp.float32.dtype) for p in products)

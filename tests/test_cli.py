@@ -127,3 +127,47 @@ def test_trainer_errors_other_than_jmarl_errors_propagate(tmp_path, monkeypatch,
     _fake_trainer(tmp_path, monkeypatch, "jmarl_fake_trainer_dep", "import jmarl_no_such_dependency\n")
     with pytest.raises(ModuleNotFoundError, match="jmarl_no_such_dependency"):
         cli.main(["--config", str(ROOT / QUICKSTART)])
+
+
+# Makes `torch` look absent (importlib.util.find_spec and import), as on a machine with jmarl's
+# own dependencies only: transformers then prints its "PyTorch was not found" notice on import.
+_HIDE_TORCH = '''
+import importlib.abc, importlib.util, sys
+_find_spec = importlib.util.find_spec
+def _no_torch(name):
+    return name == "torch" or name.startswith("torch.")
+def find_spec(name, package=None):
+    return None if _no_torch(name) else _find_spec(name, package)
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if _no_torch(name):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+importlib.util.find_spec = find_spec
+sys.meta_path.insert(0, _Finder())
+'''
+
+
+def test_cli_prints_no_third_party_notice_but_real_warnings(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_HIDE_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "JAX_PLATFORMS": "cpu",
+           "JMARL_KEEP_HOST_MEMORY": "perhaps"}  # not understood: jmarl's own warning, still shown
+    env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+    notice = "PyTorch was not found"
+    bare = subprocess.run([sys.executable, "-c", "import transformers"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert notice in bare.stderr  # the notice the CLI must keep out (torch is hidden here)
+
+    # A tokenizer directory transformers fails to read: the run imports transformers, then stops
+    # with its one error line, before any compilation.
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+    run = subprocess.run(
+        [sys.executable, "-m", "jmarl.run", "--config", QUICKSTART, f"output_dir={tmp_path / 'run'}",
+         f"tokenizer={tokenizer}", "train.compilation_cache=off", "logging.progress=false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert f"error: could not load the tokenizer in {tokenizer}" in run.stderr
+    assert notice not in run.stderr and "[transformers]" not in run.stderr
+    assert "JMARL_KEEP_HOST_MEMORY='perhaps' is not understood" in run.stderr  # real warnings still shown

@@ -126,6 +126,7 @@ def _tiny_run(cache: Path, out: Path) -> tuple[dict[str, int], str]:
     return json.loads(line.split(" ", 1)[1]), result.stdout
 
 
+@pytest.mark.slow
 def test_a_second_run_compiles_nothing(tmp_path):
     cache = tmp_path / "cache"
     first, printed = _tiny_run(cache, tmp_path / "run1")

@@ -7,7 +7,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.slow  # a whole training run through the CLI, in a subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

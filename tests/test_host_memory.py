@@ -88,6 +88,7 @@ def test_import_jmarl_changes_nothing():
         assert faults > PAGES // 2
 
 
+@pytest.mark.slow
 @glibc_only
 @needs_inline_dispatch
 @pytest.mark.parametrize("how", ["apply", "cli"])
@@ -110,6 +111,7 @@ def test_a_non_cpu_platform_is_left_alone_without_starting_jax(platforms):
     assert _run("apply", platforms=platforms, measure=False) == ("default", True, -1)
 
 
+@pytest.mark.slow
 def test_an_installed_accelerator_plugin_is_left_alone_unless_jax_platforms_says_cpu():
     assert _run("apply-with-plugin", platforms=None, measure=False) == ("default", True, -1)
     expected = ("kept" if host_memory.JAX_DISPATCH_FLAG in jax.config.values else "heap-only") \
@@ -150,6 +152,7 @@ def test_accelerator_plugins_finds_modules_and_entry_points(monkeypatch):
     assert host_memory.accelerator_plugins() == []
 
 
+@pytest.mark.slow
 @glibc_only
 @needs_inline_dispatch
 @pytest.mark.parametrize("case", ["jax-first", "async-asked"])

@@ -106,6 +106,7 @@ def test_logits_and_logprobs_equal_merged():
     assert float(jnp.max(jnp.abs(want - run(BASE)[0]))) > 0.1  # the adapters matter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_shared_prefix_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch):
     """The learner's path (shared prefixes, the layer scan with each remat policy, the feed-forward
@@ -148,6 +149,7 @@ def test_greedy_generation_equals_merged():
         _close(got.logprobs, want.logprobs)
 
 
+@pytest.mark.slow
 def test_stacked_policies_gradients_with_one_base():
     """Two policies' adapters [2, ...] vmapped over with the base unmapped (the update's form):
     each policy's gradient equals the one through its merged weights."""
@@ -210,6 +212,7 @@ def test_policy_group_runs_unmerged_and_exports_merged():
     _close(exported, _merged(BASE, jax.tree.map(lambda x: x[1], stacked)))
 
 
+@pytest.mark.slow
 def test_sharding_of_attached_adapters_and_sharded_generation():
     """Specs: a LoraKernel's w is placed like the kernel (no policy axis: one base), a and b like
     the adapters'. Stacked generation on a (policy, data, tensor) mesh equals the unsharded one."""
@@ -284,6 +287,7 @@ def _generation_bytes(params, policies: int) -> int:
     return int(stats.argument_size_in_bytes + stats.temp_size_in_bytes) - _bytes(cache)
 
 
+@pytest.mark.slow
 def test_four_agent_update_holds_one_base():
     """4 per-agent adapters on one base: the update's compiled memory is about the base argument
     plus XLA:CPU's copy of the layer slices (~2.5x the base), and grows by much less than a base
@@ -295,6 +299,7 @@ def test_four_agent_update_holds_one_base():
     assert merged > 6 * base_bytes, (merged, base_bytes)
 
 
+@pytest.mark.slow
 def test_four_agent_generation_holds_one_base():
     """Stacked generation of 4 per-agent LoRA policies reads the base once (~2.3x the base with
     XLA:CPU's layer slices), not 4 merged copies (~8x)."""

@@ -1,4 +1,5 @@
-"""Metrics: JSONL (non-finite safe), TensorBoard events read back, PNG plots, summary, progress."""
+"""Metrics: JSONL (non-finite safe), TensorBoard events read back, PNG figures (one panel per
+metric, the step-0 evaluation baseline), summary, progress."""
 
 import io
 import json
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jmarl.train.metrics import MetricsLogger, metric_series, read_metrics, write_summary
+from jmarl.train.metrics import (MetricsLogger, figure_of, metric_figures, metric_series, read_metrics,
+                                 write_summary)
 from jmarl.train.progress import ProgressBar
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -74,13 +76,84 @@ def test_logger_writes_jsonl_tensorboard_and_plots(tmp_path):
     assert scalars["time/update"] == {0: 1.0, 1: 1.5, 2: 1.25}
     assert math.isnan(scalars["loss/policy"][1])
 
+    # families grouped into figures: reward -> rollout, loss and kl -> loss, time, the rest -> other
     pngs = {p.name for p in (tmp_path / "plots").glob("*.png")}
-    assert pngs == {"reward.png", "loss.png", "kl.png", "time.png", "solved.png"}
+    assert pngs == {"rollout.png", "loss.png", "time.png", "other.png"}
     for name in pngs:
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == PNG_MAGIC
         width, height = struct.unpack(">II", data[16:24])
-        assert (width, height) == (640, 400)
+        assert 300 <= width <= 1400 and 250 <= height <= 1200, (name, width, height)
+    # two panels side by side (reward/planner, reward/tool): twice one panel's width
+    rollout = struct.unpack(">II", (tmp_path / "plots" / "rollout.png").read_bytes()[16:24])
+    other = struct.unpack(">II", (tmp_path / "plots" / "other.png").read_bytes()[16:24])
+    assert rollout[0] == 2 * other[0] and rollout[1] == other[1]
+
+
+def _panels(fig) -> dict[str, object]:
+    """The axes of a figure by title (the metric's name, before any ': before -> after')."""
+    return {ax.get_title().split(":")[0]: ax for ax in fig.axes}
+
+
+def test_one_panel_per_metric_grouped_into_figures():
+    records = []
+    for step in range(1, 31):
+        records.append({"step": step, "rollout/success_rate": (step % 4) / 4, "rollout/team_reward": step / 30,
+                        "rollout/generated": 300.0 + step, "rollout/nonfinite_rewards": 0.0,
+                        "train/loss": 1.0 / step, "train/grad_norm": 0.5 + step / 100, "train/clip_fraction": 0.0,
+                        "time/step": 10.0 if step == 1 else 0.5, "perf/train_tokens_per_s": 4e4 + step,
+                        "hacpo/success_0": step / 60})
+    assert figure_of("rollout/new_tokens_per_s") == "time" and figure_of("eval/info/moves") == "evaluation"
+    figures = metric_figures(records)
+    assert set(figures) == {"rollout", "loss", "time", "other"}
+    rollout, loss, time, other = (_panels(figures[k]) for k in ("rollout", "loss", "time", "other"))
+    # one axis per metric that moved; success first; a constant metric is named in the footer instead
+    assert list(rollout) == ["rollout/success_rate", "rollout/team_reward", "rollout/generated"]
+    assert len(figures["rollout"].axes) == 3
+    assert set(loss) == {"train/loss", "train/grad_norm"}
+    footer = " ".join(t.get_text() for t in figures["loss"].texts)
+    assert "train/clip_fraction = 0.0%" in footer
+    assert "rollout/nonfinite_rewards = 0" in " ".join(t.get_text() for t in figures["rollout"].texts)
+    assert set(time) == {"time/step", "perf/train_tokens_per_s"} and set(other) == {"hacpo/success_0"}
+    # its own axis: the success rate in percent, times on a log scale with the compile step kept
+    assert rollout["rollout/success_rate"].yaxis.get_major_formatter()(0.5, 0) == "50%"
+    assert time["time/step"].get_yscale() == "log" and time["time/step"].get_ylim()[1] >= 10.0
+    assert rollout["rollout/generated"].get_ylim()[0] > 250  # not shared with the 0..1 rates
+    # each per-step panel: the raw values and a smoothed line over every step
+    for ax in rollout.values():
+        raw, smooth = ax.get_lines()
+        assert len(raw.get_xdata()) == len(smooth.get_xdata()) == 30
+        assert ax.get_xlabel() == "RL step"
+    # no overlapping labels: panels sit on a grid, none overlapping another
+    boxes = [ax.get_position() for ax in figures["rollout"].axes]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert a.x1 <= b.x0 or b.x1 <= a.x0 or a.y1 <= b.y0 or b.y1 <= a.y0
+
+
+def test_evaluation_figure_starts_at_the_step_0_baseline(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False, plots=True) as logger:
+        logger.log(0, {"eval/success_rate": 0.25, "eval/team_reward": 0.5})  # before RL (the trainer's step 0)
+        for step in range(1, 5):
+            logger.log(step, {"rollout/team_reward": step / 4})
+        logger.log(2, {"rollout/team_reward": 0.5, "eval/success_rate": 0.5, "eval/team_reward": 0.75})
+        logger.log(4, {"eval/success_rate": 0.75, "eval/team_reward": 1.0})
+    assert (tmp_path / "plots" / "evaluation.png").read_bytes()[:8] == PNG_MAGIC
+    figures = metric_figures(read_metrics(tmp_path))
+    evaluation = figures["evaluation"]
+    assert [ax.get_title() for ax in evaluation.axes] == [
+        "eval/success_rate: 25.0% -> 75.0%", "eval/team_reward: 0.5 -> 1"]
+    success = evaluation.axes[0]
+    curve, baseline, start = success.get_lines()
+    assert list(curve.get_xdata()) == [0, 2, 4] and list(curve.get_ydata()) == [0.25, 0.5, 0.75]
+    assert baseline.get_linestyle() == "--" and list(baseline.get_ydata()) == [0.25, 0.25]
+    assert list(start.get_xdata()) == [0] and list(start.get_ydata()) == [0.25]
+    assert success.get_ylim()[0] == 0.0  # success on a scale from 0
+    labels = [t.get_text() for t in success.get_legend().get_texts()]
+    assert labels == ["held-out", "before RL (step 0): 25.0%"]
+    # an evaluation without a step-0 record (an older run's file) has no baseline
+    later = metric_figures([{"step": 5, "eval/success_rate": 0.5}, {"step": 10, "eval/success_rate": 0.6}])
+    assert len(later["evaluation"].axes[0].get_lines()) == 1
 
 
 def test_resumed_run_appends_and_last_record_per_step_wins(tmp_path):
@@ -95,7 +168,7 @@ def test_resumed_run_appends_and_last_record_per_step_wins(tmp_path):
     steps, values = metric_series(read_metrics(tmp_path))["reward/mean"]
     assert steps.tolist() == [0, 1, 2, 3, 4]
     assert values.tolist() == [0.0, 1.0, 12.0, 13.0, 14.0]
-    assert (tmp_path / "plots" / "reward.png").exists()
+    assert (tmp_path / "plots" / "rollout.png").exists()
     assert not (tmp_path / "tensorboard").exists()
 
 

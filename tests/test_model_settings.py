@@ -141,6 +141,7 @@ def test_preset_name_and_settings_round_trip_through_yaml():
     assert "preset: qwen3-4b" in dump_yaml(config)
 
 
+@pytest.mark.slow
 def test_cli_unknown_preset_is_one_line_with_status_2_and_print_config_takes_a_name():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     run = functools.partial(subprocess.run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -70,6 +70,7 @@ def _figures(m):
     return (m.state, m.temporaries, m.outputs, m.aliased, m.resident)
 
 
+@pytest.mark.slow
 def test_plan_figures_equal_the_real_trainers_programs_compiled_directly(planned, real):
     trainer, _, figures = planned
     assert [f.program for f in figures] == PROGRAMS
@@ -172,6 +173,7 @@ def test_generation_program_is_the_samplers_call(real, monkeypatch):
     assert shape(calls[0]) == shape(args)
 
 
+@pytest.mark.slow
 def test_cli_fits_and_writes_json(run_yaml, tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert plan.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1GiB", "--json", str(out)]) == 0
@@ -186,6 +188,7 @@ def test_cli_fits_and_writes_json(run_yaml, tmp_path, capsys):
         assert p["peak"] == p["state"] + p["temporaries"] + p["outputs"] - p["aliased"] + p["resident"] > 0
 
 
+@pytest.mark.slow
 def test_cli_does_not_fit_one_line(run_yaml, capsys):
     assert plan.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1MiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -228,6 +231,7 @@ def test_missing_checkpoint_plans_with_the_matching_preset():
         plan.resolve_models({"model": {"path": "checkpoints/gpt-5"}})
 
 
+@pytest.mark.slow
 def test_trainer_checks_memory_before_step_0(run_yaml, real):
     assert real.check_memory() == []  # memory_check auto: off on CPU, nothing compiled
     tight = Trainer(load_config(run_yaml, ["train.memory_check=on", "train.device_memory=64KiB"]))

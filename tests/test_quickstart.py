@@ -45,10 +45,11 @@ def test_shortened_quickstart_end_to_end(tmp_path, capsys):
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "rollout/success_rate" in r] == [1, 2]  # a fresh run starts a fresh file
-    assert any("eval/success_rate" in r for r in records)
+    assert [r["step"] for r in records if "eval/success_rate" in r] == [0, 1, 2]  # step 0: before RL
+    assert records[0]["eval/success_rate"] == summary["success_before"]
 
     plots = {p.name for p in (out / "plots").glob("*.png")}
-    assert {"eval.png", "rollout.png", "train.png"} <= plots
+    assert {"evaluation.png", "rollout.png", "loss.png", "time.png"} <= plots
     assert all((out / "plots" / name).stat().st_size > 1000 for name in plots)
 
     assert (out / "checkpoints").is_dir() and "2" in {p.name for p in (out / "checkpoints").iterdir()}
@@ -70,3 +71,4 @@ def test_shortened_quickstart_end_to_end(tmp_path, capsys):
     assert "held-out success on plan_path (2 episodes, greedy)" in printed
     assert f"{100 * summary['success_before']:5.1f}%" in printed
     assert f"{100 * summary['success_after']:5.1f}%" in printed
+    assert f"curves: open {out / 'plots' / 'evaluation.png'}" in printed

@@ -167,6 +167,7 @@ def reference():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [dict(data=8), dict(fsdp=4, tensor=2), dict(policy=2, data=4)])
 def test_sharded_update_equals_single_device(axes, reference):
     stacked = axes.get("policy", 1) > 1
@@ -232,6 +233,7 @@ def test_sharded_lora_update_with_frozen_base():
 
 
 # ---------------------------------------------------------------------------------- sampling
+@pytest.mark.slow
 def test_sharded_greedy_sampling_matches_unsharded():
     rng = np.random.default_rng(2)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[models.init(TINY, jax.random.key(i)) for i in (5, 6)])

@@ -227,6 +227,7 @@ def _single_loss(t):
     return loss_fn
 
 
+@pytest.mark.slow
 def test_sampler_call_cap_splits_requests_and_keeps_every_completion(tmp_path):
     """sampling.max_rows_per_call: requests are generated in consecutive calls of at most that
     many rows; every request still gets its n completions, reproducibly from the key."""

@@ -1,14 +1,16 @@
-"""Run metrics: one JSON line per step, TensorBoard scalars, PNG curves, summary.json.
+"""Run metrics: one JSON line per step, TensorBoard scalars, PNG figures, summary.json.
 
-Metric names use `/` to form families: `reward/tool`, `reward/planner`, `loss/policy`,
-`time/generate`... Each family becomes one figure with one curve per member; a name without
-`/` is a family of its own. Only process 0 of a multi-host run writes anything.
+Metric names use `/` to form families: `rollout/team_reward`, `train/loss`, `time/generate`...
+The plots group families into a few figures (`FIGURES`): plots/evaluation.png (held-out
+evaluation, the step-0 point being the model RL starts from), plots/rollout.png, plots/loss.png
+and plots/time.png (plots/other.png for any other family), one panel per metric with its own
+axis. Only process 0 of a multi-host run writes anything.
 
     with MetricsLogger(run_dir, tensorboard=True, plots=True) as metrics:
-        metrics.log(step, {"reward/tool": 0.4, "loss/policy": 1.2, "time/generate": 3.1})
+        metrics.log(step, {"rollout/team_reward": 0.4, "train/loss": 1.2, "time/generate": 3.1})
     write_summary(run_dir, {"eval/success": 0.9})
 
-Files under `output_dir`: metrics.jsonl, tensorboard/events.out.tfevents.*, plots/<family>.png,
+Files under `output_dir`: metrics.jsonl, tensorboard/events.out.tfevents.*, plots/*.png,
 summary.json. Non-finite numbers are written as the strings "nan", "inf", "-inf" (valid JSON);
 `read_metrics` turns them back into floats.
 """
@@ -19,6 +21,7 @@ import json
 import math
 import numbers
 import os
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping
@@ -134,7 +137,7 @@ class MetricsLogger:
                 self._writer.add_scalar(key, value, int(step))
 
     def close(self) -> None:
-        """Flushes everything and, if enabled, draws plots/<family>.png for every family."""
+        """Flushes everything and, if enabled, draws the figures under plots/ (`plot_metrics`)."""
         if not self.enabled or self._file is None:
             return
         self._file.close()
@@ -167,39 +170,188 @@ def metric_series(records: list[Mapping[str, Any]]) -> dict[str, tuple[np.ndarra
     return out
 
 
-def plot_metrics(output_dir: str | Path) -> list[Path]:
-    """Draws one PNG per metric family from <output_dir>/metrics.jsonl into <output_dir>/plots."""
+# The figures under plots/: (file stem, title, metric families). A metric goes to the figure
+# naming its family (the part before the first '/'); a name ending in "_per_s" is a throughput
+# and goes to the time figure; a metric of any other family goes to other.png.
+FIGURES = (
+    ("evaluation", "held-out evaluation", ("eval",)),
+    ("rollout", "rollouts and rewards", ("rollout", "reward", "plan")),
+    ("loss", "loss, ratios and gradients", ("train", "loss", "kl")),
+    ("time", "time and throughput", ("time", "perf")),
+)
+OTHER_FIGURE = ("other", "other metrics")
+_COLUMNS = 4  # panels per row at most
+_PANEL = (3.4, 2.5)  # inches per panel (width, height)
+_DPI = 100
+
+
+def figure_of(name: str) -> str:
+    """The file stem of the figure that draws metric `name` (see FIGURES)."""
+    if name.endswith("_per_s"):
+        return "time"
+    fam = family(name)
+    for stem, _, families in FIGURES:
+        if fam in families:
+            return stem
+    return OTHER_FIGURE[0]
+
+
+def _unit(name: str) -> str:
+    if name.endswith("_per_s"):
+        return "tokens / s (log)"
+    if family(name) == "time":
+        return "seconds (log)"
+    if name.endswith("success_rate"):
+        return "% of episodes"
+    if name.endswith("_fraction"):
+        return "%"
+    return ""
+
+
+def _is_percent(name: str) -> bool:
+    return name.endswith(("success_rate", "_fraction"))
+
+
+def _format_value(name: str, value: float) -> str:
+    return f"{100 * value:.1f}%" if _is_percent(name) else f"{value:.3g}"
+
+
+_FIRST = ("time/step", "time/rollout", "time/generate", "time/score", "time/update")
+
+
+def _rank(name: str) -> tuple[int, int, str]:
+    """Panel order: success first, then rewards and losses, the step's time and its phases,
+    the rest by name."""
+    if name.endswith("success_rate"):
+        return 0, 0, name
+    if "team_reward" in name or "reward_mean" in name:
+        return 1, 0, name
+    if "reward" in name or name.endswith("loss"):
+        return 2, 0, name
+    if name in _FIRST:
+        return 2, _FIRST.index(name), name
+    return 3, 0, name
+
+
+def _running(values: np.ndarray, window: int, robust: bool) -> np.ndarray:
+    """Centred running mean (median when `robust`: times, whose first steps include compiling)
+    over `window` steps, NaNs skipped; centred, so it does not lag behind a trend."""
+    half = window // 2
+    reduce = np.median if robust else np.mean
+    out = np.full(len(values), np.nan)
+    for i in range(len(values)):
+        chunk = values[max(0, i - half) : i + half + 1]
+        chunk = chunk[np.isfinite(chunk)]
+        if len(chunk):
+            out[i] = reduce(chunk)
+    return out
+
+
+def _constant(values: np.ndarray) -> bool:
+    return len(values) > 1 and bool(np.all(np.isfinite(values))) and bool(np.all(values == values[0]))
+
+
+def _draw_panel(ax: Any, name: str, steps: np.ndarray, values: np.ndarray, legend: bool) -> None:
+    """One metric on its own axis. A per-step series: its values (thin) and, when long, their
+    running median (thick). An evaluation series: markers, the step-0 point (the model RL starts
+    from) hollow, and a dashed horizontal line at that baseline."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, PercentFormatter
+
+    values = np.where(np.isfinite(values), values, np.nan)  # an inf would break the autoscale
+    title, unit = name, _unit(name)
+    if family(name) == "eval":
+        ax.plot(steps, values, marker="o", markersize=4, color="C0", label="held-out")
+        if len(steps) and steps[0] == 0 and np.isfinite(values[0]):
+            base = values[0]
+            ax.axhline(base, color="C1", linestyle="--", linewidth=1.2,
+                       label=f"before RL (step 0): {_format_value(name, base)}")
+            ax.plot([0], [base], marker="o", markersize=7, markerfacecolor="white", color="C1", linestyle="none")
+            if len(steps) > 1 and np.isfinite(values[-1]):
+                title += f": {_format_value(name, base)} -> {_format_value(name, values[-1])}"
+        if legend:
+            ax.legend(fontsize="x-small", loc="best")
+    elif len(steps) >= 20:
+        ax.plot(steps, values, color="C0", alpha=0.3, linewidth=0.8)
+        smooth = _running(values, max(5, len(steps) // 10) | 1, robust=unit.endswith("(log)"))
+        ax.plot(steps, smooth, color="C0", linewidth=1.8)
+    else:
+        ax.plot(steps, values, color="C0", marker=".")
+    if unit.endswith("(log)") and np.nanmin(values, initial=np.inf) > 0:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
+        if _is_percent(name):
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        if name.endswith("success_rate"):  # on a scale from 0: the size of a change reads true
+            ax.set_ylim(0.0, min(1.02, max(ax.get_ylim()[1], 0.1)))
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+    ax.set_title(title, fontsize="medium")
+    ax.set_xlabel("RL step", fontsize="small")
+    ax.set_ylabel(unit, fontsize="small")
+    ax.tick_params(labelsize="small")
+    ax.grid(alpha=0.3)
+
+
+def metric_figures(records: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The figures of `records` (metrics.jsonl's), by file stem (FIGURES): one panel per metric
+    with its own axis (titled with the metric's name). A per-step metric that never changed gets
+    no panel: the figure's footer names it and its value. matplotlib Figures on an Agg canvas
+    (no pyplot state: safe in notebooks and threads)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    series = metric_series(read_metrics(output_dir))
-    families: dict[str, list[str]] = defaultdict(list)
+    series = metric_series(records)
+    by_figure: dict[str, list[str]] = defaultdict(list)
     for name in sorted(series):
-        families[family(name)].append(name)
+        by_figure[figure_of(name)].append(name)
+    figures = {}
+    for stem, title, *_ in (*FIGURES, OTHER_FIGURE):
+        names = by_figure.get(stem, [])
+        if not names:
+            continue
+        drawn = sorted((n for n in names if stem == "evaluation" or not _constant(series[n][1])), key=_rank)
+        flat = [n for n in names if n not in drawn]
+        cols = min(_COLUMNS, max(len(drawn), 1))
+        rows = max(-(-len(drawn) // cols), 1)
+        width = _PANEL[0] * cols
+        footer_lines = []
+        if flat:
+            text = "constant over the run: " + "; ".join(f"{n} = {_format_value(n, series[n][1][0])}" for n in flat)
+            footer_lines = textwrap.wrap(text, width=int(width * 15))
+        footer = 0.2 * len(footer_lines) + (0.15 if footer_lines else 0.0)
+        fig = Figure(figsize=(width, _PANEL[1] * rows + 0.5 + footer), layout="constrained")
+        FigureCanvasAgg(fig)
+        for i, name in enumerate(drawn):
+            steps, values = series[name]
+            _draw_panel(fig.add_subplot(rows, cols, i + 1), name, steps, values, legend=i == 0)
+        if stem == "evaluation":
+            title += "  (dashed: before RL, step 0)"
+        elif any(len(series[n][0]) >= 20 for n in drawn):
+            title += f"  (thin: each step; thick: running {'median' if stem == 'time' else 'mean'})"
+        fig.suptitle(title, fontsize="large", fontweight="bold")
+        if footer_lines:
+            height = fig.get_figheight()
+            fig.get_layout_engine().set(rect=(0, footer / height, 1, 1 - footer / height))
+            fig.text(0.01, 0.05 / height, "\n".join(footer_lines), fontsize="small", color="0.35")
+        figures[stem] = fig
+    return figures
+
+
+def plot_metrics(output_dir: str | Path) -> list[Path]:
+    """Draws <output_dir>/metrics.jsonl as a few PNGs under <output_dir>/plots (`metric_figures`):
+    evaluation.png, rollout.png, loss.png, time.png (other.png for any other family). Returns the
+    paths written."""
     plot_dir = Path(output_dir) / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for fam, names in families.items():
-        fig = Figure(figsize=(6.4, 4.0))  # Agg canvas, no pyplot state: safe in notebooks too
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        for name in names:
-            steps, values = series[name]
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
-        ax.set_xlabel("step")
-        ax.set_title(fam)
-        ax.grid(alpha=0.3)
-        if len(names) > 1 or names[0] != fam:
-            ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = plot_dir / f"{_safe_name(fam)}.png"
-        fig.savefig(path, dpi=100)
+    for stem, fig in metric_figures(read_metrics(output_dir)).items():
+        path = plot_dir / f"{stem}.png"
+        fig.savefig(path, dpi=_DPI)
         written.append(path)
     return written
-
-
-def _safe_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "metric"
 
 
 def before_summary(metrics: dict[str, float]) -> dict[str, float]:
@@ -223,4 +375,7 @@ def results_table(summary: dict[str, Any], config: Any, out: Path) -> str:
     lines = [title] + [f"  {name:<{width}}  {value}" for name, value in rows]
     lines.append(f"  wall time {summary.get('wall_seconds', 0.0):.0f} s; outputs in {out}: summary.json, "
                  "metrics.jsonl, plots/, checkpoints/, export/")
+    if getattr(config.logging, "plots", False) and is_main_process():
+        lines.append(f"  curves: open {Path(out) / 'plots' / 'evaluation.png'} (held-out success from step 0); "
+                     "rollout.png, loss.png, time.png beside it")
     return "\n".join(lines)

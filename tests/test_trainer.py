@@ -1,5 +1,6 @@
 """The trainer end to end on a tiny model: outputs, export, kill/resume, NaN skip, LoRA, stacking."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -119,6 +120,23 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     for policy in a:
         for name, value in a[policy].items():
             np.testing.assert_array_equal(value, b[policy][name], err_msg=f"{policy}/{name}")
+
+
+def test_resume_restores_the_kl_reference_the_warm_start_set(tmp_path):
+    """With a KL term and a warm start, a full-parameter policy's reference is the warm-started
+    policy; a resumed run must get that reference back from the checkpoint, not the initial
+    weights it builds."""
+    cfg = load_config(_config(tmp_path, "kl"), ["train.kl_beta=0.1", "train.warm_start.steps=2", "train.warm_start.demos=2",
+                                                "train.steps=1", "eval.num_episodes=1", "logging.plots=false"])
+    first = trainer_mod.Trainer(cfg)
+    first.run()
+    want = [jax.device_get(g.ref) for g in first.policies.groups]
+    fresh = trainer_mod.Trainer(dataclasses.replace(cfg, resume=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(jax.device_get(fresh.policies.groups[0].ref))))
+    assert fresh.maybe_resume()
+    for g, ref in zip(fresh.policies.groups, want):
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(jax.device_get(g.ref))):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow

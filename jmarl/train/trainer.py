@@ -11,8 +11,7 @@ The method (`jmarl.algos.Method`) and the plan (`jmarl.workflows.Plan`) are valu
 calls their hooks and never branches on their names. Everything that decides a step's data is
 a function of (config, step): task seeds are `train_seed(step * num_tasks + i)` and the step's
 key is `fold_in(key(seed), step)`, so a run resumed from a checkpoint continues exactly where
-the killed one would have gone. The method's state (HACPO's capability window, JoyAgents-R1's
-memory) is saved in the checkpoint metadata.
+the killed one would have gone; the method's state (HACPO's window, JoyAgents-R1's memory) is in the checkpoint.
 """
 
 from __future__ import annotations
@@ -132,12 +131,14 @@ class Trainer:
     # ---- state for checkpoints
 
     def state_tree(self) -> dict[str, Any]:
-        """Everything a resume needs that lives on the device."""
-        return {"groups": [g.state for g in self.policies.groups]}
+        """Everything a resume needs that lives on the device: each group's train state and the
+        KL reference of full-parameter groups (the warm start moves it; a LoRA reference is the base)."""
+        return {"groups": [g.state for g in self.policies.groups],
+                "refs": {str(i): g.ref for i, g in enumerate(self.policies.groups) if g.ref is not None and g.lora_rank is None}}
 
     def load_state_tree(self, tree: dict[str, Any]) -> None:
-        for g, st in zip(self.policies.groups, tree["groups"]):
-            g.state = st
+        for i, (g, st) in enumerate(zip(self.policies.groups, tree["groups"])):
+            g.state, g.ref = st, tree.get("refs", {}).get(str(i), g.ref)
 
     def save(self) -> None:
         meta = {

@@ -49,7 +49,7 @@ turn order that map to one policy (the most over a group's policies), n = all of
     node_wise    E x top_k x G (top_k_scope task)        G
     shared       E x sources x G (Trainer.rows_bound)    G (groups may be cut by lossy drops)
 
-    N = next_pow2(R) rounded up to a multiple of parts = optim.minibatches x epochs x grad_accum
+    N = next_pow2(R) rounded up to a multiple of parts = optim.minibatches x grad_accum
         (`learner.batch_rows`, as `learner_batch` pads)
     U = next_pow2(distinct prompts per micro-batch) <= N / parts: ceil((N / parts) / s), plus
         one where groups may straddle a micro-batch boundary (s does not divide N / parts, or

@@ -38,6 +38,20 @@ def test_minibatches_match_numpy_sgd():
     assert int(state.step) == 2 and int(state.skipped) == 0
 
 
+def test_epochs_pass_over_the_same_minibatches_again():
+    """epochs=2 with 2 mini-batches is 4 SGD updates: slices 0, 1, then 0, 1 again (NumPy), each
+    sample seen twice, not the batch cut into 4 pieces."""
+    b = _batch()
+    update = jit_update(make_update(_loss, optax.sgd(0.1), num_minibatches=2, epochs=2))
+    state, _ = update(init_train_state(_fresh(np.ones(3)), optax.sgd(0.1)), None, b)
+    w = np.ones(3)
+    for m in (0, 1, 0, 1):
+        xs, ys = b["x"][4 * m : 4 * m + 4], b["y"][4 * m : 4 * m + 4]
+        w = w - 0.1 * 2 * xs.T @ (xs @ w - ys) / 4
+    np.testing.assert_allclose(state.params["w"], w, rtol=1e-5)
+    assert int(state.step) == 4
+
+
 def test_non_finite_minibatch_is_skipped():
     b = _batch()
     b["y"][0] = np.nan  # poisons mini-batch 0 only
@@ -137,3 +151,5 @@ def test_gradient_accumulation_gives_the_whole_minibatch_mean(aggregation):
         np.testing.assert_allclose(whole.params["w"], 0.3 - grad, rtol=1e-5)
     _, metrics = jit_update(make_update(loss_fn, opt, num_minibatches=2))(fresh(), None, batch)
     assert float(metrics["update_index"]) == pytest.approx(0.5)  # updates 0 and 1 of the step
+    _, metrics = jit_update(make_update(loss_fn, opt, num_minibatches=2, epochs=2))(fresh(), None, batch)
+    assert float(metrics["update_index"]) == pytest.approx(1.5)  # updates 0..3 over two passes

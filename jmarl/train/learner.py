@@ -135,7 +135,7 @@ def model_params(group: PolicyGroup):
 
 def build_group_fns(
     group: PolicyGroup, method: Method, cfg: Any, optimizer, sft_optimizer, *, temperature: float,
-    minibatches: int, grad_accum: int, mesh=None,
+    minibatches: int, grad_accum: int, epochs: int = 1, mesh=None,
 ) -> GroupFns:
     """Update, scoring, advantage and warm-start functions for `group`, jitted (vmapped over
     stacked policies). Scoring runs the step's batch one micro-batch at a time (the update's
@@ -159,7 +159,7 @@ def build_group_fns(
     spread = None if mesh is None or mesh.size == 1 else sharding_lib.microbatch_rows(mesh, stacked=group.stacked)
     axis = sharding_lib.policy_axis(mesh)
     jit = dict(stacked=group.stacked, frozen_stacked=False, policy_axis=axis)  # the LoRA base is shared
-    update = jit_update(make_update(rl_loss, optimizer, num_minibatches=minibatches, grad_accum=grad_accum, constrain=spread), **jit)
+    update = jit_update(make_update(rl_loss, optimizer, num_minibatches=minibatches, grad_accum=grad_accum, epochs=epochs, constrain=spread), **jit)
     sft_update = jit_update(make_update(sft_loss, sft_optimizer), **jit)
     parts = minibatches * grad_accum
 

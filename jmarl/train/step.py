@@ -118,12 +118,14 @@ def make_update(
     *,
     num_minibatches: int = 1,
     grad_accum: int = 1,
+    epochs: int = 1,
     constrain: Callable[[Batch], Batch] | None = None,
 ) -> Callable[[TrainState, Params, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """A pure `update(state, frozen, batch) -> (state, metrics)` for one policy (not jitted).
 
     The batch is cut into `num_minibatches` optimizer updates, each averaging the gradients of
-    `grad_accum` equal micro-batches. An update whose loss or gradient is not finite is
+    `grad_accum` equal micro-batches; `epochs` passes go over the same mini-batches (in the
+    same order), `epochs x num_minibatches` updates in all, numbered by `update_index`. An update whose loss or gradient is not finite is
     skipped: parameters and optimizer state stay as they were and `skipped` counts it.
     Metrics are averaged over mini-batches; `grad_norm` is the global norm before clipping.
     `constrain` maps the split batch [minibatches, grad_accum, rows, ...] to itself (a sharding
@@ -164,9 +166,12 @@ def make_update(
         mbs = split_minibatches(batch, num_minibatches, grad_accum)
         if constrain is not None:  # e.g. spread every micro-batch's rows over the mesh
             mbs = constrain(mbs)
-        indices = jnp.arange(num_minibatches, dtype=jnp.int32)
-        state, metrics = jax.lax.scan(minibatch_update, state, (mbs, indices))
-        return state, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        def epoch(state: TrainState, e: jax.Array):
+            indices = e * num_minibatches + jnp.arange(num_minibatches, dtype=jnp.int32)
+            return jax.lax.scan(minibatch_update, state, (mbs, indices))
+
+        state, metrics = jax.lax.scan(epoch, state, jnp.arange(epochs, dtype=jnp.int32))
+        return state, jax.tree.map(lambda m: jnp.mean(m, axis=(0, 1)), metrics)
 
     return update
 

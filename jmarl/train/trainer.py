@@ -98,12 +98,12 @@ class Trainer:
         s = config.sampling
         self.temperature = s.temperature if s.temperature > 0 else 1.0
         self.sampler = ModelSampler(self.policies, SamplingSettings.from_config(s))
-        self.parts = o.minibatches * o.epochs * o.grad_accum
+        self.parts = o.minibatches * o.grad_accum
         run_mesh = sharding_lib.mesh_from_config(config.mesh)
         self.fns = [
             build_group_fns(
                 g, self.method, self.algo_cfg, self.optimizer, self.sft_optimizer, temperature=self.temperature,
-                minibatches=o.minibatches * o.epochs, grad_accum=o.grad_accum, mesh=run_mesh,
+                minibatches=o.minibatches, grad_accum=o.grad_accum, epochs=o.epochs, mesh=run_mesh,
             )
             for g in self.policies.groups
         ]

@@ -69,7 +69,9 @@ prompt. Generation: the sampler calls of one step, each as rows per policy of th
 
 Each call's layout (B = next_pow2(rows), prompt blocks, KV-cache capacity) comes from the
 sampler's own host code on distinct prompts of max_prompt_len tokens
-(`ModelSampler.generation_program`); the call with the largest arguments is compiled. As in
+(`ModelSampler.generation_program`); the call with the largest arguments is compiled. With
+`sampling.engine: continuous`, the engine's prefill and decode-chunk programs are planned instead
+(`engine_programs`: its slots from sampling.kv_budget_bytes, its KV cache the slots' rows). As in
 the run, only the parameters arrive sharded: the sampler's prompts and KV cache are host
 values, which JAX replicates over the mesh's devices.
 Caveats: a completion re-tokenised for another learner (the shared plan's cross samples) may
@@ -117,6 +119,9 @@ _ADVICE = {
                 "sampling.max_new_tokens or sampling.max_prompt_len, or shard the parameters more (mesh.fsdp)",
 }
 _ADVICE["score_ref"] = _ADVICE["score"]
+_ADVICE["engine_decode"] = _ADVICE["engine_prefill"] = (
+    "lower sampling.kv_budget_bytes (fewer slots), sampling.max_new_tokens or sampling.max_prompt_len, "
+    "or shard more (mesh.data / mesh.fsdp split the slots, mesh.fsdp the parameters)")
 
 
 # ----------------------------------------------------------------------------------- figures
@@ -342,12 +347,16 @@ def trainer_programs(trainer: Any) -> list[Program]:
         # the group's own leaves, placed as they are (LoRA: the base once, adapters attached
         # unmerged), so `_resident` does not count them twice
         params = full_params_shapes(group)
-        calls = [(trainer.sampler.generation_program(group, rows, share, params=_abstract(params)), rows, share)
-                 for rows, share in b.calls]
-        (program, args), rows, share = max(calls, key=lambda c: device_bytes(c[0][1]))
-        add("generate", program, args, _resident(run_state, (params,)),
-            {"rows": list(rows), "share": share, "prompts": list(args[2].shape[:-1]), "S": args[2].shape[-1],
-             "capacity": args[1].values[0].shape[-2]})
+        if getattr(trainer.sampler.settings, "engine", "static") == "continuous":
+            for name, jitted, args, shapes in engine_programs(trainer, group, b.calls, params):
+                add(name, jitted, args, _resident(run_state, ()), shapes)  # the masters stay resident
+        else:
+            calls = [(trainer.sampler.generation_program(group, rows, share, params=_abstract(params)), rows, share)
+                     for rows, share in b.calls]
+            (program, args), rows, share = max(calls, key=lambda c: device_bytes(c[0][1]))
+            add("generate", program, args, _resident(run_state, (params,)),
+                {"rows": list(rows), "share": share, "prompts": list(args[2].shape[:-1]), "S": args[2].shape[-1],
+                 "capacity": args[1].values[0].shape[-2]})
 
         # the step's batch
         n = batch_rows([b.rows], parts, trainer.rows_bound())
@@ -376,6 +385,32 @@ def trainer_programs(trainer: Any) -> list[Program]:
         jitted, args = _bind(fns.update, group.state, group.base, batch)
         add("update", jitted, args, _resident(run_state, (group.state, group.base)), shapes)
     return out
+
+
+def engine_programs(trainer: Any, group: Any, calls: Sequence[tuple[tuple[int, ...], int]], params: Any
+                    ) -> list[tuple[str, Any, tuple, dict[str, Any]]]:
+    """The continuous engine's prefill and decode-chunk programs (`sampling.engine: continuous`)
+    for the largest engine run of the step's sampler `calls`: a stacked group runs one pass per
+    policy (its rows), another group one pass of all rows; S slots as `jmarl.models.engine.run`
+    picks them from `sampling.kv_budget_bytes` on the trainer's mesh, capacity = the bucket of
+    max_prompt_len + max_new_tokens - 1. [(name, jitted, abstract args, shapes)]."""
+    from jmarl.models import engine as engine_lib
+    from jmarl.rollouts import bucket_length, next_pow2
+
+    s = trainer.sampler.settings
+    tok = group.tokenizer
+    rows = max((max(r) if group.stacked else sum(r)) for r, _ in calls)
+    prompt_len = bucket_length(max(1, s.max_prompt_len), trainer.sampler.buckets)
+    capacity = prompt_len + int(s.max_new_tokens) - 1
+    mesh = trainer.mesh
+    slots = engine_lib.planned_slots(group.model_config, capacity, rows, s.kv_budget_bytes, mesh)
+    programs = engine_lib.planned_programs(
+        group.model_config, _abstract(params), slots=slots, prompt_len=prompt_len, max_new_tokens=s.max_new_tokens,
+        chunk_steps=s.engine_chunk_steps, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, select=group.stacked, mesh=mesh)
+    shapes = {"rows": rows, "slots": slots, "P": prompt_len, "capacity": capacity}
+    return [(name, jitted, args, dict(shapes, U=next_pow2(slots)) if name == "engine_prefill" else dict(shapes))
+            for name, jitted, args in programs]
 
 
 def _replace(group: Any, **changes: Any) -> Any:

@@ -1,6 +1,7 @@
 """Continuous-batching engine (`jmarl.models.engine`): greedy equal to the static sampler,
 sampled log-probs equal to re-scoring, reproducible across slot counts, refills, shared
-prompts prefilled once, the KV budget, and the ModelSampler integration and its stats."""
+prompts prefilled once, the KV budget, the ModelSampler integration and its stats, and the engine on
+a mesh of 8 simulated devices (slots split over data x fsdp, equal to one device; its planned programs)."""
 
 import types
 
@@ -168,3 +169,131 @@ def test_sampling_config_fields():
     settings = SamplingSettings.from_config(cfg)
     assert settings.engine == "continuous" and settings.kv_budget_bytes == 2 << 20
     assert SamplingConfig().engine == "static" and SamplingConfig().kv_budget() is None
+
+
+# ---------------------------------------------------------------------------------- on a mesh
+def _decode_compiled(mesh, params, slots):
+    """The engine's compiled decode-chunk program on `mesh` for `slots` slots (as `run` builds it)."""
+    import jax.numpy as jnp
+
+    from jmarl.sharding import mesh_context
+
+    gen = engine._prepare_program(TINY, False)(params)
+    layout = engine.make_layout(TINY, mesh, gen)
+    fn = engine._chunk_program(TINY, 4, True, 0, False, (), 0, layout)
+    state = engine._init_program(TINY, slots, 8, 8 + N_NEW - 1, layout)()
+    with mesh_context(mesh):
+        return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1)).compile()
+
+
+@pytest.mark.parametrize("axes", [dict(data=8), dict(data=4, tensor=2), dict(data=2, fsdp=4)])
+def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
+    from jmarl import sharding
+
+    prompts = _prompts(12, seed=5)
+    stop = _stop_token()
+    kw = dict(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), chunk_steps=4)
+    want = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), num_slots=8, **kw)
+    mesh = sharding.make_mesh(**axes)
+    params = sharding.shard_params(TINY, PARAMS, mesh)  # weights as the trainer places them (fsdp, tensor)
+    got = engine.run(TINY, params, prompts, 1, jax.random.key(1), num_slots=8, mesh=mesh, **kw)
+    for a, b in zip(want.completions, got.completions):
+        np.testing.assert_array_equal(b[0][0], a[0][0])
+        np.testing.assert_allclose(b[0][1], a[0][1], atol=1e-5)
+    rows = axes.get("data", 1) * axes.get("fsdp", 1)
+    assert got.stats.slots == 8 and got.stats.slots_per_device == 8 // rows
+    assert got.stats.prefills > 1  # slots were refilled
+    # the compiled decode program takes and returns the cache with the slots split over data (x fsdp)
+    compiled = _decode_compiled(mesh, params, 8)
+    for sh in (compiled.input_shardings[0][1].cache.keys[0], compiled.output_shardings[0].cache.values[1]):
+        shape = (8, TINY.num_kv_heads, TINY.head_dim, 8 + N_NEW - 1)
+        assert sh.shard_shape(shape)[0] == 8 // rows
+        assert sh.shard_shape(shape)[1] == TINY.num_kv_heads // axes.get("tensor", 1)
+    # FSDP weights are gathered once per chunk (before the decode loop), not inside the loop
+    text = compiled.as_text()
+    import re
+
+    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", text))
+    assert bodies
+    seen = 0
+    for comp in re.split(r"\n(?=\S)", text):
+        words = comp.split(" ", 2)
+        name = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
+        if name in bodies:
+            seen += 1
+            assert "all-gather" not in comp
+    assert seen == len(bodies)
+    if "fsdp" in axes:
+        assert "all-gather" in text
+
+
+def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mesh():
+    from jmarl import sharding
+
+    mesh = sharding.make_mesh(data=8)
+    prompts = _prompts(10, seed=6)
+    capacity = bucket_length(8) + N_NEW - 1
+    per_slot = engine.slot_bytes(TINY, capacity)
+    # budget per device: one slot each -> 8 slots on 8 devices (one device: 1 slot)
+    res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), max_new_tokens=N_NEW, temperature=0.0,
+                     kv_budget_bytes=per_slot, chunk_steps=4, mesh=mesh)
+    assert res.stats.slots == 8 and res.stats.slots_per_device == 1
+    for r, prompt in enumerate(prompts):
+        tokens, logprobs = _static(prompt, max_new_tokens=N_NEW, temperature=0.0)
+        np.testing.assert_array_equal(res.completions[r][0][0], tokens)
+        np.testing.assert_allclose(res.completions[r][0][1], logprobs, atol=1e-5)
+    # ModelSampler passes the run's mesh (stacked policies: one policy's slice, slots on data)
+    policies = _policy_set()
+    requests = [(0, "hi"), (1, "hello there"), (1, "abc")]
+    settings = SamplingSettings(max_new_tokens=6, temperature=0.0, engine="continuous", kv_budget_bytes=1 << 20,
+                                engine_chunk_steps=4)
+    plain = ModelSampler(policies, settings).sample(requests, 2, jax.random.key(0))
+    sharded = ModelSampler(policies, settings)
+    sharded.mesh = mesh
+    got = sharded.sample(requests, 2, jax.random.key(0))
+    for ca, cb in zip(plain, got):
+        for x, y in zip(ca, cb):
+            np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
+    assert sharded.engine_stats.slots_per_device == sharded.engine_stats.slots // 8
+
+
+def test_planned_programs_are_the_ones_run_calls(monkeypatch):
+    """`engine.planned_programs` (what `jmarl.plan` compiles) gives the programs `run` calls, with
+    arguments of the same shapes, dtypes and shardings."""
+    from jmarl import sharding
+
+    mesh = sharding.make_mesh(data=2, fsdp=4)
+    params = sharding.shard_params(TINY, PARAMS, mesh)
+    calls = {}
+
+    def recording(name, real):
+        def build(*static):
+            fn = real(*static)
+
+            def call(*args):
+                calls.setdefault(name, (fn, args))
+                return fn(*args)
+
+            return call
+
+        return build
+
+    monkeypatch.setattr(engine, "_prefill_program", recording("engine_prefill", engine._prefill_program))
+    monkeypatch.setattr(engine, "_chunk_program", recording("engine_decode", engine._chunk_program))
+    engine.run(TINY, params, _prompts(8, seed=7, low=8, high=9), 1, jax.random.key(0), max_new_tokens=N_NEW,
+               temperature=0.0, num_slots=8, chunk_steps=4, mesh=mesh)
+    monkeypatch.undo()
+    p = bucket_length(8)  # the prompts' bucket
+    per_slot = engine.slot_bytes(TINY, p + N_NEW - 1)
+    assert engine.planned_slots(TINY, p + N_NEW - 1, 8, per_slot, mesh) == 8  # one slot per device's budget
+    planned = engine.planned_programs(TINY, params, slots=8, prompt_len=p, max_new_tokens=N_NEW, chunk_steps=4,
+                                      temperature=0.0, mesh=mesh)
+    assert [name for name, _, _ in planned] == ["engine_prefill", "engine_decode"]
+    for name, fn, args in planned:
+        real_fn, real_args = calls[name]
+        assert fn is real_fn  # the same compiled program (same settings and layout)
+        assert jax.tree.structure(args) == jax.tree.structure(real_args)
+        for a, r in zip(jax.tree.leaves(args), jax.tree.leaves(real_args)):
+            assert a.shape == np.shape(r) and a.dtype == (r.dtype if hasattr(r, "dtype") else np.asarray(r).dtype)
+            if a.sharding is not None and isinstance(getattr(r, "sharding", None), jax.sharding.NamedSharding):
+                assert a.sharding.is_equivalent_to(r.sharding, len(a.shape))

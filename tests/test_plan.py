@@ -240,3 +240,24 @@ def test_trainer_checks_memory_before_step_0(run_yaml, real):
     assert not (tight.out / "metrics.jsonl").exists()  # nothing ran
     roomy = Trainer(load_config(run_yaml, ["train.memory_check=on", "train.device_memory=1GiB"]))
     assert [f.program for f in roomy.check_memory()] == PROGRAMS
+
+
+def test_continuous_engine_plans_its_prefill_and_decode_programs(run_yaml):
+    from jmarl.models import engine
+
+    config, _ = plan.load_plan_config(str(run_yaml), [f"output_dir={run_yaml.parent / 'engine'}",
+                                                      "sampling.engine=continuous", "sampling.kv_budget_bytes=64KiB"])
+    trainer = Trainer(config, abstract=True)
+    programs = [p for p in plan.trainer_programs(trainer) if p.program.startswith(("engine", "generate"))]
+    assert [p.program for p in programs] == ["engine_prefill", "engine_decode"]
+    decode = programs[1]
+    slots = decode.shapes["slots"]
+    assert slots == 8 and decode.shapes["rows"] == 8  # tree: E x K = 8 rows per policy, 8 slots fit the budget
+    cache = decode.args[1].cache
+    model = trainer.policies.groups[0].model_config
+    assert cache.keys[0].shape[0] == slots and cache.values[0].shape[2] == decode.shapes["capacity"]
+    assert cache.keys[0].sharding.shard_shape(cache.keys[0].shape)[0] == slots // 4  # slots over data x fsdp
+    figures = [plan.analyse(p) for p in programs]
+    kv_per_device = slots // 4 * engine.slot_bytes(model, decode.shapes["capacity"])
+    for f in figures:
+        assert f.state >= kv_per_device and f.peak > f.resident > 0

@@ -25,6 +25,15 @@ different slot counts give the same completions.
 The budget: a slot's cache costs layers x 2 x kv_heads x head_dim x C x dtype bytes; the engine
 runs S = the largest power of two whose slots fit `kv_budget_bytes` (no more than the rows asked
 for, rounded up to a power of two). A call whose single slot does not fit is refused.
+
+On a mesh (`run(..., mesh=...)`): the slot axis of the KV cache and of every per-slot field is
+sharded over the batch axes (data, fsdp; S rounded up to a multiple of their product, the
+budget being per device: S/(data x fsdp) slots must fit it), the cache's key/value heads over
+tensor (as `jmarl.sharding.cache_specs`); each device holds and decodes only its slots. The
+parameters stay as the caller placed them; FSDP-sharded weights are gathered (already in the
+compute dtype) once at the top of each prefill / decode-chunk program, so the decode loop reads
+gathered weights instead of gathering them at every step. The programs are jitted with the
+state's shardings in and out (and the state donated), so the cache stays sharded between calls.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
@@ -109,6 +121,98 @@ def slots_for_budget(config: ModelConfig, capacity: int, budget: int, rows: int)
     return max(1, min(fit, next_pow2(max(rows, 1))))
 
 
+
+# ---------------------------------------------------------------------------------- mesh layout
+@dataclass(frozen=True)
+class Layout:
+    """How the engine lies on a mesh: `rows` the mesh axes of the slot axis (data, fsdp: those of
+    size > 1), `heads` the axis of the cache's key/value heads ("tensor" or None), `gather` one
+    NamedSharding (or None: left as it is) per parameter leaf (treedef `params_def`): the leaf's
+    own sharding without the fsdp axis (the weights one program call reads, gathered once)."""
+
+    mesh: Any
+    rows: tuple[str, ...]
+    heads: str | None
+    params_def: Any = None
+    gather: tuple = ()
+
+    @property
+    def row_devices(self) -> int:
+        sizes = dict(self.mesh.shape)
+        return int(np.prod([sizes[a] for a in self.rows])) if self.rows else 1
+
+    def row_spec(self) -> P:
+        return P(None if not self.rows else self.rows[0] if len(self.rows) == 1 else self.rows)
+
+    def cache_spec(self) -> P:
+        return P(*self.row_spec(), self.heads) if self.heads else self.row_spec()
+
+    def state_shardings(self, num_layers: int) -> EngineState:
+        """NamedSharding per field of an EngineState: slots over `rows`, cache heads over `heads`."""
+        row = NamedSharding(self.mesh, self.row_spec())
+        cache = NamedSharding(self.mesh, self.cache_spec())
+        return EngineState(
+            cache=KVCache(keys=(cache,) * num_layers, values=(cache,) * num_layers), prompt_mask=row,
+            prompt_len=row, token=row, count=row, limit=row, request=row, completion=row, done=row, uniforms=row,
+        )
+
+
+def _without_fsdp(spec: P) -> P:
+    out = []
+    for entry in spec:
+        axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+        axes = [a for a in axes if a != "fsdp"]
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return P(*out)
+
+
+def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None) -> Layout | None:
+    """The engine's layout on `mesh` (None without a mesh of several devices); `params` (the
+    generation parameters, placed) give the gathered shardings of the weights."""
+    if mesh is None or mesh.size <= 1:
+        return None
+    sizes = dict(mesh.shape)
+    rows = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+    tensor = sizes.get("tensor", 1)
+    heads = "tensor" if tensor > 1 and config.num_kv_heads % tensor == 0 else None
+    if params is None:
+        return Layout(mesh, rows, heads)
+    leaves, treedef = jax.tree.flatten(params)
+
+    def gathered(leaf):
+        sh = getattr(leaf, "sharding", None)
+        if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
+            return None
+        return NamedSharding(mesh, _without_fsdp(sh.spec))
+
+    return Layout(mesh, rows, heads, treedef, tuple(gathered(leaf) for leaf in leaves))
+
+
+def _gathered(layout: Layout | None, params: Params) -> Params:
+    """params constrained to their fsdp-gathered shardings (inside a program: one gather per call)."""
+    if layout is None or not layout.gather:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    leaves = [x if sh is None else jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(leaves, layout.gather)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _jit(program, layout: Layout | None, num_layers: int, state_arg: int | None, outputs: int, donate: tuple):
+    """jax.jit of `program`; with a layout, the state argument `state_arg` and output 0 (the
+    state) carry the layout's shardings (the other outputs follow XLA's propagation)."""
+    if layout is None:
+        return jax.jit(program, donate_argnums=donate)
+    state_sh = layout.state_shardings(num_layers)
+    kwargs: dict[str, Any] = dict(donate_argnums=donate)
+    if state_arg is not None:
+        import inspect
+
+        nargs = len(inspect.signature(program).parameters)
+        kwargs["in_shardings"] = tuple(state_sh if i == state_arg else None for i in range(nargs))
+    kwargs["out_shardings"] = state_sh if outputs == 1 else (state_sh,) + (None,) * (outputs - 1)
+    return jax.jit(program, **kwargs)
+
+
 # ---------------------------------------------------------------------------------- device part
 def _row_uniforms(rng: jax.Array, request: jax.Array, completion: jax.Array, steps: int) -> jax.Array:
     """float32[R, steps]: the draws of tokens 0 .. steps-1 of completion (request, completion) of
@@ -137,7 +241,7 @@ def _prepare_program(config: ModelConfig, select: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _init_program(config: ModelConfig, slots: int, prompt_len: int, capacity: int):
+def _init_program(config: ModelConfig, slots: int, prompt_len: int, capacity: int, layout: Layout | None = None):
     def program():
         _TRACES["init"] += 1
         zeros = jnp.zeros((slots,), jnp.int32)
@@ -147,7 +251,7 @@ def _init_program(config: ModelConfig, slots: int, prompt_len: int, capacity: in
             done=jnp.ones((slots,), bool), uniforms=jnp.zeros((slots, capacity - prompt_len + 1), jnp.float32),
         )
 
-    return jax.jit(program)
+    return _jit(program, layout, config.num_layers, None, 1, ())
 
 
 def _settings(greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...], pad_id: int):
@@ -161,7 +265,7 @@ def _choose(logits, rng, uniform, temperature, top_p, *, greedy, top_k, use_top_
 
 @functools.lru_cache(maxsize=None)
 def _prefill_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...],
-                     pad_id: int):
+                     pad_id: int, layout: Layout | None = None):
     """(params, state, tokens [U,P], mask [U,P], source [R], dest [R], request [R],
     completion [R], limit [R], rng, temperature, top_p) -> (state, token [R], logprob [R],
     done [R]): slot dest[i] starts completion (request[i], completion[i]) of prompt source[i];
@@ -170,6 +274,7 @@ def _prefill_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: b
 
     def program(params, state, tokens, mask, source, dest, request, completion, limit, rng, temperature, top_p):
         _TRACES["prefill"] += 1
+        params = _gathered(layout, params)
         u, p = tokens.shape
         logits, prompt_cache = prefill(gen_config, params, tokens, mask, empty_cache(gen_config, (u,), p))
         logits = logits[source]
@@ -201,12 +306,12 @@ def _prefill_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: b
         )
         return state, token, logprob, done
 
-    return jax.jit(program, donate_argnums=(1,))
+    return _jit(program, layout, config.num_layers, 1, 4, (1,))
 
 
 @functools.lru_cache(maxsize=None)
 def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, use_top_p: bool,
-                   stop_tokens: tuple[int, ...], pad_id: int):
+                   stop_tokens: tuple[int, ...], pad_id: int, layout: Layout | None = None):
     """(params, state, rng, temperature, top_p) -> (state, tokens int32[S, K], logprobs
     float32[S, K], emitted bool[S, K]): up to K decode steps of every slot not done (the loop
     ends early once all are)."""
@@ -214,6 +319,7 @@ def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, us
 
     def program(params, state, rng, temperature, top_p):
         _TRACES["decode"] += 1
+        params = _gathered(layout, params)  # once per chunk: the loop below reads gathered weights
         s, p = state.prompt_mask.shape
         gen_slots = state.cache.capacity - p
         layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
@@ -252,11 +358,11 @@ def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, us
             cond, body, (jnp.int32(0), state, out_tokens, out_logprobs, out_emitted))
         return state, out_tokens, out_logprobs, out_emitted
 
-    return jax.jit(program, donate_argnums=(1,))
+    return _jit(program, layout, config.num_layers, 1, 4, (1,))
 
 
 @functools.lru_cache(maxsize=None)
-def _shrink_program(slots: int):
+def _shrink_program(slots: int, layout: Layout | None = None, num_layers: int = 0):
     """(state [S', ...] -> state [slots, ...]): rows `index` int32[slots] of the state, those
     with keep False marked done (padding rows). The tail of a run, once the queue is empty,
     decodes its last few rows with fewer slots."""
@@ -266,7 +372,7 @@ def _shrink_program(slots: int):
         state = jax.tree.map(lambda a: a[index], state)
         return state.replace(done=state.done | ~keep)
 
-    return jax.jit(program)
+    return _jit(program, layout, num_layers, 0, 1, ())
 
 
 # ---------------------------------------------------------------------------------- host part
@@ -283,12 +389,14 @@ class EngineStats:
     requests: int = 0
     queue_wait_chunks: int = 0  # sum over requests of the chunks run before its first completion started
     slots: int = 0  # S of the last run
+    slots_per_device: int = 0  # slots each device holds (the cache's shard along the slot axis), largest seen
 
     def add(self, other: "EngineStats") -> None:
         for name in ("rows", "slot_steps", "busy_slot_steps", "chunks", "prefills", "prompts_prefilled", "requests",
                      "queue_wait_chunks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.slots = other.slots
+        self.slots_per_device = other.slots_per_device
 
 
 @dataclass
@@ -325,6 +433,7 @@ def run(
     buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
     policy: int | None = None,
     shrink: bool = True,
+    mesh: Any = None,
 ) -> EngineResult:
     """n[r] completions (an int: the same for every request) of each prompt (token ids) with
     continuous batching. `params` stacked [P, ...] with `policy` given: that policy's parameters.
@@ -332,7 +441,10 @@ def run(
     max_new_tokens). Slots: `num_slots` if given, else from `kv_budget_bytes` (None: the
     device's default, `default_kv_budget`); see `slots_for_budget`. `shrink`: once the queue is
     empty and at most a quarter of the slots are busy, the busy rows move to a state of
-    next_pow2(busy) slots (the long tail of a run then decodes only a few rows per step)."""
+    next_pow2(busy) slots (the long tail of a run then decodes only a few rows per step).
+    `mesh` (a `jax.sharding.Mesh`): the slots are sharded over its batch axes (data, fsdp; S a
+    multiple of their product), cache heads over tensor; `params` are used as placed (see the
+    module docstring). The budget is then per device."""
     from jmarl.models.sampler import _check_options, left_align
 
     _check_options(max_new_tokens, temperature, top_p, top_k)
@@ -354,10 +466,13 @@ def run(
         raise JmarlError("every prompt needs at least one token")
     p_len = bucket_length(max(lengths), buckets)
     capacity = p_len + big_n - 1
+    layout = make_layout(config, mesh)
+    row_devices = 1 if layout is None else layout.row_devices
     if num_slots is None:
         budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
-        num_slots = slots_for_budget(config, capacity, budget, len(units))
-    s = int(num_slots)
+        slots_for_budget(config, capacity, budget, 1)  # refuses a slot that does not fit one device's budget
+        num_slots = slots_for_budget(config, capacity, budget * row_devices, len(units))
+    s = -(-int(num_slots) // row_devices) * row_devices  # a multiple of the devices splitting the slots
     stats.slots = s
     width = max(lengths)
     raw = np.full((len(prompts), width), pad_id, np.int32)
@@ -370,11 +485,21 @@ def run(
 
     greedy = float(temperature) == 0.0
     settings = (bool(greedy), int(top_k), float(top_p) < 1.0, tuple(int(t) for t in stop_tokens), int(pad_id))
-    prefill_fn = _prefill_program(config, *settings)
-    chunk_fn = _chunk_program(config, int(chunk_steps), *settings)
+    from jmarl.sharding import mesh_context
+
     prepare = _prepare_program(config, policy is not None)
-    gen_params = prepare(params) if policy is None else prepare(params, jnp.int32(policy))
-    state = _init_program(config, s, p_len, capacity)()
+    with mesh_context(None if layout is None else layout.mesh):
+        gen_params = prepare(params) if policy is None else prepare(params, jnp.int32(policy))
+    if layout is not None:  # leaves not on the mesh (e.g. single-device parameters): replicated on it
+        replicated = NamedSharding(layout.mesh, P())
+        gen_params = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == layout.mesh
+            else jax.device_put(x, replicated), gen_params)
+        layout = make_layout(config, layout.mesh, gen_params)
+    prefill_fn = _prefill_program(config, *settings, layout)
+    chunk_fn = _chunk_program(config, int(chunk_steps), *settings, layout)
+    state = _init_program(config, s, p_len, capacity, layout)()
+    context = lambda: mesh_context(None if layout is None else layout.mesh)  # noqa: E731
     temp = jnp.float32(1.0 if greedy else temperature)
     tp = jnp.float32(top_p)
 
@@ -406,13 +531,14 @@ def run(
                 if r not in started:
                     started.add(r)
                     stats.queue_wait_chunks += stats.chunks
-            state, tok, lp, done = prefill_fn(
-                gen_params, state,
-                _pow2_pad(tokens_all[distinct], u, pad_id), _pow2_pad(mask_all[distinct], u, False),
-                _pow2_pad(source.astype(np.int32), r_pad, 0), _pow2_pad(dest, r_pad, s),
-                _pow2_pad(reqs, r_pad, 0), _pow2_pad(np.asarray([x[1] for x in admitted], np.int32), r_pad, 0),
-                _pow2_pad(limits_arr[reqs], r_pad, 1), rng, temp, tp,
-            )
+            with context():
+                state, tok, lp, done = prefill_fn(
+                    gen_params, state,
+                    _pow2_pad(tokens_all[distinct], u, pad_id), _pow2_pad(mask_all[distinct], u, False),
+                    _pow2_pad(source.astype(np.int32), r_pad, 0), _pow2_pad(dest, r_pad, s),
+                    _pow2_pad(reqs, r_pad, 0), _pow2_pad(np.asarray([x[1] for x in admitted], np.int32), r_pad, 0),
+                    _pow2_pad(limits_arr[reqs], r_pad, 1), rng, temp, tp,
+                )
             stats.prefills += 1
             stats.prompts_prefilled += len(distinct)
             tok, lp, done = jax.device_get((tok, lp, done))
@@ -424,7 +550,10 @@ def run(
                     finish(slot)
         if not any(o is not None for o in owner):
             continue
-        state, toks, lps, emitted = chunk_fn(gen_params, state, rng, temp, tp)
+        with context():
+            state, toks, lps, emitted = chunk_fn(gen_params, state, rng, temp, tp)
+        keys0 = state.cache.keys[0]
+        stats.slots_per_device = max(stats.slots_per_device, int(keys0.sharding.shard_shape(keys0.shape)[0]))
         toks, lps, emitted, done = jax.device_get((toks, lps, emitted, state.done))
         stats.chunks += 1
         steps = int(emitted.any(axis=0).sum())
@@ -441,12 +570,82 @@ def run(
             if done[slot]:
                 finish(slot)
         busy = [slot for slot in range(s) if owner[slot] is not None]
-        if shrink and not units and busy and len(busy) * 4 <= s:
-            smaller = next_pow2(len(busy))
+        smaller = -(-next_pow2(max(len(busy), 1)) // row_devices) * row_devices  # still a multiple of them
+        if shrink and not units and busy and len(busy) * 4 <= s and smaller < s:
             index = np.asarray(busy + [busy[0]] * (smaller - len(busy)), np.int32)
             keep = np.arange(smaller) < len(busy)
-            state = _shrink_program(smaller)(state, index, keep)
+            with context():
+                state = _shrink_program(smaller, layout, config.num_layers)(state, index, keep)
             owner = [owner[slot] for slot in busy] + [None] * (smaller - len(busy))
             s = smaller
             free = list(range(len(busy), smaller))
     return EngineResult(result, stats)
+
+
+# ---------------------------------------------------------------------------------- for the memory planner
+def planned_slots(config: ModelConfig, capacity: int, rows: int, kv_budget_bytes: int | None, mesh: Any = None) -> int:
+    """S as `run` picks it for a run of `rows` completions of capacity `capacity` on `mesh`."""
+    layout = make_layout(config, mesh)
+    row_devices = 1 if layout is None else layout.row_devices
+    budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
+    slots_for_budget(config, capacity, budget, 1)
+    s = slots_for_budget(config, capacity, budget * row_devices, rows)
+    return -(-s // row_devices) * row_devices
+
+
+def planned_programs(
+    config: ModelConfig,
+    params: Any,
+    *,
+    slots: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    chunk_steps: int = DEFAULT_CHUNK_STEPS,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int = 0,
+    select: bool = False,
+    mesh: Any = None,
+) -> list[tuple[str, Any, tuple]]:
+    """[(name, jitted program, abstract arguments)] of the engine's prefill (its largest call:
+    every slot filled from distinct prompts, U = next_pow2(slots)) and decode-chunk programs for
+    `slots` slots of capacity prompt_len + max_new_tokens - 1, as `run` builds them on `mesh`.
+    `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with `select`
+    (one policy's slice generated). Nothing is allocated; the parameter preparation (cast to the
+    compute dtype) is compiled to learn its output shardings."""
+    from jmarl.sharding import mesh_context
+
+    greedy = float(temperature) == 0.0
+    settings = (bool(greedy), int(top_k), float(top_p) < 1.0, tuple(int(t) for t in stop_tokens), int(pad_id))
+    capacity = prompt_len + int(max_new_tokens) - 1
+    prepare = _prepare_program(config, select)
+    abstract = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+    args = (abstract(params),) + ((jax.ShapeDtypeStruct((), jnp.int32),) if select else ())
+    with mesh_context(mesh):
+        compiled = prepare.lower(*args).compile()
+    out_sh = compiled.output_shardings
+    shapes = jax.eval_shape(prepare, *args)
+    layout = make_layout(config, mesh)
+    if layout is not None:
+        gen = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, out_sh)
+        layout = make_layout(config, mesh, gen)
+    else:
+        gen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
+    state = jax.eval_shape(_init_program(config, slots, prompt_len, capacity, layout))
+    if layout is not None:
+        state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
+                             layout.state_shardings(config.num_layers))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    u = next_pow2(slots)
+    prefill_args = (gen, state, i32(u, prompt_len), jax.ShapeDtypeStruct((u, prompt_len), bool),
+                    i32(slots), i32(slots), i32(slots), i32(slots), i32(slots), key, f32, f32)
+    decode_args = (gen, state, key, f32, f32)
+    return [
+        ("engine_prefill", _prefill_program(config, *settings, layout), prefill_args),
+        ("engine_decode", _chunk_program(config, int(chunk_steps), *settings, layout), decode_args),
+    ]

@@ -222,7 +222,7 @@ class ModelSampler:
                 group.model_config, group.full_params(), [prompts[r] for r in idx], n, key,
                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                 stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, kv_budget_bytes=s.kv_budget_bytes,
-                chunk_steps=s.engine_chunk_steps, buckets=self.buckets, policy=policy,
+                chunk_steps=s.engine_chunk_steps, buckets=self.buckets, policy=policy, mesh=self.mesh,
             )
             st = result.stats
             self.engine_stats.add(st)

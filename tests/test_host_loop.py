@@ -273,30 +273,12 @@ def test_two_processes_each_step_their_share_and_see_every_result(tmp_path):
     """Two localhost processes (jax.distributed): each steps its half of the items and both get
     every result, in order, through the real collective."""
     import json
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from _processes import free_port, run_workers
+
+    port = free_port()
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", HOST_WORKER, str(port), str(i), str(outs[i])], cwd=repo, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"worker {i} failed:\n{log[-3000:]}"
+    run_workers(HOST_WORKER, [(port, i, outs[i]) for i in range(2)], timeout=240)
     items = [(i, str(i % 7)) for i in range(11)]
     want_first = [[s + int(t), int(t) / 10] for s, t in items]
     want_second = want_first[:3]

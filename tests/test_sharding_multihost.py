@@ -2,21 +2,16 @@
 on an 8-device global mesh and save/restore a checkpoint collectively; the numbers must equal
 the single-process step."""
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from _processes import free_port, run_workers
 from jmarl import models
 from jmarl.train.step import init_train_state, make_update
 
-REPO = Path(__file__).resolve().parents[1]
 
 # Shared by the workers and the single-process reference (exec'd in both).
 SETUP = textwrap.dedent(
@@ -78,33 +73,12 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_single_process(tmp_path):
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = free_port()
     outs = [tmp_path / f"p{i}.npz" for i in range(2)]
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(i), str(outs[i]), str(tmp_path / "ckpt")],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"worker {i} failed:\n{log[-3000:]}"
+    run_workers(WORKER, [(port, i, outs[i], tmp_path / "ckpt") for i in range(2)], timeout=300,
+                xla_flags="--xla_force_host_platform_device_count=4")
 
     # the single-process reference: the same step, unsharded
     scope: dict = {}

@@ -37,6 +37,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_PREFIX = "metrics:"  # a key read from the last logged value in metrics.jsonl
 MEAN_PREFIX = "mean:"  # a key read as the mean of every logged value in metrics.jsonl
@@ -269,10 +271,9 @@ QUICKSTART_VARIANTS = (
 )
 QUICKSTART = Table(
     name="quickstart",
-    title="The quickstart task (5x5 Plan-Path): held-out greedy success on 64 episodes, 150 warm-start "
-    "steps then 100 RL steps, mean +- std over seeds 0, 1, 2",
+    title="The quickstart task (5x5 Plan-Path): held-out greedy success on 128 episodes",
     config="configs/quickstart.yaml",
-    base=("checkpoint.every=0", "eval.every=0"),
+    base=("checkpoint.every=0", "eval.every=0", "eval.num_episodes=128"),
     variants=QUICKSTART_VARIANTS,
     rows=(
         Line("single agent, warm start only", "success_before", "single"),
@@ -347,20 +348,13 @@ def child_env(runs_root: Path) -> dict[str, str]:
     return env
 
 
-def run_one(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None,
-            runner: Callable[[list[str]], int] | None = None) -> dict[str, Any]:
-    """Runs one (variant, seed) in its own process; its cell values, wall and CPU seconds."""
-    out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
-    cmd = run_command(table, variant, seed, out_dir, steps)
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(runs_root))
-    _, status, usage = os.wait4(proc.pid, 0)
-    row: dict[str, Any] = {
-        "seed": seed,
-        "wall_seconds": round(time.perf_counter() - started, 1),
-        "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
-    }
-    code = os.waitstatus_to_exitcode(status)
+RUN_RECORD = "evidence_run.json"  # in a run's output dir: its argv (sans interpreter) and its row
+
+
+def _row_of(table: Table, variant: Variant, seed: int, out_dir: Path, wall: float, cpu: float,
+            code: int) -> dict[str, Any]:
+    """The result row of one finished run: its cell values (or its error), wall and CPU seconds."""
+    row: dict[str, Any] = {"seed": seed, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1)}
     if code != 0:
         row["error"] = f"exit status {code}"
         return row
@@ -368,6 +362,53 @@ def run_one(table: Table, variant: Variant, seed: int, runs_root: Path, steps: i
     metrics = logged_metrics(out_dir / "metrics.jsonl")
     row["values"] = {k: read_value(summary, metrics, k) for k in table.keys_of(variant.name)}
     return row
+
+
+def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: Sequence[str]) -> dict[str, Any] | None:
+    """The row of an earlier run of exactly this command that finished (resume), else None. A
+    run's record is written only after it exits 0, so a run killed midway is rerun."""
+    record = out_dir / RUN_RECORD
+    if not record.exists():
+        return None
+    saved = json.loads(record.read_text())
+    if saved.get("argv") != list(cmd[1:]) or not (out_dir / "summary.json").exists():
+        return None
+    return _row_of(table, variant, seed, out_dir, saved["wall_seconds"], saved["cpu_seconds"], 0) | {"reused": True}
+
+
+def start_run(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None,
+              cpus: Sequence[int] | None = None) -> tuple[subprocess.Popen, list[str], Path, float]:
+    """Starts one (variant, seed) run in its own process (pinned to `cpus` when given)."""
+    out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
+    cmd = run_command(table, variant, seed, out_dir, steps)
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(runs_root), preexec_fn=pin,
+                            stdout=subprocess.DEVNULL if cpus is not None else None)
+    return proc, cmd, out_dir, time.perf_counter()
+
+
+def finish_run(table: Table, variant: Variant, seed: int, started: tuple[subprocess.Popen, list[str], Path, float],
+               status: int, usage: Any) -> dict[str, Any]:
+    """The row of a run that exited with wait status `status`; its record is written on success."""
+    _, cmd, out_dir, t0 = started
+    wall, cpu = time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
+    code = os.waitstatus_to_exitcode(status)
+    row = _row_of(table, variant, seed, out_dir, wall, cpu, code)
+    if code == 0:
+        (out_dir / RUN_RECORD).write_text(json.dumps(
+            {"argv": cmd[1:], "wall_seconds": row["wall_seconds"], "cpu_seconds": row["cpu_seconds"]}, indent=1))
+    return row
+
+
+def run_one(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None) -> dict[str, Any]:
+    """Runs one (variant, seed) in its own process (or reuses its finished run); its row."""
+    out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
+    done = finished_row(table, variant, seed, out_dir, run_command(table, variant, seed, out_dir, steps))
+    if done is not None:
+        return done
+    started = start_run(table, variant, seed, runs_root, steps)
+    _, status, usage = os.wait4(started[0].pid, 0)
+    return finish_run(table, variant, seed, started, status, usage)
 
 
 def mean_std(values: Sequence[float]) -> dict[str, float]:
@@ -419,21 +460,50 @@ def command_line(table_name: str, seeds: Sequence[int], steps: int | None) -> st
 
 
 def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: Path,
-              on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Runs every variant for every seed (one process at a time); the result JSON as a dict.
-    `on_run(partial result)` is called after every run (the JSON so far, `complete` False)."""
+              on_run: Callable[[dict[str, Any]], None] | None = None, jobs: int = 1) -> dict[str, Any]:
+    """Runs every (variant, seed) not already finished, seed-major (so a partial table has whole
+    paired seeds), `jobs` processes at a time (each pinned to its own share of the CPUs when
+    jobs > 1); the result JSON as a dict. `on_run(partial result)` is called after every run."""
     started = time.perf_counter()
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for variant in table.variants:
-        runs[variant.name] = []
-        for seed in seeds:
-            row = run_one(table, variant, seed, runs_root, steps)
-            runs[variant.name].append(row)
-            status = row.get("error", "ok")
-            print(f"[evidence:{table.name}] {variant.name} seed {seed}: {status}, {row['wall_seconds']:.0f} s", flush=True)
-            if on_run is not None:
-                on_run(_result(table, seeds, steps, runs, started, complete=False))
+    runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in table.variants}
+    todo = []
+    for seed in seeds:
+        for variant in table.variants:
+            out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
+            done = finished_row(table, variant, seed, out_dir, run_command(table, variant, seed, out_dir, steps))
+            if done is not None:
+                runs[variant.name].append(done)
+            else:
+                todo.append((variant, seed))
+    print(f"[evidence:{table.name}] {len(todo)} runs to go, {sum(map(len, runs.values()))} reused", flush=True)
+    cpu_sets = _cpu_sets(jobs)
+    free, running = list(range(len(cpu_sets))), {}
+    while todo or running:
+        while todo and free:
+            slot = free.pop(0)
+            variant, seed = todo.pop(0)
+            proc_info = start_run(table, variant, seed, runs_root, steps, cpu_sets[slot] if jobs > 1 else None)
+            running[proc_info[0].pid] = (slot, variant, seed, proc_info)
+        pid, status, usage = os.wait4(-1, 0)
+        if pid not in running:
+            continue
+        slot, variant, seed, proc_info = running.pop(pid)
+        free.append(slot)
+        row = finish_run(table, variant, seed, proc_info, status, usage)
+        runs[variant.name].append(row)
+        runs[variant.name].sort(key=lambda r: list(seeds).index(r["seed"]))
+        print(f"[evidence:{table.name}] {variant.name} seed {seed}: {row.get('error', 'ok')}, "
+              f"{row['wall_seconds']:.0f} s ({len(todo)} to start)", flush=True)
+        if on_run is not None:
+            on_run(_result(table, seeds, steps, runs, started, complete=False))
     return _result(table, seeds, steps, runs, started, complete=True)
+
+
+def _cpu_sets(jobs: int) -> list[list[int]]:
+    """The CPUs of each of `jobs` concurrent runs: this process's CPUs dealt out round-robin."""
+    cpus = sorted(os.sched_getaffinity(0))
+    jobs = max(1, min(jobs, len(cpus)))
+    return [cpus[i::jobs] for i in range(jobs)]
 
 
 def _result(table: Table, seeds: Sequence[int], steps: int | None, runs: dict[str, list[dict[str, Any]]],
@@ -473,21 +543,93 @@ def fmt_cell(stats: dict[str, float] | None, digits: int) -> str:
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def comparison_lines(table: Table, agg: dict[str, dict[str, dict[str, float]]]) -> list[str]:
-    """One line per comparison: the two means and whether the difference exceeds the spread."""
-    lines = []
+def paired_values(result: dict[str, Any], comparison: Comparison) -> list[tuple[int, float, float]]:
+    """(seed, variant value, baseline value) for every seed where both runs produced their key,
+    in seed order: the pairs of a paired comparison (same seed = same initialisation, tasks and
+    sampling keys wherever the two configs agree)."""
+    def by_seed(variant: str, key: str) -> dict[int, float]:
+        rows = result["variants"].get(variant, {}).get("runs", [])
+        return {r["seed"]: r["values"][key] for r in rows if r.get("values", {}).get(key) is not None}
+
+    a = by_seed(comparison.variant, comparison.key)
+    b = by_seed(comparison.baseline, comparison.baseline_key or comparison.key)
+    return [(seed, a[seed], b[seed]) for seed in result["seeds"] if seed in a and seed in b]
+
+
+def bootstrap_interval(diffs: Sequence[float], *, level: float = 0.95, resamples: int = 10_000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `diffs` (seeds resampled with replacement;
+    a fixed generator seed, so a table renders the same every time)."""
+    d = np.asarray(diffs, float)
+    means = d[np.random.default_rng(seed).integers(0, d.size, (resamples, d.size))].mean(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    return float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail))
+
+
+def sign_flip_p(diffs: Sequence[float], *, exact_up_to: int = 16, draws: int = 100_000) -> float:
+    """Two-sided p-value of the paired sign-flip (permutation) test: under "no effect" each
+    difference's sign is a coin flip; p = P(|mean of flipped diffs| >= |observed mean|). Exact
+    over all 2^n sign patterns up to `exact_up_to` seeds, Monte Carlo beyond."""
+    d = np.asarray(diffs, float)
+    if d.size <= exact_up_to:
+        signs = 1 - 2 * ((np.arange(2**d.size)[:, None] >> np.arange(d.size)) & 1)
+    else:
+        signs = np.random.default_rng(0).choice([-1.0, 1.0], (draws, d.size))
+    flipped = np.abs((signs * d).mean(axis=1))
+    return float(np.mean(flipped >= abs(d.mean()) - 1e-12))
+
+
+def paired_stats(pairs: Sequence[tuple[int, float, float]]) -> dict[str, Any] | None:
+    """Mean of each side, the mean paired difference, its 95% bootstrap interval, the sign-flip
+    p-value and the verdict: "holds" when the interval is above 0 and p < 0.05, "reversed" when
+    it is below 0 and p < 0.05, else "undecided" (the percentile bootstrap is too narrow with few
+    seeds; with 3 seeds p cannot go below 0.25, so both must agree)."""
+    if len(pairs) < 2:
+        return None
+    diffs = [a - b for _, a, b in pairs]
+    lo, hi = bootstrap_interval(diffs)
+    p = sign_flip_p(diffs)
+    return {
+        "n": len(pairs), "seeds": [s for s, _, _ in pairs],
+        "variant_mean": statistics.fmean(a for _, a, _ in pairs),
+        "baseline_mean": statistics.fmean(b for _, _, b in pairs),
+        "difference": statistics.fmean(diffs), "ci95": [lo, hi], "p": p,
+        "verdict": ("holds" if lo > 0 and p < 0.05 else "reversed" if hi < 0 and p < 0.05 else "undecided"),
+    }
+
+
+def comparison_lines(table: Table, result: dict[str, Any]) -> list[str]:
+    """The paired-comparison table: one line per comparison over the seeds both sides have."""
+    d = table.digits
+    lines = ["| comparison | variant | baseline | paired difference | 95% bootstrap interval | sign-flip p | "
+             "seeds | verdict |", "|---|---|---|---|---|---|---|---|"]
     for c in table.comparisons:
-        a = agg.get(c.variant, {}).get(c.key)
-        b = agg.get(c.baseline, {}).get(c.baseline_key or c.key)
-        if a is None or b is None:
+        stats = paired_stats(paired_values(result, c))
+        if stats is None:
             continue
-        diff = a["mean"] - b["mean"]
-        spread = max(a["std"], b["std"])
-        verdict = "higher" if diff > spread else "lower" if diff < -spread else "no difference beyond one std"
-        line = f"- {c.what}: {a['mean']:.{table.digits}f} vs {b['mean']:.{table.digits}f} ({verdict})."
-        if verdict != "higher" and c.why:
-            line += f" {c.why}"
-        lines.append(line)
+        lo, hi = stats["ci95"]
+        lines.append(f"| {c.what} | {stats['variant_mean']:.{d}f} | {stats['baseline_mean']:.{d}f} | "
+                     f"{stats['difference']:+.{d}f} | [{lo:+.{d}f}, {hi:+.{d}f}] | {stats['p']:.3f} | "
+                     f"{stats['n']} | **{stats['verdict']}** |")
+    return lines if len(lines) > 2 else []
+
+
+def per_seed_lines(table: Table, result: dict[str, Any]) -> list[str]:
+    """Every seed's raw value of each (variant, key) a comparison reads, one row per seed."""
+    cols = list(dict.fromkeys(
+        [(c.variant, c.key) for c in table.comparisons] + [(c.baseline, c.baseline_key or c.key) for c in table.comparisons]))
+    if not cols:
+        return []
+    rows = {v: {r["seed"]: r for r in result["variants"].get(v, {}).get("runs", [])} for v, _ in cols}
+    labels = [f"{v} {k}" for v, k in cols]
+    lines = ["| seed | " + " | ".join(labels) + " |", "|---|" + "---|" * len(cols)]
+    for seed in result["seeds"]:
+        cells = []
+        for v, k in cols:
+            run = rows[v].get(seed)
+            value = None if run is None else run.get("values", {}).get(k)
+            cells.append("—" if value is None else f"{value:.{table.digits}f}")
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -516,13 +658,19 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
             cells.append(fmt_cell(agg.get(variant, {}).get(col.key + row.key), table.digits))
         lines.append(f"| {row.label} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines += comparison_lines(table, agg)
+    paired = comparison_lines(table, result)
+    if paired:
+        lines += ["Paired over seeds (variant minus baseline on the same seed; the interval is a 95% percentile "
+                  "bootstrap of the mean difference, p the two-sided exact sign-flip test):", "", *paired, ""]
     lines += [f"- {n}" for n in table.notes]
     if failed:
         lines.append(f"- Failed runs (left out of the means): {', '.join(failed)}.")
     if not result.get("complete", True):
         total = len(table.variants) * len(seeds)
         lines.append(f"- Incomplete: {len(walls)} of {total} runs finished; means are over the finished runs.")
+    raw = per_seed_lines(table, result)
+    if raw:
+        lines += ["", "<details><summary>Per-seed values</summary>", "", *raw, "", "</details>"]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -556,8 +704,10 @@ def replace_block(text: str, name: str, block: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("table", choices=sorted(TABLES))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the table's)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each pinned to its share of the CPUs (wall times are then per share)")
     parser.add_argument("--runs", default="runs/evidence", help="parent of the per-run output dirs")
     parser.add_argument("--out", default=None, help="result JSON (default results/evidence_<table>.json)")
     parser.add_argument("--readme", default="docs/evidence.md", help="markdown file whose table is rewritten")
@@ -572,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         save = lambda partial: out.write_text(json.dumps(partial, indent=2) + "\n")  # noqa: E731
-        result = run_table(table, args.seeds, args.steps, ROOT / args.runs, on_run=save)
+        result = run_table(table, args.seeds, args.steps, ROOT / args.runs, on_run=save, jobs=args.jobs)
     block = markdown(table, result)
     result["markdown"] = block
     out.parent.mkdir(parents=True, exist_ok=True)

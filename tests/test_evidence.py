@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -151,6 +152,79 @@ def test_every_table_cell_has_one_variant_of_the_table():
         bad.cells()
 
 
+def test_sign_flip_p_hand_worked():
+    # all differences positive and distinct: only the all-plus and all-minus sign patterns reach
+    # the observed |mean|, so p = 2 / 2^n
+    assert evidence.sign_flip_p([0.3, 0.1, 0.2]) == pytest.approx(2 / 8)
+    assert evidence.sign_flip_p([0.05 * (i + 1) for i in range(8)]) == pytest.approx(2 / 256)
+    # [1, -1]: every pattern has |mean| >= 0
+    assert evidence.sign_flip_p([1.0, -1.0]) == pytest.approx(1.0)
+    # [2, 1, -1]: observed mean 2/3; patterns with |sum| >= 2: (+2 +1 -1)=2, (+2 +1 +1)=4, (+2 -1 +1)=2
+    # and their negations -> 6 of 8
+    assert evidence.sign_flip_p([2.0, 1.0, -1.0]) == pytest.approx(6 / 8)
+
+
+def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
+    assert evidence.bootstrap_interval([0.2] * 5) == pytest.approx((0.2, 0.2))
+    diffs = [0.1, 0.3, -0.05, 0.2, 0.15, 0.0, 0.25, 0.1]
+    lo, hi = evidence.bootstrap_interval(diffs)
+    assert min(diffs) <= lo < np.mean(diffs) < hi <= max(diffs)
+    assert evidence.bootstrap_interval(diffs) == (lo, hi)
+    # a reference from the definition: percentiles of resampled means
+    rng = np.random.default_rng(0)
+    means = np.asarray(diffs)[rng.integers(0, 8, (10_000, 8))].mean(1)
+    assert (lo, hi) == pytest.approx((np.percentile(means, 2.5), np.percentile(means, 97.5)))
+
+
+def _result_with(values_a, values_b, seeds):
+    rows = lambda vals: [{"seed": s, "values": {"k": v}} for s, v in zip(seeds, vals) if v is not None]  # noqa: E731
+    return {"seeds": list(seeds), "variants": {"a": {"runs": rows(values_a)}, "b": {"runs": rows(values_b)}}}
+
+
+def test_paired_stats_pair_by_seed_and_give_a_verdict():
+    comp = evidence.Comparison("a", "b", "k", "a vs b")
+    seeds = list(range(8))
+    up = _result_with([0.5 + 0.01 * i for i in range(8)], [0.3] * 7 + [None], seeds)
+    pairs = evidence.paired_values(up, comp)
+    assert [s for s, _, _ in pairs] == list(range(7))  # seed 7 has no baseline run: left out
+    stats = evidence.paired_stats(pairs)
+    assert stats["n"] == 7 and stats["difference"] == pytest.approx(0.23)
+    assert stats["verdict"] == "holds" and stats["p"] == pytest.approx(2 / 128)
+    down = evidence.paired_stats(evidence.paired_values(_result_with([0.3] * 8, [0.5 + 0.01 * i for i in range(8)], seeds), comp))
+    assert down["verdict"] == "reversed"
+    mixed = evidence.paired_stats(evidence.paired_values(
+        _result_with([0.5, 0.1, 0.4, 0.2, 0.6, 0.2, 0.3, 0.3], [0.3] * 8, seeds), comp))
+    assert mixed["verdict"] == "undecided" and mixed["ci95"][0] < 0 < mixed["ci95"][1]
+    # three seeds all up: the interval excludes 0 but p = 0.25, so it stays undecided
+    few = evidence.paired_stats(evidence.paired_values(_result_with([0.5, 0.6, 0.7], [0.3] * 3, [0, 1, 2]), comp))
+    assert few["ci95"][0] > 0 and few["verdict"] == "undecided"
+    assert evidence.paired_stats(pairs[:1]) is None
+
+
+def test_finished_runs_are_reused_only_for_the_same_command(tmp_path):
+    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
+    out = tmp_path / "run"
+    out.mkdir()
+    cmd = evidence.run_command(table, variant, 3, out, None)
+    assert evidence.finished_row(table, variant, 3, out, cmd) is None  # never ran
+    (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5, "before_eval_team_reward": 2.0}))
+    (out / evidence.RUN_RECORD).write_text(json.dumps({"argv": cmd[1:], "wall_seconds": 9.0, "cpu_seconds": 12.0}))
+    row = evidence.finished_row(table, variant, 3, out, cmd)
+    assert row["reused"] and row["seed"] == 3 and row["wall_seconds"] == 9.0
+    assert row["values"]["eval_team_reward"] == 2.5 and row["values"]["before_eval_team_reward"] == 2.0
+    other = evidence.run_command(table, variant, 3, out, 5)  # --steps 5: another run
+    assert evidence.finished_row(table, variant, 3, out, other) is None
+    (out / "summary.json").unlink()  # a record without its summary is not a finished run
+    assert evidence.finished_row(table, variant, 3, out, cmd) is None
+
+
+def test_cpu_sets_split_this_process_cpus():
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = evidence._cpu_sets(2)
+    assert sorted(c for s in sets for c in s) == cpus and all(sets)
+    assert evidence._cpu_sets(1) == [cpus]
+
+
 # ---- end to end: a tiny table, one seed, one RL step ----------------------------------------------
 
 
@@ -202,3 +276,10 @@ def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
     readme.write_text("intro\n<!-- evidence:tiny:start -->\n<!-- evidence:tiny:end -->\nrest\n")
     assert evidence.main(["tiny", "--render", "--out", str(out), "--readme", str(readme)]) == 0
     assert readme.read_text() == text
+    # run again: the finished run is reused (resume), not rerun
+    stamp = (tmp_path / "runs" / "tiny" / "aligned" / "seed_0" / "summary.json").stat().st_mtime_ns
+    assert evidence.main(["tiny", "--seeds", "0", "--steps", "1", "--runs", str(tmp_path / "runs"),
+                          "--out", str(out), "--readme", str(readme)]) == 0
+    again = json.loads(out.read_text())["variants"]["aligned"]["runs"][0]
+    assert again["reused"] and again["values"] == run["values"]
+    assert (tmp_path / "runs" / "tiny" / "aligned" / "seed_0" / "summary.json").stat().st_mtime_ns == stamp

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 
 from jmarl.errors import JmarlError
+from jmarl.models.token_cache import SegmentCache, probe_cut_rule
 
 # A plain-text chat template: "role: content" per line, then "assistant: " to prompt a reply.
 PLAIN_CHAT_TEMPLATE = (
@@ -135,14 +136,24 @@ class HFTokenizer:
         self.pad_id = int(pad if pad is not None else self.eos_id)
         self.bos_id = None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
         self.vocab_size = len(tokenizer)
+        self._segments: SegmentCache | None = None  # built on the first encode_batch
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no special tokens are added."""
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """`[encode(t) for t in texts]` in one call: the fast tokenizer's Rust batch encode
-        (parallel over texts, no offsets computed); a slow tokenizer encodes one by one."""
+        """`[encode(t) for t in texts]` in one call. Texts are cut at line breaks the tokenizer
+        cannot merge across and each repeated segment is tokenised once
+        (`jmarl.models.token_cache`: the prompts of a multi-turn task share their long head);
+        the new segments go through the fast tokenizer's Rust batch encode."""
+        if self._segments is None:
+            self._segments = SegmentCache(self._encode_whole, probe_cut_rule(self._encode_whole))
+        return self._segments(texts)
+
+    def _encode_whole(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text encoded whole: the fast tokenizer's batch encode (parallel over texts, no
+        offsets computed); a slow tokenizer encodes one by one."""
         texts = list(texts)
         if not texts:
             return []

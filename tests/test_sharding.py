@@ -1,5 +1,5 @@
-"""Sharding on 8 simulated CPU devices: meshes, partition rules, a sharded update equal to the
-single-device one, sharded greedy sampling, sharded checkpoints, the memory planner."""
+"""Sharding on 8 simulated CPU devices: meshes, logical axes and the rules object, a sharded update
+equal to the single-device one, sharded greedy sampling, sharded checkpoints, the memory planner."""
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +108,134 @@ def test_specs_lora_stacked_optimizer_state_and_indivisible_axes():
     assert odd["embed"]["embedding"] == P("tensor") and odd["layers"]["mlp"]["up_proj"]["kernel"] == P(None, None, "tensor")
 
 
+# ---------------------------------------------------------------------------------- logical axes + rules
+# The tiny Qwen3- and Llama-style shapes of tests/_tiny_models.py: vocab 99 (odd: "tensor" cannot
+# split it), hidden 64, intermediate 96, 4 heads / 2 KV heads of 24 (Qwen3) or 16 (Llama).
+QWEN3_STYLE = models.ModelConfig(model_type="qwen3", vocab_size=99, hidden_size=64, intermediate_size=96,
+                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, qk_norm=True)
+LLAMA_STYLE = models.ModelConfig(model_type="llama", vocab_size=99, hidden_size=64, intermediate_size=96,
+                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False)
+SIZES = {"policy": 2, "fsdp": 2, "tensor": 2}
+LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head")
+# written out from the rules table (the layout the name-keyed rules gave before logical axes), on SIZES
+PLAIN = {
+    "embed/embedding": P(None, "fsdp"),  # (vocab, embed): 99 on tensor=2 dropped
+    "final_norm/scale": P(),
+    "lm_head/kernel": P("fsdp"),  # (embed, vocab)
+    "layers/attn_norm/scale": P(),
+    "layers/mlp_norm/scale": P(),
+    "layers/attn/q_norm/scale": P(),
+    "layers/attn/k_norm/scale": P(),
+    "layers/attn/q_proj/kernel": P(None, "fsdp", "tensor"),
+    "layers/attn/k_proj/kernel": P(None, "fsdp", "tensor"),
+    "layers/attn/v_proj/kernel": P(None, "fsdp", "tensor"),
+    "layers/attn/o_proj/kernel": P(None, "tensor", "fsdp"),
+    "layers/mlp/gate_proj/kernel": P(None, "fsdp", "tensor"),
+    "layers/mlp/up_proj/kernel": P(None, "fsdp", "tensor"),
+    "layers/mlp/down_proj/kernel": P(None, "tensor", "fsdp"),
+}
+LORA = {  # a [.., in, r] keeps the kernel's in axis, b [.., r, out] its out axis
+    "layers/attn/q_proj/kernel/a": P(None, "fsdp"), "layers/attn/q_proj/kernel/b": P(None, None, "tensor"),
+    "layers/attn/v_proj/kernel/a": P(None, "fsdp"), "layers/attn/v_proj/kernel/b": P(None, None, "tensor"),
+    "layers/attn/o_proj/kernel/a": P(None, "tensor"), "layers/attn/o_proj/kernel/b": P(None, None, "fsdp"),
+    "layers/mlp/up_proj/kernel/a": P(None, "fsdp"), "layers/mlp/up_proj/kernel/b": P(None, None, "tensor"),
+    "layers/mlp/down_proj/kernel/a": P(None, "tensor"), "layers/mlp/down_proj/kernel/b": P(None, None, "fsdp"),
+    "lm_head/kernel/a": P("fsdp"), "lm_head/kernel/b": P(),
+}
+
+
+def _flat_specs(specs):
+    """'path' -> spec; a LoraKernel's fields read as {kernel}/w, /a, /b."""
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): s for path, s in flat}
+
+
+def _stacked(table):
+    """The same layout with a leading policy axis [P, ...] on "policy"."""
+    return {k: P("policy", *v) for k, v in table.items()}
+
+
+@pytest.mark.parametrize(
+    "config", [QWEN3_STYLE, LLAMA_STYLE, TINY, TINY.replace(qkv_bias=True, tie_word_embeddings=True)]
+)
+def test_declared_logical_axes_cover_every_parameter(config):
+    from jmarl.models.model import is_axes, param_axes
+
+    shapes, axes = models.param_shapes(config), param_axes(config)
+    assert jax.tree.structure(axes, is_leaf=is_axes) == jax.tree.structure(shapes)
+    for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=is_axes)):
+        assert len(names) == len(shape.shape)
+        assert all(n in sharding.ShardingRules.logical_axes() for n in names)
+
+
+@pytest.mark.parametrize("config", [QWEN3_STYLE, LLAMA_STYLE])
+def test_rules_give_the_layout_of_every_tree_form(config):
+    """Plain, stacked [P, ...], adam TrainStates of both, LoRA adapters ({'a', 'b'} dicts, stacked,
+    attached as LoraKernels over one base): the specs written out above."""
+    qk_norms = ("layers/attn/q_norm/scale", "layers/attn/k_norm/scale")  # Qwen3 only
+    plain_want = {k: v for k, v in PLAIN.items() if config.qk_norm or k not in qk_norms}
+
+    def trees():
+        params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), models.param_shapes(config))
+        stacked = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+        adapters = init_lora(params, jax.random.key(1), rank=4, target_modules=LORA_TARGETS)
+        stacked_adapters = jax.tree.map(lambda x: jnp.stack([x, x]), adapters)
+        return dict(params=params, stacked=stacked, adapters=adapters, stacked_adapters=stacked_adapters,
+                    state=init_train_state(params, OPT), stacked_state=_init_state(stacked, True),
+                    attached=attach_lora(params, stacked_adapters, rank=4, alpha=8.0))
+
+    t = jax.eval_shape(trees)
+
+    def specs(tree, **kw):
+        return _flat_specs(sharding.tree_specs(config, tree, SIZES, **kw))
+
+    assert specs(t["params"]) == plain_want
+    assert specs(t["stacked"]) == specs(t["stacked"], stacked=True) == _stacked(plain_want)
+    assert specs(t["adapters"]) == LORA and specs(t["stacked_adapters"]) == _stacked(LORA)
+    for key, stacked, want in (("state", False, plain_want), ("stacked_state", True, _stacked(plain_want))):
+        state = sharding.tree_specs(config, t[key], SIZES, stacked=stacked)
+        assert state == sharding.tree_specs(config, t[key], SIZES)  # the fallback that reads counters' shapes
+        adam = state.opt_state[1][0]  # chain(clip, adamw) -> adam's ScaleByAdamState
+        assert _flat_specs(state.params) == _flat_specs(adam.mu) == _flat_specs(adam.nu) == want
+        assert adam.count == state.step == state.skipped == (P("policy") if stacked else P())
+    # attached: w placed like the kernel with no policy axis (one base), a and b like the stacked adapters
+    attached = specs(t["attached"])
+    lora_stacked = _stacked(LORA)
+    for path, spec in plain_want.items():
+        kernel = path[:-len("/kernel")].split("/")[-1] if path.endswith("/kernel") else None
+        if kernel in LORA_TARGETS:
+            assert attached[path + "/w"] == spec
+            assert (attached[path + "/a"], attached[path + "/b"]) == (lora_stacked[path + "/a"], lora_stacked[path + "/b"])
+        else:
+            assert attached[path] == spec
+
+
+def test_custom_rules_change_only_their_axes():
+    """mlp replicated: the three MLP kernels lose "tensor", nothing else moves; a rules object
+    reaches batch and cache specs too, and an undeclared logical axis is refused."""
+    params = models.param_shapes(QWEN3_STYLE)
+    rules = sharding.ShardingRules(mlp=())
+    default = _flat_specs(sharding.param_specs(QWEN3_STYLE, params, SIZES))
+    custom = _flat_specs(sharding.param_specs(QWEN3_STYLE, params, SIZES, rules=rules))
+    changed = {k for k in default if default[k] != custom[k]}
+    assert changed == {"layers/mlp/gate_proj/kernel", "layers/mlp/up_proj/kernel", "layers/mlp/down_proj/kernel"}
+    assert custom["layers/mlp/gate_proj/kernel"] == P(None, "fsdp")
+    assert custom["layers/mlp/down_proj/kernel"] == P(None, None, "fsdp")
+    assert sharding.DEFAULT_RULES.replace(mlp="fsdp").mlp == ("fsdp",)
+
+    # batch rows: (data, fsdp), + policy when no policy axis is stacked; rules may move them
+    sizes = {"data": 2, "policy": 2, "fsdp": 2}
+    assert sharding.batch_spec((16, 4), sizes) == P(("data", "fsdp", "policy"))
+    assert sharding.batch_spec((2, 16, 4), sizes, stacked=True) == P("policy", ("data", "fsdp"))
+    assert sharding.batch_spec((16, 4), sizes, rules=sharding.ShardingRules(batch="data", policy_spare=())) == P("data")
+    cache = jax.eval_shape(lambda: models.model.empty_cache(QWEN3_STYLE, (8,), 16))
+    assert sharding.cache_specs(cache, {"data": 2, "tensor": 2}).keys[0] == P("data", "tensor")
+    no_heads = sharding.cache_specs(cache, {"data": 2, "tensor": 2}, rules=sharding.ShardingRules(kv_heads=()))
+    assert no_heads.values[1] == P("data")
+    with pytest.raises(JmarlError, match="unknown logical axis 'heads'"):
+        sharding.DEFAULT_RULES.spec(("batch", "heads"), (8, 4), sizes)
+
+
 # ---------------------------------------------------------------------------------- sharded update
 def _batch(rng, policies=None):
     lead = () if policies is None else (policies,)
@@ -175,8 +303,8 @@ def test_sharded_update_equals_single_device(axes, reference):
     mesh = sharding.make_mesh(**axes)
     # a copy: placing may reuse the reference's buffers, and the update donates its state
     sharded_params = sharding.shard_params(TINY, jax.tree.map(jnp.copy, params), mesh)
-    state = sharding.shard_train_state(TINY, _init_state(sharded_params, stacked), mesh)
-    state_sh = sharding.train_state_shardings(TINY, state, mesh)
+    state = sharding.shard_train_state(TINY, _init_state(sharded_params, stacked), mesh, stacked=stacked)
+    state_sh = sharding.train_state_shardings(TINY, state, mesh, stacked=stacked)
     step = sharding.sharded_update(UPDATE, mesh, state_sh, stacked=stacked, vmap_policies=stacked, compiler_options=FAST)
     sharded_batch = sharding.shard_batch(batch, mesh, stacked=stacked)
     param_sh = sharding.shardings(mesh, sharding.param_specs(TINY, params, mesh))

@@ -27,13 +27,14 @@ runs S = the largest power of two whose slots fit `kv_budget_bytes` (no more tha
 for, rounded up to a power of two). A call whose single slot does not fit is refused.
 
 On a mesh (`run(..., mesh=...)`): the slot axis of the KV cache and of every per-slot field is
-sharded over the batch axes (data, fsdp; S rounded up to a multiple of their product, the
-budget being per device: S/(data x fsdp) slots must fit it), the cache's key/value heads over
-tensor (as `jmarl.sharding.cache_specs`); each device holds and decodes only its slots. The
-parameters stay as the caller placed them; FSDP-sharded weights are gathered (already in the
-compute dtype) once at the top of each prefill / decode-chunk program, so the decode loop reads
-gathered weights instead of gathering them at every step. The programs are jitted with the
-state's shardings in and out (and the state donated), so the cache stays sharded between calls.
+sharded like activation rows (the mesh axes of "activation_batch" in `jmarl.sharding.ShardingRules`,
+default data, fsdp; S rounded up to a multiple of their product, the budget being per device:
+S/(data x fsdp) slots must fit it), the cache's key/value heads like "kv_heads" (tensor); each
+device holds and decodes only its slots. The parameters stay as the caller placed them;
+FSDP-sharded weights are gathered (already in the compute dtype) once at the top of each
+prefill / decode-chunk program, so the decode loop reads gathered weights instead of gathering
+them at every step. The programs are jitted with the state's shardings in and out (and the
+state donated), so the cache stays sharded between calls.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import KVCache, Params, decode_step, empty_cache, prefill
+from jmarl.models.model import ACTIVATION_AXES, CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill
 from jmarl.models.sampler import generation_params, sample_token, select_policy
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
+from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 
 DEFAULT_CHUNK_STEPS = 8
 CPU_DEFAULT_KV_BUDGET = 1 << 30  # 1 GiB when the device reports no memory limit (CPU)
@@ -125,14 +127,15 @@ def slots_for_budget(config: ModelConfig, capacity: int, budget: int, rows: int)
 # ---------------------------------------------------------------------------------- mesh layout
 @dataclass(frozen=True)
 class Layout:
-    """How the engine lies on a mesh: `rows` the mesh axes of the slot axis (data, fsdp: those of
-    size > 1), `heads` the axis of the cache's key/value heads ("tensor" or None), `gather` one
-    NamedSharding (or None: left as it is) per parameter leaf (treedef `params_def`): the leaf's
-    own sharding without the fsdp axis (the weights one program call reads, gathered once)."""
+    """How the engine lies on a mesh: `rows` the mesh axes of the slot axis (default data, fsdp:
+    those of size > 1), `heads` the mesh axis (or axes) of the cache's key/value heads ("tensor"
+    or None), `gather` one NamedSharding (or None: left as it is) per parameter leaf (treedef
+    `params_def`): the leaf's own sharding without the row axes (FSDP shards: the weights one
+    program call reads, gathered once)."""
 
     mesh: Any
     rows: tuple[str, ...]
-    heads: str | None
+    heads: str | tuple[str, ...] | None
     params_def: Any = None
     gather: tuple = ()
 
@@ -157,24 +160,29 @@ class Layout:
         )
 
 
-def _without_fsdp(spec: P) -> P:
+def _without(spec: P, dropped: tuple[str, ...]) -> P:
+    """`spec` with the mesh axes `dropped` taken out of every entry."""
     out = []
     for entry in spec:
         axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
-        axes = [a for a in axes if a != "fsdp"]
+        axes = [a for a in axes if a not in dropped]
         out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return P(*out)
 
 
-def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None) -> Layout | None:
-    """The engine's layout on `mesh` (None without a mesh of several devices); `params` (the
-    generation parameters, placed) give the gathered shardings of the weights."""
+def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None,
+                rules: ShardingRules = DEFAULT_RULES) -> Layout | None:
+    """The engine's layout on `mesh` (None without a mesh of several devices) by `rules`: the
+    slot axis on the mesh axes of "activation_batch" of size > 1 (default data, fsdp; S is
+    rounded up to their product, so none is dropped), the cache's heads on those of "kv_heads"
+    that divide num_kv_heads (default tensor). `params` (the generation parameters, placed)
+    give the gathered shardings of the weights."""
     if mesh is None or mesh.size <= 1:
         return None
     sizes = dict(mesh.shape)
-    rows = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
-    tensor = sizes.get("tensor", 1)
-    heads = "tensor" if tensor > 1 and config.num_kv_heads % tensor == 0 else None
+    rows = tuple(a for a in rules.mesh_axes(ACTIVATION_AXES[0]) if sizes.get(a, 1) > 1)
+    heads_spec = rules.spec(CACHE_KEY_AXES[1:2], (config.num_kv_heads,), sizes)
+    heads = heads_spec[0] if len(heads_spec) else None
     if params is None:
         return Layout(mesh, rows, heads)
     leaves, treedef = jax.tree.flatten(params)
@@ -183,7 +191,7 @@ def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None) ->
         sh = getattr(leaf, "sharding", None)
         if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
             return None
-        return NamedSharding(mesh, _without_fsdp(sh.spec))
+        return NamedSharding(mesh, _without(sh.spec, rows))
 
     return Layout(mesh, rows, heads, treedef, tuple(gathered(leaf) for leaf in leaves))
 

@@ -5,7 +5,8 @@ The NNX modules below define the network; the public functions (`init`, `apply`,
 plain nested dict of arrays and rebuild the modules inside the trace with `nnx.merge`, so every
 function is pure and `jax.jit` / `jax.vmap` / `jax.grad`-able over the parameters.
 
-Parameter paths (stable; sharding rules and LoRA key on them). L = layers, D = hidden, V = vocab,
+Parameter paths (stable; LoRA keys on them) and, in `param_axes`, each parameter's logical axis
+names (which `jmarl.sharding.ShardingRules` maps to mesh axes). L = layers, D = hidden, V = vocab,
 Hq = num_heads * head_dim, Hkv = num_kv_heads * head_dim, F = intermediate size:
 
     embed/embedding                 [V, D]
@@ -42,6 +43,7 @@ from flax import nnx, struct
 
 from jmarl.models import attention as attention_lib
 from jmarl.models.config import ModelConfig
+from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 
 Params = dict[str, Any]
 # Large negative score for masked keys: a fully masked row becomes uniform instead of NaN.
@@ -501,23 +503,20 @@ _scan_full_remat.defvjp(_scan_full_remat_fwd, _scan_full_remat_bwd)
 
 
 # ---------------------------------------------------------------------------------- helpers
-def batch_sharded(x: jax.Array) -> jax.Array:
-    """x [B, ...] constrained to rows over the mesh's batch axes (data, fsdp) when a program is
-    traced under a mesh (`jax.set_mesh`, as the trainer, the sampler and `jmarl.plan` do);
-    unchanged otherwise. Applied to each layer's input in training, scoring and prefill (not in
-    the one-token decode step): keeps XLA's partitioner from gathering a whole batch's
-    activations onto every device under FSDP (it then gathers each layer's weights instead)."""
+def batch_sharded(x: jax.Array, rules: ShardingRules = DEFAULT_RULES) -> jax.Array:
+    """x [B, ...] constrained to rows over the mesh axes of the logical axis "activation_batch"
+    (default rules: data, fsdp) when a program is traced under a mesh (`jax.set_mesh`, as the
+    trainer, the sampler and `jmarl.plan` do); unchanged otherwise. Applied to each layer's input
+    in training, scoring and prefill (not in the one-token decode step): keeps XLA's partitioner
+    from gathering a whole batch's activations onto every device under FSDP (it then gathers each
+    layer's weights instead)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    sizes = dict(mesh.shape)
-    axes = [a for a in ("data", "fsdp") if sizes.get(a, 1) > 1]
-    while axes and x.shape[0] % int(np.prod([sizes[a] for a in axes])):
-        axes.pop()
-    if not axes:
+    rows = rules.spec(ACTIVATION_AXES, x.shape[:1], dict(mesh.shape))
+    if not rows:
         return x
-    rows = axes[0] if len(axes) == 1 else tuple(axes)
-    spec = jax.sharding.PartitionSpec(rows, *([jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    spec = jax.sharding.PartitionSpec(rows[0], *([jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -604,6 +603,79 @@ def bind(config: ModelConfig, params: Params) -> Transformer:
 def param_shapes(config: ModelConfig) -> Params:
     """The params pytree of `jax.ShapeDtypeStruct`s for this config."""
     return nnx.to_pure_dict(_skeleton(config)[1])
+
+
+# ---------------------------------------------------------------------------------- logical axes
+# Logical axis names of every array the model defines, declared here once; `jmarl.sharding.ShardingRules`
+# maps them to mesh axes. Parameters: `param_axes` (LoRA factors: `lora_axes`). A stacked policy
+# axis [P, ...] in front of any of them is "policy".
+ACTIVATION_AXES = ("activation_batch",)  # a layer's input x [B, ...]: rows named, the other axes left to XLA
+BATCH_AXES = ("batch",)  # a batch / prompt array [N, ...]: rows named, the other axes replicated
+CACHE_KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_len")  # KVCache.keys[i] [B, KV, hd, C]
+CACHE_VALUE_AXES = ("batch", "kv_heads", "cache_len", "head_dim")  # KVCache.values[i] [B, KV, C, hd]
+
+
+def _linear_axes(d_in: str, d_out: str, bias: str | None) -> dict[str, tuple[str, ...]]:
+    """kernel [in, out] (+ bias [out] named `bias` when there is one)."""
+    return {"kernel": (d_in, d_out), **({} if bias is None else {"bias": (bias,)})}
+
+
+def param_axes(config: ModelConfig) -> dict[str, Any]:
+    """The logical axis names of every parameter: the tree of `param_shapes(config)` with, in
+    place of each array, a tuple of one name per axis (the stacked layer axis is "layers").
+
+        embed/embedding [V, D]                ("vocab", "embed")
+        attn/{q,k,v}_proj/kernel [D, Hq|Hkv]  ("embed", "q_heads"|"kv_heads"); bias ("q_heads"|"kv_heads",)
+        attn/o_proj/kernel [Hq, D]            ("q_heads", "embed");              bias ("embed_bias",)
+        mlp/{gate,up}_proj/kernel [D, F]      ("embed", "mlp");  mlp/down_proj/kernel ("mlp", "embed")
+        lm_head/kernel [D, V]                 ("embed", "vocab")
+        */scale (RMSNorms, q/k norms)         ("norm",)
+    """
+    c = config
+    in_bias = c.qkv_bias or c.o_bias
+    attn: dict[str, Any] = {
+        "q_proj": _linear_axes("embed", "q_heads", "q_heads" if in_bias else None),
+        "k_proj": _linear_axes("embed", "kv_heads", "kv_heads" if in_bias else None),
+        "v_proj": _linear_axes("embed", "kv_heads", "kv_heads" if in_bias else None),
+        "o_proj": _linear_axes("q_heads", "embed", "embed_bias" if c.o_bias else None),
+    }
+    if c.qk_norm:
+        attn.update(q_norm={"scale": ("norm",)}, k_norm={"scale": ("norm",)})
+    mlp = {
+        "gate_proj": _linear_axes("embed", "mlp", None),
+        "up_proj": _linear_axes("embed", "mlp", None),
+        "down_proj": _linear_axes("mlp", "embed", None),
+    }
+    layer = {"attn_norm": {"scale": ("norm",)}, "attn": attn, "mlp_norm": {"scale": ("norm",)}, "mlp": mlp}
+    tree: dict[str, Any] = {
+        "embed": {"embedding": ("vocab", "embed")},
+        "layers": jax.tree.map(lambda axes: ("layers",) + axes, layer, is_leaf=is_axes),
+        "final_norm": {"scale": ("norm",)},
+    }
+    if not c.tie_word_embeddings:
+        tree["lm_head"] = _linear_axes("embed", "vocab", None)
+    return tree
+
+
+def is_axes(x: Any) -> bool:
+    """Whether `x` is a tuple of logical axis names (an `is_leaf` for trees of them)."""
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+
+
+def lora_axes(kernel_axes: tuple[str, ...], factor: str) -> tuple[str, ...]:
+    """The axes of a LoRA factor of a kernel with `kernel_axes` [..., in, out]: "a" [..., in, r]
+    keeps the kernel's `in` axis, "b" [..., r, out] its `out` axis; r is "lora_rank"."""
+    if factor == "a":
+        return kernel_axes[:-1] + ("lora_rank",)
+    return kernel_axes[:-2] + ("lora_rank", kernel_axes[-1])
+
+
+def cache_axes(cache: KVCache, *, stacked: bool = False) -> KVCache:
+    """A `KVCache` of logical axis tuples, one per buffer of `cache` (keys [(P,) B, KV, hd, C],
+    values [(P,) B, KV, C, hd]; "policy" in front when `stacked`)."""
+    lead = ("policy",) if stacked else ()
+    return KVCache(keys=tuple(lead + CACHE_KEY_AXES for _ in cache.keys),
+                   values=tuple(lead + CACHE_VALUE_AXES for _ in cache.values))
 
 
 # ---------------------------------------------------------------------------------- public API

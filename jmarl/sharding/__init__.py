@@ -1,0 +1,106 @@
+"""Sharding: device meshes, logical axes mapped to mesh axes by one rules object, placing trees,
+sharded updates and sampling, multi-host start-up.
+
+JAX is the distributed engine: a `jax.sharding.Mesh` with four named axes, `PartitionSpec`s
+from the logical axes the model declares, `jax.jit` with in/out shardings, and
+`jax.distributed` across hosts. The same code runs on one CPU, 8 simulated CPU devices, a GPU
+host or a TPU pod slice.
+
+Mesh axes (device-grid order, `tensor` innermost so it lands on the fastest links):
+
+    data    batch rows (pure data parallelism: parameters replicated)
+    policy  the stacked per-agent policy axis [P, ...] (per-agent policies / LoRA adapters)
+    fsdp    batch rows AND parameter/gradient/optimizer-state shards (ZeRO-3 style)
+    tensor  attention heads / MLP hidden units / vocabulary (Megatron-style tensor parallelism)
+
+Sharding is declared once. The model names the axes of every array it defines
+(`jmarl.models.model.param_axes`: embedding ("vocab", "embed"), q/k/v kernels ("embed",
+"q_heads"/"kv_heads"), o_proj ("q_heads", "embed"), gate/up ("embed", "mlp"), down ("mlp",
+"embed"), lm_head ("embed", "vocab"), norms ("norm",), the stacked layer axis "layers"; LoRA
+factors with "lora_rank"; batches "batch", the KV cache ("batch", "kv_heads", "head_dim",
+"cache_len"), a layer's input rows "activation_batch", a stacked policy axis "policy"). One
+`ShardingRules` maps logical axes to mesh axes; the defaults (`DEFAULT_RULES`, table in
+`jmarl.sharding.rules`) give the layout below, and every function that makes specs takes
+`rules=` for a user's own:
+
+    embed/embedding [V, D]               (tensor, fsdp)
+    attn/{q,k,v}_proj/kernel [D, H]      (fsdp, tensor)     bias [H] (tensor)
+    attn/o_proj/kernel [H, D]            (tensor, fsdp)     bias [D] replicated
+    mlp/{gate,up}_proj/kernel [D, F]     (fsdp, tensor)
+    mlp/down_proj/kernel [F, D]          (tensor, fsdp)
+    lm_head/kernel [D, V]                (fsdp, tensor)
+    */scale (RMSNorm, q/k norms)         replicated;  the layer axis L: not sharded
+    LoRA {kernel}/a [in, r], {kernel}/b [r, out]: a keeps the kernel's `in` axis, b its `out` axis
+    (adapters as trained, {'a', 'b'} dicts, or attached: a `LoraKernel`'s w is placed like the
+    kernel, its a and b like those; a base held once beside stacked adapters has no policy axis)
+    batch rows [N, ...]                  (data, fsdp) [+ policy when no policy axis is stacked]
+    KV cache [B, KV, ...]                rows like the batch, KV heads on tensor
+
+An axis that does not divide a dimension is dropped for that dimension (the array is then
+replicated along it), so every spec is valid for every model size and mesh. Optimizer state
+leaves are matched to parameters by the trailing dict-key path (optax states mirror the
+parameter tree), so `adam.mu['layers']['attn']['q_proj']['kernel']` is sharded like the kernel.
+
+    mesh = make_mesh(fsdp=4, tensor=2)
+    params = shard_params(config, params, mesh)        # a notebook shards a model in two lines
+
+Modules, one per concern: `mesh` (meshes), `rules` (`ShardingRules`: logical axes -> specs),
+`specs` (specs of parameter / state / batch / cache trees), `placement` (put, shard_*,
+device_bytes, to_host), `calls` (`ShardedFn`, `sharded_jit`, `sharded_update`, `shard_trainer`,
+`mesh_context`), `sampling` (`generate`), `distributed` (multi-host start-up).
+
+Memory: `python -m jmarl.plan --config X.yaml --devices 8 --device-memory 80GiB` compiles the run's
+own programs for a mesh and reports XLA's per-device figures (`jmarl.plan`).
+"""
+
+from jmarl.sharding.calls import ShardedFn, mesh_context, mesh_of, shard_trainer, sharded_jit, sharded_update
+from jmarl.sharding.distributed import _cluster_in_environment, maybe_initialize_distributed
+from jmarl.sharding.mesh import MESH_AXES, axis_sizes, format_mesh, make_mesh, mesh_from_config, parse_mesh
+from jmarl.sharding.placement import (
+    batch_shardings,
+    device_bytes,
+    put,
+    shard_batch,
+    shard_params,
+    shard_train_state,
+    shardings,
+    to_host,
+    train_state_shardings,
+)
+from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
+from jmarl.sharding.sampling import generate
+from jmarl.sharding.specs import batch_spec, cache_specs, microbatch_rows, param_specs, policy_axis, tree_specs
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "ShardedFn",
+    "ShardingRules",
+    "axis_sizes",
+    "batch_shardings",
+    "batch_spec",
+    "cache_specs",
+    "device_bytes",
+    "format_mesh",
+    "generate",
+    "make_mesh",
+    "maybe_initialize_distributed",
+    "mesh_context",
+    "mesh_from_config",
+    "mesh_of",
+    "microbatch_rows",
+    "param_specs",
+    "parse_mesh",
+    "policy_axis",
+    "put",
+    "shard_batch",
+    "shard_params",
+    "shard_train_state",
+    "shard_trainer",
+    "sharded_jit",
+    "sharded_update",
+    "shardings",
+    "to_host",
+    "train_state_shardings",
+    "tree_specs",
+]

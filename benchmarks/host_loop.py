@@ -21,7 +21,9 @@ shared). Two settings per plan:
 
 - before: `workflow.env_workers=1` (serial env steps) and per-prompt encode (for `char`, its
   former per-character encode);
-- after: `workflow.env_workers` default (min(8, CPUs)) and `encode_batch`.
+- after: `workflow.env_workers` default (min(8, CPUs)) and `encode_batch` (for BPE, segment-cached:
+  `jmarl.models.token_cache`; a task's ~4k-token context is tokenised once per step, not once
+  per turn and agent).
 
 Tokenizers (each run in turn): `bpe`, the repo's byte-level BPE of
 `configs/hacpo/tokenizers/byte_bpe` (~2.9 characters per token, ~5 ms per 4k-token prompt on

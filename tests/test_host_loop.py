@@ -186,13 +186,13 @@ TEXTS = ["Hello, world!", "", "line one\nline two\n", "  spaced  ~{}|", "caf\u00
 
 def test_encode_batch_equals_encode():
     char = CharTokenizer()
-    assert char.encode_batch(TEXTS) == [char.encode(t) for t in TEXTS]
+    assert [a.tolist() for a in char.encode_batch(TEXTS)] == [char.encode(t) for t in TEXTS]
     assert char.encode_batch([]) == []
     unknown = char.piece_to_id["?"]
     assert char.encode("\u00e9a") == [unknown, char.piece_to_id["a"]]
     bpe = load_tokenizer(__import__("pathlib").Path(__file__).parents[1] / "configs/hacpo/tokenizers/byte_bpe")
     texts = TEXTS + ["Problem: What is 3 + 4? <|user|> \\boxed{7}</s>"]
-    assert bpe.encode_batch(texts) == [bpe.encode(t) for t in texts]
+    assert [a.tolist() for a in bpe.encode_batch(texts)] == [bpe.encode(t) for t in texts]
 
 
 def test_trainer_step_reports_rollout_timings(tmp_path):

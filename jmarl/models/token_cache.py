@@ -6,7 +6,8 @@ prompt in full costs ~5 ms per 4k-token prompt with a byte-level BPE; a step of 
 prompts spends ~25 s there. `SegmentCache` cuts each text into segments at line breaks where
 the tokenizer provably cannot merge across the cut, looks each segment up in a cache, and
 encodes only the segments not seen before (all of them in one batch call). The ids of a text
-are the concatenation of its segments' ids, equal to encoding the text whole.
+are the concatenation of its segments' ids, equal to encoding the text whole. (A text of one
+segment returns the cached array itself: treat the arrays as read-only.)
 
 Where a text may be cut (a "safe cut"): after a run of newlines that follows a non-whitespace
 character and precedes one ("...x\\nY..." or, where the tokenizer allows it, "...x\\n\\nY...").
@@ -86,11 +87,11 @@ class SegmentCache:
         self._tokens = 0
         self.hits = self.misses = 0
 
-    def __call__(self, texts: Sequence[str]) -> list[list[int]]:
-        """The ids of each text, equal to `encode_batch(texts)`."""
+    def __call__(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """int32 ids of each text, equal to `encode_batch(texts)`."""
         texts = list(texts)
         if self.rule is None or not texts:
-            return self._encode_batch(texts)
+            return [np.asarray(ids, np.int32) for ids in self._encode_batch(texts)]
         pieces = [split_segments(t, self.rule) for t in texts]
         new = list(dict.fromkeys(s for segs in pieces for s in segs if s not in self._ids))
         self.misses += len(new)
@@ -99,7 +100,7 @@ class SegmentCache:
         out = []
         for segs in pieces:
             arrays = [fresh[s] if s in fresh else self._ids[s] for s in segs]
-            out.append(np.concatenate(arrays).tolist() if len(arrays) > 1 else arrays[0].tolist() if arrays else [])
+            out.append(np.concatenate(arrays) if len(arrays) > 1 else arrays[0] if arrays else np.zeros(0, np.int32))
         added = sum(a.size for a in fresh.values())
         if self._tokens + added > self.capacity_tokens:
             self._ids, self._tokens = {}, 0

@@ -64,8 +64,9 @@ def encode_prompt(tokenizer, prompt: str, max_len: int) -> list[int]:
     return ids[-max_len:]
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int) -> list[list[int]]:
-    """`encode_prompt` of each prompt, through the tokenizer's `encode_batch` when it has one."""
+def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int) -> list[Sequence[int]]:
+    """`encode_prompt` of each prompt (int32 arrays from the tokenizer's `encode_batch` when it
+    has one, else lists), keeping the last `max_len` ids of each."""
     texts = [_chat_text(tokenizer, p) for p in prompts]
     batch = getattr(tokenizer, "encode_batch", None)
     encoded = batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
@@ -203,7 +204,7 @@ class ModelSampler:
             )
         return out
 
-    def _engine_group(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], prompts: list[list[int]], n: int,
+    def _engine_group(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], prompts: list[Sequence[int]], n: int,
                       rng: jax.Array) -> list[list[Completion]]:
         """The continuous engine: one run per asked policy of the group (stacked groups: with
         that policy's parameters and the key fold_in(rng, its index)), decoding only real rows."""

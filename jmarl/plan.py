@@ -403,7 +403,7 @@ def engine_programs(trainer: Any, group: Any, calls: Sequence[tuple[tuple[int, .
     prompt_len = bucket_length(max(1, s.max_prompt_len), trainer.sampler.buckets)
     capacity = prompt_len + int(s.max_new_tokens) - 1
     mesh = trainer.mesh
-    slots = engine_lib.planned_slots(group.model_config, capacity, rows, s.kv_budget_bytes, mesh)
+    slots = engine_lib.planned_slots(group.model_config, capacity, rows, s.kv_budget_bytes, mesh, s.max_rows_per_call)
     programs = engine_lib.planned_programs(
         group.model_config, _abstract(params), slots=slots, prompt_len=prompt_len, max_new_tokens=s.max_new_tokens,
         chunk_steps=s.engine_chunk_steps, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

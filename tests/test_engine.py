@@ -162,6 +162,23 @@ def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_ro
     assert cont.take_stats() == {"time/generate": 0.0}  # reset by the previous call
 
 
+def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
+    policies = _policy_set()
+    requests = [(1, "hi"), (1, "hello there"), (1, "abc"), (1, "x")]
+    settings = dict(max_new_tokens=6, temperature=1.0, engine="continuous", kv_budget_bytes=1 << 20,
+                    engine_chunk_steps=4)
+    free = ModelSampler(policies, SamplingSettings(**settings))
+    capped = ModelSampler(policies, SamplingSettings(**settings, max_rows_per_call=3))
+    a = free.sample(requests, 2, jax.random.key(3))
+    b = capped.sample(requests, 2, jax.random.key(3))
+    assert free.engine_stats.slots == 8 and capped.engine_stats.slots == 2  # 3 rounds down to a power of two
+    assert capped.engine_stats.requests == 4  # one engine run of all four requests (not split into calls)
+    for ca, cb in zip(a, b):  # sampling keys follow (request, completion): the same tokens with fewer slots
+        for x, y in zip(ca, cb):
+            np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
+    assert engine.planned_slots(TINY, 64, 8, 1 << 20, None, 3) == 2
+
+
 def test_sampling_config_fields():
     from jmarl.config import SamplingConfig
 

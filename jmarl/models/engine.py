@@ -436,6 +436,7 @@ def run(
     pad_id: int = 0,
     kv_budget_bytes: int | None = None,
     num_slots: int | None = None,
+    max_slots: int | None = None,
     chunk_steps: int = DEFAULT_CHUNK_STEPS,
     limits: Sequence[int] | None = None,
     buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
@@ -447,7 +448,9 @@ def run(
     continuous batching. `params` stacked [P, ...] with `policy` given: that policy's parameters.
     `limits[r]`: at most that many new tokens for request r (<= max_new_tokens; default
     max_new_tokens). Slots: `num_slots` if given, else from `kv_budget_bytes` (None: the
-    device's default, `default_kv_budget`); see `slots_for_budget`. `shrink`: once the queue is
+    device's default, `default_kv_budget`); see `slots_for_budget`; then at most `max_slots`
+    (rounded down to a power of two; `sampling.max_rows_per_call`: rows in flight, the queue
+    is not split). `shrink`: once the queue is
     empty and at most a quarter of the slots are busy, the busy rows move to a state of
     next_pow2(busy) slots (the long tail of a run then decodes only a few rows per step).
     `mesh` (a `jax.sharding.Mesh`): the slots are sharded over its batch axes (data, fsdp; S a
@@ -480,6 +483,7 @@ def run(
         budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
         slots_for_budget(config, capacity, budget, 1)  # refuses a slot that does not fit one device's budget
         num_slots = slots_for_budget(config, capacity, budget * row_devices, len(units))
+    num_slots = cap_slots(int(num_slots), max_slots)
     s = -(-int(num_slots) // row_devices) * row_devices  # a multiple of the devices splitting the slots
     stats.slots = s
     width = max(lengths)
@@ -591,13 +595,19 @@ def run(
 
 
 # ---------------------------------------------------------------------------------- for the memory planner
-def planned_slots(config: ModelConfig, capacity: int, rows: int, kv_budget_bytes: int | None, mesh: Any = None) -> int:
+def cap_slots(slots: int, max_slots: int | None) -> int:
+    """`slots`, at most `max_slots` rounded down to a power of two (None: no cap)."""
+    return slots if max_slots is None else min(slots, 1 << (max(int(max_slots), 1).bit_length() - 1))
+
+
+def planned_slots(config: ModelConfig, capacity: int, rows: int, kv_budget_bytes: int | None, mesh: Any = None,
+                  max_slots: int | None = None) -> int:
     """S as `run` picks it for a run of `rows` completions of capacity `capacity` on `mesh`."""
     layout = make_layout(config, mesh)
     row_devices = 1 if layout is None else layout.row_devices
     budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
     slots_for_budget(config, capacity, budget, 1)
-    s = slots_for_budget(config, capacity, budget * row_devices, rows)
+    s = cap_slots(slots_for_budget(config, capacity, budget * row_devices, rows), max_slots)
     return -(-s // row_devices) * row_devices
 
 

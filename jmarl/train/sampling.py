@@ -130,7 +130,9 @@ class ModelSampler:
             idx = [i for i, (p, _) in enumerate(requests) if p in group.policy_ids]
             if idx:
                 key = jax.random.fold_in(rng, gi)
-                chunks = split_calls(len(idx), n, self.settings.max_rows_per_call)
+                # the continuous engine keeps one queue and caps the rows in flight instead
+                cap = None if self.settings.engine == "continuous" else self.settings.max_rows_per_call
+                chunks = split_calls(len(idx), n, cap)
                 for c, (start, stop) in enumerate(chunks):
                     chunk_key = key if len(chunks) == 1 else jax.random.fold_in(key, c)
                     part = idx[start:stop]
@@ -224,6 +226,7 @@ class ModelSampler:
                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                 stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, kv_budget_bytes=s.kv_budget_bytes,
                 chunk_steps=s.engine_chunk_steps, buckets=self.buckets, policy=policy, mesh=self.mesh,
+                max_slots=s.max_rows_per_call,
             )
             st = result.stats
             self.engine_stats.add(st)

@@ -244,6 +244,25 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
         assert "all-gather" in text
 
 
+def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
+    from jmarl import sharding
+    from jmarl.train.policies import stack
+
+    prompts = _prompts(12, seed=7)
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8, policy=1)
+    stacked = stack([PARAMS, models.init(TINY, jax.random.key(1))])
+    want = engine.run(TINY, stacked, prompts, 2, jax.random.key(2), **kw)
+    mesh = sharding.make_mesh(policy=2, data=2, fsdp=2)
+    placed = sharding.shard_params(TINY, stacked, mesh)  # each policy's weights on its half of the devices
+    got = engine.run(TINY, placed, prompts, 2, jax.random.key(2), mesh=mesh, **kw)
+    for a, b in zip(want.completions, got.completions):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(tb, ta)
+            np.testing.assert_allclose(lb, la, atol=1e-5)
+    # all 8 devices decode: 1 slot each (before, the policy axis held copies of the same 2 slots)
+    assert got.stats.slots == 8 and got.stats.slots_per_device == 1
+
+
 def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mesh():
     from jmarl import sharding
 

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import ACTIVATION_AXES, CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill
+from jmarl.models.model import BATCH_AXES, CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill
 from jmarl.models.sampler import generation_params, sample_token, select_policy
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
@@ -173,14 +173,16 @@ def _without(spec: P, dropped: tuple[str, ...]) -> P:
 def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None,
                 rules: ShardingRules = DEFAULT_RULES) -> Layout | None:
     """The engine's layout on `mesh` (None without a mesh of several devices) by `rules`: the
-    slot axis on the mesh axes of "activation_batch" of size > 1 (default data, fsdp; S is
-    rounded up to their product, so none is dropped), the cache's heads on those of "kv_heads"
+    slot axis on the mesh axes of an unstacked "batch" of size > 1 (default data, fsdp and the
+    spare policy axis: a run decodes one policy, whose weights are gathered over the slot axes
+    like FSDP shards; S is rounded up to their product, so none is dropped), the cache's heads on those of "kv_heads"
     that divide num_kv_heads (default tensor). `params` (the generation parameters, placed)
     give the gathered shardings of the weights."""
     if mesh is None or mesh.size <= 1:
         return None
     sizes = dict(mesh.shape)
-    rows = tuple(a for a in rules.mesh_axes(ACTIVATION_AXES[0]) if sizes.get(a, 1) > 1)
+    # the engine serves one policy per run, so a stacked run's "policy" devices split its slots too
+    rows = tuple(a for a in rules.mesh_axes(BATCH_AXES[0], stacked=False) if sizes.get(a, 1) > 1)
     heads_spec = rules.spec(CACHE_KEY_AXES[1:2], (config.num_kv_heads,), sizes)
     heads = heads_spec[0] if len(heads_spec) else None
     if params is None:

@@ -179,6 +179,36 @@ def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
     assert engine.planned_slots(TINY, 64, 8, 1 << 20, None, 3) == 2
 
 
+def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
+    from jmarl.train import sampling as sampling_mod
+
+    policies = _policy_set()
+    requests = [(1, "hi"), (1, "hello there"), (1, "abc"), (1, "x"), (1, "yz")]
+    events = []
+    real_generate = sampling_mod.models.generate
+
+    def generate(*args, **kwargs):
+        events.append(("dispatch", len([e for e in events if e[0] == "dispatch"])))
+        return real_generate(*args, **kwargs)
+
+    real_wait, real_finish = sampling_mod._Call.wait, sampling_mod._Call.finish
+    monkeypatch.setattr(sampling_mod.models, "generate", generate)
+    monkeypatch.setattr(sampling_mod._Call, "wait", lambda self: (events.append(("wait",)), real_wait(self))[1])
+    monkeypatch.setattr(sampling_mod._Call, "finish", lambda self: (events.append(("finish",)), real_finish(self))[1])
+    chunked = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0, max_rows_per_call=4))
+    got = chunked.sample(requests, 2, jax.random.key(0))  # 2 requests x 2 rows per call: 3 calls
+    # call k+1 is dispatched after call k finished on the device, and call k's completions are
+    # built while call k+1 decodes
+    assert events == [("dispatch", 0), ("wait",), ("dispatch", 1), ("finish",), ("wait",), ("dispatch", 2),
+                      ("finish",), ("finish",)]
+    monkeypatch.setattr(sampling_mod.models, "generate", real_generate)
+    whole = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0)).sample(requests, 2, jax.random.key(0))
+    for ca, cb in zip(got, whole):  # greedy: the same tokens whatever the calls
+        assert [c.text for c in ca] == [c.text for c in cb]
+        for x, y in zip(ca, cb):
+            np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
+
+
 def test_sampling_config_fields():
     from jmarl.config import SamplingConfig
 

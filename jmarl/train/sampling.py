@@ -84,6 +84,25 @@ def left_pad(rows: Sequence[Sequence[int]], batch: int, length: int, pad_id: int
     return tokens, mask
 
 
+class _Call:
+    """One sampler call in the pipeline: `dispatch()` starts its device part (asynchronously
+    for the static sampler), `generation` is what the device returns, `finish()` the completions."""
+
+    def __init__(self, launch: Callable[[], Any], complete: Callable[[Any], list[list[Completion]]]) -> None:
+        self._launch, self._complete = launch, complete
+        self.generation: Any = None
+
+    def dispatch(self) -> None:
+        self.generation = self._launch()
+
+    def wait(self) -> None:
+        """Blocks until the device part is done (its KV cache then freed)."""
+        jax.block_until_ready(jax.tree.leaves(self.generation))
+
+    def finish(self) -> list[list[Completion]]:
+        return self._complete(self.generation)
+
+
 class ModelSampler:
     """Implements `jmarl.workflows.Sampler` over a `PolicySet` with the jitted sampler."""
 
@@ -125,7 +144,12 @@ class ModelSampler:
             self._stats["seconds"] += time.perf_counter() - start
 
     def _sample(self, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> list[list[Completion]]:
+        """One device call per policy group (and per `max_rows_per_call` chunk of it), pipelined:
+        call k+1's prompts are tokenised and padded while call k decodes, and call k's completions
+        are decoded to text while call k+1 decodes. Call k+1 is dispatched only once call k has
+        finished, so at most one call's KV cache is alive (the memory the planner checks)."""
         out: list[list[Completion]] = [[] for _ in requests]
+        calls = []
         for gi, group in enumerate(self.policies.groups):
             idx = [i for i, (p, _) in enumerate(requests) if p in group.policy_ids]
             if idx:
@@ -135,17 +159,32 @@ class ModelSampler:
                 chunks = split_calls(len(idx), n, cap)
                 for c, (start, stop) in enumerate(chunks):
                     chunk_key = key if len(chunks) == 1 else jax.random.fold_in(key, c)
-                    part = idx[start:stop]
-                    for i, comps in zip(part, self._sample_group(group, [requests[i] for i in part], n, chunk_key)):
-                        out[i] = comps
+                    calls.append((idx[start:stop], group, chunk_key))
+        previous = None
+        for part, group, key in calls:
+            call = self._prepare_call(group, [requests[i] for i in part], n, key)
+            if previous is not None:
+                previous[1].wait()
+            call.dispatch()
+            if previous is not None:
+                self._store(out, *previous)
+            previous = (part, call)
+        if previous is not None:
+            self._store(out, *previous)
         return out
 
-    def _sample_group(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> list[list[Completion]]:
+    def _store(self, out: list[list[Completion]], part: Sequence[int], call: "_Call") -> None:
+        """The finished call's completions into `out` at the request indices `part`."""
+        for i, comps in zip(part, call.finish()):
+            out[i] = comps
+
+    def _prepare_call(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> "_Call":
+        """Host work of one call (tokenise, pad, lay out rows); `dispatch` then starts the device part."""
         tok = group.tokenizer
         s = self.settings
         prompts = encode_prompts(tok, [text for _, text in requests], s.max_prompt_len)
-        if s.engine == "continuous":
-            return self._engine_group(group, requests, prompts, n, rng)
+        if s.engine == "continuous":  # the engine's own host loop drives the device: run it at dispatch
+            return _Call(lambda: self._engine_group(group, requests, prompts, n, rng), lambda gen: gen)
         length = bucket_length(max(len(p) for p in prompts), self.buckets)
         kwargs = dict(
             max_new_tokens=s.max_new_tokens,
@@ -154,7 +193,9 @@ class ModelSampler:
             top_k=s.top_k,
             stop_tokens=(tok.eos_id,),
             pad_id=tok.pad_id,
+            mesh=self.mesh,
         )
+        params = group.full_params
         # rows[k] = (request index, prompt ids); each request repeated n times
         if group.stacked:
             per_policy: list[list[int]] = [[] for _ in group.policy_ids]
@@ -165,43 +206,44 @@ class ModelSampler:
             if len(active) == 1:  # one policy asked (a tree node's agent): decode its rows only
                 only = active[0]
                 toks, masks = left_pad([prompts[r] for r in per_policy[only]], batch, length, tok.pad_id)
-                gen = jax.device_get(models.generate(
-                    group.model_config, group.full_params(), toks, masks, rng, mesh=self.mesh, policy=only, **kwargs))
+                launch = lambda: models.generate(  # noqa: E731
+                    group.model_config, params(), toks, masks, rng, policy=only, **kwargs)
                 located = [(r, None, j) for j, r in enumerate(per_policy[only])]
-                pick = lambda a, pi, j: a[j]  # noqa: E731
-                self._stats["decoded_rows"] += batch
+                decoded = batch
             else:
                 toks, masks = zip(*(left_pad([prompts[r] for r in rows], batch, length, tok.pad_id) for rows in per_policy))
-                gen = models.generate_stacked(
-                    group.model_config, group.full_params(), np.stack(toks), np.stack(masks), rng, mesh=self.mesh, **kwargs
-                )
-                gen = jax.device_get(gen)
+                launch = lambda: models.generate_stacked(  # noqa: E731
+                    group.model_config, params(), np.stack(toks), np.stack(masks), rng, **kwargs)
                 located = [(r, pi, j) for pi, rows in enumerate(per_policy) for j, r in enumerate(rows)]
-                pick = lambda a, pi, j: a[pi, j]  # noqa: E731
-                self._stats["decoded_rows"] += batch * len(per_policy)
+                decoded = batch * len(per_policy)
         else:
             rows = [r for r in range(len(requests)) for _ in range(n)]
             batch = next_pow2(len(rows))
             toks, masks = left_pad([prompts[r] for r in rows], batch, length, tok.pad_id)
-            gen = jax.device_get(
-                models.generate(group.model_config, group.full_params(), toks, masks, rng, mesh=self.mesh, **kwargs))
+            launch = lambda: models.generate(group.model_config, params(), toks, masks, rng, **kwargs)  # noqa: E731
             located = [(r, None, j) for j, r in enumerate(rows)]
-            pick = lambda a, pi, j: a[j]  # noqa: E731
-            self._stats["decoded_rows"] += batch
+            decoded = batch
+        self._stats["decoded_rows"] += decoded
         self._stats["rows"] += len(located)
+        return _Call(launch, lambda gen: self._completions(tok, len(requests), prompts, located, jax.device_get(gen)))
 
-        out: list[list[Completion]] = [[] for _ in requests]
+    def _completions(self, tok: Any, num_requests: int, prompts: Sequence[Sequence[int]],
+                     located: Sequence[tuple[int, int | None, int]], gen: Any) -> list[list[Completion]]:
+        """Completions of a finished static call: `located[k]` = (request, policy row or None, row)
+        of generated row k; gen's fields [(P,) B, max_new_tokens] on the host."""
+        out: list[list[Completion]] = [[] for _ in range(num_requests)]
         prompt_arrays = [np.asarray(p, np.int32) for p in prompts]  # one array per request, shared by its n completions
         for r, pi, j in located:
-            length_j = int(pick(gen.lengths, pi, j))
-            comp = np.asarray(pick(gen.tokens, pi, j)[:length_j], np.int32)
+            at = j if pi is None else (pi, j)
+            length_j = int(gen.lengths[at])
+            comp = np.asarray(gen.tokens[at][:length_j], np.int32)
             self.new_tokens += length_j
             out[r].append(
                 Completion(
                     text=tok.decode(comp.tolist()),
                     prompt_tokens=prompt_arrays[r],
                     completion_tokens=comp,
-                    logprobs=np.asarray(pick(gen.logprobs, pi, j)[:length_j], np.float32),
+                    logprobs=np.asarray(gen.logprobs[at][:length_j], np.float32),
                 )
             )
         return out

@@ -6,17 +6,28 @@
     python scripts/evidence.py joyagents               # JoyAgents-R1 on Router: memory on/off, top-K vs all
     python scripts/evidence.py hacpo --seeds 0 --steps 2 --no-readme   # a smoke run
     python scripts/evidence.py hacpo --render          # the table again from results/evidence_hacpo.json
+    python scripts/evidence.py quickstart hacpo --jobs 2 --background   # detached, resumable
 
 A table is data (`Table`): a base config with dotted overrides, named variants (more dotted
-overrides), and the cells to report (a variant and a key of the run's summary.json, or the last
-logged value of a metric in metrics.jsonl). Every (variant, seed) is one
+overrides), the cells to report (a variant and a key of the run's summary.json, or the last
+logged value of a metric in metrics.jsonl) and the paired comparisons that decide its claims.
+Every (variant, seed) is one
 `python -m jmarl.run --config <config> seed=S output_dir=... <base overrides> <variant overrides>`
-process, run one at a time (so each wall time is that of a lone run). The script writes
-results/evidence_<table>.json (per-seed raw numbers, mean, sample std, the exact overrides, wall
-times, versions) and rewrites the table in docs/evidence.md between
-`<!-- evidence:<table>:start -->` and `<!-- evidence:<table>:end -->`.
+process. Every variant runs on the same seeds (8 by default), so a comparison is paired: the
+difference variant - baseline on each seed, its mean, a 95% percentile bootstrap interval of that
+mean and the exact two-sided sign-flip p-value; a claim "holds" when the interval is above 0 and
+p < 0.05 ("reversed" below 0), else it is "undecided" at this scale.
 
-Held-out: every run's summary.json holds the greedy evaluation on the env's held-out seeds
+Runs are resumable: a run that finished writes `evidence_run.json` (its argv) beside its
+summary, and a later invocation with the same command reuses it, so an interrupted table
+continues where it stopped (`--background` detaches, logging to <runs>/evidence.log). `--jobs N`
+runs N at once, each pinned to its share of the CPUs; the runs share one XLA compilation cache.
+The script writes results/evidence_<table>.json (per-seed raw numbers, mean, sample std, the
+paired statistics' inputs, the exact overrides, wall times, versions; rewritten after every run)
+and the table in docs/evidence.md between `<!-- evidence:<table>:start -->` and
+`<!-- evidence:<table>:end -->`.
+
+Held-out: every run's summary.json holds the evaluation on the env's held-out seeds
 (`jmarl.envs.eval_seed`) before RL (after the warm start: `before_eval_*`) and after it
 (`eval_*`). To add a table, add a `Table` to `TABLES`.
 """
@@ -177,18 +188,16 @@ WRITING = Table(
 
 HACPO_VARIANTS = (
     Variant("hacpo", "HACPO (shared rollouts)", ("workflow.options.mode=hacpo",)),
-    Variant("naive", "naive sharing (mechanisms off)", ("workflow.options.mode=naive",)),
-    Variant("gspo", "GSPO alone", ("workflow.options.mode=gspo",)),
+    Variant("gspo", "GSPO alone (the same generated rollouts)", ("workflow.options.mode=gspo",)),
     Variant("gspo_2x", "GSPO, 2x rollouts", ("workflow.options.mode=gspo_2x",)),
 )
+HACPO_MODELS = ("qwen", "llama")
 HACPO = Table(
     name="hacpo",
-    title="HACPO with two tiny heterogeneous models on one-digit arithmetic: held-out success per model "
-    "(sampled at temperature 1, 64 episodes over the 8 held-out problems)",
-    config="configs/hacpo/math_tiny.yaml",
-    # the 8 held-out problems evaluated by sampling (64 episodes, temperature 1): greedy decoding
-    # of these tiny models gives 0 or 1/8 steps only
-    base=("train.steps=40", "eval.greedy=false", "eval.num_episodes=64", "checkpoint.every=0"),
+    title="HACPO with two tiny heterogeneous models (qwen3-style + char tokenizer, llama-style + BPE) on "
+    "4x4 Plan-Path, one step, verified reward: held-out greedy success per model on 128 episodes",
+    config="configs/hacpo/plan_path_tiny.yaml",
+    base=("checkpoint.every=0",),
     variants=HACPO_VARIANTS,
     rows=tuple(Line(v.label, variant=v.name) for v in HACPO_VARIANTS),
     columns=(
@@ -199,20 +208,13 @@ HACPO = Table(
         Line("rollouts generated (both models)", "rollouts_generated"),
     ),
     comparisons=tuple(
-        Comparison("hacpo", base, f"eval_{m}/success_rate", f"HACPO vs {label}, {m} success after")
-        for base, label in (("gspo", "GSPO alone"), ("gspo_2x", "GSPO 2x"), ("naive", "naive sharing"))
-        for m in ("qwen", "llama")
+        Comparison("hacpo", base, f"eval_{m}/success_rate", f"{m}: HACPO vs {label}")
+        for m in HACPO_MODELS for base, label in (("gspo", "GSPO alone, same rollouts"), ("gspo_2x", "GSPO, 2x rollouts"))
+    ) + tuple(
+        Comparison("hacpo", "hacpo", f"eval_{m}/success_rate", f"{m}: HACPO vs its warm start",
+                   baseline_key=f"before_eval_{m}/success_rate") for m in HACPO_MODELS
     ),
     digits=3,
-    notes=(
-        "At this scale no variant separates from another by more than one std, so HACPO does not beat its "
-        "baselines here. Why (from the runs' metrics.jsonl): the models barely learn in 40 steps; their "
-        "training success is 6-10%, so about 70% of a model's own G=4 groups are all-zero and carry no "
-        "gradient, and the after-RL differences (<= 0.03) are the size of the sampling noise of a "
-        "64-episode estimate at p = 0.07 (+- 0.03). HACPO and naive sharing train on ~60 samples per step "
-        "(own + re-tokenised cross answers, ~4 dropped as lossy) from the same 1,280 generated rollouts "
-        "as GSPO's 32.",
-    ),
     fields=("success_before", "success_after", "mean:plan/num_lossy",
             "mean:hacpo/success_0", "mean:hacpo/success_1", "mean:rollout/reward_std"),
 )
@@ -292,7 +294,7 @@ QUICKSTART = Table(
         Comparison("per_agent", "shared", "success_after", "per-agent vs shared policy"),
     ),
     digits=3,
-    fields=("wall_seconds", "mean:rollout/success_rate"),
+    fields=("wall_seconds", "mean:rollout/success_rate", "mean:rollout/row_utilization"),
 )
 
 TABLES: dict[str, Table] = {t.name: t for t in (QUICKSTART, WRITING, HACPO, JOYAGENTS)}
@@ -373,7 +375,24 @@ def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: 
     saved = json.loads(record.read_text())
     if saved.get("argv") != list(cmd[1:]) or not (out_dir / "summary.json").exists():
         return None
-    return _row_of(table, variant, seed, out_dir, saved["wall_seconds"], saved["cpu_seconds"], 0) | {"reused": True}
+    row = _row_of(table, variant, seed, out_dir, saved["wall_seconds"], saved["cpu_seconds"], 0)
+    return row | {"argv": portable(cmd[1:]), "reused": True}
+
+
+def portable(argv: Sequence[str]) -> list[str]:
+    """`argv` with this checkout's path written as "<repo>": how a result JSON names a run's
+    command, so a later session (another machine, the same repo) can match it."""
+    return [a.replace(str(ROOT), "<repo>") for a in argv]
+
+
+def recorded_row(previous: dict[str, Any] | None, variant: Variant, seed: int, cmd: Sequence[str]) -> dict[str, Any] | None:
+    """The row of (variant, seed) in a previous result JSON if it ran exactly `cmd` and finished:
+    a table resumes from its committed JSON when the run directories are gone (a new machine)."""
+    rows = ((previous or {}).get("variants", {}).get(variant.name) or {}).get("runs", [])
+    for row in rows:
+        if row.get("seed") == seed and "values" in row and row.get("argv") == portable(cmd[1:]):
+            return dict(row, reused=True)
+    return None
 
 
 def start_run(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None,
@@ -395,20 +414,10 @@ def finish_run(table: Table, variant: Variant, seed: int, started: tuple[subproc
     code = os.waitstatus_to_exitcode(status)
     row = _row_of(table, variant, seed, out_dir, wall, cpu, code)
     if code == 0:
+        row["argv"] = portable(cmd[1:])
         (out_dir / RUN_RECORD).write_text(json.dumps(
             {"argv": cmd[1:], "wall_seconds": row["wall_seconds"], "cpu_seconds": row["cpu_seconds"]}, indent=1))
     return row
-
-
-def run_one(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None) -> dict[str, Any]:
-    """Runs one (variant, seed) in its own process (or reuses its finished run); its row."""
-    out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
-    done = finished_row(table, variant, seed, out_dir, run_command(table, variant, seed, out_dir, steps))
-    if done is not None:
-        return done
-    started = start_run(table, variant, seed, runs_root, steps)
-    _, status, usage = os.wait4(started[0].pid, 0)
-    return finish_run(table, variant, seed, started, status, usage)
 
 
 def mean_std(values: Sequence[float]) -> dict[str, float]:
@@ -460,17 +469,20 @@ def command_line(table_name: str, seeds: Sequence[int], steps: int | None) -> st
 
 
 def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: Path,
-              on_run: Callable[[dict[str, Any]], None] | None = None, jobs: int = 1) -> dict[str, Any]:
-    """Runs every (variant, seed) not already finished, seed-major (so a partial table has whole
-    paired seeds), `jobs` processes at a time (each pinned to its own share of the CPUs when
-    jobs > 1); the result JSON as a dict. `on_run(partial result)` is called after every run."""
+              on_run: Callable[[dict[str, Any]], None] | None = None, jobs: int = 1,
+              previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Runs every (variant, seed) not already finished (in its run directory, or as a row of
+    `previous`, the table's last result JSON), seed-major (so a partial table has whole paired
+    seeds), `jobs` processes at a time (each pinned to its own share of the CPUs when jobs > 1);
+    the result JSON as a dict. `on_run(partial result)` is called after every run."""
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in table.variants}
     todo = []
     for seed in seeds:
         for variant in table.variants:
             out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
-            done = finished_row(table, variant, seed, out_dir, run_command(table, variant, seed, out_dir, steps))
+            cmd = run_command(table, variant, seed, out_dir, steps)
+            done = finished_row(table, variant, seed, out_dir, cmd) or recorded_row(previous, variant, seed, cmd)
             if done is not None:
                 runs[variant.name].append(done)
             else:
@@ -701,28 +713,18 @@ def replace_block(text: str, name: str, block: str) -> str:
     return f"{head}{start}\n{block}{end}{tail}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("table", choices=sorted(TABLES))
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
-    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the table's)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="runs at once, each pinned to its share of the CPUs (wall times are then per share)")
-    parser.add_argument("--runs", default="runs/evidence", help="parent of the per-run output dirs")
-    parser.add_argument("--out", default=None, help="result JSON (default results/evidence_<table>.json)")
-    parser.add_argument("--readme", default="docs/evidence.md", help="markdown file whose table is rewritten")
-    parser.add_argument("--no-readme", action="store_true", help="write the JSON only")
-    parser.add_argument("--render", action="store_true",
-                        help="run nothing: re-render the README table (notes included) from the result JSON")
-    args = parser.parse_args(argv)
-    table = TABLES[args.table]
+def run_and_render(table: Table, args: argparse.Namespace) -> int:
+    """Runs one table (or reads its JSON with --render), writes the JSON and its markdown block;
+    0 when every run finished."""
     out = Path(args.out) if args.out else ROOT / "results" / f"evidence_{table.name}.json"
     if args.render:
         result = json.loads(out.read_text())
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
+        previous = json.loads(out.read_text()) if out.exists() else None
         save = lambda partial: out.write_text(json.dumps(partial, indent=2) + "\n")  # noqa: E731
-        result = run_table(table, args.seeds, args.steps, ROOT / args.runs, on_run=save, jobs=args.jobs)
+        result = run_table(table, args.seeds, args.steps, ROOT / args.runs, on_run=save, jobs=args.jobs,
+                           previous=previous)
     block = markdown(table, result)
     result["markdown"] = block
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -734,6 +736,42 @@ def main(argv: list[str] | None = None) -> int:
         readme.write_text(replace_block(readme.read_text(), table.name, block))
         print(f"updated {readme}")
     return 0 if all("values" in r for v in result["variants"].values() for r in v["runs"]) else 1
+
+
+def start_in_background(argv: Sequence[str], runs_root: Path) -> int:
+    """Re-runs this command without --background as a detached process logging to
+    <runs>/evidence.log; rerunning the same command later resumes where it stopped."""
+    runs_root.mkdir(parents=True, exist_ok=True)
+    log = runs_root / "evidence.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--background"]]
+    with open(log, "a") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"running in the background, pid {proc.pid}; progress: tail -f {log}\n"
+          "after a stop, the same command resumes (finished runs are reused)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tables", nargs="+", choices=sorted(TABLES), metavar="table",
+                        help=f"one or more of {', '.join(sorted(TABLES))}, run in order")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the table's)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each pinned to its share of the CPUs (wall times are then per share)")
+    parser.add_argument("--background", action="store_true", help="detach; log to <runs>/evidence.log")
+    parser.add_argument("--runs", default="runs/evidence", help="parent of the per-run output dirs")
+    parser.add_argument("--out", default=None, help="result JSON of a single table (default results/evidence_<table>.json)")
+    parser.add_argument("--readme", default="docs/evidence.md", help="markdown file whose table is rewritten")
+    parser.add_argument("--no-readme", action="store_true", help="write the JSON only")
+    parser.add_argument("--render", action="store_true",
+                        help="run nothing: re-render the README table (notes included) from the result JSON")
+    args = parser.parse_args(argv)
+    if args.out and len(args.tables) > 1:
+        parser.error("--out names one table's JSON: give one table")
+    if args.background:
+        return start_in_background(sys.argv[1:] if argv is None else argv, ROOT / args.runs)
+    return max(run_and_render(TABLES[name], args) for name in args.tables)
 
 
 if __name__ == "__main__":

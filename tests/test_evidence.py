@@ -218,6 +218,21 @@ def test_finished_runs_are_reused_only_for_the_same_command(tmp_path):
     assert evidence.finished_row(table, variant, 3, out, cmd) is None
 
 
+def test_a_committed_result_json_resumes_a_table_on_a_new_machine(tmp_path):
+    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
+    out = evidence.ROOT / "runs" / "evidence" / "writing" / variant.name / "seed_4"
+    cmd = evidence.run_command(table, variant, 4, out, None)
+    assert all(str(evidence.ROOT) not in a for a in evidence.portable(cmd[1:]))
+    row = {"seed": 4, "values": {"eval_team_reward": 2.5}, "argv": evidence.portable(cmd[1:]), "wall_seconds": 3.0}
+    previous = {"variants": {variant.name: {"runs": [row]}}}
+    assert evidence.recorded_row(previous, variant, 4, cmd) == dict(row, reused=True)
+    assert evidence.recorded_row(previous, variant, 5, evidence.run_command(table, variant, 5, out, None)) is None
+    assert evidence.recorded_row(previous, variant, 4, evidence.run_command(table, variant, 4, out, 7)) is None
+    failed = {"variants": {variant.name: {"runs": [{"seed": 4, "error": "exit status 1", "argv": row["argv"]}]}}}
+    assert evidence.recorded_row(failed, variant, 4, cmd) is None  # a failed run is run again
+    assert evidence.recorded_row(None, variant, 4, cmd) is None
+
+
 def test_cpu_sets_split_this_process_cpus():
     cpus = sorted(os.sched_getaffinity(0))
     sets = evidence._cpu_sets(2)

@@ -135,7 +135,7 @@ QUIET = ("logging.progress=false", "logging.tensorboard=false", "logging.plots=f
 WRITING_COMPONENTS = ("structure", "ratio", "diversity", "transitions", "overlap")
 WRITING = Table(
     name="writing",
-    title="MAGRPO on Writing (two writers, one joint reward): reward components on 32 held-out sources "
+    title="MAGRPO on Writing (two writers, one joint reward): reward components on 64 held-out sources "
     "(sampled at temperature 1)",
     config="configs/magrpo/writing.yaml",
     base=(
@@ -147,11 +147,12 @@ WRITING = Table(
         "env.options.concise_words=[3, 10]", "env.options.detailed_words=[10, 30]",
         "sampling.max_new_tokens=160", "sampling.max_prompt_len=256",
         "sampling.temperature=1.0", "sampling.top_p=1.0", "sampling.top_k=0",
-        "optim.lr=1.0e-3", "workflow.num_tasks=4", "train.steps=12",
-        "train.warm_start.steps=30", "train.warm_start.lr=3.0e-3", "train.warm_start.demos=4",
+        "optim.lr=1.0e-3", "workflow.num_tasks=4", "train.steps=40",
+        # 200 warm-start steps (30 left transitions and overlap at 0 on every sample: nothing to learn there)
+        "train.warm_start.steps=200", "train.warm_start.lr=3.0e-3", "train.warm_start.demos=8",
         # evaluated by sampling at the training temperature: greedy decoding of these tiny models
         # repeats one word (type-token ratio ~0.02), which scores 0 on most components
-        "eval.every=0", "eval.greedy=false", "eval.num_episodes=32", "checkpoint.every=0",
+        "eval.every=0", "eval.greedy=false", "eval.num_episodes=64", "checkpoint.every=0",
     ),
     variants=(
         Variant("aligned", "aligned joint actions (G pairs)", ("workflow.options.joint_mode=aligned",)),
@@ -165,22 +166,14 @@ WRITING = Table(
         Line("after MAGRPO, cross", "eval_", "cross"),
     ),
     comparisons=(
-        Comparison("aligned", "aligned", "eval_team_reward", "team reward after MAGRPO (aligned) vs before",
+        Comparison("aligned", "aligned", "eval_team_reward", "team reward: MAGRPO (aligned) vs the warm-started system",
                    baseline_key="before_eval_team_reward"),
-        Comparison("cross", "aligned", "eval_team_reward", "team reward after MAGRPO (cross) vs before",
+        Comparison("cross", "cross", "eval_team_reward", "team reward: MAGRPO (cross) vs the warm-started system",
                    baseline_key="before_eval_team_reward"),
-        Comparison("cross", "aligned", "eval_team_reward", "team reward after MAGRPO, cross vs aligned joint actions"),
-    ),
-    notes=(
-        "MAGRPO does not raise the held-out team reward beyond one std at this scale (12 RL steps). Why: "
-        "transitions and overlap are 0 on every held-out sample before and after, since the character-level "
-        "model, warm-started for 30 steps, writes word-shaped strings that are neither the source's content "
-        "words nor transition words; components that stay 0 give no reward variance to learn from, so only the length terms "
-        "(structure, ratio) can be learned, and the sampled training team reward barely moves in 12 steps "
-        "(mean of the first vs last 3 steps: 2.16 -> 2.09 aligned, 2.15 -> 2.26 cross; metrics.jsonl). "
-        "Cross scores each completion against all G=4 partners (its return summed over them), a "
-        "lower-variance signal than aligned's single partner, which fits its small edge; 3 seeds put that "
-        "edge at the limit of one std.",
+        Comparison("cross", "aligned", "eval_team_reward", "team reward: cross vs aligned joint actions"),
+    ) + tuple(
+        Comparison("aligned", "aligned", f"eval_info/{c}", f"{c}: MAGRPO (aligned) vs the warm start",
+                   baseline_key=f"before_eval_info/{c}") for c in ("structure", "ratio", "transitions")
     ),
     fields=("before_eval_team_reward", "eval_team_reward", "metrics:rollout/generated_total",
             "mean:rollout/team_reward", "mean:rollout/reward_std", "mean:rollout/samples"),
@@ -219,46 +212,33 @@ HACPO = Table(
             "mean:hacpo/success_0", "mean:hacpo/success_1", "mean:rollout/reward_std"),
 )
 
+JOYAGENTS_VARIANTS = (
+    Variant("top1", "top-1 node group per task, no memory", ("workflow.options.top_k=1", "algo.options.use_memory=false")),
+    Variant("all", "all node groups, no memory", ("workflow.options.top_k=1000", "algo.options.use_memory=false")),
+    Variant("top1_memory", "top-1 node group, memory (JoyAgents-R1)", ("workflow.options.top_k=1",)),
+)
 JOYAGENTS = Table(
     name="joyagents",
-    title="JoyAgents-R1 on Router (master + 3 sub-agents, LoRA per agent): 16 held-out tasks, sampled at "
-    "temperature 1 (with memory: prompts carry the retrieved entries)",
-    config="configs/joyagents/router_tiny.yaml",
-    base=("eval.greedy=false", "eval.num_episodes=16", "checkpoint.every=0"),
-    variants=(
-        Variant("topk_memory", "top-2 node groups, memory (JoyAgents-R1)", ()),
-        Variant("topk_no_memory", "top-2 node groups, no memory", ("algo.options.use_memory=false",)),
-        Variant("all_memory", "all node groups, memory", ("workflow.options.top_k=1000",)),
-    ),
-    rows=(
-        Line("top-2 node groups, memory (JoyAgents-R1)", variant="topk_memory"),
-        Line("top-2 node groups, no memory", variant="topk_no_memory"),
-        Line("all node groups, memory", variant="all_memory"),
-    ),
+    title="JoyAgents-R1 on the quickstart's Plan-Path (tool -> planner, 2 turns: up to 4 node groups per task, "
+    "G = 8): held-out greedy success on 128 episodes",
+    config="configs/quickstart.yaml",
+    base=("algo.name=joyagents", "algo.options={}", "workflow.plan=node_wise", "workflow.group_size=8",
+          "workflow.options={}", "workflow.num_tasks=8", "sampling.max_prompt_len=256", "train.steps=30",
+          "checkpoint.every=0", "eval.every=0", "eval.num_episodes=128"),
+    variants=JOYAGENTS_VARIANTS,
+    rows=tuple(Line(v.label, variant=v.name) for v in JOYAGENTS_VARIANTS),
     columns=(
         Line("success before", "success_before"),
         Line("success after", "success_after"),
-        Line("team reward before", "before_eval_team_reward"),
-        Line("team reward after", "eval_team_reward"),
         Line("memory entries at end", "metrics:memory/entries"),
         Line("samples trained per step", "mean:rollout/samples"),
     ),
     comparisons=(
-        Comparison("topk_memory", "topk_no_memory", "success_after", "memory vs no memory (success after)"),
-        Comparison("topk_memory", "all_memory", "success_after", "top-2 vs all node groups (success after)"),
+        Comparison("top1", "all", "success_after", "top-1 vs all node groups (no memory)"),
+        Comparison("top1_memory", "top1", "success_after", "memory vs no memory (top-1)"),
+        Comparison("top1", "top1", "success_after", "top-1, no memory vs its warm start", baseline_key="success_before"),
     ),
-    notes=(
-        "Run at 4 RL steps (--steps 4; about 4 min per run on this shared 2-core machine, most of it the "
-        "20-step warm start and the two evaluations), which is far too short for any effect: neither memory "
-        "nor top-K selection beats its baseline here. Why (metrics.jsonl): no sampled reply earns the "
-        "format bonus (0.1) or solves a task, so within a step rewards differ only by the 0.001-per-token "
-        "cost (reward std ~0.004); node groups then carry almost no signal whichever are selected, and the "
-        "memory admits only 1-5 entries. The table shows that the switches run, not that they help.",
-        "The top-K comparison is vacuous in this setting: the 'all node groups' runs are identical to the "
-        "top-2 ones (32 samples per step, the same memory), i.e. each task's base trajectory has only two "
-        "node groups (G=8 alternatives each, 2 tasks), so top-2 already trains every group. A real "
-        "comparison needs workflow.options.top_k=1 or longer trajectories (not run for lack of time).",
-    ),
+    digits=3,
     fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
 )
 

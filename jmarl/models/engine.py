@@ -127,8 +127,8 @@ def slots_for_budget(config: ModelConfig, capacity: int, budget: int, rows: int)
 # ---------------------------------------------------------------------------------- mesh layout
 @dataclass(frozen=True)
 class Layout:
-    """How the engine lies on a mesh: `rows` the mesh axes of the slot axis (default data, fsdp:
-    those of size > 1), `heads` the mesh axis (or axes) of the cache's key/value heads ("tensor"
+    """How the engine lies on a mesh: `rows` the mesh axes of the slot axis (default data, fsdp,
+    policy: those of size > 1), `heads` the mesh axis (or axes) of the cache's key/value heads ("tensor"
     or None), `gather` one NamedSharding (or None: left as it is) per parameter leaf (treedef
     `params_def`): the leaf's own sharding without the row axes (FSDP shards: the weights one
     program call reads, gathered once)."""

@@ -5,9 +5,10 @@ The model declares the logical axes of its arrays once (`jmarl.models.model.para
 axes shard each of them. The defaults (`DEFAULT_RULES`):
 
     logical axis        mesh axes         what it names
-    batch               (data, fsdp)      rows of a batch, prompt or KV-cache array (+ policy
-                                          when no policy axis is stacked: spare policy devices split rows)
-    activation_batch    (data, fsdp)      rows of a layer's input, slots of the rollout engine
+    batch               (data, fsdp)      rows of a batch, prompt or KV-cache array, the rollout engine's
+                                          slots (+ policy when no policy axis is stacked: spare policy
+                                          devices split rows)
+    activation_batch    (data, fsdp)      rows of a layer's input
     policy              policy            the stacked per-agent axis [P, ...]
     vocab               tensor            vocabulary (embedding rows, LM head columns)
     embed               fsdp              the hidden size D of a weight matrix (ZeRO-3 shards)

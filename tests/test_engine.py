@@ -363,3 +363,56 @@ def test_planned_programs_are_the_ones_run_calls(monkeypatch):
             assert a.shape == np.shape(r) and a.dtype == (r.dtype if hasattr(r, "dtype") else np.asarray(r).dtype)
             if a.sharding is not None and isinstance(getattr(r, "sharding", None), jax.sharding.NamedSharding):
                 assert a.sharding.is_equivalent_to(r.sharding, len(a.shape))
+
+
+# ---------------------------------------------------------------------------------- every plan, the trainer
+_PATH = dict(size=5, prompt_style="compact", max_turns=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,env_name,env_options,agent_policy,options", [
+    ("independent", "plan_path", _PATH, (0, 1), dict(group_size=2)),
+    ("tree", "plan_path", _PATH, (0, 1), dict(group_size=2)),
+    ("joint", "writing", {}, (0, 1), dict(group_size=2)),
+    ("shared", "math", dict(agents=("solver",), max_turns=1), (0,), dict(group_size=2, num_policies=2)),
+    ("node_wise", "plan_path", _PATH, (0, 1), dict(group_size=2, top_k=1)),
+])
+def test_every_plan_gets_the_same_samples_from_the_engine(plan, env_name, env_options, agent_policy, options):
+    from jmarl import envs
+    from jmarl.workflows.plans import run_plan
+
+    policies = _policy_set()
+    if plan == "shared":  # the run input the shared plan's bind fills: every policy's tokenizer
+        options = dict(options, tokenizers={0: policies.groups[0].tokenizer, 1: policies.groups[0].tokenizer})
+    env = envs.make(env_name, **env_options)
+    seeds = [envs.train_seed(i) for i in range(2)]
+    common = dict(max_new_tokens=6, temperature=0.0, max_prompt_len=96)
+    static = ModelSampler(policies, SamplingSettings(**common))
+    cont = ModelSampler(policies, SamplingSettings(**common, engine="continuous", kv_budget_bytes=1 << 20,
+                                                   engine_chunk_steps=4))
+    a = run_plan(plan, env, seeds, agent_policy, static, jax.random.key(0), **options)
+    b = run_plan(plan, env, seeds, agent_policy, cont, jax.random.key(0), **options)
+    assert len(a.records) == len(b.records) > 0
+    for x, y in zip(a.records, b.records):
+        assert (x.prompt, x.completion.text, x.reward, x.group, x.policy) == (y.prompt, y.completion.text, y.reward,
+                                                                             y.group, y.policy)
+        np.testing.assert_allclose(y.completion.logprobs, x.completion.logprobs, atol=1e-5)
+    assert cont.take_stats()["rollout/row_utilization"] == 1.0
+
+
+@pytest.mark.slow
+def test_trainer_trains_with_the_engine(tmp_path):
+    import json
+
+    from test_trainer import _config
+
+    from jmarl.config import load_config
+    from jmarl.train import trainer as trainer_mod
+
+    cfg = load_config(_config(tmp_path, "engine"), ["sampling.engine=continuous", "sampling.kv_budget_bytes=1MiB",
+                                                    "checkpoint.every=0"])
+    trainer_mod.train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "train/loss" in x]
+    assert [x["step"] for x in steps] == [1, 2] and all(np.isfinite(x["train/loss"]) for x in steps)
+    assert all(x["rollout/row_utilization"] == 1.0 and 0 < x["rollout/slot_utilization"] <= 1 for x in steps)

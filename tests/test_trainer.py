@@ -257,8 +257,8 @@ def test_sampler_call_cap_splits_requests_and_keeps_every_completion(tmp_path):
     capped = trainer_mod.Trainer(load_config(_config(tmp_path, "capped"), ["sampling.max_rows_per_call=4"]))
     requests = [(p, f"prompt {i}") for i, p in enumerate([0, 1, 0, 0, 1])]
     calls = []
-    original = capped.sampler._sample_group
-    capped.sampler._sample_group = lambda g, reqs, n, key: calls.append(len(reqs) * n) or original(g, reqs, n, key)
+    original = capped.sampler._prepare_call
+    capped.sampler._prepare_call = lambda g, reqs, n, key: calls.append(len(reqs) * n) or original(g, reqs, n, key)
     first = capped.sampler.sample(requests, 2, jax.random.key(5))
     assert calls == [4, 4, 2] and [len(c) for c in first] == [2] * 5
     again = capped.sampler.sample(requests, 2, jax.random.key(5))

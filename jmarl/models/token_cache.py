@@ -7,7 +7,7 @@ prompts spends ~25 s there. `SegmentCache` cuts each text into segments at line 
 the tokenizer provably cannot merge across the cut, looks each segment up in a cache, and
 encodes only the segments not seen before (all of them in one batch call). The ids of a text
 are the concatenation of its segments' ids, equal to encoding the text whole. (A text of one
-segment returns the cached array itself: treat the arrays as read-only.)
+segment returns the cached array itself, which is read-only.)
 
 Where a text may be cut (a "safe cut"): after a run of newlines that follows a non-whitespace
 character and precedes one ("...x\\nY..." or, where the tokenizer allows it, "...x\\n\\nY...").
@@ -71,6 +71,13 @@ def split_segments(text: str, rule: str) -> list[str]:
     return [s for s in out if s]
 
 
+def _frozen(ids: Sequence[int]) -> np.ndarray:
+    """int32 ids as a read-only array (a cached segment may be handed out as it is)."""
+    out = np.asarray(ids, np.int32)
+    out.setflags(write=False)
+    return out
+
+
 class SegmentCache:
     """Encodes texts segment by segment through a cache (see the module docstring).
 
@@ -96,7 +103,7 @@ class SegmentCache:
         new = list(dict.fromkeys(s for segs in pieces for s in segs if s not in self._ids))
         self.misses += len(new)
         self.hits += sum(map(len, pieces)) - len(new)
-        fresh = dict(zip(new, (np.asarray(ids, np.int32) for ids in self._encode_batch(new)))) if new else {}
+        fresh = dict(zip(new, map(_frozen, self._encode_batch(new)))) if new else {}
         out = []
         for segs in pieces:
             arrays = [fresh[s] if s in fresh else self._ids[s] for s in segs]

@@ -71,7 +71,8 @@ Each call's layout (B = next_pow2(rows), prompt blocks, KV-cache capacity) comes
 sampler's own host code on distinct prompts of max_prompt_len tokens
 (`ModelSampler.generation_program`); the call with the largest arguments is compiled. With
 `sampling.engine: continuous`, the engine's prefill and decode-chunk programs are planned instead
-(`engine_programs`: its slots from sampling.kv_budget_bytes, its KV cache the slots' rows). As in
+(`engine_programs`: its slots and prompt entries from sampling.kv_budget_bytes, its KV cache the
+slots' generated tokens and the entries' shared prompts). As in
 the run, only the parameters arrive sharded: the sampler's prompts and KV cache are host
 values, which JAX replicates over the mesh's devices.
 Caveats: a completion re-tokenised for another learner (the shared plan's cross samples) may
@@ -391,26 +392,28 @@ def engine_programs(trainer: Any, group: Any, calls: Sequence[tuple[tuple[int, .
                     ) -> list[tuple[str, Any, tuple, dict[str, Any]]]:
     """The continuous engine's prefill and decode-chunk programs (`sampling.engine: continuous`)
     for the largest engine run of the step's sampler `calls`: a stacked group runs one pass per
-    policy (its rows), another group one pass of all rows; S slots as `jmarl.models.engine.run`
-    picks them from `sampling.kv_budget_bytes` on the trainer's mesh, capacity = the bucket of
-    max_prompt_len + max_new_tokens - 1. [(name, jitted, abstract args, shapes)]."""
+    policy (its rows), another group one pass of all rows; S slots and Q prompt entries as
+    `jmarl.models.engine.run` picks them from `sampling.kv_budget_bytes` on the trainer's mesh
+    for that call's completions per prompt, P = the bucket of max_prompt_len.
+    [(name, jitted, abstract args, shapes)]."""
     from jmarl.models import engine as engine_lib
     from jmarl.rollouts import bucket_length, next_pow2
 
     s = trainer.sampler.settings
     tok = group.tokenizer
-    rows = max((max(r) if group.stacked else sum(r)) for r, _ in calls)
+    rows, share = max(((max(r) if group.stacked else sum(r)), share) for r, share in calls)
     prompt_len = bucket_length(max(1, s.max_prompt_len), trainer.sampler.buckets)
-    capacity = prompt_len + int(s.max_new_tokens) - 1
     mesh = trainer.mesh
-    slots = engine_lib.planned_slots(group.model_config, capacity, rows, s.kv_budget_bytes, mesh, s.max_rows_per_call)
+    slots, entries = engine_lib.planned_slots(group.model_config, prompt_len, s.max_new_tokens, rows, share,
+                                              s.kv_budget_bytes, mesh, s.max_rows_per_call)
     programs = engine_lib.planned_programs(
-        group.model_config, _abstract(params), slots=slots, prompt_len=prompt_len, max_new_tokens=s.max_new_tokens,
-        chunk_steps=s.engine_chunk_steps, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, select=group.stacked, mesh=mesh)
-    shapes = {"rows": rows, "slots": slots, "P": prompt_len, "capacity": capacity}
-    return [(name, jitted, args, dict(shapes, U=next_pow2(slots)) if name == "engine_prefill" else dict(shapes))
-            for name, jitted, args in programs]
+        group.model_config, _abstract(params), slots=slots, entries=entries, prompt_len=prompt_len,
+        max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature, top_p=s.top_p,
+        top_k=s.top_k, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, select=group.stacked, mesh=mesh)
+    shapes = {"rows": rows, "share": share, "slots": slots, "entries": entries, "P": prompt_len,
+              "G": engine_lib.generated_capacity(s.max_new_tokens)}
+    return [(name, jitted, args, dict(shapes, U=next_pow2(min(slots, entries))) if name == "engine_prefill"
+             else dict(shapes)) for name, jitted, args in programs]
 
 
 def _replace(group: Any, **changes: Any) -> Any:

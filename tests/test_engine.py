@@ -115,19 +115,49 @@ def test_shared_prompt_prefilled_once():
     assert len(res.completions[0]) == 4
 
 
-def test_budget_caps_slots_and_refuses_a_request_that_cannot_fit():
-    capacity = bucket_length(8) + N_NEW - 1
-    per_slot = engine.slot_bytes(TINY, capacity)
-    assert per_slot == 2 * 2 * 2 * 8 * capacity * 4
-    assert engine.slots_for_budget(TINY, capacity, 5 * per_slot, rows=100) == 4
-    assert engine.slots_for_budget(TINY, capacity, 64 * per_slot, rows=3) == 4  # no more than the rows
-    assert engine.slots_for_budget(TINY, capacity, per_slot, rows=3) == 1
-    res = engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0), max_new_tokens=N_NEW,
-                     kv_budget_bytes=7 * per_slot, chunk_steps=4)
-    assert res.stats.slots == 4 and res.stats.rows == 6
+def test_budget_caps_slots_and_entries_and_refuses_a_request_that_cannot_fit():
+    p = bucket_length(8)
+    per_slot, per_entry = engine.slot_bytes(TINY, N_NEW), engine.entry_bytes(TINY, p)
+    assert per_slot == 2 * 2 * 2 * 8 * (N_NEW - 1) * 4  # a slot holds its generated tokens only
+    assert per_entry == 2 * 2 * 2 * 8 * p * 4 + 4 * TINY.vocab_size  # a prompt's cache and its logits
+    # requests of 4 completions: Q = ceil(2 S / 4) entries for S slots
+    assert [engine.entries_for(s, 4) for s in (1, 2, 4, 8)] == [1, 1, 2, 4]
+    assert [engine.entries_for(s, 1) for s in (1, 8)] == [1, 8]  # unshared prompts: one entry per slot
+    fits4 = 4 * per_slot + 2 * per_entry
+    assert engine.slots_for_budget(TINY, p, N_NEW, fits4, rows=100, share=4) == (4, 2)
+    assert engine.slots_for_budget(TINY, p, N_NEW, fits4 - 1, rows=100, share=4) == (2, 1)
+    assert engine.slots_for_budget(TINY, p, N_NEW, 64 * fits4, rows=3, share=4) == (4, 2)  # no more than the rows
+    # the same budget holds more slots when prompts are shared than when they are not
+    assert engine.slots_for_budget(TINY, p, N_NEW, fits4, rows=100, share=1)[0] < 4
+    res = engine.run(TINY, PARAMS, _prompts(3), 4, jax.random.key(0), max_new_tokens=N_NEW, kv_budget_bytes=fits4,
+                     chunk_steps=4)
+    assert (res.stats.slots, res.stats.entries, res.stats.rows) == (4, 2, 12)
+    assert res.stats.prompts_prefilled == 3  # one entry per request
     with pytest.raises(JmarlError, match="sampling.kv_budget_bytes"):
-        engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0), max_new_tokens=N_NEW, kv_budget_bytes=per_slot - 1)
+        engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0), max_new_tokens=N_NEW,
+                   kv_budget_bytes=per_slot + per_entry - 1)
     assert engine.default_kv_budget() > 0
+
+
+def test_completions_share_their_prompt_entry_and_wait_for_a_free_one():
+    """A request's completions read one pool entry; with fewer entries than requests in flight
+    the queue waits for one to be given back, and the tokens are those of a roomy pool."""
+    prompts = _prompts(6, seed=9)
+    limits = [2, N_NEW, 3, 1, N_NEW, 5]
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=2, limits=limits, num_slots=4)
+    roomy = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), num_entries=4, **kw)
+    tight = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), num_entries=1, **kw)
+    assert (roomy.stats.entries, tight.stats.entries) == (4, 1)
+    assert tight.stats.entry_waits > 0 and tight.stats.prompts_prefilled == 6  # each prompt prefilled once
+    for a, b in zip(roomy.completions, tight.completions):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-5)
+    # the entry's cache is the prompt's: sampled log-probs equal re-scoring after the prompt
+    for r, prompt in enumerate(prompts):
+        for tokens, logprobs in tight.completions[r]:
+            assert len(tokens) == limits[r]
+            np.testing.assert_allclose(logprobs, _rescored(prompt, tokens, 1.0), atol=1e-4)
 
 
 def _policy_set():
@@ -176,7 +206,7 @@ def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
     for ca, cb in zip(a, b):  # sampling keys follow (request, completion): the same tokens with fewer slots
         for x, y in zip(ca, cb):
             np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
-    assert engine.planned_slots(TINY, 64, 8, 1 << 20, None, 3) == 2
+    assert engine.planned_slots(TINY, 64, 6, 8, 2, 1 << 20, None, 3) == (2, 2)
 
 
 def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
@@ -228,7 +258,7 @@ def _decode_compiled(mesh, params, slots):
     gen = engine._prepare_program(TINY, False)(params)
     layout = engine.make_layout(TINY, mesh, gen)
     fn = engine._chunk_program(TINY, 4, True, 0, False, (), 0, layout)
-    state = engine._init_program(TINY, slots, 8, 8 + N_NEW - 1, layout)()
+    state = engine._init_program(TINY, slots, slots, 8, N_NEW, layout)()
     with mesh_context(mesh):
         return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1)).compile()
 
@@ -240,20 +270,27 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
     prompts = _prompts(12, seed=5)
     stop = _stop_token()
     kw = dict(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), chunk_steps=4)
-    want = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), num_slots=8, **kw)
+    want = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(1), num_slots=8, **kw)
     mesh = sharding.make_mesh(**axes)
     params = sharding.shard_params(TINY, PARAMS, mesh)  # weights as the trainer places them (fsdp, tensor)
-    got = engine.run(TINY, params, prompts, 1, jax.random.key(1), num_slots=8, mesh=mesh, **kw)
+    got = engine.run(TINY, params, prompts, 2, jax.random.key(1), num_slots=8, mesh=mesh, **kw)
     for a, b in zip(want.completions, got.completions):
-        np.testing.assert_array_equal(b[0][0], a[0][0])
-        np.testing.assert_allclose(b[0][1], a[0][1], atol=1e-5)
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(tb, ta)
+            np.testing.assert_allclose(lb, la, atol=1e-5)
     rows = axes.get("data", 1) * axes.get("fsdp", 1)
     assert got.stats.slots == 8 and got.stats.slots_per_device == 8 // rows
+    assert got.stats.entries == rows * engine.entries_for(8 // rows, 2)
     assert got.stats.prefills > 1  # slots were refilled
-    # the compiled decode program takes and returns the cache with the slots split over data (x fsdp)
+    if rows == 8:  # one slot per device: a request's second completion reads a copy of its prompt on another device
+        assert got.stats.prompts_prefilled > len(prompts)
+    # the compiled decode program takes and returns the caches with the slots (and the pool's
+    # entries) split over data (x fsdp)
     compiled = _decode_compiled(mesh, params, 8)
-    for sh in (compiled.input_shardings[0][1].cache.keys[0], compiled.output_shardings[0].cache.values[1]):
-        shape = (8, TINY.num_kv_heads, TINY.head_dim, 8 + N_NEW - 1)
+    state_in, state_out = compiled.input_shardings[0][1], compiled.output_shardings[0]
+    for sh in (state_in.cache.keys[0], state_out.cache.values[1], state_in.pool.cache.keys[0],
+               state_out.pool.cache.values[1]):
+        shape = (8, TINY.num_kv_heads, TINY.head_dim, N_NEW - 1)
         assert sh.shard_shape(shape)[0] == 8 // rows
         assert sh.shard_shape(shape)[1] == TINY.num_kv_heads // axes.get("tensor", 1)
     # FSDP weights are gathered once per chunk (before the decode loop), not inside the loop
@@ -266,9 +303,9 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
     for comp in re.split(r"\n(?=\S)", text):
         words = comp.split(" ", 2)
         name = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
-        if name in bodies:
+        if name in bodies:  # each device reads its own part of the pool: nothing moves between devices
             seen += 1
-            assert "all-gather" not in comp
+            assert "all-gather" not in comp and "all-to-all" not in comp and "collective-permute" not in comp
     assert seen == len(bodies)
     if "fsdp" in axes:
         assert "all-gather" in text
@@ -298,12 +335,11 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
 
     mesh = sharding.make_mesh(data=8)
     prompts = _prompts(10, seed=6)
-    capacity = bucket_length(8) + N_NEW - 1
-    per_slot = engine.slot_bytes(TINY, capacity)
-    # budget per device: one slot each -> 8 slots on 8 devices (one device: 1 slot)
+    per_row = engine.engine_bytes(TINY, 1, 1, bucket_length(8), N_NEW)
+    # budget per device: one slot and one entry each -> 8 slots on 8 devices (one device: 1 slot)
     res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), max_new_tokens=N_NEW, temperature=0.0,
-                     kv_budget_bytes=per_slot, chunk_steps=4, mesh=mesh)
-    assert res.stats.slots == 8 and res.stats.slots_per_device == 1
+                     kv_budget_bytes=per_row, chunk_steps=4, mesh=mesh)
+    assert res.stats.slots == 8 and res.stats.slots_per_device == 1 and res.stats.entries == 8
     for r, prompt in enumerate(prompts):
         tokens, logprobs = _static(prompt, max_new_tokens=N_NEW, temperature=0.0)
         np.testing.assert_array_equal(res.completions[r][0][0], tokens)
@@ -350,10 +386,11 @@ def test_planned_programs_are_the_ones_run_calls(monkeypatch):
                temperature=0.0, num_slots=8, chunk_steps=4, mesh=mesh)
     monkeypatch.undo()
     p = bucket_length(8)  # the prompts' bucket
-    per_slot = engine.slot_bytes(TINY, p + N_NEW - 1)
-    assert engine.planned_slots(TINY, p + N_NEW - 1, 8, per_slot, mesh) == 8  # one slot per device's budget
-    planned = engine.planned_programs(TINY, params, slots=8, prompt_len=p, max_new_tokens=N_NEW, chunk_steps=4,
-                                      temperature=0.0, mesh=mesh)
+    per_row = engine.engine_bytes(TINY, 1, 1, p, N_NEW)
+    # one slot and one entry per device's budget
+    assert engine.planned_slots(TINY, p, N_NEW, 8, 1, per_row, mesh) == (8, 8)
+    planned = engine.planned_programs(TINY, params, slots=8, entries=8, prompt_len=p, max_new_tokens=N_NEW,
+                                      chunk_steps=4, temperature=0.0, mesh=mesh)
     assert [name for name, _, _ in planned] == ["engine_prefill", "engine_decode"]
     for name, fn, args in planned:
         real_fn, real_args = calls[name]

@@ -253,11 +253,17 @@ def test_continuous_engine_plans_its_prefill_and_decode_programs(run_yaml):
     decode = programs[1]
     slots = decode.shapes["slots"]
     assert slots == 8 and decode.shapes["rows"] == 8  # tree: E x K = 8 rows per policy, 8 slots fit the budget
-    cache = decode.args[1].cache
+    state = decode.args[1]
     model = trainer.policies.groups[0].model_config
-    assert cache.keys[0].shape[0] == slots and cache.values[0].shape[2] == decode.shapes["capacity"]
-    assert cache.keys[0].sharding.shard_shape(cache.keys[0].shape)[0] == slots // 4  # slots over data x fsdp
+    entries = decode.shapes["entries"]
+    assert entries == engine.entries_for(slots // 4, decode.shapes["share"]) * 4  # per device, for K per prompt
+    assert decode.shapes["share"] > 1 and entries < slots  # the tree's K candidates share their prompt's entry
+    assert state.cache.keys[0].shape[0] == slots and state.cache.values[0].shape[2] == decode.shapes["G"]
+    assert state.pool.cache.keys[0].shape[0] == entries and state.pool.cache.values[0].shape[2] == decode.shapes["P"]
+    for buf in (state.cache.keys[0], state.pool.cache.keys[0]):  # slots and entries over data x fsdp
+        assert buf.sharding.shard_shape(buf.shape)[0] == buf.shape[0] // 4
     figures = [plan.analyse(p) for p in programs]
-    kv_per_device = slots // 4 * engine.slot_bytes(model, decode.shapes["capacity"])
+    kv_per_device = (slots * engine.slot_bytes(model, decode.shapes["G"] + 1)
+                     + entries * engine.entry_bytes(model, decode.shapes["P"])) // 4
     for f in figures:
         assert f.state >= kv_per_device and f.peak > f.resident > 0

@@ -1,19 +1,24 @@
-"""Continuous-batching generation engine: S slots, a queue, a KV-cache budget.
+"""Continuous-batching generation engine: S slots, a pool of shared prompt caches, a queue, a KV budget.
 
 Device part (pure, jitted, static shapes):
-- the engine state holds S slots, each with its own KV-cache row of capacity C = P + N - 1
-  (P the prompt bucket of the call, N = max_new_tokens; the same capacity as the static
-  sampler's `jmarl.models.sampler`) and its own write index, RoPE position, prompt mask, last
-  token, request/completion ids and length limit;
-- `prefill_slots` prefills U distinct prompts once and writes each prompt's keys/values into the
-  R slots that continue it (a request asking n completions prefills its prompt once and copies
-  the prompt's cache into its n slots), sampling each slot's first token. U is rounded up to a
-  power of two and the R slot entries padded to S (extra entries target slot S and are dropped
-  by the scatter), so one program is compiled per U;
+- the prompt pool holds Q entries, each one prompt's keys/values ([Q, ...] rows of P tokens, P
+  the prompt bucket of the call), its mask, length and next-token logits. The completions of
+  one request read its entry in place: a GRPO group's or a tree node's K completions share one
+  copy of their prompt's cache, as the static sampler's group layout does;
+- the engine state holds S slots, each with its own KV-cache row for its generated tokens only
+  (capacity G = max(N - 1, 1), N = max_new_tokens), its pool entry, write index, RoPE position,
+  last token, request/completion ids and length limit;
+- the prefill program prefills U prompts into U pool entries (U rounded up to a power of two,
+  one program per U) and starts the R admitted completions in their slots from their entries'
+  logits, sampling each slot's first token; completions of requests already in the pool are
+  started by the start program alone (a request admitted over several refills is prefilled once);
 - `decode_chunk` runs up to K decode steps for all S slots (a `lax.while_loop` that also stops
-  as soon as every slot is done) and returns the tokens, log-probs and emitted flags of the chunk.
+  as soon as every slot is done). Each layer's attention reads the slot's pool entry (gathered
+  one layer at a time, `jmarl.models.model.take_rows`) followed by the slot's own cache.
 
-Host part (`run`): between chunks the finished slots are harvested and refilled from the queue.
+Host part (`run`): between chunks the finished slots are harvested and refilled from the queue;
+a pool entry is taken when a request's first completion is admitted and given back when its last
+completion ends. With no entry free, the queue waits (`EngineStats.entry_waits`).
 
 Exactness and reproducibility: every sampled token's log-prob is under softmax(logits / T)
 before truncation (as the static sampler reports it, equal to re-scoring with
@@ -22,19 +27,24 @@ uniform(fold_in(fold_in(rng, r), j), (N,)), made when the completion's slot is f
 outputs depend on the seed only, not on which slot or chunk served a completion, so runs with
 different slot counts give the same completions.
 
-The budget: a slot's cache costs layers x 2 x kv_heads x head_dim x C x dtype bytes; the engine
-runs S = the largest power of two whose slots fit `kv_budget_bytes` (no more than the rows asked
-for, rounded up to a power of two). A call whose single slot does not fit is refused.
+The budget (bytes per device): a slot costs `slot_bytes` (layers x 2 x kv_heads x head_dim x G x
+dtype bytes), a pool entry `entry_bytes` (the same for P tokens, plus its float32 logits). With
+requests of n completions each, Q = `entries_for`(S, n) = min(S, ceil(2 S / n)): room for twice
+the requests the slots can serve at once. The engine runs S = the largest power of two whose
+slots and entries fit `kv_budget_bytes` (no more than the rows asked for, rounded up to a
+power of two). A call whose single slot and entry do not fit is refused.
 
-On a mesh (`run(..., mesh=...)`): the slot axis of the KV cache and of every per-slot field is
-sharded like activation rows (the mesh axes of "activation_batch" in `jmarl.sharding.ShardingRules`,
-default data, fsdp; S rounded up to a multiple of their product, the budget being per device:
-S/(data x fsdp) slots must fit it), the cache's key/value heads like "kv_heads" (tensor); each
-device holds and decodes only its slots. The parameters stay as the caller placed them;
-FSDP-sharded weights are gathered (already in the compute dtype) once at the top of each
-prefill / decode-chunk program, so the decode loop reads gathered weights instead of gathering
-them at every step. The programs are jitted with the state's shardings in and out (and the
-state donated), so the cache stays sharded between calls.
+On a mesh (`run(..., mesh=...)`): the slot axis of the slots' cache and of every per-slot field,
+and the entry axis of the pool, are sharded like activation rows (the mesh axes of an unstacked
+"batch" in `jmarl.sharding.ShardingRules`, default data, fsdp and policy; S and Q multiples of
+their product D, the budget being per device), the caches' key/value heads like "kv_heads"
+(tensor). The host keeps every slot on the device of the entry it reads: slots d S/D .. and
+entries d Q/D .. lie on device d, a request's completions on another device take an entry
+there (its prompt prefilled again), so each device gathers only from its own part of the pool.
+The parameters stay as the caller placed them; FSDP-sharded weights are gathered (already in
+the compute dtype) once at the top of each prefill / decode-chunk program, so the decode loop
+reads gathered weights instead of gathering them at every step. The programs are jitted with the
+state's shardings in and out (and the state donated), so the caches stay sharded between calls.
 """
 
 from __future__ import annotations
@@ -54,7 +64,8 @@ from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import BATCH_AXES, CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill
+from jmarl.models.model import (BATCH_AXES, CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill,
+                                take_rows)
 from jmarl.models.sampler import generation_params, sample_token, select_policy
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
@@ -65,14 +76,29 @@ DEVICE_KV_FRACTION = 0.25  # of the device's memory limit, when it reports one
 
 
 @struct.dataclass
-class EngineState:
-    """The slots on device. cache: [S, ...] rows of capacity C; prompt_mask bool[S, P] (the
-    slot's prompt, left-padded); prompt_len, token (the last sampled), count (tokens generated),
-    limit (max tokens of this slot), request, completion int32[S]; done bool[S] (free or finished);
-    uniforms float32[S, N]: the draws of the slot's N tokens, made when it is filled."""
+class PromptPool:
+    """Q prompt entries, shared by the slots that continue them. cache: [Q, ...] rows of P
+    tokens (`KVCache`); mask bool[Q, P] (the prompt, left-padded); length int32[Q]; logits
+    float32[Q, V]: the next-token logits after the prompt (a new slot samples its first token
+    from them)."""
 
     cache: KVCache
-    prompt_mask: jax.Array
+    mask: jax.Array
+    length: jax.Array
+    logits: jax.Array
+
+
+@struct.dataclass
+class EngineState:
+    """The slots on device and the pool. cache: [S, ...] rows of capacity G (the slot's generated
+    tokens); entry int32[S] (the slot's pool entry, counted within its device's part of the pool:
+    entry e of device d is pool row d Q/D + e); prompt_len, token (the last sampled), count
+    (tokens generated), limit (max tokens of this slot), request, completion int32[S]; done
+    bool[S] (free or finished); uniforms float32[S, N]: the draws of the slot's N tokens, made
+    when it is filled."""
+
+    cache: KVCache
+    entry: jax.Array
     prompt_len: jax.Array
     token: jax.Array
     count: jax.Array
@@ -81,6 +107,7 @@ class EngineState:
     completion: jax.Array
     done: jax.Array
     uniforms: jax.Array
+    pool: PromptPool
 
 
 _TRACES = collections.Counter()
@@ -91,10 +118,38 @@ def num_traces() -> dict[str, int]:
     return dict(_TRACES)
 
 
-def slot_bytes(config: ModelConfig, capacity: int) -> int:
-    """KV-cache bytes of one slot of `capacity` tokens: layers x 2 x kv_heads x head_dim x C x dtype."""
+def kv_bytes(config: ModelConfig, tokens: int) -> int:
+    """KV-cache bytes of one row of `tokens` tokens: layers x 2 x kv_heads x head_dim x tokens x dtype."""
     itemsize = jnp.dtype(config.compute_dtype).itemsize
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * capacity * itemsize
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * int(tokens) * itemsize
+
+
+def generated_capacity(max_new_tokens: int) -> int:
+    """G: the cache positions of a slot's own tokens (the last sampled token is never written)."""
+    return max(int(max_new_tokens) - 1, 1)
+
+
+def slot_bytes(config: ModelConfig, max_new_tokens: int) -> int:
+    """Bytes of one slot: the KV cache of its G generated tokens."""
+    return kv_bytes(config, generated_capacity(max_new_tokens))
+
+
+def entry_bytes(config: ModelConfig, prompt_len: int) -> int:
+    """Bytes of one pool entry: the KV cache of a prompt of `prompt_len` tokens and its float32
+    next-token logits."""
+    return kv_bytes(config, prompt_len) + 4 * config.vocab_size
+
+
+def entries_for(slots: int, share: int) -> int:
+    """Q for `slots` slots when every request asks `share` completions: min(slots, ceil(2 x slots
+    / share)), room for twice the requests the slots serve at once (a request whose siblings
+    ended keeps its entry while its last completion decodes)."""
+    return max(1, min(int(slots), -(-2 * int(slots) // max(int(share), 1))))
+
+
+def engine_bytes(config: ModelConfig, slots: int, entries: int, prompt_len: int, max_new_tokens: int) -> int:
+    """Bytes of `slots` slots and `entries` pool entries."""
+    return slots * slot_bytes(config, max_new_tokens) + entries * entry_bytes(config, prompt_len)
 
 
 def default_kv_budget(device: Any = None) -> int:
@@ -109,19 +164,23 @@ def default_kv_budget(device: Any = None) -> int:
     return int(limit * DEVICE_KV_FRACTION) if limit else CPU_DEFAULT_KV_BUDGET
 
 
-def slots_for_budget(config: ModelConfig, capacity: int, budget: int, rows: int) -> int:
-    """S: the largest power of two with S x `slot_bytes` <= budget, and no more than
-    next_pow2(rows). Raises JmarlError when not even one slot fits."""
-    per_slot = slot_bytes(config, capacity)
-    if per_slot > budget:
+def slots_for_budget(config: ModelConfig, prompt_len: int, max_new_tokens: int, budget: int, rows: int,
+                     share: int = 1) -> tuple[int, int]:
+    """(S, Q): S the largest power of two whose slots and `entries_for`(S, share) entries fit
+    `budget` bytes, and no more than next_pow2(rows). Raises JmarlError when not even one slot
+    and one entry fit."""
+    need = engine_bytes(config, 1, 1, prompt_len, max_new_tokens)
+    if need > budget:
         raise JmarlError(
-            f"one generation row needs {per_slot} bytes of KV cache ({capacity} tokens: prompt bucket + "
-            f"max_new_tokens) but sampling.kv_budget_bytes is {budget}: raise sampling.kv_budget_bytes or lower "
+            f"one generation row needs {need} bytes of KV cache ({prompt_len} prompt tokens, {max_new_tokens} new "
+            f"tokens) but sampling.kv_budget_bytes is {budget}: raise sampling.kv_budget_bytes or lower "
             "sampling.max_prompt_len / sampling.max_new_tokens"
         )
-    fit = 1 << (int(budget // per_slot).bit_length() - 1)
-    return max(1, min(fit, next_pow2(max(rows, 1))))
-
+    slots, most = 1, next_pow2(max(int(rows), 1))
+    while slots < most and engine_bytes(config, 2 * slots, entries_for(2 * slots, share), prompt_len,
+                                        max_new_tokens) <= budget:
+        slots *= 2
+    return slots, entries_for(slots, share)
 
 
 # ---------------------------------------------------------------------------------- mesh layout
@@ -151,12 +210,14 @@ class Layout:
         return P(*self.row_spec(), self.heads) if self.heads else self.row_spec()
 
     def state_shardings(self, num_layers: int) -> EngineState:
-        """NamedSharding per field of an EngineState: slots over `rows`, cache heads over `heads`."""
+        """NamedSharding per field of an EngineState: slots and pool entries over `rows`, the
+        caches' heads over `heads`."""
         row = NamedSharding(self.mesh, self.row_spec())
         cache = NamedSharding(self.mesh, self.cache_spec())
+        caches = KVCache(keys=(cache,) * num_layers, values=(cache,) * num_layers)
         return EngineState(
-            cache=KVCache(keys=(cache,) * num_layers, values=(cache,) * num_layers), prompt_mask=row,
-            prompt_len=row, token=row, count=row, limit=row, request=row, completion=row, done=row, uniforms=row,
+            cache=caches, entry=row, prompt_len=row, token=row, count=row, limit=row, request=row, completion=row,
+            done=row, uniforms=row, pool=PromptPool(cache=caches, mask=row, length=row, logits=row),
         )
 
 
@@ -250,22 +311,28 @@ def _prepare_program(config: ModelConfig, select: bool):
     return jax.jit(program)
 
 
+def _groups(layout: Layout | None) -> int:
+    """D: the devices the slots (and pool entries) are split over."""
+    return 1 if layout is None else layout.row_devices
+
+
 @functools.lru_cache(maxsize=None)
-def _init_program(config: ModelConfig, slots: int, prompt_len: int, capacity: int, layout: Layout | None = None):
+def _init_program(config: ModelConfig, slots: int, entries: int, prompt_len: int, max_new_tokens: int,
+                  layout: Layout | None = None):
     def program():
         _TRACES["init"] += 1
         zeros = jnp.zeros((slots,), jnp.int32)
+        pool = PromptPool(
+            cache=empty_cache(config, (entries,), prompt_len), mask=jnp.zeros((entries, prompt_len), bool),
+            length=jnp.zeros((entries,), jnp.int32), logits=jnp.zeros((entries, config.vocab_size), jnp.float32),
+        )
         return EngineState(
-            cache=empty_cache(config, (slots,), capacity), prompt_mask=jnp.zeros((slots, prompt_len), bool),
-            prompt_len=zeros, token=zeros, count=zeros, limit=zeros, request=zeros, completion=zeros,
-            done=jnp.ones((slots,), bool), uniforms=jnp.zeros((slots, capacity - prompt_len + 1), jnp.float32),
+            cache=empty_cache(config, (slots,), generated_capacity(max_new_tokens)), entry=zeros, prompt_len=zeros,
+            token=zeros, count=zeros, limit=zeros, request=zeros, completion=zeros, done=jnp.ones((slots,), bool),
+            uniforms=jnp.zeros((slots, int(max_new_tokens)), jnp.float32), pool=pool,
         )
 
     return _jit(program, layout, config.num_layers, None, 1, ())
-
-
-def _settings(greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...], pad_id: int):
-    return dict(greedy=greedy, top_k=top_k, use_top_p=use_top_p, stop_tokens=stop_tokens, pad_id=pad_id)
 
 
 def _choose(logits, rng, uniform, temperature, top_p, *, greedy, top_k, use_top_p):
@@ -273,50 +340,83 @@ def _choose(logits, rng, uniform, temperature, top_p, *, greedy, top_k, use_top_
                         uniform=None if greedy else uniform)
 
 
+def _fill_entries(gen_config: ModelConfig, params: Params, state: EngineState, tokens, mask, dest) -> EngineState:
+    """The state with prompt u (tokens/mask [U,P]) prefilled into pool row dest[u] (dest[u] = Q,
+    out of range, marks an unused entry: dropped)."""
+    u, p = tokens.shape
+    logits, cache = prefill(gen_config, params, tokens, mask, empty_cache(gen_config, (u,), p))
+    pool = state.pool
+
+    def put(buf, new):
+        return buf.at[dest].set(new.astype(buf.dtype), mode="drop")
+
+    return state.replace(pool=PromptPool(
+        cache=jax.tree.map(put, pool.cache, cache), mask=put(pool.mask, mask.astype(bool)),
+        length=put(pool.length, mask.astype(jnp.int32).sum(axis=1)), logits=put(pool.logits, logits),
+    ))
+
+
+def _start_slots(state: EngineState, entry, dest, request, completion, limit, rng, temperature, top_p, *, groups: int,
+                 greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...]):
+    """(state, token [R], logprob [R], done [R]): slot dest[i] starts completion (request[i],
+    completion[i]) of the prompt in pool row entry[i] (on the slot's device), its first token
+    sampled from the entry's logits; dest[i] = S (out of range) marks an unused entry (dropped)."""
+    pool = state.pool
+    uniforms = _row_uniforms(rng, request, completion, state.uniforms.shape[1])
+    token, logprob = _choose(pool.logits[entry], rng, uniforms[:, 0], temperature, top_p, greedy=greedy,
+                             top_k=top_k, use_top_p=use_top_p)
+    done = jnp.isin(token, jnp.asarray(stop_tokens, jnp.int32)) | (limit <= 1)
+
+    def put(buf, new):
+        return buf.at[dest].set(new, mode="drop")
+
+    state = state.replace(
+        entry=put(state.entry, entry % (pool.length.shape[0] // groups)),
+        prompt_len=put(state.prompt_len, pool.length[entry]),
+        token=put(state.token, token),
+        count=put(state.count, jnp.ones_like(request)),
+        limit=put(state.limit, limit),
+        request=put(state.request, request),
+        completion=put(state.completion, completion),
+        done=put(state.done, done),
+        uniforms=put(state.uniforms, uniforms),
+    )
+    return state, token, logprob, done
+
+
 @functools.lru_cache(maxsize=None)
 def _prefill_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...],
-                     pad_id: int, layout: Layout | None = None):
-    """(params, state, tokens [U,P], mask [U,P], source [R], dest [R], request [R],
+                     layout: Layout | None = None):
+    """(params, state, tokens [U,P], mask [U,P], fill [U], entry [R], dest [R], request [R],
     completion [R], limit [R], rng, temperature, top_p) -> (state, token [R], logprob [R],
-    done [R]): slot dest[i] starts completion (request[i], completion[i]) of prompt source[i];
-    dest[i] = S (out of range) marks an unused entry (dropped)."""
+    done [R]): prompt u prefilled into pool row fill[u] (`_fill_entries`), then the R slots
+    started (`_start_slots`), in one program."""
     gen_config = config.replace(param_dtype=config.compute_dtype)
+    start = functools.partial(_start_slots, groups=_groups(layout), greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+                              stop_tokens=stop_tokens)
 
-    def program(params, state, tokens, mask, source, dest, request, completion, limit, rng, temperature, top_p):
+    def program(params, state, tokens, mask, fill, entry, dest, request, completion, limit, rng, temperature, top_p):
         _TRACES["prefill"] += 1
-        params = _gathered(layout, params)
-        u, p = tokens.shape
-        logits, prompt_cache = prefill(gen_config, params, tokens, mask, empty_cache(gen_config, (u,), p))
-        logits = logits[source]
-        uniforms = _row_uniforms(rng, request, completion, state.uniforms.shape[1])
-        token, logprob = _choose(logits, rng, uniforms[:, 0], temperature, top_p, greedy=greedy,
-                                 top_k=top_k, use_top_p=use_top_p)
-        done = jnp.isin(token, jnp.asarray(stop_tokens, jnp.int32)) | (limit <= 1)
-
-        def put(buf, new):
-            return buf.at[dest].set(new, mode="drop")
-
-        cache = state.cache
-        keys = tuple(k.at[dest, :, :, :p].set(pk[source].astype(k.dtype), mode="drop")
-                     for k, pk in zip(cache.keys, prompt_cache.keys))
-        values = tuple(v.at[dest, :, :p, :].set(pv[source].astype(v.dtype), mode="drop")
-                       for v, pv in zip(cache.values, prompt_cache.values))
-        prompt_mask = mask[source].astype(bool)
-        state = EngineState(
-            cache=KVCache(keys=keys, values=values),
-            prompt_mask=put(state.prompt_mask, prompt_mask),
-            prompt_len=put(state.prompt_len, prompt_mask.sum(axis=1).astype(jnp.int32)),
-            token=put(state.token, token),
-            count=put(state.count, jnp.ones_like(request)),
-            limit=put(state.limit, limit),
-            request=put(state.request, request),
-            completion=put(state.completion, completion),
-            done=put(state.done, done),
-            uniforms=put(state.uniforms, uniforms),
-        )
-        return state, token, logprob, done
+        state = _fill_entries(gen_config, _gathered(layout, params), state, tokens, mask, fill)
+        return start(state, entry, dest, request, completion, limit, rng, temperature, top_p)
 
     return _jit(program, layout, config.num_layers, 1, 4, (1,))
+
+
+@functools.lru_cache(maxsize=None)
+def _start_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...],
+                   layout: Layout | None = None):
+    """(state, entry [R], dest [R], request [R], completion [R], limit [R], rng, temperature,
+    top_p) -> (state, token [R], logprob [R], done [R]): `_start_slots` alone, for completions of
+    requests already in the pool."""
+    start = functools.partial(_start_slots, groups=_groups(layout), greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+                              stop_tokens=stop_tokens)
+
+    def program(state, entry, dest, request, completion, limit, rng, temperature, top_p):
+        _TRACES["start"] += 1
+        return start(state, entry, dest, request, completion, limit, rng, temperature, top_p)
+
+    return _jit(program, layout, config.num_layers, 0, 4, (0,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -324,16 +424,19 @@ def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, us
                    stop_tokens: tuple[int, ...], pad_id: int, layout: Layout | None = None):
     """(params, state, rng, temperature, top_p) -> (state, tokens int32[S, K], logprobs
     float32[S, K], emitted bool[S, K]): up to K decode steps of every slot not done (the loop
-    ends early once all are)."""
+    ends early once all are). A slot attends to its pool entry's prompt, then its own tokens."""
     gen_config = config.replace(param_dtype=config.compute_dtype)
+    groups = _groups(layout)
 
     def program(params, state, rng, temperature, top_p):
         _TRACES["decode"] += 1
         params = _gathered(layout, params)  # once per chunk: the loop below reads gathered weights
-        s, p = state.prompt_mask.shape
-        gen_slots = state.cache.capacity - p
+        s = state.token.shape[0]
+        gen_slots = state.cache.capacity
         layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
         stops = jnp.asarray(stop_tokens, jnp.int32)
+        pool = state.pool
+        prompt_mask = take_rows(pool.mask, state.entry, groups)  # [S, P]; entries do not change in a chunk
         out_tokens = jnp.full((s, steps), pad_id, jnp.int32)
         out_logprobs = jnp.zeros((s, steps), jnp.float32)
         out_emitted = jnp.zeros((s, steps), bool)
@@ -347,10 +450,11 @@ def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, us
             active = ~st.done
             count = st.count
             generated = jnp.arange(gen_slots)[None, :] < count[:, None]
-            key_mask = jnp.concatenate([st.prompt_mask, generated], axis=1)
-            write = p + jnp.clip(count - 1, 0, gen_slots - 1)
+            key_mask = jnp.concatenate([prompt_mask, generated], axis=1)
+            write = jnp.clip(count - 1, 0, gen_slots - 1)
             logits, cache = decode_step(gen_config, params, st.cache, st.token, st.prompt_len + count - 1, write,
-                                        key_mask, layers)
+                                        key_mask, layers, earlier=pool.cache, earlier_rows=st.entry,
+                                        earlier_groups=groups)
             uniform = jnp.take_along_axis(st.uniforms, jnp.minimum(count, st.uniforms.shape[1] - 1)[:, None], axis=1)
             token, logprob = _choose(logits, rng, uniform[:, 0], temperature, top_p,
                                      greedy=greedy, top_k=top_k, use_top_p=use_top_p)
@@ -373,14 +477,14 @@ def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, us
 
 @functools.lru_cache(maxsize=None)
 def _shrink_program(slots: int, layout: Layout | None = None, num_layers: int = 0):
-    """(state [S', ...] -> state [slots, ...]): rows `index` int32[slots] of the state, those
-    with keep False marked done (padding rows). The tail of a run, once the queue is empty,
-    decodes its last few rows with fewer slots."""
+    """(state [S', ...] -> state [slots, ...]): slots `index` int32[slots] of the state, those
+    with keep False marked done (padding slots); the pool is kept as it is. The tail of a run,
+    once the queue is empty, decodes its last few rows with fewer slots."""
 
     def program(state, index, keep):
         _TRACES["shrink"] += 1
-        state = jax.tree.map(lambda a: a[index], state)
-        return state.replace(done=state.done | ~keep)
+        slots_only = jax.tree.map(lambda a: a[index], state.replace(pool=None))
+        return slots_only.replace(done=slots_only.done | ~keep, pool=state.pool)
 
     return _jit(program, layout, num_layers, 0, 1, ())
 
@@ -395,17 +499,20 @@ class EngineStats:
     busy_slot_steps: int = 0  # slot-steps of a slot still generating
     chunks: int = 0
     prefills: int = 0  # prefill calls
-    prompts_prefilled: int = 0  # distinct prompts run through a prefill
+    prompts_prefilled: int = 0  # pool entries filled (a request served on several devices: once per device)
     requests: int = 0
     queue_wait_chunks: int = 0  # sum over requests of the chunks run before its first completion started
+    entry_waits: int = 0  # refills that left slots free because no pool entry was
     slots: int = 0  # S of the last run
+    entries: int = 0  # Q of the last run
     slots_per_device: int = 0  # slots each device holds (the cache's shard along the slot axis), largest seen
 
     def add(self, other: "EngineStats") -> None:
         for name in ("rows", "slot_steps", "busy_slot_steps", "chunks", "prefills", "prompts_prefilled", "requests",
-                     "queue_wait_chunks"):
+                     "queue_wait_chunks", "entry_waits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.slots = other.slots
+        self.entries = other.entries
         self.slots_per_device = other.slots_per_device
 
 
@@ -417,10 +524,28 @@ class EngineResult:
     stats: EngineStats = field(default_factory=EngineStats)
 
 
-def _pow2_pad(a: np.ndarray, size: int, fill: Any) -> np.ndarray:
+def _pad(a: np.ndarray, size: int, fill: Any) -> np.ndarray:
     out = np.full((size,) + a.shape[1:], fill, a.dtype)
     out[: len(a)] = a
     return out
+
+
+def plan_slots(config: ModelConfig, prompt_len: int, max_new_tokens: int, rows: int, share: int, row_devices: int,
+               kv_budget_bytes: int | None = None, num_slots: int | None = None, num_entries: int | None = None,
+               max_slots: int | None = None) -> tuple[int, int]:
+    """(S, Q), slots and pool entries of a run of `rows` completions of requests asking `share`
+    each, over `row_devices` devices (both multiples of it): `num_slots` if given, else from
+    the per-device `kv_budget_bytes` (None: `default_kv_budget`; see `slots_for_budget`); then
+    at most `max_slots` (rounded down to a power of two); Q = `num_entries` if given, else
+    `entries_for` the slots of one device."""
+    d = int(row_devices)
+    if num_slots is None:
+        budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
+        per_device, _ = slots_for_budget(config, prompt_len, max_new_tokens, budget, -(-int(rows) // d), share)
+        num_slots = per_device * d
+    per_device = -(-cap_slots(int(num_slots), max_slots) // d)
+    entries = entries_for(per_device, share) if num_entries is None else -(-int(num_entries) // d)
+    return per_device * d, max(entries, 1) * d
 
 
 def run(
@@ -438,6 +563,7 @@ def run(
     pad_id: int = 0,
     kv_budget_bytes: int | None = None,
     num_slots: int | None = None,
+    num_entries: int | None = None,
     max_slots: int | None = None,
     chunk_steps: int = DEFAULT_CHUNK_STEPS,
     limits: Sequence[int] | None = None,
@@ -449,15 +575,13 @@ def run(
     """n[r] completions (an int: the same for every request) of each prompt (token ids) with
     continuous batching. `params` stacked [P, ...] with `policy` given: that policy's parameters.
     `limits[r]`: at most that many new tokens for request r (<= max_new_tokens; default
-    max_new_tokens). Slots: `num_slots` if given, else from `kv_budget_bytes` (None: the
-    device's default, `default_kv_budget`); see `slots_for_budget`; then at most `max_slots`
-    (rounded down to a power of two; `sampling.max_rows_per_call`: rows in flight, the queue
-    is not split). `shrink`: once the queue is
-    empty and at most a quarter of the slots are busy, the busy rows move to a state of
-    next_pow2(busy) slots (the long tail of a run then decodes only a few rows per step).
-    `mesh` (a `jax.sharding.Mesh`): the slots are sharded over its batch axes (data, fsdp; S a
-    multiple of their product), cache heads over tensor; `params` are used as placed (see the
-    module docstring). The budget is then per device."""
+    max_new_tokens). Slots and pool entries: see `plan_slots` (`max_slots` is
+    `sampling.max_rows_per_call`: rows in flight, the queue is not split; `num_entries` fixes Q).
+    `shrink`: once the queue is empty and at most a quarter of the slots are busy, the busy rows
+    move to a state of fewer slots (per device: next_pow2 of its busiest part), so the long tail
+    of a run decodes only a few rows per step. `mesh` (a `jax.sharding.Mesh`): slots and entries
+    are sharded over its batch axes, cache heads over tensor; `params` are used as placed (see
+    the module docstring). The budget is then per device."""
     from jmarl.models.sampler import _check_options, left_align
 
     _check_options(max_new_tokens, temperature, top_p, top_k)
@@ -478,16 +602,12 @@ def run(
     if min(lengths) < 1:
         raise JmarlError("every prompt needs at least one token")
     p_len = bucket_length(max(lengths), buckets)
-    capacity = p_len + big_n - 1
     layout = make_layout(config, mesh)
-    row_devices = 1 if layout is None else layout.row_devices
-    if num_slots is None:
-        budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
-        slots_for_budget(config, capacity, budget, 1)  # refuses a slot that does not fit one device's budget
-        num_slots = slots_for_budget(config, capacity, budget * row_devices, len(units))
-    num_slots = cap_slots(int(num_slots), max_slots)
-    s = -(-int(num_slots) // row_devices) * row_devices  # a multiple of the devices splitting the slots
-    stats.slots = s
+    devices = _groups(layout)
+    share = min(c for c in counts if c > 0)
+    s, q = plan_slots(config, p_len, big_n, len(units), share, devices, kv_budget_bytes, num_slots, num_entries,
+                      max_slots)
+    stats.slots, stats.entries = s, q
     width = max(lengths)
     raw = np.full((len(prompts), width), pad_id, np.int32)
     raw_mask = np.arange(width)[None, :] >= (width - np.asarray(lengths))[:, None]
@@ -498,7 +618,7 @@ def run(
         raise JmarlError(f"prompt token ids must be in [0, {config.vocab_size}), the model's vocabulary")
 
     greedy = float(temperature) == 0.0
-    settings = (bool(greedy), int(top_k), float(top_p) < 1.0, tuple(int(t) for t in stop_tokens), int(pad_id))
+    stops = tuple(int(t) for t in stop_tokens)
     from jmarl.sharding import mesh_context
 
     prepare = _prepare_program(config, policy is not None)
@@ -510,56 +630,111 @@ def run(
             lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == layout.mesh
             else jax.device_put(x, replicated), gen_params)
         layout = make_layout(config, layout.mesh, gen_params)
-    prefill_fn = _prefill_program(config, *settings, layout)
-    chunk_fn = _chunk_program(config, int(chunk_steps), *settings, layout)
-    state = _init_program(config, s, p_len, capacity, layout)()
+    sampling = (bool(greedy), int(top_k), float(top_p) < 1.0, stops)
+    prefill_fn = _prefill_program(config, *sampling, layout)
+    start_fn = _start_program(config, *sampling, layout)
+    chunk_fn = _chunk_program(config, int(chunk_steps), bool(greedy), int(top_k), float(top_p) < 1.0, stops,
+                              int(pad_id), layout)
+    state = _init_program(config, s, q, p_len, big_n, layout)()
     context = lambda: mesh_context(None if layout is None else layout.mesh)  # noqa: E731
     temp = jnp.float32(1.0 if greedy else temperature)
     tp = jnp.float32(top_p)
 
-    free = list(range(s))
+    # host book-keeping: slot i and entry e lie on devices i // (S/D) and e // (Q/D)
+    per_slots, per_entries = s // devices, q // devices
+    free_slots = [list(range(d * per_slots, (d + 1) * per_slots)) for d in range(devices)]
+    free_entries = [list(range(d * per_entries, (d + 1) * per_entries)) for d in range(devices)]
+    entry_of: dict[tuple[int, int], int] = {}  # (request, device) -> its pool entry there
+    readers = collections.Counter()  # pool entry -> slots reading it
+    left = list(counts)  # completions of each request not admitted yet
     owner: list[tuple[int, int] | None] = [None] * s
+    slot_entry: list[int] = [0] * s
     pieces: dict[tuple[int, int], tuple[list, list]] = {}
     started: set[int] = set()
+
+    def release(r: int) -> None:
+        """Gives back request r's entries that no slot reads, once all its completions are admitted."""
+        if left[r]:
+            return
+        for d in range(devices):
+            e = entry_of.get((r, d))
+            if e is not None and readers[e] == 0:
+                del entry_of[(r, d)]
+                free_entries[d].append(e)
 
     def finish(slot: int) -> None:
         unit = owner[slot]
         toks, lps = pieces.pop(unit)
         result[unit[0]][unit[1]] = (np.concatenate(toks).astype(np.int32), np.concatenate(lps).astype(np.float32))
         owner[slot] = None
-        free.append(slot)
+        readers[slot_entry[slot]] -= 1
+        release(unit[0])
+        free_slots[slot // per_slots].append(slot)
         stats.rows += 1
 
+    def admit() -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
+        """Moves queued completions into free slots: ([(request, completion, slot, entry)],
+        [(entry, request)] of the entries to prefill). A completion goes to a device where its
+        request has an entry, else to the device with the most free slots that has a free entry."""
+        admitted, fills = [], []
+        while units:
+            r, j = units[0]
+            open_ = [d for d in range(devices) if free_slots[d]]
+            if not open_:
+                break
+            have = [d for d in open_ if (r, d) in entry_of]
+            if not have:
+                fresh = [d for d in open_ if free_entries[d]]
+                if not fresh:
+                    stats.entry_waits += 1
+                    break
+                d = max(fresh, key=lambda d: len(free_slots[d]))
+                free_entries[d].sort()
+                entry_of[(r, d)] = free_entries[d].pop(0)
+                fills.append((entry_of[(r, d)], r))
+            else:
+                d = max(have, key=lambda d: len(free_slots[d]))
+            e = entry_of[(r, d)]
+            free_slots[d].sort()
+            slot = free_slots[d].pop(0)
+            units.popleft()
+            left[r] -= 1
+            readers[e] += 1
+            admitted.append((r, j, slot, e))
+            release(r)
+        return admitted, fills
+
     while units or any(o is not None for o in owner):
-        while free and units:  # refill the free slots from the queue
-            take = min(len(free), len(units))
-            admitted = [units.popleft() for _ in range(take)]
-            free.sort()
-            dest = np.asarray(free[:take], np.int32)
-            del free[:take]
-            reqs = np.asarray([u[0] for u in admitted], np.int32)
-            distinct, source = np.unique(reqs, return_inverse=True)
-            u = next_pow2(len(distinct))
-            r_pad = s  # one program per U (the scatter of S entries is cheap next to the prefill)
-            for r in distinct.tolist():
+        admitted, fills = admit()
+        if admitted:
+            for r, _, _, _ in admitted:
                 if r not in started:
                     started.add(r)
                     stats.queue_wait_chunks += stats.chunks
+            reqs = np.asarray([a[0] for a in admitted], np.int32)
+            slots_args = (
+                _pad(np.asarray([a[3] for a in admitted], np.int32), s, 0),
+                _pad(np.asarray([a[2] for a in admitted], np.int32), s, s), _pad(reqs, s, 0),
+                _pad(np.asarray([a[1] for a in admitted], np.int32), s, 0), _pad(limits_arr[reqs], s, 1),
+                rng, temp, tp,
+            )
             with context():
-                state, tok, lp, done = prefill_fn(
-                    gen_params, state,
-                    _pow2_pad(tokens_all[distinct], u, pad_id), _pow2_pad(mask_all[distinct], u, False),
-                    _pow2_pad(source.astype(np.int32), r_pad, 0), _pow2_pad(dest, r_pad, s),
-                    _pow2_pad(reqs, r_pad, 0), _pow2_pad(np.asarray([x[1] for x in admitted], np.int32), r_pad, 0),
-                    _pow2_pad(limits_arr[reqs], r_pad, 1), rng, temp, tp,
-                )
-            stats.prefills += 1
-            stats.prompts_prefilled += len(distinct)
+                if fills:  # new prompts: prefilled into their entries and the slots started, one program
+                    entries = np.asarray([e for e, _ in fills], np.int32)
+                    fill_reqs = np.asarray([r for _, r in fills], np.int32)
+                    u = next_pow2(len(fills))
+                    state, tok, lp, done = prefill_fn(
+                        gen_params, state, _pad(tokens_all[fill_reqs], u, pad_id), _pad(mask_all[fill_reqs], u, False),
+                        _pad(entries, u, q), *slots_args)
+                    stats.prefills += 1
+                    stats.prompts_prefilled += len(fills)
+                else:
+                    state, tok, lp, done = start_fn(state, *slots_args)
             tok, lp, done = jax.device_get((tok, lp, done))
-            for i, unit in enumerate(admitted):
-                slot = int(dest[i])
-                owner[slot] = unit
-                pieces[unit] = ([tok[i:i + 1]], [lp[i:i + 1]])
+            for i, (r, j, slot, e) in enumerate(admitted):
+                owner[slot] = (r, j)
+                slot_entry[slot] = e
+                pieces[(r, j)] = ([tok[i:i + 1]], [lp[i:i + 1]])
                 if done[i]:
                     finish(slot)
         if not any(o is not None for o in owner):
@@ -583,16 +758,22 @@ def run(
                 pieces[unit][1].append(lps[slot][keep])
             if done[slot]:
                 finish(slot)
-        busy = [slot for slot in range(s) if owner[slot] is not None]
-        smaller = -(-next_pow2(max(len(busy), 1)) // row_devices) * row_devices  # still a multiple of them
-        if shrink and not units and busy and len(busy) * 4 <= s and smaller < s:
-            index = np.asarray(busy + [busy[0]] * (smaller - len(busy)), np.int32)
-            keep = np.arange(smaller) < len(busy)
+        # the tail: the busy slots of each device move to a smaller state on the same device
+        busy = [[i for i in range(d * per_slots, (d + 1) * per_slots) if owner[i] is not None] for d in range(devices)]
+        total = sum(len(b) for b in busy)
+        smaller = next_pow2(max(max(len(b) for b in busy), 1))
+        if shrink and not units and total and total * 4 <= s and smaller < per_slots:
+            index, keep = [], []
+            for d, b in enumerate(busy):
+                index += b + [d * per_slots] * (smaller - len(b))
+                keep += [True] * len(b) + [False] * (smaller - len(b))
             with context():
-                state = _shrink_program(smaller, layout, config.num_layers)(state, index, keep)
-            owner = [owner[slot] for slot in busy] + [None] * (smaller - len(busy))
-            s = smaller
-            free = list(range(len(busy), smaller))
+                state = _shrink_program(smaller * devices, layout, config.num_layers)(
+                    state, np.asarray(index, np.int32), np.asarray(keep))
+            owner = [owner[i] if k else None for i, k in zip(index, keep)]
+            slot_entry = [slot_entry[i] for i in index]
+            per_slots, s = smaller, smaller * devices
+            free_slots = [[d * smaller + i for i in range(len(b), smaller)] for d, b in enumerate(busy)]
     return EngineResult(result, stats)
 
 
@@ -602,15 +783,12 @@ def cap_slots(slots: int, max_slots: int | None) -> int:
     return slots if max_slots is None else min(slots, 1 << (max(int(max_slots), 1).bit_length() - 1))
 
 
-def planned_slots(config: ModelConfig, capacity: int, rows: int, kv_budget_bytes: int | None, mesh: Any = None,
-                  max_slots: int | None = None) -> int:
-    """S as `run` picks it for a run of `rows` completions of capacity `capacity` on `mesh`."""
+def planned_slots(config: ModelConfig, prompt_len: int, max_new_tokens: int, rows: int, share: int,
+                  kv_budget_bytes: int | None, mesh: Any = None, max_slots: int | None = None) -> tuple[int, int]:
+    """(S, Q) as `run` picks them for a run of `rows` completions, `share` per request, on `mesh`."""
     layout = make_layout(config, mesh)
-    row_devices = 1 if layout is None else layout.row_devices
-    budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
-    slots_for_budget(config, capacity, budget, 1)
-    s = cap_slots(slots_for_budget(config, capacity, budget * row_devices, rows), max_slots)
-    return -(-s // row_devices) * row_devices
+    return plan_slots(config, prompt_len, max_new_tokens, rows, share, _groups(layout), kv_budget_bytes,
+                      max_slots=max_slots)
 
 
 def planned_programs(
@@ -618,6 +796,7 @@ def planned_programs(
     params: Any,
     *,
     slots: int,
+    entries: int,
     prompt_len: int,
     max_new_tokens: int,
     chunk_steps: int = DEFAULT_CHUNK_STEPS,
@@ -630,16 +809,15 @@ def planned_programs(
     mesh: Any = None,
 ) -> list[tuple[str, Any, tuple]]:
     """[(name, jitted program, abstract arguments)] of the engine's prefill (its largest call:
-    every slot filled from distinct prompts, U = next_pow2(slots)) and decode-chunk programs for
-    `slots` slots of capacity prompt_len + max_new_tokens - 1, as `run` builds them on `mesh`.
-    `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with `select`
-    (one policy's slice generated). Nothing is allocated; the parameter preparation (cast to the
-    compute dtype) is compiled to learn its output shardings."""
+    U = next_pow2(min(entries, slots)) prompts, every slot started) and decode-chunk programs for
+    `slots` slots and `entries` pool entries, as `run` builds them on `mesh` (the start-only
+    program is the prefill's second half). `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with
+    `select` (one policy's slice generated). Nothing is allocated; the parameter preparation
+    (cast to the compute dtype) is compiled to learn its output shardings."""
     from jmarl.sharding import mesh_context
 
     greedy = float(temperature) == 0.0
-    settings = (bool(greedy), int(top_k), float(top_p) < 1.0, tuple(int(t) for t in stop_tokens), int(pad_id))
-    capacity = prompt_len + int(max_new_tokens) - 1
+    stops = tuple(int(t) for t in stop_tokens)
     prepare = _prepare_program(config, select)
     abstract = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
@@ -654,18 +832,19 @@ def planned_programs(
         layout = make_layout(config, mesh, gen)
     else:
         gen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
-    state = jax.eval_shape(_init_program(config, slots, prompt_len, capacity, layout))
+    state = jax.eval_shape(_init_program(config, slots, entries, prompt_len, int(max_new_tokens), layout))
     if layout is not None:
         state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
                              layout.state_shardings(config.num_layers))
     key = jax.eval_shape(lambda: jax.random.key(0))
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    u = next_pow2(slots)
-    prefill_args = (gen, state, i32(u, prompt_len), jax.ShapeDtypeStruct((u, prompt_len), bool),
-                    i32(slots), i32(slots), i32(slots), i32(slots), i32(slots), key, f32, f32)
+    u = next_pow2(min(entries, slots))
+    prefill_args = (gen, state, i32(u, prompt_len), jax.ShapeDtypeStruct((u, prompt_len), bool), i32(u)) + (
+        i32(slots),) * 5 + (key, f32, f32)
     decode_args = (gen, state, key, f32, f32)
+    sampling = (bool(greedy), int(top_k), float(top_p) < 1.0, stops)
     return [
-        ("engine_prefill", _prefill_program(config, *settings, layout), prefill_args),
-        ("engine_decode", _chunk_program(config, int(chunk_steps), *settings, layout), decode_args),
+        ("engine_prefill", _prefill_program(config, *sampling, layout), prefill_args),
+        ("engine_decode", _chunk_program(config, int(chunk_steps), *sampling, int(pad_id), layout), decode_args),
     ]

@@ -866,6 +866,8 @@ def decode_step(
     prefix: KVCache | None = None,
     prefix_mask: jax.Array | None = None,
     earlier: KVCache | None = None,
+    earlier_rows: jax.Array | None = None,
+    earlier_groups: int = 1,
 ) -> tuple[jax.Array, KVCache]:
     """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
     (a scalar shared by all rows, or int[B]: one slot per row); attends to the cache slots where
@@ -873,6 +875,9 @@ def decode_step(
 
     `earlier`: a read-only cache whose C0 slots come before `cache`'s (key_mask is then
     bool[B, C0 + C]): the first phase's block of a decode loop in two phases (`jmarl.models.sampler`).
+    With `earlier_rows` int[B], `earlier` holds Q rows (a pool of prompt caches) and row b reads
+    its row earlier_rows[b] in place (`pooled_cached_attention`; `earlier_groups`: the pool's
+    groups, e.g. one per device: the continuous engine's prompts shared by their completions).
 
     With `prefix` (a [U, ...] KV cache of U shared prompts, U dividing B, and prefix_mask
     bool[U,S]) rows b = u*G .. u*G+G-1 (G = B/U) also attend to prompt u's keys/values, which are
@@ -902,8 +907,14 @@ def decode_step(
             else:  # a write index per row (the continuous-batching engine's slots)
                 k_buf = _write_rows(keys[i], k, slot, axis=3)
                 v_buf = _write_rows(values[i], v, slot, axis=2)
-            k_all = (k_buf,) if earlier is None else (earlier.keys[i], k_buf)
-            v_all = (v_buf,) if earlier is None else (earlier.values[i], v_buf)
+            if earlier is None:
+                k_all, v_all = (k_buf,), (v_buf,)
+            elif earlier_rows is None:
+                k_all, v_all = (earlier.keys[i], k_buf), (earlier.values[i], v_buf)
+            else:  # rows of a pool: read where they lie (`pooled_cached_attention`)
+                pooled = pooled_cached_attention(q, earlier.keys[i], earlier.values[i], earlier_rows, earlier_groups,
+                                                  k_buf, v_buf, key_mask)
+                return pooled, (k_buf, v_buf)
             if prefix is None:
                 return cached_attention(q, k_all, v_all, key_mask), (k_buf, v_buf)
             out = prefixed_cached_attention(
@@ -914,6 +925,17 @@ def decode_step(
         x, (keys[i], values[i]) = layer(x, cos, sin, attend)
     h = model.final_norm(x[:, 0])
     return model.logits(h), KVCache(keys=tuple(keys), values=tuple(values))
+
+
+def take_rows(buffer: jax.Array, rows: jax.Array, groups: int = 1) -> jax.Array:
+    """buffer [Q, ...], rows int[B] -> [B, ...]: row b is buffer[g * Q/G + rows[b]] where g is the
+    group of b (b // (B/G), G = `groups`); rows are indices within the group's Q/G rows. Taken
+    as one batched gather over the groups, so with Q and B split over G devices in order each
+    device gathers only from its own part of the buffer."""
+    q, b = buffer.shape[0], rows.shape[0]
+    parts = buffer.reshape((groups, q // groups) + buffer.shape[1:])
+    taken = jax.vmap(lambda part, idx: part[idx])(parts, rows.reshape(groups, b // groups))
+    return taken.reshape((b,) + buffer.shape[1:])
 
 
 def _write_rows(buffer: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
@@ -951,6 +973,27 @@ def cached_attention(q: jax.Array, keys: Blocks, values: Blocks, key_mask: jax.A
     probs = _split_slots(jax.nn.softmax(scores, axis=-1).astype(values[0].dtype), values)
     out = functools.reduce(jnp.add, [jnp.einsum("bkgc,bkcd->bkgd", p, v) for p, v in zip(probs, values)])
     return out.reshape(b, 1, h, hd)
+
+
+def pooled_cached_attention(q: jax.Array, pool_keys: jax.Array, pool_values: jax.Array, rows: jax.Array, groups: int,
+                            keys: jax.Array, values: jax.Array, key_mask: jax.Array) -> jax.Array:
+    """One query per row over a pooled prompt cache and the row's own cache. q [B,1,H,hd];
+    pool_keys [Q,KV,hd,P], pool_values [Q,KV,P,hd] (G = `groups` equal groups of rows: row b,
+    of group b // (B/G), reads pool row g Q/G + rows[b]; `take_rows`); keys [B,KV,hd,C],
+    values [B,KV,C,hd]; key_mask bool[B, P + C] -> [B,1,H,hd]. One softmax over the P + C keys
+    (`cached_attention` over the two blocks).
+
+    The rows' prompt keys/values are gathered for this call only: inside a decode step's layer
+    loop, one layer's [B, ..., P] rows at a time. The rows are made to depend on the query (a
+    row whose query is NaN, whose output is NaN anyway, reads row 0), so that XLA neither hoists
+    the gathers of every layer out of a decode loop (the rows do not change from step to step)
+    nor schedules them all ahead of the layers; `optimization_barrier` does not survive
+    XLA:CPU's pipeline for this. A broadcast multiply-sum over the pool (which could fuse the
+    gather) measured larger on XLA:CPU: its products are materialised."""
+    rows = jnp.where(jnp.isnan(q[:, 0, 0, 0]), 0, rows)
+    pool_k = take_rows(pool_keys, rows, groups)
+    pool_v = take_rows(pool_values, rows, groups)
+    return cached_attention(q, (pool_k, keys), (pool_v, values), key_mask)
 
 
 def prefixed_cached_attention(

@@ -67,7 +67,7 @@ prompt. Generation: the sampler calls of one step, each as rows per policy of th
     node_wise    E x T x n x G re-runs for one policy, s = 1 (the G alternatives: s = G)
     shared       E x G per policy, s = G
 
-Each call's layout (B = next_pow2(rows), prompt blocks, KV-cache capacity) comes from the
+Each call's layout (B = row_bucket(rows), prompt blocks, KV-cache capacity) comes from the
 sampler's own host code on distinct prompts of max_prompt_len tokens
 (`ModelSampler.generation_program`); the call with the largest arguments is compiled. With
 `sampling.engine: continuous`, the engine's prefill and decode-chunk programs are planned instead

@@ -128,6 +128,25 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def row_bucket(n: int, multiple: int = 1) -> int:
+    """Rows of a sampler call rounded up to a bucket: powers of two up to 8, then four buckets per
+    doubling (m x 2^k, m in 4..7: 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...), so a call decodes
+    at most 1.25x its rows (a power of two: up to 2x) and at most four compiled programs serve
+    each doubling of the rows. Rows that are a multiple of a power of two K (a group of K
+    completions per prompt) stay one. `multiple` (a power of two, e.g. the devices the rows are
+    split over): the smallest such bucket that it divides."""
+    n = max(int(n), 1)
+    while True:
+        if n <= 8:
+            b = next_pow2(n)
+        else:
+            step = 1 << ((n - 1).bit_length() - 3)
+            b = -(-n // step) * step
+        if b % max(int(multiple), 1) == 0:
+            return b
+        n = b + 1
+
+
 def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> int:
     """The smallest bucket >= length (a multiple of the largest bucket beyond it)."""
     for b in sorted(buckets):

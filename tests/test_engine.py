@@ -192,6 +192,17 @@ def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_ro
     assert cont.take_stats() == {"time/generate": 0.0}  # reset by the previous call
 
 
+def test_static_calls_pad_rows_to_a_quarter_at_most():
+    """A static call of 5 requests x 2 rows decodes 10 rows (a power of two would decode 16)."""
+    policies = _policy_set()
+    sampler = ModelSampler(policies, SamplingSettings(max_new_tokens=4, temperature=0.0))
+    got = sampler.sample([(1, t) for t in ("a", "bb", "ccc", "dd", "e")], 2, jax.random.key(0))
+    assert [len(c) for c in got] == [2] * 5
+    assert sampler.take_stats()["rollout/row_utilization"] == 1.0
+    sampler.sample([(1, t) for t in ("a", "bb", "ccc", "dd", "e", "f")], 3, jax.random.key(0))  # 18 rows -> 20
+    assert sampler.take_stats()["rollout/row_utilization"] == 18 / 20
+
+
 def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
     policies = _policy_set()
     requests = [(1, "hi"), (1, "hello there"), (1, "abc"), (1, "x")]

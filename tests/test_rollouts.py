@@ -43,3 +43,19 @@ def test_bad_shapes_raise():
 def test_bucket_length():
     assert bucket_length(1) == 32 and bucket_length(33) == 64 and bucket_length(64) == 64
     assert bucket_length(9000) == 16384
+
+
+def test_row_bucket():
+    from jmarl.rollouts import row_bucket
+
+    # powers of two up to 8, then four buckets per doubling
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 11, 15, 17, 25, 33)] == [1, 2, 4, 8, 8, 10, 12, 16, 20, 28, 40]
+    assert [row_bucket(n) for n in (72, 104, 120, 129)] == [80, 112, 128, 160]
+    for n in range(9, 3000):
+        b = row_bucket(n)
+        assert n <= b <= 1.25 * n  # at most a quarter of padding rows
+        assert b >> ((b - 1).bit_length() - 3) in (4, 5, 6, 7, 8)  # m x 2^k with m in 4..8
+    for k in (2, 4, 8, 16):  # groups of K completions: a whole number of groups
+        assert all(row_bucket(g * k) % k == 0 for g in range(1, 200))
+    assert [row_bucket(n, 8) for n in (1, 9, 17, 41)] == [8, 16, 24, 48]  # split over 8 devices
+    assert len({row_bucket(n) for n in range(65, 129)}) == 4  # programs per doubling

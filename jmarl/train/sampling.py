@@ -26,7 +26,7 @@ from jmarl import models
 from jmarl.models import engine as engine_lib
 from jmarl.models import model as model_lib
 from jmarl.models import sampler as sampler_lib
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
 from jmarl.train.policies import PolicyGroup, PolicySet
 from jmarl.workflows.base import Completion
 
@@ -178,6 +178,17 @@ class ModelSampler:
         for i, comps in zip(part, call.finish()):
             out[i] = comps
 
+    def _row_devices(self, stacked: bool) -> int:
+        """The devices a static call's rows are split over on the run's mesh (1 without one): the
+        rows are bucketed to a multiple of them."""
+        if self.mesh is None:
+            return 1
+        from jmarl.models.model import BATCH_AXES
+        from jmarl.sharding.rules import DEFAULT_RULES
+
+        sizes = dict(self.mesh.shape)
+        return int(np.prod([sizes.get(a, 1) for a in DEFAULT_RULES.mesh_axes(BATCH_AXES[0], stacked=stacked)]))
+
     def _prepare_call(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> "_Call":
         """Host work of one call (tokenise, pad, lay out rows); `dispatch` then starts the device part."""
         tok = group.tokenizer
@@ -201,8 +212,8 @@ class ModelSampler:
             per_policy: list[list[int]] = [[] for _ in group.policy_ids]
             for r, (p, _) in enumerate(requests):
                 per_policy[group.index(p)].extend([r] * n)
-            batch = next_pow2(max(len(rows) for rows in per_policy))
             active = [pi for pi, rows in enumerate(per_policy) if rows]
+            batch = row_bucket(max(len(rows) for rows in per_policy), self._row_devices(len(active) > 1))
             if len(active) == 1:  # one policy asked (a tree node's agent): decode its rows only
                 only = active[0]
                 toks, masks = left_pad([prompts[r] for r in per_policy[only]], batch, length, tok.pad_id)
@@ -218,7 +229,7 @@ class ModelSampler:
                 decoded = batch * len(per_policy)
         else:
             rows = [r for r in range(len(requests)) for _ in range(n)]
-            batch = next_pow2(len(rows))
+            batch = row_bucket(len(rows), self._row_devices(False))
             toks, masks = left_pad([prompts[r] for r in rows], batch, length, tok.pad_id)
             launch = lambda: models.generate(group.model_config, params(), toks, masks, rng, **kwargs)  # noqa: E731
             located = [(r, None, j) for j, r in enumerate(rows)]
@@ -299,7 +310,7 @@ class ModelSampler:
         prompt). The layout is decided by the sampler's own host code (`left_align`,
         `contiguous_group_size`, `unique_prompts`) on such prompts, then the KV-cache capacity
         and program settings follow `jmarl.models.sampler._run`: [(P,) B, S] prompts with
-        B = next_pow2(max(rows)), S the prompt's length bucket. `params`: what to lower with
+        B = `row_bucket`(max(rows)), S the prompt's length bucket. `params`: what to lower with
         (default: the shapes of the group's `full_params`). Nothing is allocated on a device.
         """
         s = self.settings
@@ -308,10 +319,10 @@ class ModelSampler:
         if s.max_rows_per_call is not None:  # `sample` splits larger requests into calls of at most this
             cap = max(s.max_rows_per_call // max(share, 1), 1) * max(share, 1)
             rows = [min(r, cap) for r in rows]
-        batch = next_pow2(max(max(rows), 1))
         active = [i for i, n in enumerate(rows) if n]
-        only = active[0] if group.stacked and len(active) == 1 else None  # `_sample_group`'s one-policy call
+        only = active[0] if group.stacked and len(active) == 1 else None  # `_prepare_call`'s one-policy call
         stacked = group.stacked and only is None
+        batch = row_bucket(max(max(rows), 1), self._row_devices(stacked))
         length = bucket_length(prompt_len, self.buckets)
         blocks = [
             synthetic_prompts(n, share, prompt_len, batch, length, tok.pad_id, group.model_config.vocab_size, offset=i)

@@ -584,8 +584,8 @@ class SamplingConfig:
     # continuous: the slot engine (jmarl.models.engine): a finished row's slot takes the next
     # queued completion, rows in flight capped by kv_budget_bytes (docs/scaling.md, "Rollout engine")
     engine: Literal["static", "continuous"] = "static"
-    # KV-cache bytes per device for the continuous engine's slots: "4GiB", "4e9", an int
-    # (`parse_bytes`); null: a quarter of the device's memory limit, 1 GiB on CPU
+    # KV-cache bytes per device for the continuous engine's slots and shared prompt entries:
+    # "4GiB", "4e9", an int (`parse_bytes`); null: a quarter of the device's memory limit, 1 GiB on CPU
     kv_budget_bytes: str | int | None = None
     engine_chunk_steps: int = _field(8, ge=1)  # decode steps between two refills of the engine's slots
 

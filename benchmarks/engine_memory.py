@@ -10,12 +10,16 @@ each (a GRPO group, a tree node's candidates) and a KV budget per device:
   slots of G = N - 1 generated tokens and Q = `entries_for`(S, K) prompt entries; against a copy
   of the prompt in every slot (the engine before the pool: S x (P + N - 1) tokens), which is the
   same rule with one entry per slot (K = 1);
-- XLA's memory analysis of the compiled decode-chunk program (abstract shapes, compiled for this
-  machine's CPU, nothing allocated): arguments (weights + engine state) and temporaries, at the
-  pooled S and Q, and at the same S with one entry per slot (what copying costs). The programs
+- XLA's memory analysis of the compiled prefill and decode-chunk programs (abstract shapes,
+  compiled for this machine's CPU, nothing allocated): arguments (weights + engine state) and
+  temporaries, at the pooled S and Q, and at the same S with one entry per slot (what copying
+  costs). The prefill's largest call fills min(S, Q, `prefill_prompts`) entries at once (its
+  temporaries hold those prompts' keys/values for every layer before they are stored in the
+  pool; `prefill_prompts` keeps them within a quarter of the budget). The programs
   are compiled in float32 (weights and caches): XLA:CPU has no bf16 arithmetic and would add
   float32 copies of bf16 caches that an accelerator does not make (docs/scaling.md). The
-  temporaries then hold at most one layer's gathered prompt rows (gathered layer by layer).
+  decode temporaries hold one layer's gathered prompt rows (gathered layer by layer) and the
+  per-layer weight slices the decode loop reads.
 
 Writes `benchmarks/results/engine_memory.json`.
 """
@@ -33,20 +37,22 @@ from benchmarks.common import results_header, write_json
 GIB = 1 << 30
 
 
-def decode_memory(config, slots: int, entries: int, prompt_len: int, new_tokens: int) -> dict:
-    """Argument and temporary bytes of the engine's compiled decode-chunk program."""
+def program_memory(config, slots: int, entries: int, prompt_len: int, new_tokens: int, max_prefill: int) -> dict:
+    """Argument and temporary bytes of the engine's compiled prefill and decode-chunk programs."""
     from jmarl import models
     from jmarl.models import engine
 
     params = jax.eval_shape(lambda: models.init(config, jax.random.key(0)))
-    programs = dict((name, (fn, args)) for name, fn, args in engine.planned_programs(
-        config, params, slots=slots, entries=entries, prompt_len=prompt_len, max_new_tokens=new_tokens))
-    fn, args = programs["engine_decode"]
-    t0 = time.perf_counter()
-    analysis = fn.lower(*args).compile().memory_analysis()
-    return {"slots": slots, "entries": entries, "argument_bytes": int(analysis.argument_size_in_bytes),
-            "temp_bytes": int(analysis.temp_size_in_bytes), "compile_seconds": time.perf_counter() - t0,
-            "state_bytes": engine.engine_bytes(config, slots, entries, prompt_len, new_tokens)}
+    out = {"slots": slots, "entries": entries, "max_prefill": max_prefill,
+           "state_bytes": engine.engine_bytes(config, slots, entries, prompt_len, new_tokens)}
+    for name, fn, args in engine.planned_programs(config, params, slots=slots, entries=entries,
+                                                  prompt_len=prompt_len, max_new_tokens=new_tokens,
+                                                  max_prefill=max_prefill):
+        t0 = time.perf_counter()
+        analysis = fn.lower(*args).compile().memory_analysis()
+        out[name] = {"argument_bytes": int(analysis.argument_size_in_bytes),
+                     "temp_bytes": int(analysis.temp_size_in_bytes), "compile_seconds": time.perf_counter() - t0}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -85,14 +91,18 @@ def main(argv: list[str] | None = None) -> dict:
           f"({shared[0] / copied[0]:.1f}x)")
     if not args.no_compile:
         s, q = shared
-        pooled = decode_memory(f32_config, s, q, p, n)
-        per_slot = decode_memory(f32_config, s, s, p, n)
+        u = engine.prefill_prompts(config, p, budget)  # as a run in bf16 caps its prefill calls
+        pooled = program_memory(f32_config, s, q, p, n, u)
+        per_slot = program_memory(f32_config, s, s, p, n, u)
+        print(f"  a prefill call runs at most {u} prompts (a quarter of the budget in their keys/values)")
         one_layer = s * 2 * config.num_kv_heads * config.head_dim * p * 4  # keys + values of one layer, float32
-        result["decode_program"] = {"dtype": "float32", "shared": pooled, "copied_same_slots": per_slot,
-                                    "one_layer_gathered_bytes": one_layer}
+        result["programs"] = {"dtype": "float32", "shared": pooled, "copied_same_slots": per_slot,
+                              "one_layer_gathered_bytes": one_layer}
         for name, m in (("shared", pooled), ("copy per slot", per_slot)):
-            print(f"  decode program in float32, {name} (S={m['slots']}, Q={m['entries']}): arguments "
-                  f"{m['argument_bytes'] / GIB:.2f} GiB, temporaries {m['temp_bytes'] / GIB:.2f} GiB")
+            for program in ("engine_prefill", "engine_decode"):
+                f = m[program]
+                print(f"  {program} in float32, {name} (S={m['slots']}, Q={m['entries']}): arguments "
+                      f"{f['argument_bytes'] / GIB:.2f} GiB, temporaries {f['temp_bytes'] / GIB:.2f} GiB")
         print(f"  one layer's gathered prompt rows: {one_layer / GIB:.2f} GiB")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "engine_memory.json")
     write_json(out, result)

@@ -406,14 +406,17 @@ def engine_programs(trainer: Any, group: Any, calls: Sequence[tuple[tuple[int, .
     mesh = trainer.mesh
     slots, entries = engine_lib.planned_slots(group.model_config, prompt_len, s.max_new_tokens, rows, share,
                                               s.kv_budget_bytes, mesh, s.max_rows_per_call)
+    max_prefill = engine_lib.prefill_prompts(group.model_config, prompt_len, s.kv_budget_bytes)
     programs = engine_lib.planned_programs(
         group.model_config, _abstract(params), slots=slots, entries=entries, prompt_len=prompt_len,
         max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature, top_p=s.top_p,
-        top_k=s.top_k, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, select=group.stacked, mesh=mesh)
+        top_k=s.top_k, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, select=group.stacked, mesh=mesh,
+        max_prefill=max_prefill)
     shapes = {"rows": rows, "share": share, "slots": slots, "entries": entries, "P": prompt_len,
               "G": engine_lib.generated_capacity(s.max_new_tokens)}
-    return [(name, jitted, args, dict(shapes, U=next_pow2(min(slots, entries))) if name == "engine_prefill"
-             else dict(shapes)) for name, jitted, args in programs]
+    u = next_pow2(min(slots, entries, max_prefill))
+    return [(name, jitted, args, dict(shapes, U=u) if name == "engine_prefill" else dict(shapes))
+            for name, jitted, args in programs]
 
 
 def _replace(group: Any, **changes: Any) -> Any:

@@ -139,6 +139,24 @@ def test_budget_caps_slots_and_entries_and_refuses_a_request_that_cannot_fit():
     assert engine.default_kv_budget() > 0
 
 
+def test_a_refill_prefills_at_most_max_prefill_prompts_per_call():
+    """More new prompts than one prefill call may hold: several calls, the same tokens; the
+    default cap keeps a call's prompts' keys/values within a quarter of the budget."""
+    prompts = _prompts(7, seed=11)
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
+    whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), **kw)
+    split = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), max_prefill=2, **kw)
+    assert whole.stats.prefills == 1 and split.stats.prefills == 4  # 7 prompts: 2 + 2 + 2 + 1
+    assert split.stats.prompts_prefilled == whole.stats.prompts_prefilled == 7
+    for a, b in zip(whole.completions, split.completions):
+        np.testing.assert_array_equal(a[0][0], b[0][0])
+        np.testing.assert_allclose(a[0][1], b[0][1], atol=1e-5)
+    p = bucket_length(8)
+    prompt_kv = engine.kv_bytes(TINY, p)
+    assert engine.prefill_prompts(TINY, p, 4 * 3 * prompt_kv) == 2  # 3 fit a quarter: a power of two, 2
+    assert engine.prefill_prompts(TINY, p, prompt_kv) == 1  # at least one
+
+
 def test_completions_share_their_prompt_entry_and_wait_for_a_free_one():
     """A request's completions read one pool entry; with fewer entries than requests in flight
     the queue waits for one to be given back, and the tokens are those of a roomy pool."""

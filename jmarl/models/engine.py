@@ -9,7 +9,8 @@ Device part (pure, jitted, static shapes):
   (capacity G = max(N - 1, 1), N = max_new_tokens), its pool entry, write index, RoPE position,
   last token, request/completion ids and length limit;
 - the prefill program prefills U prompts into U pool entries (U rounded up to a power of two,
-  one program per U) and starts the R admitted completions in their slots from their entries'
+  one program per U; at most `prefill_prompts`, whose keys/values fit a quarter of the budget:
+  a larger refill runs several calls) and starts the R admitted completions in their slots from their entries'
   logits, sampling each slot's first token; completions of requests already in the pool are
   started by the start program alone (a request admitted over several refills is prefilled once);
 - `decode_chunk` runs up to K decode steps for all S slots (a `lax.while_loop` that also stops
@@ -73,6 +74,7 @@ from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 DEFAULT_CHUNK_STEPS = 8
 CPU_DEFAULT_KV_BUDGET = 1 << 30  # 1 GiB when the device reports no memory limit (CPU)
 DEVICE_KV_FRACTION = 0.25  # of the device's memory limit, when it reports one
+PREFILL_BUDGET_SHARE = 4  # one prefill call's prompts hold at most 1/4 of the KV budget in keys/values
 
 
 @struct.dataclass
@@ -530,6 +532,17 @@ def _pad(a: np.ndarray, size: int, fill: Any) -> np.ndarray:
     return out
 
 
+def prefill_prompts(config: ModelConfig, prompt_len: int, kv_budget_bytes: int | None = None) -> int:
+    """The most prompts one prefill call runs: the largest power of two whose keys/values
+    (`kv_bytes` of `prompt_len` tokens each) fit a quarter of the per-device budget (None:
+    `default_kv_budget`), at least 1. A prefill holds its prompts' keys/values for every layer
+    until they are stored in the pool, so more prompts at once would put that much more than the
+    budget on top of it; a larger refill runs several prefill calls."""
+    budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
+    fit = budget // (PREFILL_BUDGET_SHARE * kv_bytes(config, prompt_len))
+    return 1 << (max(int(fit), 1).bit_length() - 1)
+
+
 def plan_slots(config: ModelConfig, prompt_len: int, max_new_tokens: int, rows: int, share: int, row_devices: int,
                kv_budget_bytes: int | None = None, num_slots: int | None = None, num_entries: int | None = None,
                max_slots: int | None = None) -> tuple[int, int]:
@@ -565,6 +578,7 @@ def run(
     num_slots: int | None = None,
     num_entries: int | None = None,
     max_slots: int | None = None,
+    max_prefill: int | None = None,
     chunk_steps: int = DEFAULT_CHUNK_STEPS,
     limits: Sequence[int] | None = None,
     buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
@@ -577,6 +591,7 @@ def run(
     `limits[r]`: at most that many new tokens for request r (<= max_new_tokens; default
     max_new_tokens). Slots and pool entries: see `plan_slots` (`max_slots` is
     `sampling.max_rows_per_call`: rows in flight, the queue is not split; `num_entries` fixes Q).
+    `max_prefill`: the most prompts one prefill call runs (default `prefill_prompts` of the budget).
     `shrink`: once the queue is empty and at most a quarter of the slots are busy, the busy rows
     move to a state of fewer slots (per device: next_pow2 of its busiest part), so the long tail
     of a run decodes only a few rows per step. `mesh` (a `jax.sharding.Mesh`): slots and entries
@@ -608,6 +623,7 @@ def run(
     s, q = plan_slots(config, p_len, big_n, len(units), share, devices, kv_budget_bytes, num_slots, num_entries,
                       max_slots)
     stats.slots, stats.entries = s, q
+    max_prefill = prefill_prompts(config, p_len, kv_budget_bytes) if max_prefill is None else max(int(max_prefill), 1)
     width = max(lengths)
     raw = np.full((len(prompts), width), pad_id, np.int32)
     raw_mask = np.arange(width)[None, :] >= (width - np.asarray(lengths))[:, None]
@@ -719,14 +735,20 @@ def run(
                 rng, temp, tp,
             )
             with context():
-                if fills:  # new prompts: prefilled into their entries and the slots started, one program
-                    entries = np.asarray([e for e, _ in fills], np.int32)
-                    fill_reqs = np.asarray([r for _, r in fills], np.int32)
-                    u = next_pow2(len(fills))
-                    state, tok, lp, done = prefill_fn(
-                        gen_params, state, _pad(tokens_all[fill_reqs], u, pad_id), _pad(mask_all[fill_reqs], u, False),
-                        _pad(entries, u, q), *slots_args)
-                    stats.prefills += 1
+                if fills:  # new prompts: prefilled into their entries (at most max_prefill per call), then
+                    # the slots started by the last call
+                    parts = [fills[i:i + max_prefill] for i in range(0, len(fills), max_prefill)]
+                    idle = (np.zeros(s, np.int32), np.full(s, s, np.int32)) + (np.zeros(s, np.int32),) * 2 + (
+                        np.ones(s, np.int32), rng, temp, tp)  # starts nothing (every slot entry dropped)
+                    for k, part in enumerate(parts):
+                        entries = np.asarray([e for e, _ in part], np.int32)
+                        fill_reqs = np.asarray([r for _, r in part], np.int32)
+                        u = next_pow2(len(part))
+                        state, tok, lp, done = prefill_fn(
+                            gen_params, state, _pad(tokens_all[fill_reqs], u, pad_id),
+                            _pad(mask_all[fill_reqs], u, False), _pad(entries, u, q),
+                            *(slots_args if k == len(parts) - 1 else idle))
+                        stats.prefills += 1
                     stats.prompts_prefilled += len(fills)
                 else:
                     state, tok, lp, done = start_fn(state, *slots_args)
@@ -807,9 +829,10 @@ def planned_programs(
     pad_id: int = 0,
     select: bool = False,
     mesh: Any = None,
+    max_prefill: int | None = None,
 ) -> list[tuple[str, Any, tuple]]:
     """[(name, jitted program, abstract arguments)] of the engine's prefill (its largest call:
-    U = next_pow2(min(entries, slots)) prompts, every slot started) and decode-chunk programs for
+    U = next_pow2(min(entries, slots)) prompts, at most `max_prefill`, every slot started) and decode-chunk programs for
     `slots` slots and `entries` pool entries, as `run` builds them on `mesh` (the start-only
     program is the prefill's second half). `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with
     `select` (one policy's slice generated). Nothing is allocated; the parameter preparation
@@ -839,7 +862,7 @@ def planned_programs(
     key = jax.eval_shape(lambda: jax.random.key(0))
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    u = next_pow2(min(entries, slots))
+    u = next_pow2(min(entries, slots, max_prefill or entries))
     prefill_args = (gen, state, i32(u, prompt_len), jax.ShapeDtypeStruct((u, prompt_len), bool), i32(u)) + (
         i32(slots),) * 5 + (key, f32, f32)
     decode_args = (gen, state, key, f32, f32)

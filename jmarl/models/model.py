@@ -346,8 +346,10 @@ class Transformer(nnx.Module):
             x, kv = jax.lax.scan(body, x, layer_state, unroll=unroll)
             kv = None if kv is None else jax.tree.map(lambda a: restore_rows(a, dest, axis=2), kv)
             return restore_rows(self.final_norm(x), dest), kv
-        first = jax.tree.map(lambda a: a[:-1], layer_state)
-        x, kv = jax.lax.scan(body, x, first, unroll=unroll)
+        def body_at(x, i):  # layer i read from the stack in the loop: no copy of the first L-1 layers
+            return body(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_state))
+
+        x, kv = jax.lax.scan(body_at, x, jnp.arange(c.num_layers - 1), unroll=unroll)
         last_layer = nnx.merge(layer_def, jax.tree.map(lambda a: a[-1], layer_state))
         x, kv_last = last_layer(batch_sharded(x), cos, sin, attend_last, pick_last)
         if return_kv:

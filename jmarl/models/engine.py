@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -658,6 +659,7 @@ def run(
 
     # host book-keeping: slot i and entry e lie on devices i // (S/D) and e // (Q/D)
     per_slots, per_entries = s // devices, q // devices
+    # free slots and entries of each device, as heaps: the lowest index is taken first
     free_slots = [list(range(d * per_slots, (d + 1) * per_slots)) for d in range(devices)]
     free_entries = [list(range(d * per_entries, (d + 1) * per_entries)) for d in range(devices)]
     entry_of: dict[tuple[int, int], int] = {}  # (request, device) -> its pool entry there
@@ -676,7 +678,7 @@ def run(
             e = entry_of.get((r, d))
             if e is not None and readers[e] == 0:
                 del entry_of[(r, d)]
-                free_entries[d].append(e)
+                heapq.heappush(free_entries[d], e)
 
     def finish(slot: int) -> None:
         unit = owner[slot]
@@ -685,7 +687,7 @@ def run(
         owner[slot] = None
         readers[slot_entry[slot]] -= 1
         release(unit[0])
-        free_slots[slot // per_slots].append(slot)
+        heapq.heappush(free_slots[slot // per_slots], slot)
         stats.rows += 1
 
     def admit() -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
@@ -705,14 +707,12 @@ def run(
                     stats.entry_waits += 1
                     break
                 d = max(fresh, key=lambda d: len(free_slots[d]))
-                free_entries[d].sort()
-                entry_of[(r, d)] = free_entries[d].pop(0)
+                entry_of[(r, d)] = heapq.heappop(free_entries[d])
                 fills.append((entry_of[(r, d)], r))
             else:
                 d = max(have, key=lambda d: len(free_slots[d]))
             e = entry_of[(r, d)]
-            free_slots[d].sort()
-            slot = free_slots[d].pop(0)
+            slot = heapq.heappop(free_slots[d])
             units.popleft()
             left[r] -= 1
             readers[e] += 1

@@ -650,8 +650,7 @@ def run(
     sampling = (bool(greedy), int(top_k), float(top_p) < 1.0, stops)
     prefill_fn = _prefill_program(config, *sampling, layout)
     start_fn = _start_program(config, *sampling, layout)
-    chunk_fn = _chunk_program(config, int(chunk_steps), bool(greedy), int(top_k), float(top_p) < 1.0, stops,
-                              int(pad_id), layout)
+    chunk_fn = _chunk_program(config, int(chunk_steps), *sampling, int(pad_id), layout)
     state = _init_program(config, s, q, p_len, big_n, layout)()
     context = lambda: mesh_context(None if layout is None else layout.mesh)  # noqa: E731
     temp = jnp.float32(1.0 if greedy else temperature)

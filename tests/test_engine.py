@@ -203,6 +203,7 @@ def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_ro
     assert stats["rollout/row_utilization"] == 1.0
     assert 0 < stats["rollout/slot_utilization"] <= 1.0
     assert stats["rollout/queue_wait"] == 0.0 and stats["time/generate"] > 0
+    assert stats["rollout/entry_waits"] == 0.0  # every request found a pool entry
     assert static.take_stats()["rollout/row_utilization"] == 6 / 8  # [2 policies, 4 rows], 6 real
     # one policy asked: only its rows
     cont.sample([(1, "x")], 2, jax.random.key(0))

@@ -117,13 +117,15 @@ class ModelSampler:
 
     def _reset_stats(self) -> None:
         self._stats = {"rows": 0, "decoded_rows": 0, "slot_steps": 0, "busy_slot_steps": 0, "requests": 0,
-                       "queue_wait": 0, "seconds": 0.0}
+                       "queue_wait": 0, "entry_waits": 0, "seconds": 0.0}
 
     def take_stats(self) -> dict[str, float]:
         """The rollout figures since the last call (then reset): rollout/row_utilization (real
         completion rows / decoded rows), rollout/slot_utilization (busy slot-steps / slot-steps,
         continuous engine only), rollout/queue_wait (mean decode chunks a request waited before
-        its first completion started, continuous engine only), time/generate (seconds in sample)."""
+        its first completion started, continuous engine only), rollout/entry_waits (refills that
+        left slots free because no prompt-pool entry was: a larger budget or fewer slots would
+        help; continuous engine only), time/generate (seconds in sample)."""
         st = self._stats
         out = {"time/generate": float(st["seconds"])}
         if st["decoded_rows"]:
@@ -132,6 +134,7 @@ class ModelSampler:
             out["rollout/slot_utilization"] = st["busy_slot_steps"] / st["slot_steps"]
         if st["requests"]:
             out["rollout/queue_wait"] = st["queue_wait"] / st["requests"]
+            out["rollout/entry_waits"] = float(st["entry_waits"])
         self._reset_stats()
         return out
 
@@ -289,6 +292,7 @@ class ModelSampler:
             self._stats["busy_slot_steps"] += st.busy_slot_steps
             self._stats["requests"] += st.requests
             self._stats["queue_wait"] += st.queue_wait_chunks
+            self._stats["entry_waits"] += st.entry_waits
             for r, comps in zip(idx, result.completions):
                 prompt_array = np.asarray(prompts[r], np.int32)  # shared by the request's completions
                 for comp, logprobs in comps:

@@ -66,11 +66,12 @@ from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import (BATCH_AXES, CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill,
+from jmarl.models.model import (CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill,
                                 take_rows)
 from jmarl.models.sampler import generation_params, sample_token, select_policy
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
+from jmarl.sharding.specs import row_axes
 
 DEFAULT_CHUNK_STEPS = 8
 CPU_DEFAULT_KV_BUDGET = 1 << 30  # 1 GiB when the device reports no memory limit (CPU)
@@ -246,7 +247,7 @@ def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None,
         return None
     sizes = dict(mesh.shape)
     # the engine serves one policy per run, so a stacked run's "policy" devices split its slots too
-    rows = tuple(a for a in rules.mesh_axes(BATCH_AXES[0], stacked=False) if sizes.get(a, 1) > 1)
+    rows = row_axes(mesh, stacked=False, rules=rules)
     heads_spec = rules.spec(CACHE_KEY_AXES[1:2], (config.num_kv_heads,), sizes)
     heads = heads_spec[0] if len(heads_spec) else None
     if params is None:

@@ -69,7 +69,8 @@ from jmarl.sharding.placement import (
 )
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 from jmarl.sharding.sampling import generate
-from jmarl.sharding.specs import batch_spec, cache_specs, microbatch_rows, param_specs, policy_axis, tree_specs
+from jmarl.sharding.specs import (batch_spec, cache_specs, microbatch_rows, param_specs, policy_axis, row_axes,
+                                  tree_specs)
 
 __all__ = [
     "DEFAULT_RULES",
@@ -92,6 +93,7 @@ __all__ = [
     "param_specs",
     "parse_mesh",
     "policy_axis",
+    "row_axes",
     "put",
     "shard_batch",
     "shard_params",

@@ -183,6 +183,17 @@ def microbatch_rows(mesh: Mesh, *, stacked: bool, rules: ShardingRules = DEFAULT
     return lambda tree: jax.tree.map(constrain, tree)
 
 
+def row_axes(mesh: Mesh | None, *, stacked: bool, rules: ShardingRules = DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that split a batch's rows (the logical "batch" axis; unstacked:
+    with the spare policy axis too): () without a mesh."""
+    from jmarl.models.model import BATCH_AXES
+
+    if mesh is None:
+        return ()
+    sizes = axis_sizes(mesh)
+    return tuple(a for a in rules.mesh_axes(BATCH_AXES[0], stacked=stacked) if sizes.get(a, 1) > 1)
+
+
 def policy_axis(mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES) -> str | tuple[str, ...] | None:
     """The mesh axes that shard a stacked policy axis (for vmap's spmd_axis_name): default
     'policy' when the mesh's policy axis is > 1, else None."""

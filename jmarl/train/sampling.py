@@ -184,13 +184,10 @@ class ModelSampler:
     def _row_devices(self, stacked: bool) -> int:
         """The devices a static call's rows are split over on the run's mesh (1 without one): the
         rows are bucketed to a multiple of them."""
-        if self.mesh is None:
-            return 1
-        from jmarl.models.model import BATCH_AXES
-        from jmarl.sharding.rules import DEFAULT_RULES
+        from jmarl.sharding import row_axes
 
-        sizes = dict(self.mesh.shape)
-        return int(np.prod([sizes.get(a, 1) for a in DEFAULT_RULES.mesh_axes(BATCH_AXES[0], stacked=stacked)]))
+        sizes = {} if self.mesh is None else dict(self.mesh.shape)
+        return int(np.prod([sizes[a] for a in row_axes(self.mesh, stacked=stacked)]))
 
     def _prepare_call(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> "_Call":
         """Host work of one call (tokenise, pad, lay out rows); `dispatch` then starts the device part."""

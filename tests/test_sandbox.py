@@ -12,7 +12,10 @@ rlimits levels), the way a researcher runs jmarl.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import glob
+import inspect
 import json
 import os
 import resource
@@ -714,6 +717,29 @@ def _throwaway_uid() -> int:
             return uid
 
 
+def _run_as_user(uid: int, home: str, driver: str, args: dict, tmp_path, env=None) -> dict:
+    """Runs the `driver` source as `uid` in `home` (through `_SETUP`) with
+    `args` + {"repo": ...}; returns the JSON object it prints last."""
+    exe, prefix = sandbox._python_prefix()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))
+    repo = os.path.dirname(repo)
+    expose, cover = [], []
+    for path in sorted({prefix, repo}):
+        hidden = _hidden_ancestor(path)
+        if hidden is not None:
+            expose.append([path, tempfile.mkdtemp(prefix="stage", dir=tmp_path)])
+            if hidden not in cover:
+                cover.append(hidden)
+    cfg = {"uid": uid, "home": home, "exe": exe, "expose": expose, "cover": cover,
+           "driver": driver,
+           "env": {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8", **(env or {})},
+           "args": {"repo": repo, **args}}
+    proc = subprocess.run([exe, "-I", "-S", "-c", _SETUP, json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs as an ordinary user already (see above)")
 @pytest.mark.skipif(LEVEL != "namespaces", reason="root without mount namespaces cannot show a "
                     "throwaway uid the interpreter")
@@ -726,30 +752,11 @@ def test_hostile_programs_as_unprivileged_user(tmp_path):
     try:
         home, secret_file, victim, secret, names = _fake_user_files(base, uid)
         env_secret = "jmarl-env-secret-" + secrets.token_hex(8)
-        exe, prefix = sandbox._python_prefix()
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))
-        repo = os.path.dirname(repo)
-        expose, cover = [], []
-        for i, path in enumerate(sorted({prefix, repo})):
-            hidden = _hidden_ancestor(path)
-            if hidden is not None:
-                stage = tmp_path / f"stage{i}"
-                stage.mkdir()
-                expose.append([path, str(stage)])
-                if hidden not in cover:
-                    cover.append(hidden)
         cases = _hostile_cases(home, secret_file, victim, lst.getsockname()[1])
-        cfg = {"uid": uid, "home": home, "exe": exe, "expose": expose, "cover": cover,
-               "driver": _DRIVER,
-               "env": {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
-                       "JMARL_TEST_SECRET": env_secret},
-               "args": {"repo": repo, "cases": cases,
-                        "levels": [["userns", None], ["landlock", None], ["landlock", "userns"],
-                                   ["rlimits", None]]}}
-        proc = subprocess.run([exe, "-I", "-S", "-c", _SETUP, json.dumps(cfg)],
-                              capture_output=True, text=True, timeout=150)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out = _run_as_user(uid, home, _DRIVER, {
+            "cases": cases,
+            "levels": [["userns", None], ["landlock", None], ["landlock", "userns"],
+                       ["rlimits", None]]}, tmp_path, {"JMARL_TEST_SECRET": env_secret})
         assert out["uid"] == uid
         if LEVEL == "namespaces":  # this kernel allows user namespaces
             assert out["level"] == "userns" and "userns userns" in out["runs"]
@@ -768,6 +775,218 @@ def test_hostile_programs_as_unprivileged_user(tmp_path):
         shutil.rmtree(base)
         if victim is not None:
             os.unlink(victim)
+
+
+# ------------------------------------------- privileges, mounts, /dev, IPC and UTS namespaces
+#
+# A program reports what the kernel says about itself: /proc/self/status (capabilities,
+# no_new_privs), /proc/self/mountinfo (its mounts and their options), the names in /dev, its
+# IPC and UTS namespaces, the same capabilities through raw prctl/capget (Landlock hides /proc,
+# so there only ctypes can ask; the audit hook of "userns" lets it), and whether a System V
+# shared-memory segment of the host is visible. It runs at every level as the invoking user
+# (root in CI) and, as root, again as a throwaway ordinary user.
+
+_PRIVILEGE_PROBE = r'''
+import json, os
+out = {"pid": os.getpid(), "cwd": os.getcwd()}
+
+def attempt(key, fn):
+    try:
+        out[key] = fn()
+    except Exception as e:
+        out[key] = f"ERR {type(e).__name__} {getattr(e, 'errno', None)}"
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+def kernel():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    bnd = 0
+    for cap in range(64):
+        ret = libc.prctl(23, cap, 0, 0, 0)  # PR_CAPBSET_READ; EINVAL past the last cap
+        if ret < 0:
+            break
+        bnd |= ret << cap
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # 2 x {effective, permitted, inheritable}
+    if libc.capget(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    return {"nnp": libc.prctl(39, 0, 0, 0, 0),  # PR_GET_NO_NEW_PRIVS
+            "bnd": bnd, "eff": data[0] | data[3] << 32, "prm": data[1] | data[4] << 32}
+
+def shm():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    return [libc.shmget(SHM_KEY, 0, 0), ctypes.get_errno()]
+
+attempt("status", lambda: read("/proc/self/status"))
+attempt("mountinfo", lambda: read("/proc/self/mountinfo"))
+attempt("dev", lambda: sorted(os.listdir("/dev")))
+attempt("ipc", lambda: os.readlink("/proc/self/ns/ipc"))
+attempt("uts", lambda: os.readlink("/proc/self/ns/uts"))
+attempt("kernel", kernel)
+attempt("shm", shm)
+print(json.dumps(out))
+'''
+
+def host_view() -> dict:
+    """What the process running the sandbox sees: its bounding set, IPC and UTS namespaces."""
+    with open("/proc/self/status") as f:
+        bnd = next(line for line in f if line.startswith("CapBnd:")).split()[1]
+    return {"bnd": int(bnd, 16), "ipc": os.readlink("/proc/self/ns/ipc"),
+            "uts": os.readlink("/proc/self/ns/uts")}
+
+
+@contextlib.contextmanager
+def shm_segment():
+    """A System V shared-memory segment of this process (mode 0600), yielding its key: a
+    program in the same IPC namespace finds it, one in another cannot (ENOENT)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    while True:
+        key = 0x10000000 + secrets.randbelow(0x60000000)
+        shmid = libc.shmget(key, 4096, 0o1000 | 0o2000 | 0o600)  # IPC_CREAT | IPC_EXCL
+        if shmid >= 0:
+            break
+        if ctypes.get_errno() != 17:  # EEXIST: another key
+            raise OSError(ctypes.get_errno(), "shmget")
+    try:
+        yield key
+    finally:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
+
+
+# The driver run as the throwaway user: the two helpers above, then the probe at each level.
+_PRIVILEGE_DRIVER = ("import contextlib, ctypes, os, secrets\n" + inspect.getsource(host_view)
+                     + inspect.getsource(shm_segment) + r'''
+import json, sys
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["repo"])
+from jmarl.envs import sandbox
+out = {"uid": os.getuid(), "level": sandbox.isolation_level(), "host": host_view(),
+       "binds": sandbox._root_layout(*sandbox._python_prefix())[0], "runs": {}}
+with shm_segment() as key:
+    for level, hook in args["levels"]:
+        if level == "userns" and out["level"] != "userns":
+            continue
+        if level == "landlock" and not sandbox._probe("landlock"):
+            continue
+        r = sandbox._run(f"SHM_KEY = {key}\n" + args["probe"], "", level, timeout_s=5.0,
+                         memory_mb=512, max_output_bytes=1 << 20, hook_level=hook)
+        out["runs"][level] = [r.status, r.stdout, r.stderr]
+print(json.dumps(out))
+''')
+
+# (level, the audit hook's level): at "landlock" the hook of "userns" lets ctypes ask the kernel.
+_PRIVILEGE_LEVELS = [["namespaces", None], ["userns", None], ["landlock", "userns"],
+                     ["rlimits", None]]
+_DEV_NAMES = ("null", "zero", "full", "random", "urandom")
+
+
+def _check_privileges(level: str, out: dict, host: dict, root: bool, binds: list[str]) -> None:
+    """Asserts what `_PRIVILEGE_PROBE` reported at `level` (run as root or not)."""
+    ctx = (level, root, out)
+    private = level in ("namespaces", "userns")
+    # Capabilities and no_new_privs, as /proc/self/status and as prctl/capget report them.
+    views = []
+    if level == "landlock":
+        assert out["status"].startswith("ERR PermissionError"), ctx  # Landlock: no /proc
+    else:
+        status = dict(line.split(":", 1) for line in out["status"].splitlines())
+        # The program's own entry: at "namespaces"/"userns" the sandbox's /proc (PID 2 there).
+        assert int(status["Pid"]) == out["pid"], ctx
+        assert out["pid"] == 2 or not private, ctx
+        views.append({"nnp": int(status["NoNewPrivs"]), "bnd": int(status["CapBnd"], 16),
+                      "eff": int(status["CapEff"], 16), "prm": int(status["CapPrm"], 16)})
+    if level == "rlimits":
+        assert out["kernel"].startswith("ERR PermissionError"), ctx  # the hook refuses ctypes
+    else:
+        views.append(out["kernel"])
+    # The bounding set is emptied wherever the kernel lets the launcher (as root, or inside
+    # the user namespace); an ordinary user without namespaces cannot drop it (it holds no
+    # capability, and no_new_privs keeps an exec from granting one).
+    bnd = 0 if root or private else host["bnd"]
+    for view in views:
+        assert view == {"nnp": 1, "bnd": bnd, "eff": 0, "prm": 0}, ctx
+    if not private:  # the host's /dev (hidden), IPC and UTS namespaces
+        assert out["dev"].startswith("ERR PermissionError"), ctx  # Landlock, or the hook
+        assert (out["ipc"], out["uts"]) == (host["ipc"], host["uts"]), ctx
+        if level == "landlock":  # the host's segment is there (found, or EACCES as another uid)
+            assert out["shm"][0] >= 0 or out["shm"][1] == 13, ctx
+        return
+    # Own IPC and UTS namespaces: the host's segment does not exist there (ENOENT).
+    for ns in ("ipc", "uts"):
+        assert out[ns].startswith(f"{ns}:[") and out[ns] != host[ns], ctx
+    assert out["shm"] == [-1, 2], ctx
+    # A minimal /dev.
+    devs = [n for n in _DEV_NAMES if os.path.exists("/dev/" + n)]
+    assert out["dev"] == sorted(devs + ["fd", "stderr", "stdin", "stdout"]), ctx
+    # Mounts: a read-only tmpfs root, the binds (and anything below them) read-only, nosuid,
+    # nodev; the device binds nosuid, noexec; a new proc; the writable tmpfs working directory;
+    # nothing else.
+    mounts = []
+    for line in out["mountinfo"].splitlines():
+        fields = line.split()
+        mounts.append((fields[4], set(fields[5].split(",")), fields[fields.index("-") + 1]))
+    points = {point for point, _, _ in mounts}
+    assert set(binds) | {"/", "/proc", out["cwd"]} | {"/dev/" + n for n in devs} <= points, ctx
+
+    def under(path: str, top: str) -> bool:
+        return path == top or path.startswith(top.rstrip("/") + "/")
+
+    for point, opts, fstype in mounts:
+        where = (level, root, point, opts, fstype)
+        if point == "/":
+            assert fstype == "tmpfs" and {"ro", "nosuid", "nodev"} <= opts, where
+        elif any(under(point, b) for b in binds):
+            assert {"ro", "nosuid", "nodev"} <= opts, where
+        elif point in ("/dev/" + n for n in devs):
+            assert {"nosuid", "noexec"} <= opts, where
+        elif point == "/proc":
+            assert fstype == "proc" and {"nosuid", "nodev", "noexec"} <= opts, where
+        elif point == out["cwd"]:
+            assert fstype == "tmpfs" and {"rw", "nosuid", "nodev"} <= opts, where
+        else:
+            raise AssertionError(f"unexpected mount in the sandbox: {where}")
+
+
+@pytest.mark.parametrize("level,hook", _PRIVILEGE_LEVELS)
+def test_privileges_mounts_dev_and_namespaces(guarded, level, hook):
+    if not sandbox._probe(level):
+        pytest.skip(f"level {level} unavailable here")
+    binds = sandbox._root_layout(*sandbox._python_prefix())[0]
+    with shm_segment() as key:
+        r = guarded(f"SHM_KEY = {key}\n" + _PRIVILEGE_PROBE, level=level, hook_level=hook,
+                    timeout_s=5.0, max_output_bytes=1 << 20)
+    assert r.status == "ok", r
+    _check_privileges(level, json.loads(r.stdout), host_view(), os.geteuid() == 0, binds)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as an ordinary user already (see above)")
+@pytest.mark.skipif(LEVEL != "namespaces", reason="root without mount namespaces cannot show a "
+                    "throwaway uid the interpreter")
+def test_privileges_mounts_dev_and_namespaces_as_unprivileged_user(tmp_path):
+    uid = _throwaway_uid()
+    base = tempfile.mkdtemp(prefix="jmarl-sbuser-", dir="/var/tmp")
+    os.chmod(base, 0o755)
+    home = os.path.join(base, "home")
+    os.mkdir(home, 0o700)
+    os.chown(home, uid, uid)
+    try:
+        out = _run_as_user(uid, home, _PRIVILEGE_DRIVER,
+                           {"probe": _PRIVILEGE_PROBE, "levels": _PRIVILEGE_LEVELS[1:]},
+                           tmp_path)
+        assert out["uid"] == uid and out["level"] == "userns"
+        assert sorted(out["runs"]) == sorted(["userns", "rlimits"] +
+                                             (["landlock"] if LANDLOCK else []))
+        for level, (status, stdout, stderr) in out["runs"].items():
+            assert status == "ok", (level, stdout, stderr)
+            _check_privileges(level, json.loads(stdout), out["host"], False, out["binds"])
+        assert [row for row in _proc_table() if row[3] == uid] == []  # nothing left running
+    finally:
+        shutil.rmtree(base)
 
 
 def test_strict_policy_refuses_weak_level(monkeypatch, capsys):

@@ -23,7 +23,8 @@ has the table):
   At both levels the program sees a private root filesystem: an empty tmpfs holding only the
       interpreter's install tree and the system's library and command directories (/usr/lib,
       /usr/lib64, /usr/bin and their /lib, /lib64, /bin links, /etc/ld.so.cache), bound
-      read-only, nosuid and nodev; a minimal /dev (null, zero, full, random, urandom); a new
+      read-only, nosuid and nodev; a minimal /dev (null, zero, full, random, urandom and the
+      fd/stdin/stdout/stderr links); a new
       /proc showing only the run's processes; and its working directory /tmp, a fresh
       size-limited tmpfs, the only writable place. The launcher pivot_roots into it and
       detaches the old root: no home directory, no host /tmp, nothing else of the host exists.
@@ -190,7 +191,7 @@ def _launcher_main(config: dict) -> None:
 
         The new root is an empty tmpfs holding only: the interpreter's install tree and the
         system's library and command directories (bind mounts, read-only, nosuid, nodev), a
-        minimal /dev (null, zero, full, random, urandom), a new /proc of the sandbox's PID
+        minimal /dev (null, zero, full, random, urandom, the fd/std* links), a new /proc of the sandbox's PID
         namespace, and the program's size-limited writable tmpfs working directory. The old
         root is detached: nothing else of the host (home directories, /tmp, /etc...) exists.
         """
@@ -319,7 +320,8 @@ def _launcher_main(config: dict) -> None:
             resource.setrlimit(what, value)
         # Empty the capability bounding set: the program can never hold a capability, not even
         # in its own namespaces (no remount, no mount) nor as root (an exec grants none). An
-        # ordinary user without namespaces holds none to drop (EPERM).
+        # ordinary user without namespaces lacks CAP_SETPCAP and cannot drop it (EPERM); it keeps
+        # a full bounding set but holds no capability, and no_new_privs stops an exec granting one.
         for cap in range(64):
             if libc.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0:
                 err = ctypes.get_errno()

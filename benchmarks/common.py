@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -145,14 +146,48 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def git_state(root: str = REPO_ROOT) -> dict[str, Any]:
+    """The code a benchmark runs: {"commit": the short HEAD commit, "dirty": whether tracked files
+    other than benchmarks/results/ and markdown (what benchmarks write) have uncommitted
+    changes}; {} outside a git checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "diff", "HEAD", "--quiet", "--", ".", ":(exclude)benchmarks/results",
+                                  ":(exclude,glob)**/*.md"], cwd=root, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    if changed.returncode not in (0, 1):
+        return {}
+    return {"commit": commit, "dirty": changed.returncode == 1}
+
+
 def results_header(module: str, argv: list[str] | None) -> dict[str, Any]:
-    """The fields every results JSON of a `python -m <module>` command starts with: the command
-    line, the UTC date, the machine and the library versions."""
+    """The fields every results JSON of a `python -m <module>` command starts with, taken when
+    the work starts (call it first): the command line, the UTC date, the machine (its load
+    average then), the library versions and the git commit. `results_end()` adds the end."""
     return {
         "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(), "versions": versions(),
+        "date": utc_now(),
+        "machine": machine_info(), "versions": versions(), "git": git_state(),
     }
+
+
+def results_end() -> dict[str, Any]:
+    """The fields a results JSON gets when the work is done: the UTC date and the load average."""
+    out: dict[str, Any] = {"ended": utc_now()}
+    try:
+        out["load_average_at_end"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return out
 
 
 def write_json(path: str, results: dict[str, Any]) -> None:

@@ -17,10 +17,19 @@ controlled): no stop tokens, and
 
 Both sample at temperature 1 with the same seed. Throughput = sum of L_r (the useful new
 tokens) / seconds, after one untimed warm-up pass of the whole workload on each side (compiles
-excluded). Also reported: row utilization (real rows / decoded rows: 1 for both, neither pads
-rows here), slot utilization (busy slot-steps / slot-steps: for static, sum L / (64 x sum of the
-batches' longest L)) and the engine's queue wait. Writes `benchmarks/results/engine.json`
-(--quick: `engine_quick.json`).
+excluded). Also reported, from each side's own counters of its last timed pass:
+
+- row utilization: real rows (completions asked) / decoded rows (static: the rows of each
+  `generate` call's output; continuous: `EngineStats.rows`, the completions its slots decoded);
+- decode utilization: useful new tokens / token positions decoded (static: each call's rows x
+  the steps its decode loop ran, i.e. its longest output; continuous: `EngineStats.slot_steps`,
+  S x the decode steps of every chunk, plus one position per completion for the first token it
+  samples when its slot starts);
+- slot utilization: static, sum L / (64 x the sum of the batches' longest L) (the same figure as
+  its decode utilization); continuous, `busy_slot_steps / slot_steps` (decode chunks only);
+- the engine's queue wait (decode chunks a request waited before its slot started).
+
+Writes `benchmarks/results/engine.json` (--quick: `engine_quick.json`).
 
 Quickstart replay (`quickstart`, skipped with --no-quickstart): the sampler calls of two RL
 steps of `configs/quickstart.yaml`, recorded and replayed through both engines.
@@ -35,7 +44,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import results_header, write_json
+from benchmarks.common import results_end, results_header, write_json
 
 CONFIG = dict(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
               num_heads=4, num_kv_heads=2, head_dim=32)
@@ -52,13 +61,15 @@ def workload(requests: int, max_len: int, vocab: int, seed: int = 0) -> tuple[li
     return prompts, np.maximum(lengths, 1)
 
 
-def run_static(config, params, prompts, lengths, rng) -> tuple[float, int]:
-    """Seconds and decoded slot-steps of the static side."""
+def run_static(config, params, prompts, lengths, rng) -> tuple[float, dict[str, int]]:
+    """Seconds and counters of the static side: real rows, decoded rows (the rows of each call's
+    output), decoded positions (each call's rows x the steps its decode loop ran: its longest
+    output, every row decoding until the last one stops) and the useful new tokens kept."""
     from jmarl import models
     from jmarl.train.sampling import left_pad
 
     start = time.perf_counter()
-    slot_steps = 0
+    outputs = []
     for b in range(0, len(prompts), SLOTS):
         part = prompts[b:b + SLOTS]
         longest = int(lengths[b:b + SLOTS].max())
@@ -66,11 +77,20 @@ def run_static(config, params, prompts, lengths, rng) -> tuple[float, int]:
         gen = models.generate(config, params, tokens, mask, jax.random.fold_in(rng, b), max_new_tokens=longest,
                               temperature=1.0)
         jax.block_until_ready(gen.tokens)
-        slot_steps += SLOTS * longest
-    return time.perf_counter() - start, slot_steps
+        outputs.append((len(part), gen.lengths))
+    seconds = time.perf_counter() - start
+    counts = {"rows": 0, "decoded_rows": 0, "decoded_positions": 0, "useful_tokens": 0}
+    for b, (real, made) in zip(range(0, len(prompts), SLOTS), outputs):
+        made = np.asarray(made)
+        counts["rows"] += real
+        counts["decoded_rows"] += made.shape[0]
+        counts["decoded_positions"] += made.shape[0] * int(made.max())
+        counts["useful_tokens"] += int(np.minimum(made[:real], lengths[b:b + real]).sum())
+    return seconds, counts
 
 
 def run_engine(config, params, prompts, lengths, rng):
+    """Seconds, `EngineStats` and the completions returned of the continuous side."""
     from jmarl.models import engine
 
     start = time.perf_counter()
@@ -79,7 +99,17 @@ def run_engine(config, params, prompts, lengths, rng):
     seconds = time.perf_counter() - start
     made = sum(len(c[0][0]) for c in res.completions)
     assert made == int(lengths.sum()), (made, int(lengths.sum()))
-    return seconds, res.stats
+    return seconds, res.stats, sum(len(c) for c in res.completions)
+
+
+def utilizations(static: dict[str, int], stats, completions: int, useful: int) -> dict[str, dict[str, float]]:
+    """Row and decode utilization of both sides from their counters (module docstring)."""
+    return {
+        "static": {"row_utilization": static["rows"] / static["decoded_rows"],
+                   "decode_utilization": static["useful_tokens"] / static["decoded_positions"]},
+        "continuous": {"row_utilization": completions / stats.rows,
+                       "decode_utilization": useful / (stats.slot_steps + stats.rows)},
+    }
 
 
 def quickstart(steps: int = 2, repeats: int = 3) -> dict:
@@ -150,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-quickstart", action="store_true", help="skip the quickstart replay")
     args = parser.parse_args(argv)
+    header = results_header("benchmarks.engine", argv)  # date and load average at the start
 
     from jmarl import models
 
@@ -168,13 +199,14 @@ def main(argv: list[str] | None = None) -> dict:
     static_warmup = time.perf_counter() - t0
     engine_s, static_s = [], []
     for _ in range(args.repeats):  # A B A B
-        seconds, stats = run_engine(config, params, prompts, lengths, rng)
+        seconds, stats, completions = run_engine(config, params, prompts, lengths, rng)
         engine_s.append(seconds)
-        seconds, static_slot_steps = run_static(config, params, prompts, lengths, rng)
+        seconds, static_counts = run_static(config, params, prompts, lengths, rng)
         static_s.append(seconds)
     e, s = float(np.median(engine_s)), float(np.median(static_s))
+    used = utilizations(static_counts, stats, completions, useful)
     result = {
-        **results_header("benchmarks.engine", argv),
+        **header,
         "workload": {
             "requests": requests, "prompt_len": PROMPT_LEN, "slots": SLOTS, "chunk_steps": CHUNK_STEPS,
             "lengths": "min(max_len, floor(4 * Pareto(1.1))), seed 0", "max_len": max_len,
@@ -183,26 +215,31 @@ def main(argv: list[str] | None = None) -> dict:
             "model": CONFIG, "temperature": 1.0,
         },
         "continuous": {
-            "seconds": engine_s, "tokens_per_s": useful / e, "row_utilization": 1.0,
+            "seconds": engine_s, "tokens_per_s": useful / e, **used["continuous"],
             "slot_utilization": stats.busy_slot_steps / stats.slot_steps,
+            "rows": completions, "decoded_rows": stats.rows, "slot_steps": stats.slot_steps,
             "queue_wait_chunks": stats.queue_wait_chunks / stats.requests, "chunks": stats.chunks,
             "prefill_calls": stats.prefills, "warmup_seconds": engine_warmup,
         },
         "static": {
-            "seconds": static_s, "tokens_per_s": useful / s, "row_utilization": 1.0,
-            "slot_utilization": useful / static_slot_steps, "calls": -(-requests // SLOTS),
+            "seconds": static_s, "tokens_per_s": useful / s, **used["static"],
+            "slot_utilization": static_counts["useful_tokens"] / static_counts["decoded_positions"],
+            **static_counts, "calls": -(-requests // SLOTS),
             "warmup_seconds": static_warmup,
         },
         "ratio": s / e,
     }
     if not args.no_quickstart:
         result["quickstart"] = quickstart(repeats=max(args.repeats, 3))
+    result.update(results_end())
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    "engine_quick.json" if args.quick else "engine.json")
     write_json(out, result)
-    print(f"new tokens {useful}: continuous {useful / e:.0f} tok/s ({e:.2f} s, slot util "
-          f"{result['continuous']['slot_utilization']:.3f}), static {useful / s:.0f} tok/s ({s:.2f} s, slot util "
-          f"{result['static']['slot_utilization']:.3f}), ratio {s / e:.2f}x -> {out}")
+    for side, seconds in (("continuous", e), ("static", s)):
+        r = result[side]
+        print(f"{side}: {useful / seconds:.0f} new tok/s ({seconds:.2f} s), row utilization {r['row_utilization']:.3f}, "
+              f"decode utilization {r['decode_utilization']:.3f}, slot utilization {r['slot_utilization']:.3f}")
+    print(f"new tokens {useful}: ratio {s / e:.2f}x -> {out}")
     if "quickstart" in result:
         q = result["quickstart"]
         print(f"quickstart replay ({q['calls']} calls, {q['rows']} rows): "

@@ -9,7 +9,9 @@ each (a GRPO group, a tree node's candidates) and a KV budget per device:
 - slots that fit the budget (`jmarl.models.engine.slots_for_budget`): with the prompt pool, S
   slots of G = N - 1 generated tokens and Q = `entries_for`(S, K) prompt entries; against a copy
   of the prompt in every slot (the engine before the pool: S x (P + N - 1) tokens), which is the
-  same rule with one entry per slot (K = 1);
+  same rule with one entry per slot (K = 1). The engine rounds S down to a power of two, so the
+  ratio of the two S moves in steps of 2x; the largest S of any size that fits (`unrounded`)
+  is reported beside them, with its ratio;
 - XLA's memory analysis of the compiled prefill and decode-chunk programs (abstract shapes,
   compiled for this machine's CPU, nothing allocated): arguments (weights + engine state) and
   temporaries, at the pooled S and Q, and at the same S with one entry per slot (what copying
@@ -32,9 +34,29 @@ import time
 
 import jax
 
-from benchmarks.common import results_header, write_json
+from benchmarks.common import results_end, results_header, write_json
 
 GIB = 1 << 30
+
+
+def unrounded_slots(config, prompt_len: int, new_tokens: int, budget: int, share: int) -> tuple[int, int]:
+    """(S, Q): the largest S of any size whose slots and `entries_for`(S, share) entries fit
+    `budget` (what `slots_for_budget` would give without rounding S down to a power of two or
+    capping it at the rows asked); (0, 0) when not one fits."""
+    from jmarl.models import engine
+
+    def fits(slots: int) -> bool:
+        return engine.engine_bytes(config, slots, engine.entries_for(slots, share), prompt_len, new_tokens) <= budget
+
+    if not fits(1):
+        return 0, 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, engine.entries_for(lo, share)
 
 
 def program_memory(config, slots: int, entries: int, prompt_len: int, new_tokens: int, max_prefill: int) -> dict:
@@ -66,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled-program figures")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    header = results_header("benchmarks.engine_memory", argv)  # date and load average at the start
 
     from jmarl.config import parse_bytes
     from jmarl.models import engine, presets
@@ -76,19 +99,24 @@ def main(argv: list[str] | None = None) -> dict:
     p, n, k = args.prompt_len, args.new_tokens, args.share
     shared = engine.slots_for_budget(config, p, n, budget, args.rows, share=k)
     copied = engine.slots_for_budget(config, p, n, budget, args.rows, share=1)
+    shared_any, copied_any = unrounded_slots(config, p, n, budget, k), unrounded_slots(config, p, n, budget, 1)
     result = {
-        **results_header("benchmarks.engine_memory", argv),
+        **header,
         "settings": {"model": args.model, "prompt_len": p, "new_tokens": n, "share": k, "budget_bytes": budget,
                      "rows": args.rows, "dtype": "bfloat16"},
         "bytes": {"slot": engine.slot_bytes(config, n), "entry": engine.entry_bytes(config, p),
                   "copied_slot": engine.engine_bytes(config, 1, 1, p, n)},
         "slots": {"shared": {"slots": shared[0], "entries": shared[1]},
                   "copied": {"slots": copied[0], "entries": copied[1]},
-                  "ratio": shared[0] / copied[0]},
+                  "ratio": shared[0] / copied[0],
+                  "unrounded": {"shared": {"slots": shared_any[0], "entries": shared_any[1]},
+                                "copied": {"slots": copied_any[0], "entries": copied_any[1]},
+                                "ratio": shared_any[0] / copied_any[0]}},
     }
     print(f"{args.model}, P={p}, N={n}, K={k}, budget {budget / GIB:.1f} GiB per device: "
           f"{shared[0]} slots + {shared[1]} prompt entries shared vs {copied[0]} slots with a copy each "
-          f"({shared[0] / copied[0]:.1f}x)")
+          f"({shared[0] / copied[0]:.1f}x; S is rounded down to a power of two: of any size, "
+          f"{shared_any[0]} + {shared_any[1]} vs {copied_any[0]}, {shared_any[0] / copied_any[0]:.2f}x)")
     if not args.no_compile:
         s, q = shared
         u = engine.prefill_prompts(config, p, budget)  # as a run in bf16 caps its prefill calls
@@ -104,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  {program} in float32, {name} (S={m['slots']}, Q={m['entries']}): arguments "
                       f"{f['argument_bytes'] / GIB:.2f} GiB, temporaries {f['temp_bytes'] / GIB:.2f} GiB")
         print(f"  one layer's gathered prompt rows: {one_layer / GIB:.2f} GiB")
+    result.update(results_end())
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "engine_memory.json")
     write_json(out, result)
     return result

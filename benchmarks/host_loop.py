@@ -50,7 +50,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from benchmarks.common import results_header, write_json
+from benchmarks.common import results_end, results_header, write_json
 from jmarl import envs, host_memory
 from jmarl.models import CharTokenizer, load_tokenizer
 from jmarl.rollouts import bucket_length
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--profile", action="store_true", help="cProfile one extra 'after' run per plan")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    header = results_header("benchmarks.host_loop", argv)  # date and load average at the start
     policy = host_memory.apply_on_cpu()  # as the CLI: freed host memory is kept for the next step
     episodes, k, turns = (64 if args.quick else 1024), 4, 4
     plans = args.plans.split(",")
@@ -262,11 +263,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{row['fake_device_s']:.2f} s) split " +
                       ", ".join(f"{key} {v:.2f}" for key, v in row["split_s"].items()), flush=True)
     results = {
-        **results_header("benchmarks.host_loop", argv),
+        **header,
         "workload": {"episodes": episodes, "turns": turns, "agents": 2, "k": k, "env": "sokoban (sequential)",
                      "prompt_tokens": workload_tokens, "fake_device_s_per_call": args.device_s,
                      "goal_host_s": 10.0, "host_memory_policy": policy},
-        "load_average_at_end": list(os.getloadavg()),
+        **results_end(),
         "rows": rows,
     }
     name = "host_loop_quick.json" if args.quick else "host_loop.json"

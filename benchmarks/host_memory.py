@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from benchmarks.common import results_header, write_checkpoint, write_json
+from benchmarks.common import results_end, results_header, write_checkpoint, write_json
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(off, on)
         results["shapes"][shape] = {"off": off, "on": on, "summary": summary}
         print(f"[{shape}] " + ", ".join(f"{k} {v['off']:.4g} -> {v['on']:.4g}" for k, v in summary.items()), flush=True)
+    results.update(results_end())
     write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0

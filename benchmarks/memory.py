@@ -17,11 +17,11 @@ temporaries are an upper bound for accelerators.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from typing import Any
+
+from benchmarks.common import results_end, results_header, write_json
 
 ROWS: tuple[tuple[str, int, int, str, str], ...] = (
     ("qwen3-1.7b", 8, 8192, "auto", "auto"),
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
+    header = results_header("benchmarks.memory", argv)  # date, machine and commit at the start
     import jax
 
     rows = []
@@ -79,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(logprob_grad_memory(preset, batch, tokens, remat, attention))
     print(table(rows))
     if args.json:
-        record = {"jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
+        write_json(args.json, {**header, **results_end(), "backend": jax.default_backend(), "rows": rows})
     return 0
 
 

@@ -4,9 +4,15 @@
     python -m benchmarks.plan_configs [--out benchmarks/results/plan] [--only NAME ...]
 
 Each row runs `python -m jmarl.plan --config X --devices N --device-memory 80GiB --json ...` in
-its own process (the device count is fixed when JAX starts) and records its JSON; the table
-gives each run's largest peak per device (program and figure), the headroom left of 80 GiB,
-and whether it fits with the plan's 10% margin.
+its own process (the device count is fixed when JAX starts) and records its JSON, with the
+command, the UTC date it started and the git commit; the table gives each run's largest peak per
+device (program and figure), the headroom left of 80 GiB, and whether it fits with the plan's 10%
+margin. Rows: the paper configs on 8 devices, the presets on 1, 8 and 64, and four LoRA agents on
+one Qwen3-1.7B base on one device (docs/scaling.md, "Per-agent LoRA"), planned on this checkout
+and, for the merged column, on the package of commit 8c0b154 (`MERGED_LORA`: the last one whose
+`attach_lora` merged each adapter into a full weight copy; the current code has no merged mode):
+its files are exported with `git archive` into a temporary directory, the checkout's config
+copied beside them (it postdates that commit), and the plan command runs there.
 """
 
 from __future__ import annotations
@@ -14,34 +20,59 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from benchmarks.common import REPO_ROOT, git_state, utc_now
 
 PAPER_CONFIGS = (
     "at_grpo/plan_path", "at_grpo/sokoban", "at_grpo/sudoku", "at_grpo/math", "at_grpo/code",
     "grpo/plan_path", "dr_grpo/plan_path", "dapo/plan_path", "gspo/plan_path",
     "magrpo/writing", "magrpo/code", "hacpo/math", "joyagents/router",
 )
-# (name, config, devices, overrides): the presets on the AT-GRPO Plan-Path run (2 policies)
+# (name, config file, devices, overrides[, commit]): the presets on the AT-GRPO Plan-Path run (2 policies)
 SCALING = tuple(
-    (f"{preset}@{devices}", "at_grpo/plan_path", devices, (f"model.preset={preset}", "model.path=null", "tokenizer=char"))
+    (f"{preset}@{devices}", "configs/at_grpo/plan_path.yaml", devices,
+     (f"model.preset={preset}", "model.path=null", "tokenizer=char"))
     for preset in ("qwen3-1.7b", "qwen3-8b") for devices in (1, 8, 64)
 )
+LORA_CONFIG = "benchmarks/configs/lora_4agents_qwen3_1.7b.yaml"
+MERGED_LORA = "8c0b154"  # the last commit whose attach_lora merged every adapter into a weight copy
+LORA = (("lora_4agents_qwen3_1.7b", LORA_CONFIG, 1, ()),
+        ("lora_4agents_qwen3_1.7b_merged", LORA_CONFIG, 1, (), MERGED_LORA))
 DEVICE_MEMORY = "80GiB"
 
 
-def plan(config: str, devices: int, overrides: tuple[str, ...], out: Path) -> dict:
-    """Runs the plan command for one row; returns its JSON record plus the exit code."""
+def plan(config: str, devices: int, overrides: tuple[str, ...], out: Path, commit: str | None = None) -> dict:
+    """Runs the plan command for one row (`config`: the config file) on this checkout, or with
+    `commit` on that commit's files (module docstring); returns its JSON record plus the exit
+    code, the command, the UTC date it started and the code it planned with."""
+    out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "jmarl.plan", "--config", f"configs/{config}.yaml", *overrides,
+    cmd = [sys.executable, "-m", "jmarl.plan", "--config", config, *overrides,
            "--devices", str(devices), "--device-memory", DEVICE_MEMORY, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    started = utc_now()
+    with tempfile.TemporaryDirectory() as tmp:
+        if commit is None:
+            where, code = REPO_ROOT, git_state()
+        else:
+            where, code = tmp, {"commit": commit, "dirty": False, "config_from": git_state()}
+            archive = subprocess.run(["git", "archive", commit], cwd=REPO_ROOT, capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            os.makedirs(os.path.join(tmp, os.path.dirname(config)), exist_ok=True)
+            shutil.copy(os.path.join(REPO_ROOT, config), os.path.join(tmp, config))
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=where)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=where)
     if not out.exists():
         raise SystemExit(f"{' '.join(cmd)} wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     record = json.loads(out.read_text())
     record["exit_code"] = proc.returncode
     record["command"] = "python -m jmarl.plan " + " ".join(cmd[3:-2])
+    record["date"] = started
+    record["git"] = code
     out.write_text(json.dumps(record, indent=2))
     return record
 
@@ -62,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/plan")
     parser.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
     args = parser.parse_args(argv)
-    rows = [(c, c, 8, ()) for c in PAPER_CONFIGS] + list(SCALING)
+    rows = [(c, f"configs/{c}.yaml", 8, ()) for c in PAPER_CONFIGS] + list(SCALING) + list(LORA)
     lines = ["| run | devices | mesh | largest peak per device | headroom of 80 GiB | fits (plan exit 0) |",
              "|---|---|---|---|---|---|"]
-    for name, config, devices, overrides in rows:
+    for name, config, devices, overrides, *commit in rows:
         if args.only and name not in args.only:
             continue
         print(f"planning {name} on {devices} devices ...", file=sys.stderr, flush=True)
-        record = plan(config, devices, overrides, Path(args.out) / (name.replace("/", "_") + ".json"))
+        record = plan(config, devices, overrides, Path(args.out) / (name.replace("/", "_") + ".json"), *commit)
         lines.append(row(name, record))
         print(lines[-1], file=sys.stderr, flush=True)
     print("\n".join(lines))

@@ -21,7 +21,7 @@ import os
 import tempfile
 import time
 
-from benchmarks.common import results_header, write_json
+from benchmarks.common import results_end, results_header, write_json
 
 VARIANTS = {
     "quickstart": [],
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    header = results_header("benchmarks.row_utilization", argv)  # date and load average at the start
 
     runs = []
     for name in args.variants:
@@ -64,8 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs.append(run)
             print(f"{name} seed {seed}: row utilization mean {run['mean']:.3f}, min {run['min']:.3f} "
                   f"over {run['steps']} RL steps ({run['seconds']:.0f} s)")
-    result = {**results_header("benchmarks.row_utilization", argv), "config": "configs/quickstart.yaml",
-              "runs": runs}
+    result = {**header, **results_end(), "config": "configs/quickstart.yaml", "runs": runs}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "row_utilization.json")
     write_json(out, result)
     return result

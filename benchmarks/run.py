@@ -24,7 +24,6 @@ A benchmark that raises (or whose process dies) is recorded under `errors` too a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ import tempfile
 import traceback
 from typing import Any, Callable
 
-from benchmarks.common import machine_info, measure_matmul_peak, versions, write_json
+from benchmarks.common import git_state, machine_info, measure_matmul_peak, results_end, utc_now, versions, write_json
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
@@ -227,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.part is not None:
         return part_main(args)
+    created, machine = utc_now(), machine_info()  # the date and load average at the start
     if args.suite == "gpu":
         from benchmarks import gpu
 
@@ -246,16 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "suite": args.suite,
         "quick": args.quick,
-        "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "created": created,
         "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": machine_info(),
+        "machine": machine,
         "versions": versions(),
+        "git": git_state(),
         "matmul_peak": peak,
         "rows": [],
         "errors": [],
     }
     print(f"[peak] {peak['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s ({peak.get('dtype')})", flush=True)
     (run_gpu if args.suite == "gpu" else run_cpu)(args, results)
+    results.update(results_end())
     path = _write(args, results)
     print(f"wrote {path}")
     if not args.quick and not args.no_readme and args.baseline_host_memory == "default":

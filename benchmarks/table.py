@@ -86,6 +86,10 @@ def render_table(results: dict[str, Any]) -> str:
             f"trl {vers.get('trl', '-')}, comlrl {vers.get('comlrl', '-')}.")
     if peak:
         head += f" Measured matmul peak (XLA, {results['matmul_peak'].get('dtype', 'float32')}): {peak / 1e9:,.0f} GFLOP/s."
+    git = results.get("git") or {}
+    if git.get("commit"):
+        head += (f" Code: commit {git['commit']}{' with uncommitted changes' if git.get('dirty') else ''}"
+                 f"{' (' + git['note'] + ')' if git.get('note') else ''}.")
     lines += [head, "", f"Command: `{results.get('command', 'python -m benchmarks.run')}`", ""]
     lines.append("| benchmark | shape | metric | jmarl | baseline | jmarl / baseline (median of pairs) | target | reached |")
     lines.append("|---|---|---|---|---|---|---|---|")

@@ -18,14 +18,24 @@ difference variant - baseline on each seed, its mean, a 95% percentile bootstrap
 mean and the exact two-sided sign-flip p-value; a claim "holds" when the interval is above 0 and
 p < 0.05 ("reversed" below 0), else it is "undecided" at this scale.
 
-Runs are resumable: a run that finished writes `evidence_run.json` (its argv) beside its
-summary, and a later invocation with the same command reuses it, so an interrupted table
-continues where it stopped (`--background` detaches, logging to <runs>/evidence.log). `--jobs N`
-runs N at once, each pinned to its share of the CPUs; the runs share one XLA compilation cache.
-The script writes results/evidence_<table>.json (per-seed raw numbers, mean, sample std, the
-paired statistics' inputs, the exact overrides, wall times, versions; rewritten after every run)
-and the table in docs/evidence.md between `<!-- evidence:<table>:start -->` and
-`<!-- evidence:<table>:end -->`.
+Runs are resumable: a run that finished writes `evidence_run.json` (its argv and the code it
+ran on) beside its summary, and a later invocation with the same command on the same code reuses
+it, so an interrupted table continues where it stopped (`--background` detaches, logging to
+<runs>/evidence.log). `--jobs N` runs N at once, each pinned to its share of the CPUs; the runs
+share one XLA compilation cache. The script writes results/evidence_<table>.json (per-seed raw
+numbers, mean, sample std, the paired statistics' inputs, the exact overrides, wall and CPU
+times, each run's code, versions; rewritten after every run) and the table in docs/evidence.md
+between `<!-- evidence:<table>:start -->` and `<!-- evidence:<table>:end -->`.
+
+Provenance: each run's row records the code it ran on (`code_state`: the git commit, a dirty
+flag for uncommitted changes to the tracked files a run executes or reads, jmarl/, configs/ and
+pyproject.toml, and a hash of those changes). A finished run (in its run directory or the
+previous result JSON) is reused only when its code is the current code; otherwise it runs again,
+or with `--reuse-other-commits` it is reused and the table says it mixes code. The table's header names the runs' code ("mixed: a (n
+runs), b (m runs)" when they differ), not the renderer's. Rows of result JSONs written before
+runs recorded their code take the JSON's `versions.git_commit` (the checkout's commit when the
+JSON was written), labelled as such. The notes under a table are functions of its result
+(`Facts`): every figure they quote is computed from the JSON when the table is rendered.
 
 Held-out: every run's summary.json holds the evaluation on the env's held-out seeds
 (`jmarl.envs.eval_seed`) before RL (after the warm start: `before_eval_*`) and after it
@@ -35,7 +45,9 @@ Held-out: every run's summary.json holds the evaluation on the env's held-out se
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -106,7 +118,7 @@ class Table:
     rows: tuple[Line, ...]
     columns: tuple[Line, ...]
     comparisons: tuple[Comparison, ...] = ()
-    notes: tuple[str, ...] = ()
+    notes: tuple[Callable[["Facts"], str], ...] = ()  # each: the note's text from the result (see Facts)
     digits: int = 2
     steps_key: str = "train.steps"
     fields: tuple[str, ...] = field(default=())  # extra summary/metrics keys kept in the JSON
@@ -130,7 +142,159 @@ class Table:
         return list(dict.fromkeys(keys + list(self.fields)))
 
 
+class Missing(Exception):
+    """A note asked for a figure the result does not have (a smoke run, a partial table): the
+    note is left out."""
+
+
+class Facts:
+    """What a note may quote, computed from a table's result dict: paired statistics of its
+    comparisons, per-seed values, means and spreads, run times, the base overrides. Missing
+    figures raise `Missing`, which leaves the note out rather than printing a stale number."""
+
+    def __init__(self, table: "Table", result: dict[str, Any]):
+        self.table = table
+        self.result = result
+
+    def pair(self, variant: str, baseline: str, key: str | None = None) -> dict[str, Any]:
+        """`paired_stats` of the table's comparison of `variant` against `baseline` (on `key`
+        when the table compares them on several keys), plus `wins`: seeds where the variant is
+        higher."""
+        found = [c for c in self.table.comparisons
+                 if c.variant == variant and c.baseline == baseline and (key is None or c.key == key)]
+        if len(found) != 1:
+            raise Missing(f"comparison {variant} vs {baseline} {key or ''}")
+        pairs = paired_values(self.result, found[0])
+        stats = paired_stats(pairs)
+        if stats is None:
+            raise Missing(f"paired seeds of {variant} vs {baseline}")
+        return stats | {"wins": sum(a > b for _, a, b in pairs)}
+
+    def values(self, variant: str, key: str) -> dict[int, float]:
+        """seed -> value of `key` in `variant`'s finished runs."""
+        rows = self.result["variants"].get(variant, {}).get("runs", [])
+        out = {r["seed"]: r["values"][key] for r in rows if r.get("values", {}).get(key) is not None}
+        if not out:
+            raise Missing(f"{variant} {key}")
+        return out
+
+    def mean(self, variant: str, key: str) -> float:
+        return statistics.fmean(self.values(variant, key).values())
+
+    def std(self, variant: str, key: str) -> float:
+        vals = list(self.values(variant, key).values())
+        if len(vals) < 2:
+            raise Missing(f"a spread of {variant} {key}")
+        return statistics.stdev(vals)
+
+    def runs(self) -> list[dict[str, Any]]:
+        return [r for v in self.result["variants"].values() for r in v["runs"]]
+
+    def cpu_minutes(self) -> float:
+        rows = self.runs()
+        if not rows or any("cpu_seconds" not in r for r in rows):
+            raise Missing("CPU seconds of every run")
+        return sum(r["cpu_seconds"] for r in rows) / 60
+
+    def override(self, key: str) -> str:
+        """The value of a dotted key in the result's base overrides."""
+        for o in self.result.get("base_overrides", []):
+            k, _, v = o.partition("=")
+            if k == key:
+                return v
+        raise Missing(f"base override {key}")
+
+    def rl_steps(self) -> int:
+        """RL steps per run: --steps, else the base overrides, else the table's config."""
+        if self.result.get("steps_override") is not None:
+            return int(self.result["steps_override"])
+        try:
+            return int(self.override(self.table.steps_key))
+        except Missing:
+            pass
+        try:
+            import yaml
+
+            return int(yaml.safe_load((ROOT / self.result["config"]).read_text())["train"]["steps"])
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise Missing("RL steps") from e
+
+
+def points(x: float) -> str:
+    """A success-rate difference in percentage points, signed: "+8.3"."""
+    return f"{100 * x:+.1f}"
+
+
+def interval_points(stats: dict[str, Any]) -> str:
+    lo, hi = stats["ci95"]
+    return f"[{points(lo)}, {points(hi)}]"
+
+
+def percent_range(values: Sequence[float]) -> str:
+    """"2-22%" from success rates."""
+    return f"{100 * min(values):.0f}-{100 * max(values):.0f}%"
+
+
+def number_range(values: Sequence[float], digits: int = 2) -> str:
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def listing(items: Sequence[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 QUIET = ("logging.progress=false", "logging.tensorboard=false", "logging.plots=false", "resume=false")
+
+
+def _said(stats: dict[str, Any], digits: int = 2) -> str:
+    """"-0.25 (interval [-0.41, -0.08], p = 0.039: reversed)" (raw units)."""
+    lo, hi = stats["ci95"]
+    return (f"{stats['difference']:+.{digits}f} (interval [{lo:+.{digits}f}, {hi:+.{digits}f}], "
+            f"p = {stats['p']:.3f}: {stats['verdict']})")
+
+
+def _said_points(stats: dict[str, Any], extra: str = "") -> str:
+    """"+8.3 points (interval [+2.2, +14.5], p = 0.055: undecided)" (success rates); `extra` goes
+    inside the parentheses."""
+    return (f"{points(stats['difference'])} points (interval {interval_points(stats)}, p = {stats['p']:.3f}: "
+            f"{stats['verdict']}{'; ' + extra if extra else ''})")
+
+
+def _ahead_on(stats: dict[str, Any]) -> str:
+    return f"ahead on {stats['wins']} of {stats['n']} seeds"
+
+
+def _writing_note(f: Facts) -> str:
+    aligned = f.pair("aligned", "aligned", "eval_team_reward")
+    cross = f.pair("cross", "cross", "eval_team_reward")
+    change = {c: f.mean("aligned", f"eval_info/{c}") - f.mean("aligned", f"before_eval_info/{c}")
+              for c in WRITING_COMPONENTS}
+    top = max(change, key=lambda c: abs(change[c]))
+    rest = [c for c in WRITING_COMPONENTS if c != top]
+    try:
+        top_p = f", p = {f.pair('aligned', 'aligned', f'eval_info/{top}')['p']:.3f}"
+    except Missing:
+        top_p = ""
+    raised = [name for name, st in (("aligned", aligned), ("cross", cross)) if st["verdict"] == "holds"]
+    text = (
+        f"MAGRPO {'raises' if raised else 'does not raise'} the writers' held-out team reward at this scale: "
+        f"against the warm-started system it changes by {_said(aligned)} with aligned joint actions and by "
+        f"{_said(cross)} with cross joint actions. With aligned joint actions the largest component change is "
+        f"{top} ({f.mean('aligned', f'before_eval_info/{top}'):.2f} -> {f.mean('aligned', f'eval_info/{top}'):.2f}"
+        f"{top_p}); {listing(rest)} change by at most {max(abs(change[c]) for c in rest):.2f}. So the paper's claim "
+        f"(joint training improves the joint reward) is "
+        f"{'reproduced with ' + listing(raised) + ' joint actions' if raised else 'not reproduced'} here."
+    )
+    if top == "transitions" and change[top] < 0 and not raised:
+        text += (f" A likely reason, not tested: transition words earn reward on few samples per group while the "
+                 f"length terms vary on every sample, so {f.rl_steps()} updates on "
+                 f"{f.mean('aligned', 'mean:rollout/samples'):.0f} samples per step follow the dense terms and lose "
+                 f"the sparse one (the seed-0 pilot showed that trade).")
+    return text
+
 
 WRITING_COMPONENTS = ("structure", "ratio", "diversity", "transitions", "overlap")
 WRITING = Table(
@@ -175,19 +339,41 @@ WRITING = Table(
         Comparison("aligned", "aligned", f"eval_info/{c}", f"{c}: MAGRPO (aligned) vs the warm start",
                    baseline_key=f"before_eval_info/{c}") for c in ("structure", "ratio", "transitions")
     ),
-    notes=(
-        "MAGRPO does not raise the writers' joint reward at this scale: with aligned joint actions the held-out "
-        "team reward falls (-0.25, interval [-0.41, -0.08], p = 0.039: reversed) and with cross joint actions it "
-        "stays level (-0.09). The fall is in one component, transitions (0.45 -> 0.20, p = 0.055); structure, "
-        "ratio, diversity and overlap move by at most 0.02. So the paper's claim (joint training improves the "
-        "joint reward) is not reproduced here. A likely reason, not tested: transition words earn reward on few "
-        "samples per group while the length terms vary on every sample, so 40 updates of a 2-layer character "
-        "model on 4 tasks x G = 4 joint actions follow the dense terms and lose the sparse one (the seed-0 pilot "
-        "showed exactly that trade).",
-    ),
+    notes=(_writing_note,),
     fields=("before_eval_team_reward", "eval_team_reward", "metrics:rollout/generated_total",
             "mean:rollout/team_reward", "mean:rollout/reward_std", "mean:rollout/samples"),
 )
+
+
+def _hacpo_note(f: Facts) -> str:
+    key = "eval_{}/success_rate".format
+    warm = {m: f.pair("hacpo", "hacpo", key(m)) for m in HACPO_MODELS}
+    same = {m: f.pair("hacpo", "gspo", key(m)) for m in HACPO_MODELS}
+    double = {m: f.pair("hacpo", "gspo_2x", key(m)) for m in HACPO_MODELS}
+    steps = f.rl_steps()
+    lossy = f.values("hacpo", "mean:plan/num_lossy")
+    short = [m for m in HACPO_MODELS if same[m]["verdict"] != "holds"]
+    text = (
+        "Against its warm start: " + "; ".join(f"{m} {_said_points(warm[m])}" for m in HACPO_MODELS) + ". "
+        "Against GSPO at the same generated rollouts: " + "; ".join(
+            f"{m} {_said_points(same[m], _ahead_on(same[m]))}" for m in HACPO_MODELS) + ". "
+        "Against GSPO with twice the rollouts: " + "; ".join(
+            f"{m} {_said_points(double[m])}" for m in HACPO_MODELS) + ". "
+        "So the paper's claim (each member beats GSPO at the same rollouts) is "
+        + (f"not reproduced for {listing(short)}" if short else "reproduced") + " at this scale. "
+        f"Per RL step the two models generate {f.mean('hacpo', 'rollouts_generated') / steps:.0f} rollouts together "
+        f"({f.mean('gspo_2x', 'rollouts_generated') / steps:.0f} under GSPO 2x; rollouts generated / {steps} steps); "
+        "under HACPO each learner also trains on the other's rollouts, re-tokenised, and drops those whose text "
+        "does not survive re-tokenisation: "
+    )
+    nonzero = sum(v > 0 for v in lossy.values())
+    if nonzero:
+        text += (f"{statistics.fmean(lossy.values()):.2f} per step on average (plan/num_lossy), nonzero on "
+                 f"{nonzero} of {len(lossy)} seeds.")
+    else:
+        text += f"none on any of the {len(lossy)} seeds (plan/num_lossy)."
+    return text
+
 
 HACPO_VARIANTS = (
     Variant("hacpo", "HACPO (shared rollouts)", ("workflow.options.mode=hacpo",)),
@@ -218,20 +404,36 @@ HACPO = Table(
                    baseline_key=f"before_eval_{m}/success_rate") for m in HACPO_MODELS
     ),
     digits=3,
-    notes=(
-        "Both models improve on their warm start (+15.5 and +11.1 points: holds). Against GSPO at the same "
-        "generated rollouts HACPO is ahead for qwen on 7 of 8 seeds (+3.9 points, interval [+1.1, +7.0], "
-        "p = 0.055: undecided by the rule) and level for llama (-0.1 points); against GSPO with twice the "
-        "rollouts it is level for qwen and behind for llama (-3.4 points: reversed). So at this scale sharing "
-        "the other model's verified rollouts helps the 2-layer qwen-style model a little and the 1-layer "
-        "llama-style model not at all, and it does not stand in for twice the rollouts; the paper's claim "
-        "(each member beats GSPO at the same rollouts) is not reproduced for llama. 30 RL steps of 8 tasks; per "
-        "step both models generate 64 rollouts (128 under GSPO 2x) and train on 128 samples under HACPO (each "
-        "learner its own 4 and the other's 4 per task, re-tokenised; none lossy), 64 under GSPO.",
-    ),
+    notes=(_hacpo_note,),
     fields=("success_before", "success_after", "mean:plan/num_lossy",
             "mean:hacpo/success_0", "mean:hacpo/success_1", "mean:rollout/reward_std"),
 )
+
+
+def _joyagents_note(f: Facts) -> str:
+    warm = f.pair("top1", "top1", "success_after")
+    top_vs_all = f.pair("top1", "all", "success_after")
+    memory = f.pair("top1_memory", "top1", "success_after")
+    samples = {v: f.mean(v, "mean:rollout/samples") for v in ("top1", "all")}
+    names = [v.name for v in JOYAGENTS_VARIANTS]
+    moved = [f.mean(v, "success_after") - f.mean(v, "success_before") for v in names]
+    spread = [f.std(v, "success_after") for v in names]
+    shown = [claim for claim, st in (("top-K beats all node groups", top_vs_all), ("the memory helps", memory))
+             if st["verdict"] == "holds"]
+    return (
+        f"Top-1 node groups without memory against its warm start: {_said_points(warm)}. Training only the top-1 "
+        f"node group per task against all of them (no memory): {_said_points(top_vs_all)}, with "
+        f"{samples['top1']:.0f} against {samples['all']:.0f} samples per step "
+        f"({samples['top1'] / samples['all']:.2f}x). "
+        f"Memory against none (top-1): {_said_points(memory)}; the memory holds "
+        f"{f.mean('top1_memory', 'metrics:memory/entries'):.0f} entries at the end on average. Of the paper's two "
+        f"claims (top-K beats all node groups; the memory helps) "
+        + (f"only {listing(shown)} is shown" if len(shown) == 1 else "both are shown" if shown else "neither is shown")
+        + f" at this scale: {f.rl_steps()} RL steps from a {100 * f.mean('top1', 'success_before'):.0f}%-success warm "
+        f"start move the mean success by {points(min(moved))} to {points(max(moved))} points, against a spread between "
+        f"seeds (std after RL) of {100 * min(spread):.1f}-{100 * max(spread):.1f} points."
+    )
+
 
 JOYAGENTS_VARIANTS = (
     Variant("top1", "top-1 node group per task, no memory", ("workflow.options.top_k=1", "algo.options.use_memory=false")),
@@ -260,16 +462,57 @@ JOYAGENTS = Table(
         Comparison("top1", "top1", "success_after", "top-1, no memory vs its warm start", baseline_key="success_before"),
     ),
     digits=3,
-    notes=(
-        "JoyAgents-R1 with top-1 node groups and no memory improves on its warm start (+4.2 points, holds). "
-        "Training only the top-1 node group per task is ahead of training all of them on the mean (+3.9 points, "
-        "interval [+0.0, +7.9], p = 0.133) with a quarter of the samples (64 vs ~248 per step), but undecided; "
-        "the memory does not help (-1.7 points, undecided) and holds ~40 entries by the end. At this scale the "
-        "paper's two claims are not shown: 30 RL steps from a 10%-success warm start move success by a few "
-        "points, the size of the differences between seeds.",
-    ),
+    notes=(_joyagents_note,),
     fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
 )
+
+
+def _quickstart_note(f: Facts) -> str:
+    warm = f.pair("per_agent", "per_agent", "success_after")
+    others = (("single-agent GRPO", f.pair("per_agent", "single")),
+              ("one shared policy", f.pair("per_agent", "shared")),
+              ("independent sampling", f.pair("per_agent", "independent")))
+    everything = [("its warm start", warm), *others]
+    decided = [f"{what} ({st['verdict']})" for what, st in everything if st["verdict"] != "undecided"]
+    verdicts = {st["verdict"] for _, st in others}
+    across = all(st["ci95"][0] < 0 < st["ci95"][1] for _, st in others)
+    before = f.values("per_agent", "success_before")
+    spread = [f.std(v.name, "success_after") for v in QUICKSTART_VARIANTS]
+    single, per_agent = f.values("single", "success_after"), f.values("per_agent", "success_after")
+    largest = max(abs(st["difference"]) for _, st in others)
+    ahead = sorted((s for s in single if s in per_agent and single[s] > per_agent[s]),
+                   key=lambda s: per_agent[s] - single[s])
+    text = (
+        f"At {warm['n']} paired seeds "
+        + (f"the comparisons decided are: {listing(decided)}" if decided
+           else "none of AT-GRPO's comparisons is decided at this scale")
+        + f". Per-agent AT-GRPO against its own warm start: {_said_points(warm, _ahead_on(warm))}. Against "
+        f"{listing([w for w, _ in others])} the paired differences are "
+        f"{listing([points(st['difference']) for _, st in others])} points"
+        + (", each interval across 0" if across else "")
+        + (f": {verdicts.pop()}" if len(verdicts) == 1 else "")
+        + ", so the papers' claim (the multi-agent system with per-agent policies and tree sampling beats a single "
+        f"agent) is {'reproduced' if others[0][1]['verdict'] == 'holds' else 'not reproduced'} here. "
+        f"The warm start leaves the two-agent system at {percent_range(list(before.values()))} held-out depending on "
+        f"the seed; {f.rl_steps()} RL steps move per-agent AT-GRPO by {points(warm['difference'])} points on average, "
+        f"and the spread between seeds after RL (std {number_range(spread)}) "
+        + ("is as large as" if min(spread) >= largest else "compares with")
+        + f" the paired differences (at most {largest:.2f} in size). The planner alone, trained by GRPO, ends "
+        f"above per-agent AT-GRPO on {len(ahead)} of {len(single)} seeds"
+    )
+    if len(ahead) >= 2:
+        a, b = sorted(ahead[:2])
+        text += (f" (seeds {a} and {b}: {single[a]:.2f} and {single[b]:.2f} against "
+                 f"{per_agent[a]:.2f} and {per_agent[b]:.2f})")
+    return text + (f". The {len(f.runs())} runs took {f.cpu_minutes():.0f} CPU-minutes in all.")
+
+
+def _row_utilization_note(f: Facts) -> str:
+    means = [(f.mean(v.name, "mean:rollout/row_utilization"), v.name.replace("_", "-")) for v in QUICKSTART_VARIANTS]
+    return ("The static sampler's rollout/row_utilization on these runs (real rows / decoded rows, each run's mean "
+            "over its steps: mean:rollout/row_utilization in the JSON): "
+            + ", ".join(f"{m:.2f} {name}" for m, name in means) + "; the other decoded rows are padding.")
+
 
 QUICKSTART_VARIANTS = (
     Variant("per_agent", "AT-GRPO, per-agent policies (the quickstart)", ()),
@@ -303,23 +546,7 @@ QUICKSTART = Table(
         Comparison("per_agent", "shared", "success_after", "per-agent vs shared policy"),
     ),
     digits=3,
-    notes=(
-        "At 8 paired seeds none of AT-GRPO's comparisons is decided at this scale. Per-agent AT-GRPO improves "
-        "on its own warm start on 7 of 8 seeds (+8.3 points, interval [+2.2, +14.5], p = 0.055: short of the 5% "
-        "the verdict asks). Against single-agent GRPO, one shared policy and independent sampling the paired "
-        "differences are -1.9, +7.1 and -3.2 points, each interval across 0, so the papers' claim (the "
-        "multi-agent system with per-agent policies and tree sampling beats a single agent) is not reproduced "
-        "here. Why: the warm start leaves the two-agent system at 2-22% held-out depending on the seed (seeds 4-7 "
-        "start at or below 16% and end at 5-11%), 100 RL steps of a 2-layer model move it a few points, and the "
-        "spread between seeds (std 0.07-0.15) is larger than the differences; the planner alone, trained by GRPO, "
-        "does as well on several seeds (seeds 5 and 7: 0.25 and 0.42). Deciding it needs larger models or longer "
-        "runs than this CPU affords (the 32 runs took 189 CPU-minutes).",
-        "The static sampler's rollout/row_utilization on these runs (mean:rollout/row_utilization in the JSON): "
-        "0.90 per-agent, 0.91 shared, 0.94 independent and single agent; the rest is rows padded to a power of "
-        "two. sampling.engine: continuous decodes only real rows (1.0); since then a call's rows are padded to "
-        "`row_bucket` (at most 1.25x) instead, which gives the quickstart 1.00 (`python -m "
-        "benchmarks.row_utilization`).",
-    ),
+    notes=(_quickstart_note, _row_utilization_note),
     fields=("wall_seconds", "mean:rollout/success_rate", "mean:rollout/row_utilization"),
 )
 
@@ -376,13 +603,81 @@ def child_env(runs_root: Path) -> dict[str, str]:
     return env
 
 
-RUN_RECORD = "evidence_run.json"  # in a run's output dir: its argv (sans interpreter) and its row
+RUN_RECORD = "evidence_run.json"  # in a run's output dir: its argv (sans interpreter), times and code
+
+# The tracked paths a run executes or reads: the package and the configs (and the dependencies'
+# pins). Other tracked files (tests, benchmarks, docs, the result JSONs this script rewrites after
+# every run) change no run, and other people edit them in a shared checkout mid-table.
+RUN_PATHS = ("jmarl", "configs", "pyproject.toml")
+
+
+def code_state(root: Path = ROOT) -> dict[str, Any]:
+    """The code a run in `root` runs on: {"commit": the short HEAD commit, "dirty": whether the
+    tracked files a run executes or reads (`RUN_PATHS`) have uncommitted changes} and, when dirty,
+    "diff": a hash of those changes (two dirty trees of one commit are the same code only when it
+    matches). {} outside a git checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        diff = subprocess.run(["git", "diff", "HEAD", "--", *RUN_PATHS], cwd=root, capture_output=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    state: dict[str, Any] = {"commit": commit, "dirty": bool(diff)}
+    if diff:
+        state["diff"] = hashlib.sha256(diff).hexdigest()[:12]
+    return state
+
+
+def run_code(result: dict[str, Any] | None, row: dict[str, Any]) -> dict[str, Any]:
+    """The code a result row ran on: its own record, or for a row written before runs recorded
+    it, the result JSON's versions.git_commit (the checkout's commit when the JSON was written)
+    marked "inferred"; {} when neither is known."""
+    if row.get("commit"):
+        own = {k: row[k] for k in ("commit", "dirty", "diff") if k in row}
+        return own | {"inferred": True} if row.get("commit_inferred") else own
+    commit = ((result or {}).get("versions") or {}).get("git_commit")
+    return {"commit": commit, "inferred": True} if commit else {}
+
+
+def same_code(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two `code_state`s are the same code: one commit, the same uncommitted changes."""
+    return bool(a.get("commit")) and a.get("commit") == b.get("commit") and a.get("diff") == b.get("diff")
+
+
+def code_label(code: dict[str, Any], reused: bool = False) -> str:
+    """How a table's header names one run's code."""
+    if not code:
+        return "not recorded"
+    if code.get("inferred"):
+        return (f"{code['commit']}{' or earlier' if reused else ''} (not recorded per run: the commit when the JSON "
+                f"was written{'; these runs were reused then, so made on it or earlier code' if reused else ''})")
+    return code["commit"] + (f" with uncommitted changes ({code['diff']})" if code.get("dirty") else "")
+
+
+def code_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """{"runs": {code label: runs}, "mixed": more than one label} over a result's runs."""
+    counts = collections.Counter(code_label(run_code(result, r), bool(r.get("reused")))
+                                 for v in result["variants"].values() for r in v["runs"])
+    return {"runs": dict(counts), "mixed": len(counts) > 1}
+
+
+def code_line(result: dict[str, Any]) -> str:
+    """The header's "code: ..." of a result: its runs' commit(s), "mixed: a (n runs), b (m runs)"
+    when they differ."""
+    runs = code_summary(result)["runs"]
+    if not runs:
+        return "code: no runs"
+    if len(runs) == 1:
+        return f"code: {next(iter(runs))}"
+    return "code: mixed: " + ", ".join(f"{label} ({n} runs)" for label, n in runs.items())
 
 
 def _row_of(table: Table, variant: Variant, seed: int, out_dir: Path, wall: float, cpu: float,
-            code: int) -> dict[str, Any]:
-    """The result row of one finished run: its cell values (or its error), wall and CPU seconds."""
-    row: dict[str, Any] = {"seed": seed, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1)}
+            code: int, ran_on: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The result row of one finished run: its cell values (or its error), wall and CPU seconds,
+    the code it ran on (`code_state`)."""
+    row: dict[str, Any] = {"seed": seed, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1), **(ran_on or {})}
     if code != 0:
         row["error"] = f"exit status {code}"
         return row
@@ -392,17 +687,32 @@ def _row_of(table: Table, variant: Variant, seed: int, out_dir: Path, wall: floa
     return row
 
 
-def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: Sequence[str]) -> dict[str, Any] | None:
+def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: Sequence[str],
+                 current: dict[str, Any] | None = None, *, other_code: bool = False,
+                 passed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The row of an earlier run of exactly this command that finished (resume), else None. A
-    run's record is written only after it exits 0, so a run killed midway is rerun."""
+    run's record is written only after it exits 0, so a run killed midway is rerun. A run made
+    on code other than `current` (a `code_state`; a record without one counts as other code) is
+    reused only with `other_code`; otherwise its code is appended to `passed`."""
     record = out_dir / RUN_RECORD
     if not record.exists():
         return None
     saved = json.loads(record.read_text())
     if saved.get("argv") != list(cmd[1:]) or not (out_dir / "summary.json").exists():
         return None
-    row = _row_of(table, variant, seed, out_dir, saved["wall_seconds"], saved["cpu_seconds"], 0)
+    ran_on = {k: saved[k] for k in ("commit", "dirty", "diff") if k in saved}
+    if not other_code and not same_code(ran_on, current or {}):
+        if passed is not None:
+            passed.append(ran_on)
+        return None
+    row = _row_of(table, variant, seed, out_dir, saved["wall_seconds"], saved["cpu_seconds"], 0, ran_on)
     return row | {"argv": portable(cmd[1:]), "reused": True}
+
+
+def _say_other_code(table: Table, variant: Variant, seed: int, ran_on: dict[str, Any],
+                    current: dict[str, Any] | None) -> None:
+    print(f"[evidence:{table.name}] {variant.name} seed {seed}: made on {code_label(ran_on)}, the code is now "
+          f"{code_label(current or {})}: runs again (--reuse-other-commits keeps it)", flush=True)
 
 
 def portable(argv: Sequence[str]) -> list[str]:
@@ -411,38 +721,56 @@ def portable(argv: Sequence[str]) -> list[str]:
     return [a.replace(str(ROOT), "<repo>") for a in argv]
 
 
-def recorded_row(previous: dict[str, Any] | None, variant: Variant, seed: int, cmd: Sequence[str]) -> dict[str, Any] | None:
+def recorded_row(previous: dict[str, Any] | None, variant: Variant, seed: int, cmd: Sequence[str],
+                 current: dict[str, Any] | None = None, *, other_code: bool = False,
+                 passed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The row of (variant, seed) in a previous result JSON if it ran exactly `cmd` and finished:
-    a table resumes from its committed JSON when the run directories are gone (a new machine)."""
+    a table resumes from its committed JSON when the run directories are gone (a new machine).
+    Only a row made on the `current` code, unless `other_code` (otherwise its code is appended to
+    `passed`); a row without its own record of the code gets the JSON's (`run_code`, kept in the
+    row as "commit" with "commit_inferred")."""
     rows = ((previous or {}).get("variants", {}).get(variant.name) or {}).get("runs", [])
     for row in rows:
         if row.get("seed") == seed and "values" in row and row.get("argv") == portable(cmd[1:]):
-            return dict(row, reused=True)
+            ran_on = run_code(previous, row)
+            if not other_code and not same_code(ran_on, current or {}):
+                if passed is not None:
+                    passed.append(ran_on)
+                return None
+            out = dict(row, reused=True)
+            if ran_on.get("inferred"):
+                out.update(commit=ran_on["commit"], commit_inferred=True)
+            return out
     return None
 
 
+Started = tuple[subprocess.Popen, list[str], Path, float, dict[str, Any]]  # process, argv, dir, start, code
+
+
 def start_run(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None,
-              cpus: Sequence[int] | None = None) -> tuple[subprocess.Popen, list[str], Path, float]:
-    """Starts one (variant, seed) run in its own process (pinned to `cpus` when given)."""
+              cpus: Sequence[int] | None = None) -> Started:
+    """Starts one (variant, seed) run in its own process (pinned to `cpus` when given), noting
+    the code it starts on (the process imports it as it starts)."""
     out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
     cmd = run_command(table, variant, seed, out_dir, steps)
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    ran_on = code_state()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(runs_root), preexec_fn=pin,
                             stdout=subprocess.DEVNULL if cpus is not None else None)
-    return proc, cmd, out_dir, time.perf_counter()
+    return proc, cmd, out_dir, time.perf_counter(), ran_on
 
 
-def finish_run(table: Table, variant: Variant, seed: int, started: tuple[subprocess.Popen, list[str], Path, float],
-               status: int, usage: Any) -> dict[str, Any]:
+def finish_run(table: Table, variant: Variant, seed: int, started: Started, status: int, usage: Any) -> dict[str, Any]:
     """The row of a run that exited with wait status `status`; its record is written on success."""
-    _, cmd, out_dir, t0 = started
+    _, cmd, out_dir, t0, ran_on = started
     wall, cpu = time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
     code = os.waitstatus_to_exitcode(status)
-    row = _row_of(table, variant, seed, out_dir, wall, cpu, code)
+    row = _row_of(table, variant, seed, out_dir, wall, cpu, code, ran_on)
     if code == 0:
         row["argv"] = portable(cmd[1:])
         (out_dir / RUN_RECORD).write_text(json.dumps(
-            {"argv": cmd[1:], "wall_seconds": row["wall_seconds"], "cpu_seconds": row["cpu_seconds"]}, indent=1))
+            {"argv": cmd[1:], "wall_seconds": row["wall_seconds"], "cpu_seconds": row["cpu_seconds"], **ran_on},
+            indent=1))
     return row
 
 
@@ -479,12 +807,10 @@ def versions() -> dict[str, str]:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = "not installed"
-    try:
-        out["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    state = code_state()
+    if state:  # the checkout when the JSON is written; each run's own code is in its row
+        out["git_commit"] = state["commit"]
+        out["git_dirty"] = state["dirty"]
     return out
 
 
@@ -496,19 +822,27 @@ def command_line(table_name: str, seeds: Sequence[int], steps: int | None) -> st
 
 def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: Path,
               on_run: Callable[[dict[str, Any]], None] | None = None, jobs: int = 1,
-              previous: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Runs every (variant, seed) not already finished (in its run directory, or as a row of
-    `previous`, the table's last result JSON), seed-major (so a partial table has whole paired
-    seeds), `jobs` processes at a time (each pinned to its own share of the CPUs when jobs > 1);
-    the result JSON as a dict. `on_run(partial result)` is called after every run."""
+              previous: dict[str, Any] | None = None, *, reuse_other_commits: bool = False) -> dict[str, Any]:
+    """Runs every (variant, seed) not already finished on this code (in its run directory, or as
+    a row of `previous`, the table's last result JSON; with `reuse_other_commits` also those
+    made on other code, which the table then reports as mixed), seed-major (so a partial table
+    has whole paired seeds), `jobs` processes at a time (each pinned to its own share of the CPUs
+    when jobs > 1); the result JSON as a dict. `on_run(partial result)` is called after every run."""
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in table.variants}
     todo = []
+    current = code_state()
     for seed in seeds:
         for variant in table.variants:
             out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
             cmd = run_command(table, variant, seed, out_dir, steps)
-            done = finished_row(table, variant, seed, out_dir, cmd) or recorded_row(previous, variant, seed, cmd)
+            passed: list[dict[str, Any]] = []
+            done = (finished_row(table, variant, seed, out_dir, cmd, current, other_code=reuse_other_commits,
+                                 passed=passed)
+                    or recorded_row(previous, variant, seed, cmd, current, other_code=reuse_other_commits,
+                                    passed=passed))
+            if done is None and passed:
+                _say_other_code(table, variant, seed, passed[0], current)
             if done is not None:
                 runs[variant.name].append(done)
             else:
@@ -547,7 +881,7 @@ def _cpu_sets(jobs: int) -> list[list[int]]:
 def _result(table: Table, seeds: Sequence[int], steps: int | None, runs: dict[str, list[dict[str, Any]]],
             started: float, *, complete: bool) -> dict[str, Any]:
     """The result JSON of the runs so far."""
-    return {
+    result = {
         "complete": complete,
         "table": table.name,
         "title": table.title,
@@ -565,6 +899,8 @@ def _result(table: Table, seeds: Sequence[int], steps: int | None, runs: dict[st
         "total_wall_seconds": round(time.perf_counter() - started, 1),
         "versions": versions(),
     }
+    result["code"] = code_summary(result)  # the runs' code; "mixed" when they differ
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -677,12 +1013,14 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     seeds = result["seeds"]
     steps = result["steps_override"]
     walls = [r["wall_seconds"] for v in result["variants"].values() for r in v["runs"]]
+    cpus = [r["cpu_seconds"] for v in result["variants"].values() for r in v["runs"] if "cpu_seconds" in r]
     failed = [f"{name} seed {r['seed']}" for name, v in result["variants"].items() for r in v["runs"] if "error" in r]
     steps_text = _steps_in(table, steps)
+    cpu_text = f", {sum(cpus) / 60:.0f} CPU-min" if len(cpus) == len(walls) else ""
     lines = [
         f"**{table.title}.** Mean ± sample std over seeds {', '.join(map(str, seeds))}; {steps_text}; "
         f"{result['date']}, {result['versions']['machine']}, jax {result['versions']['jax']}; "
-        f"{len(walls)} runs, {sum(walls) / 60:.0f} min in all.",
+        f"{len(walls)} runs, {sum(walls) / 60:.0f} min of run wall time{cpu_text}; {code_line(result)}.",
         "",
         f"Command: `{result['command']}` (config `{table.config}`, overrides in `results/evidence_{table.name}.json`)",
         "",
@@ -700,7 +1038,7 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     if paired:
         lines += ["Paired over seeds (variant minus baseline on the same seed; the interval is a 95% percentile "
                   "bootstrap of the mean difference, p the two-sided exact sign-flip test):", "", *paired, ""]
-    lines += [f"- {n}" for n in table.notes]
+    lines += [f"- {text}" for text in note_texts(table, result)]
     if failed:
         lines.append(f"- Failed runs (left out of the means): {', '.join(failed)}.")
     if not result.get("complete", True):
@@ -710,6 +1048,20 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     if raw:
         lines += ["", "<details><summary>Per-seed values</summary>", "", *raw, "", "</details>"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def note_texts(table: Table, result: dict[str, Any]) -> list[str]:
+    """The table's notes computed from `result`; a note whose figures the result lacks is left out."""
+    facts, out = Facts(table, result), []
+    for note in table.notes:
+        try:
+            text = note(facts)
+        except Missing as e:
+            print(f"[evidence:{table.name}] a note left out: the result has no {e}", file=sys.stderr)
+            continue
+        if text:
+            out.append(text)
+    return out
 
 
 def _steps_in(table: Table, steps: int | None = None) -> str:
@@ -750,7 +1102,7 @@ def run_and_render(table: Table, args: argparse.Namespace) -> int:
         previous = json.loads(out.read_text()) if out.exists() else None
         save = lambda partial: out.write_text(json.dumps(partial, indent=2) + "\n")  # noqa: E731
         result = run_table(table, args.seeds, args.steps, ROOT / args.runs, on_run=save, jobs=args.jobs,
-                           previous=previous)
+                           previous=previous, reuse_other_commits=args.reuse_other_commits)
     block = markdown(table, result)
     result["markdown"] = block
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -790,6 +1142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="result JSON of a single table (default results/evidence_<table>.json)")
     parser.add_argument("--readme", default="docs/evidence.md", help="markdown file whose table is rewritten")
     parser.add_argument("--no-readme", action="store_true", help="write the JSON only")
+    parser.add_argument("--reuse-other-commits", action="store_true",
+                        help="reuse finished runs made on other code too (the table then says it mixes code)")
     parser.add_argument("--render", action="store_true",
                         help="run nothing: re-render the README table (notes included) from the result JSON")
     args = parser.parse_args(argv)

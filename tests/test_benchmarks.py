@@ -345,3 +345,112 @@ def test_baseline_process_runs_hf_generate_under_either_allocator(tiny_checkpoin
             assert hf.info["host_memory_policy"] == policy
             assert hf.info["pid"] != __import__("os").getpid()
             assert all(0 < hf.run(seed) < 60 for seed in (0, 1))
+
+
+# ---- provenance: when and on what code a result was made ---------------------------------------
+
+
+def test_results_header_is_taken_when_the_work_starts(monkeypatch):
+    """The header's date and load average are those at the call (the start of the work); the
+    end's are added by `results_end`, so a long run's busy end does not stand for its start."""
+    loads = iter([(0.5, 0.5, 0.5), (3.0, 3.0, 3.0)])
+    monkeypatch.setattr(common.os, "getloadavg", lambda: next(loads))
+    stamps = iter(["2026-01-01 10:00 UTC", "2026-01-01 10:30 UTC"])
+    monkeypatch.setattr(common, "utc_now", lambda: next(stamps))
+    header = common.results_header("benchmarks.x", ["--quick"])
+    end = common.results_end()
+    assert header["date"] == "2026-01-01 10:00 UTC" and header["machine"]["load_average_at_start"] == (0.5, 0.5, 0.5)
+    assert end == {"ended": "2026-01-01 10:30 UTC", "load_average_at_end": [3.0, 3.0, 3.0]}
+    assert header["command"] == "python -m benchmarks.x --quick"
+    assert header["git"] == common.git_state()
+
+
+def test_git_state_names_this_checkout():
+    import subprocess
+
+    state = common.git_state()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.REPO_ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert state["commit"] == head and isinstance(state["dirty"], bool)
+
+
+def test_the_benchmarks_record_their_header_before_the_work():
+    """Every benchmark that writes a results header takes it before its work starts."""
+    import ast
+    import inspect
+
+    from benchmarks import engine, engine_memory, host_loop, memory, row_utilization
+
+    for module in (engine, engine_memory, host_loop, memory, row_utilization):
+        main = next(n for n in ast.parse(inspect.getsource(module)).body
+                    if isinstance(n, ast.FunctionDef) and n.name == "main")
+        calls = [n for n in ast.walk(main) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "results_header"]
+        assert len(calls) == 1, module.__name__
+        # the header is the statement right after the arguments are parsed
+        parsed = next(i for i, s in enumerate(main.body) if "parse_args" in ast.unparse(s))
+        assert "results_header" in ast.unparse(main.body[parsed + 1]), module.__name__
+
+
+def test_table_names_the_runs_commit():
+    results = _results([])
+    assert "Code:" not in table.render_table(results)  # older results: no record, no claim
+    results["git"] = {"commit": "abc1234", "dirty": True}
+    assert "Code: commit abc1234 with uncommitted changes." in table.render_table(results)
+    results["git"] = {"commit": "abc1234", "note": "from git log"}
+    assert "Code: commit abc1234 (from git log)." in table.render_table(results)
+
+
+# ---- the engine benchmark's utilizations, from each side's counters -------------------------------
+
+
+def test_engine_utilizations_from_the_counters():
+    from benchmarks.engine import utilizations
+    from jmarl.models.engine import EngineStats
+
+    # static: 2 calls of 64 rows, 100 real; decoded positions 64 x 10 + 64 x 5; 700 useful tokens
+    static = {"rows": 100, "decoded_rows": 128, "decoded_positions": 960, "useful_tokens": 700}
+    stats = EngineStats(rows=100, slot_steps=800, busy_slot_steps=600)
+    got = utilizations(static, stats, completions=100, useful=700)
+    assert got["static"] == {"row_utilization": 100 / 128, "decode_utilization": 700 / 960}
+    # continuous: every decoded row a completion; positions: 800 slot-steps + 100 first tokens
+    assert got["continuous"] == {"row_utilization": 1.0, "decode_utilization": 700 / 900}
+
+
+@pytest.mark.slow
+def test_engine_benchmark_sides_count_what_they_decode():
+    """The two sides of `benchmarks.engine` on a small workload: the static side's counters come
+    from its calls' outputs (rows padded to 64 per call), the engine's from its stats."""
+    import jax
+
+    from benchmarks import engine as bench
+    from jmarl import models
+
+    config = models.ModelConfig(**{**bench.CONFIG, "num_layers": 1})
+    params = models.init(config, jax.random.key(0))
+    prompts, lengths = bench.workload(70, 12, config.vocab_size)
+    _, static = bench.run_static(config, params, prompts, lengths, jax.random.key(1))
+    calls = -(-70 // bench.SLOTS)
+    assert static["rows"] == 70 and static["decoded_rows"] == calls * bench.SLOTS
+    longest = [int(lengths[b:b + bench.SLOTS].max()) for b in range(0, 70, bench.SLOTS)]
+    assert static["decoded_positions"] == bench.SLOTS * sum(longest)
+    assert static["useful_tokens"] == int(lengths.sum())
+    _, stats, completions = bench.run_engine(config, params, prompts, lengths, jax.random.key(1))
+    used = bench.utilizations(static, stats, completions, int(lengths.sum()))
+    assert used["static"]["row_utilization"] == 70 / (calls * bench.SLOTS)
+    assert used["continuous"]["row_utilization"] == 1.0
+    assert 0 < used["continuous"]["decode_utilization"] <= 1 and 0 < used["static"]["decode_utilization"] <= 1
+
+
+def test_unrounded_slots_are_the_largest_that_fit():
+    from benchmarks.engine_memory import unrounded_slots
+    from jmarl.models import engine, presets
+
+    config = presets.preset_config("qwen3-1.7b", param_dtype="bfloat16", compute_dtype="bfloat16")
+    budget = 20 << 30
+    for share in (1, 4):
+        s, q = unrounded_slots(config, 4096, 512, budget, share)
+        assert engine.engine_bytes(config, s, q, 4096, 512) <= budget
+        assert engine.engine_bytes(config, s + 1, engine.entries_for(s + 1, share), 4096, 512) > budget
+        rounded, _ = engine.slots_for_budget(config, 4096, 512, budget, 4096, share=share)
+        assert rounded <= s < 2 * rounded
+    assert unrounded_slots(config, 4096, 512, 1 << 20, 4) == (0, 0)

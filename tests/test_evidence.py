@@ -7,7 +7,10 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import jax
@@ -201,21 +204,64 @@ def test_paired_stats_pair_by_seed_and_give_a_verdict():
     assert evidence.paired_stats(pairs[:1]) is None
 
 
+HERE = {"commit": "abc1234", "dirty": False}  # a code_state: the code "now" in these tests
+ELSEWHERE = {"commit": "def5678", "dirty": False}
+
+
 def test_finished_runs_are_reused_only_for_the_same_command(tmp_path):
     table, variant = evidence.WRITING, evidence.WRITING.variants[0]
     out = tmp_path / "run"
     out.mkdir()
     cmd = evidence.run_command(table, variant, 3, out, None)
-    assert evidence.finished_row(table, variant, 3, out, cmd) is None  # never ran
+    assert evidence.finished_row(table, variant, 3, out, cmd, HERE) is None  # never ran
     (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5, "before_eval_team_reward": 2.0}))
-    (out / evidence.RUN_RECORD).write_text(json.dumps({"argv": cmd[1:], "wall_seconds": 9.0, "cpu_seconds": 12.0}))
-    row = evidence.finished_row(table, variant, 3, out, cmd)
-    assert row["reused"] and row["seed"] == 3 and row["wall_seconds"] == 9.0
+    (out / evidence.RUN_RECORD).write_text(json.dumps({"argv": cmd[1:], "wall_seconds": 9.0, "cpu_seconds": 12.0, **HERE}))
+    row = evidence.finished_row(table, variant, 3, out, cmd, HERE)
+    assert row["reused"] and row["seed"] == 3 and row["wall_seconds"] == 9.0 and row["commit"] == "abc1234"
     assert row["values"]["eval_team_reward"] == 2.5 and row["values"]["before_eval_team_reward"] == 2.0
     other = evidence.run_command(table, variant, 3, out, 5)  # --steps 5: another run
-    assert evidence.finished_row(table, variant, 3, out, other) is None
+    assert evidence.finished_row(table, variant, 3, out, other, HERE) is None
     (out / "summary.json").unlink()  # a record without its summary is not a finished run
-    assert evidence.finished_row(table, variant, 3, out, cmd) is None
+    assert evidence.finished_row(table, variant, 3, out, cmd, HERE) is None
+
+
+def test_a_run_records_the_code_it_ran_on(tmp_path):
+    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5}))
+    cmd = evidence.run_command(table, variant, 0, out, None)
+    dirty = {"commit": "abc1234", "dirty": True, "diff": "0123456789ab"}
+    usage = types.SimpleNamespace(ru_utime=1.5, ru_stime=0.5)
+    row = evidence.finish_run(table, variant, 0, (None, cmd, out, time.perf_counter(), dirty), 0, usage)
+    assert (row["commit"], row["dirty"], row["diff"], row["cpu_seconds"]) == ("abc1234", True, "0123456789ab", 2.0)
+    record = json.loads((out / evidence.RUN_RECORD).read_text())
+    assert {k: record[k] for k in dirty} == dirty
+    # reused on the same code (same commit, same uncommitted changes), carrying its code
+    assert evidence.finished_row(table, variant, 0, out, cmd, dirty)["diff"] == "0123456789ab"
+    # the same commit without those changes (or with others) is other code
+    assert evidence.finished_row(table, variant, 0, out, cmd, HERE) is None
+    assert evidence.finished_row(table, variant, 0, out, cmd, dict(dirty, diff="ffffffffffff")) is None
+    failed = evidence.finish_run(table, variant, 1, (None, cmd, out, time.perf_counter(), HERE), 256, usage)
+    assert failed["error"] == "exit status 1" and failed["commit"] == "abc1234"
+
+
+def test_a_run_on_other_code_is_not_reused_silently(tmp_path):
+    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5}))
+    cmd = evidence.run_command(table, variant, 0, out, None)
+    (out / evidence.RUN_RECORD).write_text(json.dumps({"argv": cmd[1:], "wall_seconds": 1.0, "cpu_seconds": 1.0, **ELSEWHERE}))
+    passed = []
+    assert evidence.finished_row(table, variant, 0, out, cmd, HERE, passed=passed) is None
+    assert passed == [ELSEWHERE]
+    kept = evidence.finished_row(table, variant, 0, out, cmd, HERE, other_code=True)
+    assert kept["reused"] and kept["commit"] == "def5678"
+    # a record from before runs recorded their code is other code too
+    (out / evidence.RUN_RECORD).write_text(json.dumps({"argv": cmd[1:], "wall_seconds": 1.0, "cpu_seconds": 1.0}))
+    assert evidence.finished_row(table, variant, 0, out, cmd, HERE) is None
+    assert evidence.finished_row(table, variant, 0, out, cmd, {}) is None  # no git: nothing is known to match
 
 
 def test_a_committed_result_json_resumes_a_table_on_a_new_machine(tmp_path):
@@ -223,14 +269,162 @@ def test_a_committed_result_json_resumes_a_table_on_a_new_machine(tmp_path):
     out = evidence.ROOT / "runs" / "evidence" / "writing" / variant.name / "seed_4"
     cmd = evidence.run_command(table, variant, 4, out, None)
     assert all(str(evidence.ROOT) not in a for a in evidence.portable(cmd[1:]))
-    row = {"seed": 4, "values": {"eval_team_reward": 2.5}, "argv": evidence.portable(cmd[1:]), "wall_seconds": 3.0}
+    row = {"seed": 4, "values": {"eval_team_reward": 2.5}, "argv": evidence.portable(cmd[1:]), "wall_seconds": 3.0, **HERE}
     previous = {"variants": {variant.name: {"runs": [row]}}}
-    assert evidence.recorded_row(previous, variant, 4, cmd) == dict(row, reused=True)
-    assert evidence.recorded_row(previous, variant, 5, evidence.run_command(table, variant, 5, out, None)) is None
-    assert evidence.recorded_row(previous, variant, 4, evidence.run_command(table, variant, 4, out, 7)) is None
+    assert evidence.recorded_row(previous, variant, 4, cmd, HERE) == dict(row, reused=True)
+    assert evidence.recorded_row(previous, variant, 5, evidence.run_command(table, variant, 5, out, None), HERE) is None
+    assert evidence.recorded_row(previous, variant, 4, evidence.run_command(table, variant, 4, out, 7), HERE) is None
+    assert evidence.recorded_row(previous, variant, 4, cmd, ELSEWHERE) is None  # made on other code
+    assert evidence.recorded_row(previous, variant, 4, cmd, ELSEWHERE, other_code=True)["commit"] == "abc1234"
     failed = {"variants": {variant.name: {"runs": [{"seed": 4, "error": "exit status 1", "argv": row["argv"]}]}}}
-    assert evidence.recorded_row(failed, variant, 4, cmd) is None  # a failed run is run again
-    assert evidence.recorded_row(None, variant, 4, cmd) is None
+    assert evidence.recorded_row(failed, variant, 4, cmd, HERE) is None  # a failed run is run again
+    assert evidence.recorded_row(None, variant, 4, cmd, HERE) is None
+
+
+def test_rows_without_their_own_code_take_the_json_commit(tmp_path):
+    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
+    cmd = evidence.run_command(table, variant, 4, tmp_path, None)
+    row = {"seed": 4, "values": {"eval_team_reward": 2.5}, "argv": evidence.portable(cmd[1:]), "wall_seconds": 3.0}
+    legacy = {"versions": {"git_commit": "abc1234"}, "variants": {variant.name: {"runs": [row]}}}
+    assert evidence.run_code(legacy, row) == {"commit": "abc1234", "inferred": True}
+    assert evidence.recorded_row(legacy, variant, 4, cmd, ELSEWHERE) is None
+    kept = evidence.recorded_row(legacy, variant, 4, cmd, HERE)
+    assert kept["commit"] == "abc1234" and kept["commit_inferred"]
+    assert evidence.run_code(None, kept) == {"commit": "abc1234", "inferred": True}  # still labelled inferred
+    assert evidence.run_code({}, row) == {}
+
+
+def test_code_state_of_a_git_checkout(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    assert evidence.code_state(tmp_path) == {}  # not a checkout
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True).stdout  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "jmarl").mkdir()
+    (tmp_path / "jmarl" / "code.py").write_text("x = 1\n")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "c.yaml").write_text("a: 1\n")
+    (tmp_path / "notes.md").write_text("a\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text("{}\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = git("rev-parse", "--short", "HEAD").strip()
+    assert evidence.code_state(tmp_path) == {"commit": head, "dirty": False}
+    # files no run executes or reads (docs, result JSONs), and untracked files, change no run
+    (tmp_path / "notes.md").write_text("b\n")
+    (tmp_path / "results" / "r.json").write_text("[]\n")
+    (tmp_path / "jmarl" / "new.py").write_text("y = 2\n")
+    assert evidence.code_state(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "jmarl" / "code.py").write_text("x = 2\n")
+    dirty = evidence.code_state(tmp_path)
+    assert dirty["commit"] == head and dirty["dirty"] and len(dirty["diff"]) == 12
+    assert not evidence.same_code(dirty, {"commit": head, "dirty": False})
+    (tmp_path / "jmarl" / "code.py").write_text("x = 3\n")
+    assert evidence.code_state(tmp_path)["diff"] != dirty["diff"]
+    (tmp_path / "jmarl" / "code.py").write_text("x = 1\n")
+    (tmp_path / "configs" / "c.yaml").write_text("a: 2\n")  # a config is code a run reads
+    assert evidence.code_state(tmp_path)["dirty"]
+
+
+def _committed(name: str) -> dict:
+    return json.loads((ROOT / "results" / f"evidence_{name}.json").read_text())
+
+
+def test_the_header_names_the_runs_code_not_the_renderers():
+    result = _committed("hacpo")
+    runs = [r for v in result["variants"].values() for r in v["runs"]]
+    legacy = evidence.markdown(evidence.HACPO, result).splitlines()[0]
+    assert f"code: {result['versions']['git_commit']} (not recorded per run" in legacy
+    for r in runs:
+        r.update(commit="aaaaaaa", dirty=False)
+    result["versions"]["git_commit"] = "fffffff"  # the renderer's checkout: not the runs' code
+    header = evidence.markdown(evidence.HACPO, result).splitlines()[0]
+    assert "code: aaaaaaa." in header and "fffffff" not in header
+    for r in runs[:5]:
+        r.update(commit="bbbbbbb", dirty=True, diff="0123456789ab")
+    assert evidence.code_summary(result)["mixed"]
+    header = evidence.markdown(evidence.HACPO, result).splitlines()[0]
+    assert (f"code: mixed: bbbbbbb with uncommitted changes (0123456789ab) (5 runs), aaaaaaa ({len(runs) - 5} runs)"
+            in header)
+    # runs reused when the JSON was written ran on that commit or earlier code
+    quickstart = evidence.markdown(evidence.QUICKSTART, _committed("quickstart")).splitlines()[0]
+    assert "b403c9c or earlier" in quickstart
+
+
+def test_reusing_other_commits_marks_the_table_mixed(tmp_path, monkeypatch, capsys):
+    table = dataclasses.replace(evidence.WRITING, name="tiny")
+    now = evidence.code_state()
+    for variant, code in zip(table.variants, (now, ELSEWHERE)):
+        out = tmp_path / table.name / variant.name / "seed_0"
+        out.mkdir(parents=True)
+        (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5, "before_eval_team_reward": 2.0}))
+        cmd = evidence.run_command(table, variant, 0, out, None)
+        (out / evidence.RUN_RECORD).write_text(json.dumps({"argv": cmd[1:], "wall_seconds": 1.0, "cpu_seconds": 1.0, **code}))
+    result = evidence.run_table(table, [0], None, tmp_path, reuse_other_commits=True)  # nothing left to run
+    assert result["code"]["mixed"] and sum(result["code"]["runs"].values()) == 2
+    assert "code: mixed: " in evidence.markdown(table, result)
+    assert evidence.code_line(result).endswith("def5678 (1 runs)")
+    # without the flag the run made on other code would run again: the table says so first
+    monkeypatch.setattr(evidence, "start_run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("would run")))
+    with pytest.raises(RuntimeError, match="would run"):
+        evidence.run_table(table, [0], None, tmp_path)
+    said = capsys.readouterr().out
+    assert "cross seed 0: made on def5678" in said and "--reuse-other-commits" in said and "1 runs to go, 1 reused" in said
+
+
+# ---- notes: computed from the result ----------------------------------------------------------------
+
+
+def test_notes_quote_the_results_figures():
+    result = _committed("quickstart")
+    cpu = sum(r["cpu_seconds"] for v in result["variants"].values() for r in v["runs"]) / 60
+    (note, row_note) = evidence.note_texts(evidence.QUICKSTART, result)
+    assert f"took {cpu:.0f} CPU-minutes" in note
+    warm = evidence.paired_stats(evidence.paired_values(result, evidence.QUICKSTART.comparisons[0]))
+    assert f"{100 * warm['difference']:+.1f} points (interval" in note and f"p = {warm['p']:.3f}" in note
+    used = result["aggregate"]["per_agent"]["mean:rollout/row_utilization"]["mean"]
+    assert f"{used:.2f} per-agent" in row_note
+
+    hacpo = _committed("hacpo")
+    lossy = [r["values"]["mean:plan/num_lossy"] for r in hacpo["variants"]["hacpo"]["runs"]]
+    text = evidence.note_texts(evidence.HACPO, hacpo)[0]
+    assert f"{np.mean(lossy):.2f} per step on average" in text
+    assert f"nonzero on {sum(v > 0 for v in lossy)} of {len(lossy)} seeds" in text
+    for r in hacpo["variants"]["hacpo"]["runs"]:
+        r["values"]["mean:plan/num_lossy"] = 0.0
+    assert "none on any of the 8 seeds" in evidence.note_texts(evidence.HACPO, hacpo)[0]
+
+
+def test_notes_follow_the_numbers():
+    result = _committed("quickstart")
+    before = evidence.note_texts(evidence.QUICKSTART, result)[0]
+    assert "is not reproduced here" in before and "none of AT-GRPO's comparisons is decided" in before
+    for r in result["variants"]["per_agent"]["runs"]:  # per-agent far ahead of the single agent on every seed
+        r["values"]["success_after"] = 0.9 + 0.001 * r["seed"]
+    after = evidence.note_texts(evidence.QUICKSTART, result)[0]
+    assert "is reproduced here" in after and "single-agent GRPO (holds)" in after
+    assert "ends above per-agent AT-GRPO on 0 of 8 seeds" in after
+
+
+@pytest.mark.parametrize("name", sorted(evidence.TABLES))
+def test_every_note_renders_from_its_result_and_depends_on_it(name):
+    table, result = evidence.TABLES[name], _committed(name)
+    texts = evidence.note_texts(table, result)
+    assert len(texts) == len(table.notes) and all(texts)
+    rng = np.random.default_rng(0)
+    for variant in result["variants"].values():
+        for r in variant["runs"]:
+            r["values"] = {k: (None if v is None else v * rng.uniform(0.5, 1.5)) for k, v in r["values"].items()}
+    assert evidence.note_texts(table, result) != texts
+
+
+def test_a_note_without_its_figures_is_left_out():
+    result = _committed("hacpo")
+    result["seeds"] = [0]  # a smoke run: one seed, no paired statistics
+    for variant in result["variants"].values():
+        variant["runs"] = variant["runs"][:1]
+    assert evidence.note_texts(evidence.HACPO, result) == []
+    assert "Per-seed values" in evidence.markdown(evidence.HACPO, result)
 
 
 def test_cpu_sets_split_this_process_cpus():
@@ -257,6 +451,8 @@ def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
         comparisons=evidence.WRITING.comparisons[:1],
     )
     monkeypatch.setitem(evidence.TABLES, "tiny", tiny)
+    # one code for both invocations (in a shared checkout others may edit jmarl/ meanwhile)
+    monkeypatch.setattr(evidence, "code_state", lambda root=evidence.ROOT: dict(HERE))
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- evidence:tiny:start -->\nold\n<!-- evidence:tiny:end -->\nrest\n")
     out = tmp_path / "tiny.json"
@@ -296,5 +492,6 @@ def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
     assert evidence.main(["tiny", "--seeds", "0", "--steps", "1", "--runs", str(tmp_path / "runs"),
                           "--out", str(out), "--readme", str(readme)]) == 0
     again = json.loads(out.read_text())["variants"]["aligned"]["runs"][0]
-    assert again["reused"] and again["values"] == run["values"]
+    assert again["reused"] and again["values"] == run["values"] and again["commit"] == HERE["commit"]
+    assert "code: abc1234." in readme.read_text()
     assert (tmp_path / "runs" / "tiny" / "aligned" / "seed_0" / "summary.json").stat().st_mtime_ns == stamp

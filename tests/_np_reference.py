@@ -1,13 +1,15 @@
 """Plain NumPy (float64, loop-based) reference implementations of jmarl.algos, for the tests.
 
 Written independently from the formulas in docs/algorithms.md, without segment operations, so that
-the tests compare two different derivations of the same numbers.
+the tests compare two different derivations of the same numbers. The group filters' ranking keys
+are exact rationals rounded once to float32, the rounding docs/algorithms.md states the tie rule on.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -47,26 +49,48 @@ def group_advantages(rewards, groups, num_groups, baseline="mean", normalize="st
     return out
 
 
-def filter_groups(rewards, groups, num_groups, drop_zero_variance=False, var_frac=0.0, mean_frac=0.0, ddof=1):
+def f32_round(x: Fraction) -> np.float32:
+    """The float32 nearest to the exact rational x (ties to even): one correctly rounded step."""
+    guess = np.float32(float(x))  # within one float32 step of the answer (float64 then float32 rounds twice)
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+
+    def distance_then_odd(c: np.float32) -> tuple[Fraction, bool]:
+        return abs(Fraction(float(c)) - x), int(np.asarray(c).view(np.uint32)) % 2 == 1
+
+    return min(candidates, key=distance_then_odd)
+
+
+def ranking_keys(rewards, groups, g, ddof):
+    """(variance with ddof, mean, population variance / range^2 or 0, all equal?) of group g, exact
+    rationals each rounded once to float32 (the rounding the documented tie rule is stated on)."""
+    vals = [Fraction(float(rewards[i])) for i in members(groups, g)]
+    n = len(vals)
+    mean = sum(vals) / n
+    square_dev = sum((v - mean) ** 2 for v in vals)
+    spread = max(vals) - min(vals)
+    range_normalised = square_dev / n / spread**2 if spread else Fraction(0)
+    return f32_round(square_dev / max(n - ddof, 1)), f32_round(mean), f32_round(range_normalised), spread == 0
+
+
+def filter_groups(rewards, groups, num_groups, drop_zero_variance=False, var_frac=0.0, mean_frac=0.0, ddof=1,
+                  variance_rank="std"):
     present = [g for g in range(num_groups) if members(groups, g)]
-    stats = {}
-    for g in present:
-        vals = [float(rewards[i]) for i in members(groups, g)]
-        stats[g] = (group_std(vals, ddof), sum(vals) / len(vals), max(vals) == min(vals))
+    keys = {g: ranking_keys(rewards, groups, g, ddof) for g in present}
     dropped = set()
     if drop_zero_variance:
-        dropped |= {g for g in present if stats[g][2]}
-    for frac, key in ((var_frac, 0), (mean_frac, 1)):
+        dropped |= {g for g in present if keys[g][3]}
+    spread = 2 if variance_rank == "range_normalised" else 0
+    for frac, key in ((var_frac, spread), (mean_frac, 1)):
         k = int(math.floor(frac * len(present)))
-        ranked = sorted(present, key=lambda g: (stats[g][key], g))
+        ranked = sorted(present, key=lambda g: (keys[g][key], g))  # equal keys: lower id dropped first
         dropped |= set(ranked[:k])
     return np.array([0 <= groups[i] < num_groups and groups[i] not in dropped for i in range(len(groups))])
 
 
 def top_k_groups(rewards, groups, num_groups, k, ddof=1):
     present = [g for g in range(num_groups) if members(groups, g)]
-    spread = {g: group_std([float(rewards[i]) for i in members(groups, g)], ddof) for g in present}
-    chosen = set(sorted(present, key=lambda g: (-spread[g], g))[:k])
+    variance = {g: ranking_keys(rewards, groups, g, ddof)[0] for g in present}
+    chosen = set(sorted(present, key=lambda g: (-variance[g], g))[:k])  # equal keys: lower id kept
     return np.array([groups[i] in chosen for i in range(len(groups))])
 
 

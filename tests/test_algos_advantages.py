@@ -93,10 +93,11 @@ def test_group_stats_match_numpy(rewards, groups):
 
 
 @functools.cache
-def jitted_filter(zero, var_frac, mean_frac):
+def jitted_filter(zero, var_frac, mean_frac, variance_rank="std"):
     return jax.jit(
         functools.partial(
-            filter_groups, num_groups=G, drop_zero_variance=zero, drop_low_variance_frac=var_frac, drop_low_mean_frac=mean_frac
+            filter_groups, num_groups=G, drop_zero_variance=zero, drop_low_variance_frac=var_frac,
+            drop_low_mean_frac=mean_frac, variance_rank=variance_rank,
         )
     )
 
@@ -108,10 +109,11 @@ def jitted_filter(zero, var_frac, mean_frac):
     zero=st.booleans(),
     var_frac=st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0]),
     mean_frac=st.sampled_from([0.0, 0.3, 0.5, 0.75]),
+    variance_rank=st.sampled_from(["std", "range_normalised"]),
 )
-def test_filter_groups_match_reference(rewards, groups, zero, var_frac, mean_frac):
-    got = jitted_filter(zero, var_frac, mean_frac)(rewards, groups)
-    want = ref.filter_groups(rewards, groups, G, zero, var_frac, mean_frac)
+def test_filter_groups_match_reference(rewards, groups, zero, var_frac, mean_frac, variance_rank):
+    got = jitted_filter(zero, var_frac, mean_frac, variance_rank)(rewards, groups)
+    want = ref.filter_groups(rewards, groups, G, zero, var_frac, mean_frac, variance_rank=variance_rank)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -142,6 +144,70 @@ def test_top_k_groups_match_reference(rewards, groups, k):
     keep, selected = jitted_top_k(k)(rewards, groups)
     np.testing.assert_array_equal(np.asarray(keep), ref.top_k_groups(rewards, groups, G, k))
     assert int(selected.sum()) == min(k, len(set(groups[groups >= 0].tolist())))
+
+
+# Issue 44's case: group [0, .5, .5] and group [0, 0, .5, .5] both have variance 1/12 (std
+# 0.28867513), computed from different sums; with either id assignment the tie goes by id.
+TIE_REWARDS = np.array([0, 0.5, 0.5, 0, 0, 0, 0, 0, 0.5, 0.5], np.float32)
+TIE_GROUPS = np.array([1, 1, 1, -1, -1, -1, 0, 0, 0, 0], np.int32)
+TIE_GROUPS_SWAPPED = np.where(TIE_GROUPS >= 0, 1 - TIE_GROUPS, TIE_GROUPS).astype(np.int32)
+
+
+@pytest.mark.parametrize("groups", [TIE_GROUPS, TIE_GROUPS_SWAPPED], ids=["issue", "swapped_ids"])
+def test_exact_variance_tie_goes_to_the_lower_group_id(groups):
+    keep, selected = jitted_top_k(1)(TIE_REWARDS, groups)
+    np.testing.assert_array_equal(np.asarray(selected), [True, False, False, False])  # group 0 kept
+    np.testing.assert_array_equal(np.asarray(keep), groups == 0)
+    np.testing.assert_array_equal(np.asarray(keep), ref.top_k_groups(TIE_REWARDS, groups, G, 1))
+    keep = jitted_filter(False, 0.5, 0.0)(TIE_REWARDS, groups)  # floor(.5 * 2) = 1 group dropped
+    np.testing.assert_array_equal(np.asarray(keep), groups == 1)  # group 0 dropped
+    np.testing.assert_array_equal(np.asarray(keep), ref.filter_groups(TIE_REWARDS, groups, G, var_frac=0.5))
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_exact_range_normalised_tie_goes_to_the_lower_group_id(first):
+    # [0, 1]: (1/4) / 1^2 and [0, 0, .5, .5]: (1/16) / .5^2, both 1/4: group 0 is dropped
+    rewards = np.array([0, 1, 0, 0, 0.5, 0.5], np.float32)
+    groups = np.array([first] * 2 + [1 - first] * 4, np.int32)
+    keep = jitted_filter(False, 0.5, 0.0, "range_normalised")(rewards, groups)
+    np.testing.assert_array_equal(np.asarray(keep), groups == 1)
+    np.testing.assert_array_equal(
+        np.asarray(keep), ref.filter_groups(rewards, groups, G, var_frac=0.5, variance_rank="range_normalised")
+    )
+
+
+def test_exact_mean_tie_goes_to_the_lower_group_id():
+    # group 0 [1, 0, .5] and group 1 [.5, .5] both have mean .5; group 2 [2, 2] is higher.
+    rewards = np.array([0.5, 1, 0.5, 0, 0.5, 2, 2], np.float32)
+    groups = np.array([1, 0, 1, 0, 0, 2, 2], np.int32)
+    keep = jitted_filter(False, 0.0, 0.5)(rewards, groups)  # floor(.5 * 3) = 1 group dropped
+    np.testing.assert_array_equal(np.asarray(keep), groups != 0)
+    np.testing.assert_array_equal(np.asarray(keep), ref.filter_groups(rewards, groups, G, mean_frac=0.5))
+
+
+def test_member_order_does_not_decide_a_tie():
+    # The same three rewards in other orders: a mean-centred float32 std of [0, .5, 2] and of
+    # [0, 2, .5] differs in the last bit (summation order), the ranking key does not, so the
+    # tie goes to group 0 whichever group holds which order.
+    for order in ([0, 2, 0.5], [2, 0, 0.5], [0.5, 2, 0]):
+        rewards = np.array([0, 0.5, 2, *order], np.float32)
+        groups = np.array([0, 0, 0, 1, 1, 1], np.int32)
+        _, selected = top_k_groups(rewards, groups, num_groups=2, k=1)
+        np.testing.assert_array_equal(np.asarray(selected), [True, False])
+        _, selected = top_k_groups(rewards, 1 - groups, num_groups=2, k=1)
+        np.testing.assert_array_equal(np.asarray(selected), [True, False])
+
+
+@SETTINGS
+@given(rewards=rewards_st, groups=groups_st, k=st.integers(1, G), seed=st.integers(0, 2**31 - 1))
+def test_permuting_samples_permutes_the_top_k_and_filter_masks(rewards, groups, k, seed):
+    perm = np.random.default_rng(seed).permutation(N)
+    keep, _ = jitted_top_k(k)(rewards, groups)
+    permuted, _ = jitted_top_k(k)(rewards[perm], groups[perm])
+    np.testing.assert_array_equal(np.asarray(permuted), np.asarray(keep)[perm])
+    filt = jitted_filter(False, 0.5, 0.3)
+    permuted = filt(rewards[perm], groups[perm])
+    np.testing.assert_array_equal(np.asarray(permuted), np.asarray(filt(rewards, groups))[perm])
 
 
 def test_unknown_options_raise():

@@ -121,6 +121,30 @@ def test_prefixed_attention_equals_attention_over_joined_keys():
         np.testing.assert_allclose(a, b, atol=3e-5)
 
 
+def _attention_grad_memory(impl: str, t: int, b: int = 1, h: int = 4, kv: int = 2, hd: int = 16):
+    """memory_analysis() of the compiled gradient (q, k, v) of a causal attention loss at T = S = t."""
+    q = jax.ShapeDtypeStruct((b, t, h, hd), jnp.float32)
+    k = jax.ShapeDtypeStruct((b, t, kv, hd), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+    def loss(q, k, v, n):
+        return jnp.sum(jnp.sin(attn.attention(q, k, v, n, causal=True, impl=impl)))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, lengths).compile().memory_analysis()
+
+
+def test_blockwise_gradient_temporaries_stay_far_below_the_score_matrix():
+    """At T = S = 4,096 (8 x 8 tiles of 512) the compiled gradient of the blockwise form needs
+    temporaries under 1/8 of one float32 [B, H, T, S] score matrix; the dense form, compiled the
+    same way, needs at least that matrix (so the measure does see it)."""
+    b, h, t = 1, 4, 4096
+    scores = b * h * t * t * 4
+    blockwise = _attention_grad_memory("blockwise", t, b=b, h=h)
+    dense = _attention_grad_memory("xla", t, b=b, h=h)
+    assert dense.temp_size_in_bytes >= scores
+    assert blockwise.temp_size_in_bytes < scores / 8, blockwise.temp_size_in_bytes
+
+
 def _tiny(**changes) -> ModelConfig:
     base = dict(model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=4096)

@@ -42,6 +42,24 @@ def _stop_token():
     return int(tokens[3])
 
 
+def _count_shrinks(monkeypatch) -> list[int]:
+    """From now on, every call of the engine's tail shrink appends its new slot count to the list."""
+    shrinks: list[int] = []
+    real = engine._shrink_program
+
+    def build(slots, *static):
+        fn = real(slots, *static)
+
+        def call(*args):
+            shrinks.append(slots)
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(engine, "_shrink_program", build)
+    return shrinks
+
+
 def test_greedy_equals_static_sampler_with_refills_and_stops():
     prompts = _prompts(6)
     stop = _stop_token()
@@ -56,6 +74,7 @@ def test_greedy_equals_static_sampler_with_refills_and_stops():
         np.testing.assert_allclose(got_lp, want_lp, atol=1e-5)
         lengths.append(len(got_tokens))
     assert min(lengths) < N_NEW  # the stop token ended at least one row early
+    assert min(lengths) > 3  # long enough that equal tokens say something about the decode steps
 
 
 def _rescored(prompt, completion, temperature):
@@ -75,14 +94,20 @@ def test_sampled_logprobs_equal_rescoring_under_truncation():
             np.testing.assert_allclose(logprobs, _rescored(prompt, tokens, 0.7), atol=1e-4)
 
 
-def test_same_seed_same_outputs_whatever_the_slots():
+def test_same_seed_same_outputs_whatever_the_slots(monkeypatch):
+    """Also with the tail shrink off: the first run's last rows move to fewer slots (the shrink
+    runs), and the tokens are those of the runs that keep every slot."""
     prompts = _prompts(5, seed=2)
     limits = [3, N_NEW, 1, 7, 5]  # rows end at different steps: refills happen at different points
-    runs = [
-        engine.run(TINY, PARAMS, prompts, 3, jax.random.key(7), max_new_tokens=N_NEW, temperature=1.0,
-                   num_slots=slots, chunk_steps=chunk, limits=limits)
-        for slots, chunk in [(4, 4), (1, 4), (4, 2)]
-    ]
+    shrinks = _count_shrinks(monkeypatch)
+
+    def sample(slots, chunk, shrink=True):
+        return engine.run(TINY, PARAMS, prompts, 3, jax.random.key(7), max_new_tokens=N_NEW, temperature=1.0,
+                          num_slots=slots, chunk_steps=chunk, limits=limits, shrink=shrink)
+
+    runs = [sample(4, 2)]
+    assert shrinks and all(s < 4 for s in shrinks)  # the tail moved to fewer than the 4 slots
+    runs += [sample(4, 2, shrink=False), sample(4, 4), sample(1, 4)]
     for other in runs[1:]:
         for a, b in zip(runs[0].completions, other.completions):
             for (ta, la), (tb, lb) in zip(a, b):
@@ -197,6 +222,7 @@ def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_ro
     for ca, cb in zip(a, b):
         assert len(ca) == len(cb) == 2
         for x, y in zip(ca, cb):
+            assert len(x.completion_tokens) > 3  # no early stop: equal tokens over several decode steps
             np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     stats = cont.take_stats()
@@ -266,6 +292,7 @@ def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
     for ca, cb in zip(got, whole):  # greedy: the same tokens whatever the calls
         assert [c.text for c in ca] == [c.text for c in cb]
         for x, y in zip(ca, cb):
+            assert len(x.completion_tokens) > 3
             np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
 
 
@@ -306,6 +333,7 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
     got = engine.run(TINY, params, prompts, 2, jax.random.key(1), num_slots=8, mesh=mesh, **kw)
     for a, b in zip(want.completions, got.completions):
         for (ta, la), (tb, lb) in zip(a, b):
+            assert len(ta) > 3
             np.testing.assert_array_equal(tb, ta)
             np.testing.assert_allclose(lb, la, atol=1e-5)
     rows = axes.get("data", 1) * axes.get("fsdp", 1)
@@ -372,6 +400,7 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
     assert res.stats.slots == 8 and res.stats.slots_per_device == 1 and res.stats.entries == 8
     for r, prompt in enumerate(prompts):
         tokens, logprobs = _static(prompt, max_new_tokens=N_NEW, temperature=0.0)
+        assert len(tokens) > 3
         np.testing.assert_array_equal(res.completions[r][0][0], tokens)
         np.testing.assert_allclose(res.completions[r][0][1], logprobs, atol=1e-5)
     # ModelSampler passes the run's mesh (stacked policies: one policy's slice, slots on data)
@@ -385,6 +414,7 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
     got = sharded.sample(requests, 2, jax.random.key(0))
     for ca, cb in zip(plain, got):
         for x, y in zip(ca, cb):
+            assert len(x.completion_tokens) > 3
             np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
     assert sharded.engine_stats.slots_per_device == sharded.engine_stats.slots // 8
 
@@ -461,6 +491,7 @@ def test_every_plan_gets_the_same_samples_from_the_engine(plan, env_name, env_op
     b = run_plan(plan, env, seeds, agent_policy, cont, jax.random.key(0), **options)
     assert len(a.records) == len(b.records) > 0
     for x, y in zip(a.records, b.records):
+        assert len(x.completion.completion_tokens) > 3
         assert (x.prompt, x.completion.text, x.reward, x.group, x.policy) == (y.prompt, y.completion.text, y.reward,
                                                                              y.group, y.policy)
         np.testing.assert_allclose(y.completion.logprobs, x.completion.logprobs, atol=1e-5)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -125,6 +126,36 @@ def test_update_batch_is_the_trainers_batch_at_the_bound(planned, real):
     want = update.args[2]
     shapes = lambda b: jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), b)  # noqa: E731
     assert shapes(scored) == shapes(want)
+
+
+def test_fast_cpu_compile_options_leave_the_memory_figures_unchanged():
+    """`analyse` compiles with CPU_FAST_COMPILE on CPU; one small program of the planned kind
+    (a gradient step of blockwise attention: while loops, a custom VJP, donated inputs, rows
+    split over 2 devices) compiled with XLA's default options gives the same figures."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jmarl.models import attention as attn
+
+    assert jax.default_backend() == "cpu"  # analyse uses the fast options only here
+    rows = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), PartitionSpec("data"))
+    q = jax.ShapeDtypeStruct((2, 1024, 4, 16), np.float32, sharding=rows)  # 2 x 2 tiles of 512 per row
+    kv = jax.ShapeDtypeStruct((2, 1024, 2, 16), np.float32, sharding=rows)
+    lengths = jax.ShapeDtypeStruct((2,), np.int32, sharding=rows)
+
+    def step(q, k, v, n):
+        def loss(q, k, v):
+            return jnp.sum(jnp.sin(attn.attention(q, k, v, n, causal=True, impl="blockwise")))
+
+        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return jax.tree.map(lambda x, g: x - 0.1 * g, (q, k, v), grads)
+
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+    fast = plan.analyse(plan.Program("step", "g", jitted, (q, kv, kv, lengths), resident=0, shapes={}))
+    stats = jitted.lower(q, kv, kv, lengths).compile().memory_analysis()  # default options
+    default = (stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.output_size_in_bytes,
+               stats.alias_size_in_bytes, 0)
+    assert default == _figures(fast)
+    assert fast.temporaries > 0 and fast.aliased > 0  # the figures compared are real ones
 
 
 @pytest.mark.parametrize("rows, share, parts, aligned", [(16, 4, 2, True), (16, 3, 2, False), (12, 1, 3, True)])

@@ -153,11 +153,37 @@ def _lowest_fraction(key: jax.Array, present: jax.Array, frac: float) -> jax.Arr
     return present & (_rank_within_present(key, present) < num_drop)
 
 
+def _scaled_square_deviations(rewards: jax.Array, seg: jax.Array, valid: jax.Array, stats: GroupStats) -> jax.Array:
+    """sum_i (n * r_i - S)^2 per segment [G + 1] (n: count, S: sum) = n^2 * sum_i (r_i - mean)^2.
+
+    No division enters, so for rewards that are short binary fractions (0, 0.25, 0.5, 1, ...) every
+    term and the sum are exact in float32, whatever the order of the group's members.
+    """
+    scaled_dev = jnp.where(valid, stats.count[seg] * rewards - stats.sum[seg], 0.0)
+    return jax.ops.segment_sum(jnp.square(scaled_dev), seg, num_segments=stats.count.shape[0])
+
+
+def _variance_key(rewards: jax.Array, seg: jax.Array, valid: jax.Array, stats: GroupStats, ddof: int) -> jax.Array:
+    """Ranking key [G + 1]: the variance with `ddof`, as one division sum (n r - S)^2 / (n^2 max(n - ddof, 1)).
+
+    Same order as the std; groups with mathematically equal variances get bit-identical keys
+    whenever the sums are exact (see `_scaled_square_deviations`), so their tie goes by group id.
+    """
+    n = jnp.maximum(stats.count, 1.0)
+    denominator = n * n * jnp.maximum(stats.count - ddof, 1.0)
+    return _scaled_square_deviations(rewards, seg, valid, stats) / denominator
+
+
 def _range_normalised_variance(rewards: jax.Array, seg: jax.Array, valid: jax.Array, stats: GroupStats) -> jax.Array:
-    """PettingLLMs' key [G + 1]: population variance (ddof 0) / (max - min)^2, 0 where max == min."""
-    var0 = _segment_var(rewards, seg, valid, stats.mean, stats.count, 0)
+    """PettingLLMs' key [G + 1]: population variance (ddof 0) / (max - min)^2, 0 where max == min.
+
+    One division sum (n r - S)^2 / (n^3 (max - min)^2), so equal keys are bit-identical whenever
+    the sums are exact (see `_scaled_square_deviations`).
+    """
+    n = jnp.maximum(stats.count, 1.0)
     spread = stats.max - stats.min
-    return jnp.where(spread > 0, var0 / jnp.where(spread > 0, jnp.square(spread), 1.0), 0.0)
+    denominator = n * n * n * jnp.square(jnp.where(spread > 0, spread, 1.0))
+    return jnp.where(spread > 0, _scaled_square_deviations(rewards, seg, valid, stats) / denominator, 0.0)
 
 
 def filter_groups(
@@ -177,10 +203,18 @@ def filter_groups(
     that pass all of them: `drop_zero_variance` drops groups whose rewards are all equal
     (singletons included; DAPO dynamic sampling); `drop_low_variance_frac` drops the
     floor(frac * #groups) groups with the lowest reward spread, ranked by `variance_rank`:
-    "std" (the std with `ddof`) or "range_normalised" (PettingLLMs: population variance /
-    (max - min)^2, 0 for a group whose rewards are all equal; `ddof` does not enter);
-    `drop_low_mean_frac` the floor(frac * #groups) with the lowest mean reward (ties: lower
-    group id dropped first). Padding rows (group -1) are never kept.
+    "std" (the std with `ddof`, ranked through the variance) or "range_normalised"
+    (PettingLLMs: population variance / (max - min)^2, 0 for a group whose rewards are all
+    equal; `ddof` does not enter); `drop_low_mean_frac` the floor(frac * #groups) with the
+    lowest mean reward. Padding rows (group -1) are never kept.
+
+    Tie rule (every ranking here and in `top_k_groups`): groups with equal float32 keys rank by
+    group id, the lower id first, so the lower id is dropped first. Each key is one float32
+    division of sums formed without dividing (the mean S / n; the variance
+    sum (n r - S)^2 / (n^2 max(n - ddof, 1)); the range-normalised variance
+    sum (n r - S)^2 / (n^3 (max - min)^2)), so for rewards that are short binary fractions
+    (0, 0.25, 0.5, 1, ...) the key is the exact value rounded once: mathematically equal keys are
+    bit-identical, whatever the group sizes and the order of the members.
     """
     _check_choice("filter_groups", "variance_rank", variance_rank, VARIANCE_RANKS)
     fractions = {"drop_low_variance_frac": drop_low_variance_frac, "drop_low_mean_frac": drop_low_mean_frac}
@@ -199,7 +233,7 @@ def filter_groups(
         if variance_rank == "range_normalised":
             spread_key = _range_normalised_variance(jnp.where(valid, rewards, 0.0), seg, valid, full)[:num_groups]
         else:
-            spread_key = stats.std
+            spread_key = _variance_key(rewards, seg, valid, full, ddof)[:num_groups]
         drop = drop | _lowest_fraction(spread_key, present, drop_low_variance_frac)
     if drop_low_mean_frac > 0.0:
         drop = drop | _lowest_fraction(stats.mean, present, drop_low_mean_frac)
@@ -212,13 +246,16 @@ def top_k_groups(
 ) -> tuple[jax.Array, jax.Array]:
     """The k non-empty groups with the highest reward variance: (keep bool[N], selected bool[G]).
 
-    Ties go to the lower group id; with fewer than k non-empty groups all of them are selected.
-    Padding rows are never kept.
+    Groups rank by the variance with `ddof` (the same order as the std), computed as in
+    `filter_groups`: mathematically equal variances of short-binary-fraction rewards give
+    bit-identical keys, and equal keys go to the lower group id. With fewer than k non-empty
+    groups all of them are selected. Padding rows are never kept.
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     seg, valid = _segments(groups, num_groups)
-    stats = GroupStats(*(x[:num_groups] for x in _stats(rewards, seg, valid, num_groups, ddof)))
-    present = stats.count > 0
-    selected = present & (_rank_within_present(-stats.std, present) < k)
+    full = _stats(rewards, seg, valid, num_groups, ddof)
+    present = full.count[:num_groups] > 0
+    variance = _variance_key(rewards, seg, valid, full, ddof)[:num_groups]
+    selected = present & (_rank_within_present(-variance, present) < k)
     selected_full = jnp.concatenate([selected, jnp.zeros((1,), bool)])
     return valid & selected_full[seg], selected

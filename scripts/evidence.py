@@ -822,12 +822,15 @@ def command_line(table_name: str, seeds: Sequence[int], steps: int | None) -> st
 
 def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: Path,
               on_run: Callable[[dict[str, Any]], None] | None = None, jobs: int = 1,
-              previous: dict[str, Any] | None = None, *, reuse_other_commits: bool = False) -> dict[str, Any]:
+              previous: dict[str, Any] | None = None, *, reuse_other_commits: bool = False,
+              only: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs every (variant, seed) not already finished on this code (in its run directory, or as
     a row of `previous`, the table's last result JSON; with `reuse_other_commits` also those
     made on other code, which the table then reports as mixed), seed-major (so a partial table
     has whole paired seeds), `jobs` processes at a time (each pinned to its own share of the CPUs
-    when jobs > 1); the result JSON as a dict. `on_run(partial result)` is called after every run."""
+    when jobs > 1); the result JSON as a dict. `on_run(partial result)` is called after every run.
+    With `only`, the other variants run nothing: their rows are kept from `previous` whatever
+    code made them (the table then names each run's code)."""
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in table.variants}
     todo = []
@@ -837,6 +840,11 @@ def run_table(table: Table, seeds: Sequence[int], steps: int | None, runs_root: 
             out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
             cmd = run_command(table, variant, seed, out_dir, steps)
             passed: list[dict[str, Any]] = []
+            if only is not None and variant.name not in only:
+                kept = recorded_row(previous, variant, seed, cmd, current, other_code=True, passed=passed)
+                if kept is not None:
+                    runs[variant.name].append(kept)
+                continue
             done = (finished_row(table, variant, seed, out_dir, cmd, current, other_code=reuse_other_commits,
                                  passed=passed)
                     or recorded_row(previous, variant, seed, cmd, current, other_code=reuse_other_commits,
@@ -1102,7 +1110,7 @@ def run_and_render(table: Table, args: argparse.Namespace) -> int:
         previous = json.loads(out.read_text()) if out.exists() else None
         save = lambda partial: out.write_text(json.dumps(partial, indent=2) + "\n")  # noqa: E731
         result = run_table(table, args.seeds, args.steps, ROOT / args.runs, on_run=save, jobs=args.jobs,
-                           previous=previous, reuse_other_commits=args.reuse_other_commits)
+                           previous=previous, reuse_other_commits=args.reuse_other_commits, only=args.variants)
     block = markdown(table, result)
     result["markdown"] = block
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -1144,6 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-readme", action="store_true", help="write the JSON only")
     parser.add_argument("--reuse-other-commits", action="store_true",
                         help="reuse finished runs made on other code too (the table then says it mixes code)")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="variant",
+                        help="run only these variants; the others keep their rows from the result JSON")
     parser.add_argument("--render", action="store_true",
                         help="run nothing: re-render the README table (notes included) from the result JSON")
     args = parser.parse_args(argv)

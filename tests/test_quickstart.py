@@ -1,7 +1,7 @@
 """The README's first command, shortened: `python -m jmarl.run --config configs/quickstart.yaml`
 runs end to end and leaves every promised output (summary, metrics, plots, checkpoint, export,
 the printed before/after table). Speed and learning are not asserted here: the learning
-evidence comes from `scripts/quickstart_seeds.py` (results/quickstart_seeds.json)."""
+evidence comes from `scripts/evidence.py quickstart` (results/evidence_quickstart.json)."""
 
 import json
 from pathlib import Path

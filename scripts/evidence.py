@@ -926,16 +926,35 @@ def fmt_cell(stats: dict[str, float] | None, digits: int) -> str:
 
 
 def paired_values(result: dict[str, Any], comparison: Comparison) -> list[tuple[int, float, float]]:
-    """(seed, variant value, baseline value) for every seed where both runs produced their key,
-    in seed order: the pairs of a paired comparison (same seed = same initialisation, tasks and
-    sampling keys wherever the two configs agree)."""
-    def by_seed(variant: str, key: str) -> dict[int, float]:
+    """(seed, variant value, baseline value) for every seed where both runs produced their key
+    on the same code (`run_code`: one commit, the same uncommitted changes), in seed order: the
+    pairs of a paired comparison (same seed = same initialisation, tasks and sampling keys
+    wherever the two configs agree). Runs on different code are not paired: a config or the
+    library may have changed between them."""
+    def by_seed(variant: str, key: str) -> dict[int, tuple[float, tuple[Any, Any]]]:
         rows = result["variants"].get(variant, {}).get("runs", [])
-        return {r["seed"]: r["values"][key] for r in rows if r.get("values", {}).get(key) is not None}
+        return {r["seed"]: (r["values"][key], _code_key(run_code(result, r)))
+                for r in rows if r.get("values", {}).get(key) is not None}
 
     a = by_seed(comparison.variant, comparison.key)
     b = by_seed(comparison.baseline, comparison.baseline_key or comparison.key)
-    return [(seed, a[seed], b[seed]) for seed in result["seeds"] if seed in a and seed in b]
+    return [(seed, a[seed][0], b[seed][0]) for seed in result["seeds"]
+            if seed in a and seed in b and a[seed][1] == b[seed][1]]
+
+
+def _seeds_with_both(result: dict[str, Any], comparison: Comparison) -> int:
+    """Seeds where both sides of `comparison` have their value, whatever code made them."""
+    def seeds(variant: str, key: str) -> set[int]:
+        rows = result["variants"].get(variant, {}).get("runs", [])
+        return {r["seed"] for r in rows if r.get("values", {}).get(key) is not None}
+
+    return len(seeds(comparison.variant, comparison.key)
+               & seeds(comparison.baseline, comparison.baseline_key or comparison.key))
+
+
+def _code_key(code: dict[str, Any]) -> tuple[Any, Any]:
+    """What two runs must share to be paired: their commit and their uncommitted changes."""
+    return code.get("commit"), code.get("diff")
 
 
 def bootstrap_interval(diffs: Sequence[float], *, level: float = 0.95, resamples: int = 10_000,
@@ -988,6 +1007,9 @@ def comparison_lines(table: Table, result: dict[str, Any]) -> list[str]:
     for c in table.comparisons:
         stats = paired_stats(paired_values(result, c))
         if stats is None:
+            if _seeds_with_both(result, c) >= 2:  # the values exist, on different code
+                lines.append(f"| {c.what} | — | — | — | — | — | 0 | **not paired**: the two sides ran on "
+                             "different code |")
             continue
         lo, hi = stats["ci95"]
         lines.append(f"| {c.what} | {stats['variant_mean']:.{d}f} | {stats['baseline_mean']:.{d}f} | "

@@ -495,3 +495,24 @@ def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
     assert again["reused"] and again["values"] == run["values"] and again["commit"] == HERE["commit"]
     assert "code: abc1234." in readme.read_text()
     assert (tmp_path / "runs" / "tiny" / "aligned" / "seed_0" / "summary.json").stat().st_mtime_ns == stamp
+
+
+def test_runs_on_different_code_are_not_paired():
+    """A comparison pairs a seed only when both sides ran on one commit with the same changes."""
+    table = evidence.TABLES["quickstart"]
+    comparison = next(c for c in table.comparisons if c.baseline == "single")
+
+    def run(seed, value, commit):
+        return {"seed": seed, "commit": commit, "dirty": False, "values": {"success_after": value}}
+
+    result = {"seeds": [0, 1, 2], "versions": {}, "variants": {
+        "per_agent": {"runs": [run(0, 0.5, "aaa"), run(1, 0.6, "aaa"), run(2, 0.7, "aaa")]},
+        "single": {"runs": [run(0, 0.1, "bbb"), run(1, 0.2, "aaa"), run(2, 0.3, "bbb")]},
+    }}
+    assert evidence.paired_values(result, comparison) == [(1, 0.6, 0.2)]
+    lines = evidence.comparison_lines(table, result)
+    assert any(comparison.what in line and "not paired" in line for line in lines)
+    for r in result["variants"]["single"]["runs"]:
+        r["commit"] = "aaa"
+    assert [s for s, _, _ in evidence.paired_values(result, comparison)] == [0, 1, 2]
+    assert not any("not paired" in line for line in evidence.comparison_lines(table, result))

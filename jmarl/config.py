@@ -245,10 +245,21 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     return value
 
 
+# Keys older configs may hold that are no longer settings: dotted key -> why, and what to do.
+_REMOVED_KEYS: dict[str, str] = {
+    "train.ref_policy": (
+        "the KL reference is always a frozen copy of the policy RL starts from (the warm-started "
+        "one; a LoRA policy's base), and none is built when train.kl_beta is 0; remove the key "
+        "(ref_policy: none meant train.kl_beta: 0)"
+    ),
+}
+
+
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     """Builds dataclass `cls` from a plain dict, validating every key on the way.
 
-    Checks: unknown keys (with a did-you-mean suggestion), missing required keys, types
+    Checks: unknown keys (with a did-you-mean suggestion; a removed key, `_REMOVED_KEYS`, with
+    what replaced it), missing required keys, types
     (nested dataclasses, Literal choices, Optional, tuples/lists, dicts; int accepted for float,
     bool never accepted as a number), declared ranges, then `self._validate(path)` (checks across
     fields) if the class defines it.
@@ -268,6 +279,8 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     for key in data:
         if key not in fields:
             dotted = _join(path, str(key))
+            if dotted in _REMOVED_KEYS:
+                raise JmarlError(f"{dotted} is no longer a setting: {_REMOVED_KEYS[dotted]}")
             hint = _suggest(str(key), list(fields))
             if hint:
                 raise JmarlError(f"unknown key {dotted!r} — did you mean {_join(path, hint)!r}?")
@@ -365,14 +378,13 @@ def parse_bytes(text: str | int | float) -> int:
 AlgoName = str
 PlanName = Literal["independent", "tree", "joint", "node_wise", "shared"]
 DType = Literal["float32", "bfloat16", "float16"]
-# model.remat: auto = "full" from REMAT_AUTO_MIN_PARAMS parameters up, else "none"; the others
-# as `jmarl.models.config.REMAT_POLICIES` (true = full, false = none).
+# model.remat: auto = "full" from `jmarl.models.config.REMAT_AUTO_MIN_PARAMS` (1e8) parameters
+# up, else "none" (`jmarl.models.config.resolve_remat`, the rule a ModelConfig applies too); the
+# others as `jmarl.models.config.REMAT_POLICIES` (true = full, false = none).
 RematName = Literal["auto", "none", "full", "dots"]
 # model.attention: `jmarl.models.config.ATTENTION_IMPLS` (auto picks per platform).
 AttentionName = Literal["auto", "xla", "cudnn", "splash", "blockwise"]
-# `model.remat: auto` rematerialises from this many parameters up (real-size models, where the
-# activations of every layer would not fit); below it (tiny CPU models) remat only costs time.
-REMAT_AUTO_MIN_PARAMS = 100_000_000
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -629,12 +641,13 @@ class WarmStartConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The RL loop: steps, KL regularisation and the reference policy."""
+    """The RL loop: steps and KL regularisation. With kl_beta > 0 the KL term is to a frozen
+    copy of the policy RL starts from (after the warm start, if any; a LoRA policy's reference
+    is its base); with kl_beta = 0 no reference is built or scored."""
 
     steps: int = _field(100, ge=1)
     kl_beta: float = _field(0.0, ge=0.0)
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    ref_policy: Literal["initial", "none"] = "initial"  # initial: a frozen copy of the start
     recompute_old_logprobs: bool = True  # score rollouts with the training forward pass
     warm_start: WarmStartConfig = _field(factory=WarmStartConfig)
     # Before step 0 the trainer compiles its programs and checks that they fit device memory:
@@ -656,11 +669,6 @@ class TrainConfig:
             object.__setattr__(self, "compilation_cache", "auto" if self.compilation_cache else "off")
 
     def _validate(self, path: str) -> None:
-        if self.kl_beta > 0 and self.ref_policy == "none":
-            raise JmarlError(
-                f"{_join(path, 'kl_beta')} = {self.kl_beta} needs a reference: set "
-                f"{_join(path, 'ref_policy')}=initial or {_join(path, 'kl_beta')}=0"
-            )
         if self.device_memory is not None:
             try:
                 parse_bytes(self.device_memory)

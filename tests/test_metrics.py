@@ -5,16 +5,17 @@ import io
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
 
+from _tensorboard import tensorboard_events, tensorboard_points
 from jmarl.train.metrics import (MetricsLogger, figure_of, metric_figures, metric_series, read_metrics,
-                                 write_summary)
+                                 rewind_metrics, write_summary)
 from jmarl.train.progress import ProgressBar
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -30,20 +31,11 @@ def _strict_json(text: str):
 
 
 def read_tensorboard_scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    """Parses TFRecord event files by hand: tag -> {step: value}."""
+    """tag -> {step: value} of the event files under `logdir`."""
     out: dict[str, dict[int, float]] = {}
-    files = sorted(logdir.glob("events.out.tfevents.*"))
-    assert files, f"no event file in {logdir}"
-    for path in files:
-        data = path.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos : pos + 8])
-            record = data[pos + 12 : pos + 12 + length]  # skip length + its crc
-            pos += 12 + length + 4  # + data crc
-            event = event_pb2.Event.FromString(record)
-            for value in event.summary.value:
-                out.setdefault(value.tag, {})[event.step] = value.simple_value
+    for event in tensorboard_events(logdir):
+        for value in event.summary.value:
+            out.setdefault(value.tag, {})[event.step] = value.simple_value
     return out
 
 
@@ -170,6 +162,42 @@ def test_resumed_run_appends_and_last_record_per_step_wins(tmp_path):
     assert values.tolist() == [0.0, 1.0, 12.0, 13.0, 14.0]
     assert (tmp_path / "plots" / "rollout.png").exists()
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_rewound_then_resumed_log_holds_each_step_once_in_jsonl_and_tensorboard(tmp_path):
+    """A run checkpointed after step 2 (3 records: steps 0..2) logs step 3 and dies mid-line; the
+    resumed run rewinds metrics.jsonl to the checkpoint's 3 records and hides the dead run's
+    TensorBoard points from step 3 on (purge_step), so both hold steps 0..4 once."""
+    with MetricsLogger(tmp_path, tensorboard=True, plots=False) as logger:
+        for step in range(4):
+            logger.log(step, {"reward/mean": float(step)})
+        assert logger.records == 4
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # killed mid-write
+    assert rewind_metrics(tmp_path, 3, 2) == 1
+    time.sleep(1.05)  # tensorboardX names event files by the second: the resumed run's comes later
+    with MetricsLogger(tmp_path, tensorboard=True, plots=False, purge_step=3) as logger:
+        assert logger.records == 3
+        for step in (3, 4):
+            logger.log(step, {"reward/mean": 10.0 + step})
+        assert logger.records == 5
+    assert [(r["step"], r["reward/mean"]) for r in read_metrics(tmp_path)] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    assert tensorboard_points(tmp_path / "tensorboard")["reward/mean"] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
+def test_rewind_without_a_record_count_keeps_the_steps_up_to_the_checkpoint(tmp_path):
+    """A checkpoint that holds no record count: the records of steps <= its step are kept (a
+    partial last line dropped); a file already rewound, or absent, is left as it is."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "x": s}) for s in (0, 1, 2, 2, 3)]
+    path.write_text("\n".join(lines) + "\n" + '{"step": 4, "x"')
+    assert rewind_metrics(tmp_path, None, 2) == 1  # the step-3 record (a partial line is no record)
+    assert path.read_text() == "\n".join(lines[:4]) + "\n"
+    assert rewind_metrics(tmp_path, None, 2) == 0 and path.read_text() == "\n".join(lines[:4]) + "\n"
+    assert rewind_metrics(tmp_path, 10, 7) == 0  # a count beyond the file keeps it whole
+    assert rewind_metrics(tmp_path / "absent", 1, 0) == 0 and not (tmp_path / "absent").exists()
 
 
 def test_metric_must_be_a_scalar(tmp_path):

@@ -16,7 +16,6 @@ import pytest
 
 from jmarl import models
 from jmarl.config import (
-    REMAT_AUTO_MIN_PARAMS,
     ArchConfig,
     AttentionName,
     ModelSpec,
@@ -28,7 +27,7 @@ from jmarl.config import (
     parse_yaml,
 )
 from jmarl.errors import JmarlError
-from jmarl.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from jmarl.models.config import ATTENTION_IMPLS, REMAT_AUTO_MIN_PARAMS, REMAT_POLICIES, ModelConfig
 from jmarl.models.presets import preset_names
 from jmarl.train import policies
 from jmarl.train.lora import init_lora, merge_lora
@@ -192,6 +191,33 @@ def test_remat_auto_resolves_by_parameter_count():
     forced, _ = policies.build_model(make({"preset": {"num_layers": 1}, "remat": "full", "attention": "xla"}).model,
                                      TOKENIZER, jax.random.key(0))
     assert forced.remat == "full" and forced.attention == "xla"
+
+
+def _shape(**fields) -> ModelConfig:
+    """A ModelConfig of a Qwen3-like shape (a description only: nothing is allocated)."""
+    shape = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                 num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True)
+    return ModelConfig(**{**shape, **fields})
+
+
+def test_model_config_default_remat_is_auto_by_parameter_count():
+    """A ModelConfig built without `remat` (the functional API: jax.grad through
+    models.token_logprobs) gets the trainer's rule: full layer remat from 1e8 parameters up."""
+    big = _shape()
+    assert big.num_params() >= REMAT_AUTO_MIN_PARAMS and big.remat == "full"
+    tiny = _shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=16)
+    assert tiny.num_params() < REMAT_AUTO_MIN_PARAMS and tiny.remat == "none"
+    # the boundary is the trainer's: the same function decides both
+    for config in (big, tiny):
+        assert config.remat == policies.resolve_remat("auto", config.num_params())
+    # an explicit setting wins at any size; replace(remat="auto") resolves on the new shape
+    assert _shape(remat="none").remat == "none" and _shape(remat=False).remat == "none"
+    assert tiny.replace(remat="dots").remat == "dots"
+    assert big.replace(num_layers=1, vocab_size=64, remat="auto").remat == "none"
+    assert models.ModelConfig.from_hf(big.to_hf()).remat == "full"
+    with pytest.raises(JmarlError, match=r"^ModelConfig.remat: must be auto, none, full, dots, true or false; got 'ful'"):
+        _shape(remat="ful")
 
 
 def test_checkpoint_path_takes_numerics_remat_and_attention(tmp_path):

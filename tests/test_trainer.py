@@ -16,6 +16,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from _tensorboard import tensorboard_points
 from jmarl import models
 from jmarl.config import load_config
 from jmarl.train import trainer as trainer_mod
@@ -60,6 +61,27 @@ def _config(tmp_path: Path, name: str, **overrides):
 
 def _exported(out: Path) -> dict[str, dict[str, np.ndarray]]:
     return {p.name: load_file(str(p / "model.safetensors")) for p in sorted((out / "export").iterdir())}
+
+
+def _timing(key: str) -> bool:
+    """A metric that measures time (differs between two runs of the same steps)."""
+    return key.startswith(("time/", "perf/")) or key.endswith("_per_s")
+
+
+def _records(out: Path) -> list[dict]:
+    """metrics.jsonl's records without their timing fields."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not _timing(k)} for line in lines]
+
+
+def _assert_same_records(resumed: list[dict], straight: list[dict]) -> None:
+    """The resumed run's records are the uninterrupted run's: each RL step once, in order, with
+    equal values (timing aside)."""
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight]
+    steps = [r["step"] for r in resumed if "train/loss" in r]
+    assert steps == sorted(set(steps)) == list(range(1, len(steps) + 1))
+    for a, b in zip(resumed, straight):
+        assert a.keys() == b.keys() and a == b, a["step"]
 
 
 @pytest.mark.slow
@@ -108,18 +130,78 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert proc.wait() == -signal.SIGKILL
     assert not (tmp_path / "killed" / "export").exists()
 
+    # the newest checkpoint the killed run committed (3, or later if a step finished before the kill)
+    last = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
     resumed = subprocess.run(
         [sys.executable, "-m", "jmarl.run", "--config", str(killed), "resume=true"], env=env, cwd=REPO,
         capture_output=True, text=True,
     )
     assert resumed.returncode == 0, resumed.stderr
-    metrics = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1]["step"] == 6
+    assert f"resumed from the checkpoint of step {last} in {ckpt}: continuing with step {last + 1} of 6" in resumed.stdout
+    _assert_same_records(_records(tmp_path / "killed"), _records(tmp_path / "straight"))
     a, b = _exported(tmp_path / "straight"), _exported(tmp_path / "killed")
     assert a.keys() == b.keys()
     for policy in a:
         for name, value in a[policy].items():
             np.testing.assert_array_equal(value, b[policy][name], err_msg=f"{policy}/{name}")
+
+
+@pytest.mark.slow
+def test_interrupted_then_resumed_run_logs_each_step_once(tmp_path, monkeypatch, capsys):
+    """A run that dies after logging step 3 (its last checkpoint: step 2) and is resumed reports
+    the step it resumed from, drops the dead run's step-3 record, and ends with the metrics of an
+    uninterrupted run; resume=true with no checkpoint says so and starts fresh."""
+    overrides = ["train.steps=4", "checkpoint.every=2", "eval.num_episodes=1", "logging.plots=false", "resume=true"]
+    straight = trainer_mod.Trainer(load_config(_config(tmp_path, "straight"), overrides))
+    straight.run()
+    out = capsys.readouterr().out
+    assert f"resume=true: no checkpoint in {tmp_path / 'straight' / 'checkpoints'}; starting from step 0" in out
+    assert straight.resumed_step is None
+
+    cfg = load_config(_config(tmp_path, "killed"), overrides)
+    real_step = trainer_mod.Trainer.rl_step
+
+    def dies_in_step_4(self):
+        if self.step == 3:
+            raise KeyboardInterrupt("killed")
+        return real_step(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "rl_step", dies_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        trainer_mod.Trainer(cfg).run()
+    monkeypatch.setattr(trainer_mod.Trainer, "rl_step", real_step)
+    killed = tmp_path / "killed"
+    assert [r["step"] for r in _records(killed)] == [0, 1, 2, 3]  # step 3 logged, not checkpointed
+    capsys.readouterr()
+
+    resumed = trainer_mod.Trainer(cfg)
+    resumed.run()
+    assert resumed.resumed_step == 2 and resumed.step == 4
+    ckpt = killed / "checkpoints"
+    assert (f"resumed from the checkpoint of step 2 in {ckpt}: continuing with step 3 of 4; dropped 1 "
+            "metrics.jsonl record(s) logged after it") in capsys.readouterr().out
+    _assert_same_records(_records(killed), _records(tmp_path / "straight"))
+    # TensorBoard hides the dead run's step 3 (the resumed run's writer purges from step 3)
+    straight_tb = tensorboard_points(tmp_path / "straight" / "tensorboard")
+    assert [s for s, _ in tensorboard_points(killed / "tensorboard")["train/loss"]] == [1, 2, 3, 4]
+    assert tensorboard_points(killed / "tensorboard")["train/loss"] == straight_tb["train/loss"]
+
+    # resuming the finished run (its last checkpoint: step 4) redoes only the final evaluation
+    again = trainer_mod.Trainer(cfg)
+    again.run()
+    assert again.resumed_step == 4
+    assert "all 4 steps done; final evaluation and export only; dropped 1 metrics.jsonl record(s)" in capsys.readouterr().out
+    _assert_same_records(_records(killed), _records(tmp_path / "straight"))
+
+
+def test_resume_message_names_the_step_or_a_fresh_start():
+    ckpt = Path("/runs/a/checkpoints")
+    assert trainer_mod.resume_message(None, 12, ckpt, 0) == (
+        "resume=true: no checkpoint in /runs/a/checkpoints; starting from step 0 (fresh run)")
+    assert trainer_mod.resume_message(8, 12, ckpt, 1) == (
+        "resumed from the checkpoint of step 8 in /runs/a/checkpoints: continuing with step 9 of 12; "
+        "dropped 1 metrics.jsonl record(s) logged after it")
+    assert trainer_mod.resume_message(12, 12, ckpt, 0).endswith("all 12 steps done; final evaluation and export only")
 
 
 def test_resume_restores_the_kl_reference_the_warm_start_set(tmp_path):

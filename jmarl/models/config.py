@@ -28,6 +28,10 @@ ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn", "splash", "blockwise
 # activation for the backward pass; full keeps only each layer's input and recomputes the rest;
 # dots also keeps the outputs of the dense layers' matrix products (more memory, less recompute).
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots")
+# remat "auto" (the default, in a ModelConfig and in a run's model.remat) is "full" from this many
+# parameters up (real sizes, whose per-layer activations would not fit) and "none" below (tiny
+# models, where remat only costs time).
+REMAT_AUTO_MIN_PARAMS = 100_000_000
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -44,9 +48,12 @@ class ModelConfig:
     k before RoPE). `rope_type` is "default", "linear" or "llama3" (with `rope_factor`,
     `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_position`).
     `param_dtype` is how parameters are stored, `compute_dtype` how matmuls run; norms,
-    softmax and log-probs always run in float32. `remat` is one of REMAT_POLICIES (True means
-    "full", False "none"): what each layer keeps for the backward pass. `attention` is one of
-    ATTENTION_IMPLS (see `jmarl.models.attention`).
+    softmax and log-probs always run in float32. `remat` is what each layer keeps for the
+    backward pass: one of REMAT_POLICIES, True ("full"), False ("none") or "auto" (the default:
+    "full" from REMAT_AUTO_MIN_PARAMS parameters up, else "none"; see `resolve_remat`). It is
+    resolved when the config is built, so `remat` always holds one of REMAT_POLICIES; a
+    `replace` that changes the shape keeps the resolved policy unless it passes remat="auto"
+    again. `attention` is one of ATTENTION_IMPLS (see `jmarl.models.attention`).
     """
 
     model_type: str
@@ -71,7 +78,7 @@ class ModelConfig:
     qk_norm: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    remat: bool | str = "none"
+    remat: bool | str = "auto"
     attention: str = "auto"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -97,10 +104,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise JmarlError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if isinstance(self.remat, bool):
-            object.__setattr__(self, "remat", "full" if self.remat else "none")
-        if self.remat not in REMAT_POLICIES:
-            raise JmarlError(f"ModelConfig.remat must be one of {REMAT_POLICIES} (or a bool), got {self.remat!r}")
+        object.__setattr__(self, "remat", resolve_remat(self.remat, self.num_params(), setting="ModelConfig.remat"))
         if self.attention not in ATTENTION_IMPLS:
             raise JmarlError(f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         if isinstance(self.eos_token_id, list):
@@ -241,6 +245,20 @@ class ModelConfig:
         else:
             hf["use_sliding_window"] = False
         return hf
+
+
+def resolve_remat(remat: bool | str, num_params: int, *, setting: str = "model.remat") -> str:
+    """The layer remat policy (one of REMAT_POLICIES) of a remat setting for a model of
+    `num_params` parameters: True -> "full", False -> "none", "auto" -> "full" from
+    REMAT_AUTO_MIN_PARAMS (1e8) parameters up, else "none"; a policy name as given. Anything
+    else: JmarlError naming `setting` (e.g. model.remat, ModelConfig.remat)."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat == "auto":
+        return "full" if num_params >= REMAT_AUTO_MIN_PARAMS else "none"
+    if remat not in REMAT_POLICIES:
+        raise JmarlError(f"{setting}: must be auto, {', '.join(REMAT_POLICIES)}, true or false; got {remat!r}")
+    return remat
 
 
 def _read_hf_dict(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:

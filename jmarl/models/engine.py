@@ -303,7 +303,7 @@ def _row_uniforms(rng: jax.Array, request: jax.Array, completion: jax.Array, ste
 def _prepare(config: ModelConfig, params: Params, policy: jax.Array | None) -> Params:
     if policy is not None:
         params = select_policy(config, params, policy)
-    return generation_params(config, params, False)
+    return generation_params(config, params)
 
 
 @functools.lru_cache(maxsize=None)

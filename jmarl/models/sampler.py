@@ -351,10 +351,12 @@ def _generate_one(
     return generation, cache
 
 
-def generation_params(config: ModelConfig, params: Params, stacked: bool) -> Params:
+def generation_params(config: ModelConfig, params: Params) -> Params:
     """The parameters generation reads: floating leaves in the compute dtype, cast once per call
     (every layer casts its weights to it before use, so the numbers are the same; float32
-    masters are then not read, nor gathered over an FSDP mesh, at every decode step)."""
+    masters are then not read, nor gathered over an FSDP mesh, at every decode step). The cast
+    is per leaf, so params of any layout (one policy, stacked over policies, LoRA adapters over
+    a shared base) keep their shapes and structure."""
     dtype = jnp.dtype(config.compute_dtype)
     return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
@@ -406,7 +408,7 @@ def _program(
         _TRACES["count"] += 1  # runs once per trace, i.e. once per compiled program
         if select:  # one policy of a stacked group: its slice, read in place
             params = select_policy(config, params, policy)
-        params = generation_params(config, params, stacked)
+        params = generation_params(config, params)
         if stacked:
             rngs = jax.vmap(lambda p: jax.random.fold_in(rng, p))(jnp.arange(tokens.shape[0]))
             rows_axis = None if rows is None else 0

@@ -102,27 +102,66 @@ def family(name: str) -> str:
     return name.split("/", 1)[0]
 
 
+def _complete_lines(text: str) -> list[str]:
+    """The non-empty lines of metrics.jsonl text that were written whole (a process killed
+    mid-write leaves a last line without its newline)."""
+    lines = text.split("\n")[:-1]  # the part after the last newline is partial or empty
+    return [line for line in lines if line.strip()]
+
+
+def rewind_metrics(output_dir: str | Path, records: int | None, step: int) -> int:
+    """Rewrites <output_dir>/metrics.jsonl as it was when the checkpoint of `step` was saved, so
+    that a resumed run logs the later steps once: its first `records` records (the count the
+    checkpoint holds), or, when None (a checkpoint that does not hold it), the records of steps
+    <= `step`. A partly written last line is dropped. Process 0 only; returns how many records
+    were dropped (0 when the file is absent)."""
+    path = Path(output_dir) / METRICS_FILE
+    if not is_main_process() or not path.exists():
+        return 0
+    text = path.read_text(encoding="utf-8")
+    lines = _complete_lines(text)
+    if records is not None:
+        kept = lines[: max(int(records), 0)]
+    else:
+        kept = [line for line in lines if int(json.loads(line)["step"]) <= step]
+    dropped = len(lines) - len(kept)
+    rewritten = "".join(line + "\n" for line in kept)
+    if rewritten != text:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text(rewritten, encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsLogger:
     """Writes per-step metrics to JSONL and TensorBoard, and the curves as PNGs on `close()`.
 
-    Appends to an existing metrics.jsonl (a resumed run); the plots cover the whole file, the
-    last record of a step winning when a resumed run logged it again.
+    Appends to an existing metrics.jsonl (a resumed run, after `rewind_metrics`); `records`
+    counts the records in the file (those there at open, then each `log`), what a checkpoint
+    stores so that a resume can rewind the file to it. `purge_step` (a resumed run: the first
+    step it logs) hides the TensorBoard events of that step and later that the interrupted run
+    wrote. The plots cover the whole file, the last record of a step winning.
     """
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True, plots: bool = True):
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True, plots: bool = True,
+                 purge_step: int | None = None):
         self.output_dir = Path(output_dir)
         self.enabled = is_main_process()
         self.plots = plots
+        self.records = 0
         self._writer = None
         self._file = None
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")
+        path = self.output_dir / METRICS_FILE
+        if path.exists():
+            self.records = len(_complete_lines(path.read_text(encoding="utf-8")))
+        self._file = open(path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(logdir=str(self.output_dir / "tensorboard"))
+            self._writer = SummaryWriter(logdir=str(self.output_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records a flat dict of scalar metrics for `step`."""
@@ -132,6 +171,7 @@ class MetricsLogger:
         record = {"step": int(step), **values}
         self._file.write(json.dumps(_encode(record), allow_nan=False) + "\n")
         self._file.flush()
+        self.records += 1
         if self._writer is not None:
             for key, value in values.items():
                 self._writer.add_scalar(key, value, int(step))

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jmarl import models
-from jmarl.config import REMAT_AUTO_MIN_PARAMS, ArchConfig, check_preset_name
+from jmarl.config import ArchConfig, check_preset_name
 from jmarl.errors import JmarlError
-from jmarl.models.config import REMAT_POLICIES
+from jmarl.models.config import resolve_remat  # model.remat resolves as a ModelConfig's remat does
 from jmarl.models.presets import preset_config
 from jmarl.train.lora import attach_lora, merge_lora
 from jmarl.train.step import TrainState
@@ -97,20 +97,6 @@ def build_tokenizer(spec: str | None, model_path: str | None) -> Any:
     if path is None:
         raise JmarlError("tokenizer: set tokenizer to 'char' or a local tokenizer directory (the model has no path)")
     return models.load_tokenizer(path)
-
-
-def resolve_remat(remat: bool | str, num_params: int) -> str:
-    """The layer remat policy of a `model.remat` setting: true -> "full", false -> "none", "auto"
-    -> "full" for models of `REMAT_AUTO_MIN_PARAMS` (1e8) parameters and more (real sizes, whose
-    per-layer activations would not fit), "none" below (tiny models, where remat only costs
-    time); "none" / "full" / "dots" as given."""
-    if isinstance(remat, bool):
-        return "full" if remat else "none"
-    if remat == "auto":
-        return "full" if num_params >= REMAT_AUTO_MIN_PARAMS else "none"
-    if remat not in REMAT_POLICIES:
-        raise JmarlError(f"model.remat: must be auto, {', '.join(REMAT_POLICIES)}, true or false; got {remat!r}")
-    return remat
 
 
 def build_model(

@@ -39,7 +39,15 @@ from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.evaluate import evaluate
 from jmarl.train.host_loop import run_rollout
 from jmarl.train.learner import build_group_fns, learner_batch, score_batch, sft_batch
-from jmarl.train.metrics import METRICS_FILE, MetricsLogger, before_summary, results_table, write_summary
+from jmarl.train.metrics import (
+    METRICS_FILE,
+    MetricsLogger,
+    before_summary,
+    is_main_process,
+    results_table,
+    rewind_metrics,
+    write_summary,
+)
 from jmarl.train.optim import make_optimizer
 from jmarl.train.progress import ProgressBar
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
@@ -112,6 +120,10 @@ class Trainer:
         self.checkpointer = None if abstract else Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False
+        self.resumed_step: int | None = None  # the checkpoint step `maybe_resume` restored
+        # metrics.jsonl records up to the last step logged: what a checkpoint stores, so that a
+        # resume rewinds the file to it (`jmarl.train.metrics.rewind_metrics`); None: unknown
+        self.metrics_records: int | None = None
 
     # ---- what the plan and the learner read each step
 
@@ -144,18 +156,23 @@ class Trainer:
         meta = {
             "step": self.step, "warm_started": self.warm_started, "config": json.loads(json.dumps(_plain(self.config))),
             "method_state": self.method.state_to_json(self.method_state), "rollouts_generated": self.rollouts_generated,
+            "metrics_records": self.metrics_records,
         }
         self.checkpointer.save(self.step, self.state_tree(), meta)
         self.checkpointer.wait()
         self.method.save_files(self.algo_cfg, self.method_state, self.out)
 
     def maybe_resume(self) -> bool:
+        """With `resume`, restores the newest intact checkpoint (state, step, method state, the
+        metrics position) and sets `resumed_step`; False when resume is off or there is none."""
         if not self.config.resume or self.checkpointer.latest_step() is None:
             return False
         restored = self.checkpointer.restore(self.state_tree())
         self.load_state_tree(restored.state)
         meta = restored.meta
-        self.step = int(meta.get("step", restored.step))
+        self.step = self.resumed_step = int(meta.get("step", restored.step))
+        records = meta.get("metrics_records")
+        self.metrics_records = None if records is None else int(records)
         self.warm_started = bool(meta.get("warm_started", True))
         if meta.get("method_state") is not None:
             self.method_state = self.method.state_from_json(self.algo_cfg, meta["method_state"])
@@ -290,9 +307,16 @@ class Trainer:
         self.check_memory()
         (self.out / "config.yaml").write_text(dump_yaml(cfg))
         resumed = self.maybe_resume()
-        if not resumed:  # a fresh run into a used output_dir: do not append to the old run's curves
+        dropped = 0
+        if resumed:  # what the interrupted run logged after its checkpoint is logged again below
+            dropped = rewind_metrics(self.out, self.metrics_records, self.step)
+        else:  # a fresh run into a used output_dir: do not append to the old run's curves
             (self.out / METRICS_FILE).unlink(missing_ok=True)
-        logger = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, plots=cfg.logging.plots)
+        if cfg.resume and is_main_process():
+            print(resume_message(self.resumed_step, cfg.train.steps, self.checkpointer.directory, dropped), flush=True)
+        logger = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, plots=cfg.logging.plots,
+                               purge_step=self.step + 1 if resumed else None)
+        self.metrics_records = logger.records
         summary_path = self.out / "summary.json"
         before, before_fields = None, {}
         if resumed and summary_path.exists():
@@ -303,6 +327,7 @@ class Trainer:
             self.warm_start()
             before_metrics = self.evaluate()
             logger.log(0, before_metrics)  # the model RL starts from: step 0 of the evaluation curves
+            self.metrics_records = logger.records
             before = before_metrics.get("eval/success_rate", 0.0)
             before_fields = before_summary(before_metrics)
             write_summary(self.out, {"success_before": before, "steps": self.step, **before_fields})
@@ -314,6 +339,7 @@ class Trainer:
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                     metrics.update(self.evaluate())
                 logger.log(self.step, metrics)
+                self.metrics_records = logger.records  # not the final evaluation's: a resume redoes it
                 bar.update({"reward": metrics.get("rollout/reward_mean", float("nan")), "success": metrics.get("rollout/success_rate", float("nan"))})
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save()
@@ -333,6 +359,18 @@ class Trainer:
         self.checkpointer.close()
         print(results_table(summary, cfg, self.out), flush=True)
         return summary
+
+
+def resume_message(resumed_step: int | None, total_steps: int, checkpoints: Path, dropped: int) -> str:
+    """The line a run with resume=true prints before training: the checkpoint step it continues
+    from (None: it found none and starts fresh), what is left of `total_steps`, and how many
+    metrics.jsonl records the interrupted run had written after that checkpoint (`dropped`)."""
+    if resumed_step is None:
+        return f"resume=true: no checkpoint in {checkpoints}; starting from step 0 (fresh run)"
+    left = (f"continuing with step {resumed_step + 1} of {total_steps}" if resumed_step < total_steps
+            else f"all {total_steps} steps done; final evaluation and export only")
+    logged = f"; dropped {dropped} metrics.jsonl record(s) logged after it" if dropped else ""
+    return f"resumed from the checkpoint of step {resumed_step} in {checkpoints}: {left}{logged}"
 
 
 def _plain(x: Any) -> Any:

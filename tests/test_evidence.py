@@ -327,12 +327,31 @@ def test_code_state_of_a_git_checkout(tmp_path, monkeypatch):
 
 
 def _committed(name: str) -> dict:
-    return json.loads((ROOT / "results" / f"evidence_{name}.json").read_text())
+    """A table's committed result, made whole for the note tests: every run on one code, and
+    every variant with a row per seed (a missing variant's rows copied from the first variant's,
+    its values shifted by seed so its comparisons are not degenerate)."""
+    result = json.loads((ROOT / "results" / f"evidence_{name}.json").read_text())
+    table = evidence.TABLES[name]
+    first = next(v for v in table.variants if result["variants"].get(v.name, {}).get("runs"))
+    for variant in table.variants:
+        entry = result["variants"].setdefault(variant.name, {"label": variant.label, "runs": []})
+        if not [r for r in entry["runs"] if "values" in r]:
+            entry["runs"] = [dict(r, values={k: (None if x is None else x * (0.9 + 0.03 * r["seed"]))
+                                             for k, x in r["values"].items()})
+                             for r in result["variants"][first.name]["runs"] if "values" in r]
+        for r in entry["runs"]:
+            r.update(commit="abc1234", dirty=False)
+            r.pop("commit_inferred", None)
+            r.pop("diff", None)
+    return result
 
 
 def test_the_header_names_the_runs_code_not_the_renderers():
     result = _committed("hacpo")
     runs = [r for v in result["variants"].values() for r in v["runs"]]
+    for r in runs:  # rows written before runs recorded their code
+        for key in ("commit", "dirty", "diff", "commit_inferred"):
+            r.pop(key, None)
     legacy = evidence.markdown(evidence.HACPO, result).splitlines()[0]
     assert f"code: {result['versions']['git_commit']} (not recorded per run" in legacy
     for r in runs:
@@ -347,8 +366,11 @@ def test_the_header_names_the_runs_code_not_the_renderers():
     assert (f"code: mixed: bbbbbbb with uncommitted changes (0123456789ab) (5 runs), aaaaaaa ({len(runs) - 5} runs)"
             in header)
     # runs reused when the JSON was written ran on that commit or earlier code
-    quickstart = evidence.markdown(evidence.QUICKSTART, _committed("quickstart")).splitlines()[0]
-    assert "b403c9c or earlier" in quickstart
+    for r in runs:
+        r.update(reused=True)
+        for key in ("commit", "dirty", "diff", "commit_inferred"):
+            r.pop(key, None)
+    assert f"{result['versions']['git_commit']} or earlier" in evidence.markdown(evidence.HACPO, result).splitlines()[0]
 
 
 def test_reusing_other_commits_marks_the_table_mixed(tmp_path, monkeypatch, capsys):
@@ -378,8 +400,8 @@ def test_reusing_other_commits_marks_the_table_mixed(tmp_path, monkeypatch, caps
 def test_notes_quote_the_results_figures():
     result = _committed("quickstart")
     cpu = sum(r["cpu_seconds"] for v in result["variants"].values() for r in v["runs"]) / 60
-    (note, row_note) = evidence.note_texts(evidence.QUICKSTART, result)
-    assert f"took {cpu:.0f} CPU-minutes" in note
+    (note, _, cpu_note, row_note) = evidence.note_texts(evidence.QUICKSTART, result)
+    assert f"took {cpu:.0f} CPU-minutes" in cpu_note
     warm = evidence.paired_stats(evidence.paired_values(result, evidence.QUICKSTART.comparisons[0]))
     assert f"{100 * warm['difference']:+.1f} points (interval" in note and f"p = {warm['p']:.3f}" in note
     used = result["aggregate"]["per_agent"]["mean:rollout/row_utilization"]["mean"]
@@ -397,13 +419,19 @@ def test_notes_quote_the_results_figures():
 
 def test_notes_follow_the_numbers():
     result = _committed("quickstart")
-    before = evidence.note_texts(evidence.QUICKSTART, result)[0]
-    assert "is not reproduced here" in before and "none of AT-GRPO's comparisons is decided" in before
+    for r in result["variants"]["single"]["runs"]:  # the single agent ahead on every seed
+        r["values"]["success_after"] = 0.95 + 0.001 * r["seed"]
+    before = evidence.note_texts(evidence.QUICKSTART, result)[1]
+    assert "is not reproduced here" in before and "ends above per-agent AT-GRPO on 8 of 8 seeds" in before
     for r in result["variants"]["per_agent"]["runs"]:  # per-agent far ahead of the single agent on every seed
-        r["values"]["success_after"] = 0.9 + 0.001 * r["seed"]
-    after = evidence.note_texts(evidence.QUICKSTART, result)[0]
-    assert "is reproduced here" in after and "single-agent GRPO (holds)" in after
-    assert "ends above per-agent AT-GRPO on 0 of 8 seeds" in after
+        r["values"]["success_after"] = 0.99 - 0.001 * r["seed"]
+    after = evidence.note_texts(evidence.QUICKSTART, result)[1]
+    assert "is reproduced here" in after and "ends above per-agent AT-GRPO on 0 of 8 seeds" in after
+    control = evidence.note_texts(evidence.QUICKSTART, result)[0]
+    assert "the gain is RL's" in control
+    for r in result["variants"]["supervised"]["runs"]:  # the control ahead of RL on every seed
+        r["values"]["success_after"] = 1.0
+    assert "is not shown to exceed" in evidence.note_texts(evidence.QUICKSTART, result)[0]
 
 
 @pytest.mark.parametrize("name", sorted(evidence.TABLES))

@@ -447,3 +447,27 @@ def test_group_size_too_small_for_the_memory_warns():
         r = np.zeros(g, np.float32)
         r[-1] = 1.0
         assert bool(jmemory.admission_mask(r, np.zeros(g, np.int32), num_groups=1).any()) == admitted
+
+
+def test_equal_rewards_in_any_order_tie_and_the_earlier_task_wins():
+    """A group's variance does not depend on its members' order (np.var's does, in the last bit:
+    [2, -1, 0, 2, .25] and a permutation differ), so equal rewards tie and the rule decides."""
+    from jmarl.workflows.node_wise import NodeGroup, _select, order_free_variance
+
+    rewards = (2.0, -1.0, 0.0, 2.0, 0.25)
+    rng = np.random.default_rng(0)
+    perms = [tuple(rng.permutation(rewards)) for _ in range(200)]
+    assert len({order_free_variance(p) for p in perms}) == 1
+    assert order_free_variance(rewards) == pytest.approx(np.var(rewards), rel=1e-15)
+    assert order_free_variance((0.1, 0.2, 0.7)) == pytest.approx(np.var((0.1, 0.2, 0.7)), rel=1e-14)
+
+    def group(task: int, node: int, values: tuple[float, ...]) -> NodeGroup:
+        return NodeGroup(task=task, seed=task, node=node, turn=0, agent=0, agent_name="a", prompt="", query="",
+                         memory_ids=(), texts=("",) * len(values), rewards=values, downstream=(),
+                         mean=float(np.mean(values)), variance=order_free_variance(values), selected=False,
+                         group=None)
+
+    for a, b in zip(perms, perms[1:]):
+        groups = [group(1, 0, a), group(0, 1, b), group(0, 0, (0.0,) * 5)]
+        assert _select(groups, 1, "batch") == {1}  # the tie goes to the earlier task
+        assert _select(groups, 1, "task") == {0, 1}

@@ -43,6 +43,7 @@ of sub-agents, so the cost grows linearly, not exponentially, with the agents on
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -387,7 +388,7 @@ def _node_groups(
                 rewards=rewards,
                 downstream=downstream,
                 mean=float(np.mean(rewards)),
-                variance=float(np.var(rewards)),
+                variance=order_free_variance(rewards),
                 selected=False,
                 group=None,
             )
@@ -395,8 +396,20 @@ def _node_groups(
     return groups
 
 
+def order_free_variance(rewards: Sequence[float]) -> float:
+    """Population variance of `rewards`, sum (n r - S)^2 / n^3 with S and the outer sum by
+    `math.fsum` (correctly rounded): the same value in every order of the rewards, so two groups
+    holding the same rewards tie exactly and the tie rule, not rounding, decides between them."""
+    n = len(rewards)
+    if n == 0:
+        return 0.0
+    total = math.fsum(rewards)
+    return math.fsum((n * r - total) ** 2 for r in rewards) / n**3
+
+
 def _select(groups: list[NodeGroup], top_k: int, scope: str) -> set[int]:
-    """Indices of the top-K groups by reward variance (ties: earlier task, then earlier node)."""
+    """Indices of the top-K groups by reward variance (ties: earlier task, then earlier node;
+    `order_free_variance` makes equal rewards in any order a tie)."""
     order = sorted(range(len(groups)), key=lambda i: (-groups[i].variance, groups[i].task,
                                                       groups[i].node))
     if scope == "batch":

@@ -7,7 +7,7 @@
 The run compiles every program itself, as a newcomer's first run does: it is given an empty
 compilation cache ($JMARL_COMPILATION_CACHE set to a fresh directory; a later run with the cache
 warm is faster). A record (results/quickstart_output.json) holds the exact command, the commit it ran on (with a
-dirty flag for uncommitted changes to tracked files), the UTC date and load average when it
+dirty flag for uncommitted changes to the library, configs or pyproject.toml), the UTC date and load average when it
 started, the machine, the package versions, the wall seconds and every line the command printed
 to stdout. The README quotes the lines from "held-out success on" to the end verbatim; `--check`
 (and tests/test_readme_figures.py) refuse a README whose quoted block differs from the record.
@@ -32,14 +32,16 @@ RECORD = ROOT / "results" / "quickstart_output.json"
 README = ROOT / "README.md"
 COMMAND = ("python", "-m", "jmarl.run", "--config", "configs/quickstart.yaml")
 BLOCK_START = "held-out success on "  # the first line of the closing block the README quotes
+RUN_PATHS = ("jmarl", "configs", "pyproject.toml")  # what the run executes or reads
 
 
 def git_state(root: Path = ROOT) -> dict[str, object]:
-    """The checkout's HEAD commit and whether tracked files differ from it ("unknown" outside git)."""
+    """The checkout's HEAD commit and whether the tracked files the run executes or reads
+    (`RUN_PATHS`) differ from it ("unknown" outside git)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *RUN_PATHS], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip() != ""
     except (OSError, subprocess.CalledProcessError):
         return {"commit": "unknown", "dirty": None}

@@ -1072,6 +1072,8 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     cpus = [r["cpu_seconds"] for v in result["variants"].values() for r in v["runs"] if "cpu_seconds" in r]
     failed = [f"{name} seed {r['seed']}" for name, v in result["variants"].items() for r in v["runs"] if "error" in r]
     steps_text = _steps_in(table, steps, result.get("config_steps"))
+    if code_summary(result)["mixed"]:
+        steps_text += " (as the config read when the JSON was last written; runs on other code may have read others)"
     cpu_text = f", {sum(cpus) / 60:.0f} CPU-min" if len(cpus) == len(walls) else ""
     lines = [
         f"**{table.title}.** Mean ± sample std over seeds {', '.join(map(str, seeds))}; {steps_text}; "

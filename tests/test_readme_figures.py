@@ -1,0 +1,72 @@
+"""The README's quickstart figures are the recorded ones: the quoted closing output equals the
+record `scripts/quickstart_record.py` made by running the README's command, and the over-seeds
+sentence quotes results/evidence_quickstart.json."""
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+RECORD = json.loads((ROOT / "results" / "quickstart_output.json").read_text())
+EVIDENCE = json.loads((ROOT / "results" / "evidence_quickstart.json").read_text())
+
+
+
+def _load(name: str):
+    """A script of scripts/ as a module (registered, so its dataclasses resolve)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+quickstart_record = _load("quickstart_record")
+evidence = _load("evidence")
+
+
+def test_record_is_the_readme_command_on_committed_code():
+    assert RECORD["command"] == "python -m jmarl.run --config configs/quickstart.yaml"
+    assert "python -m jmarl.run --config configs/quickstart.yaml" in README
+    assert RECORD["dirty"] is False and re.fullmatch(r"[0-9a-f]{7,40}", RECORD["commit"])
+    assert quickstart_record.closing_block("\n".join(RECORD["stdout"])) == RECORD["closing_block"]
+
+
+def test_readme_quotes_the_recorded_output():
+    assert quickstart_record.check_readme(README, RECORD) == []
+
+
+def test_check_refuses_a_readme_with_other_figures():
+    changed = README.replace(RECORD["closing_block"][2], RECORD["closing_block"][2].replace("%", "0%"), 1)
+    assert changed != README
+    assert quickstart_record.check_readme(changed, RECORD)
+    assert quickstart_record.check_readme(README.replace("held-out success on", "success on"), RECORD)
+
+
+def test_replace_block_round_trips():
+    lines = ["held-out success on x (1 episodes, greedy)", "  after warm start   1.0%"]
+    text = quickstart_record.replace_readme_block(README, lines)
+    assert quickstart_record.readme_block(text) == lines
+    assert quickstart_record.replace_readme_block(text, RECORD["closing_block"]) == README
+
+
+def test_seeds_sentence_quotes_the_evidence_table():
+    """'over seeds 0-7 ... **A% -> B%, +C points**' is the per-agent variant's mean success before
+    and after RL in the committed evidence JSON, and the quoted p its sign-flip p-value."""
+    found = re.search(r"over seeds (\d+)-(\d+).*?\*\*([\d.]+)% -> ([\d.]+)%, \+([\d.]+) points\*\*", README, re.S | re.I)
+    assert found, "README: no 'over seeds a-b ... **x% -> y%, +z points**' sentence"
+    runs = [r for r in EVIDENCE["variants"]["per_agent"]["runs"] if "values" in r]
+    assert len({(r.get("commit"), r.get("diff")) for r in runs}) == 1, "the quoted runs ran on different code"
+    seeds = [r["seed"] for r in runs]
+    assert seeds == list(range(int(found[1]), int(found[2]) + 1))
+    before = sum(r["values"]["success_before"] for r in runs) / len(runs)
+    after = sum(r["values"]["success_after"] for r in runs) / len(runs)
+    assert f"{100 * before:.1f}" == found[3] and f"{100 * after:.1f}" == found[4]
+    assert f"{100 * (after - before):.1f}" == found[5]
+    p = re.search(r"sign-flip p = ([\d.]+)", README[found.end():found.end() + 400])
+    assert p, "README: the seeds sentence gives no sign-flip p"
+    diffs = [r["values"]["success_after"] - r["values"]["success_before"] for r in runs]
+    assert f"{evidence.sign_flip_p(diffs):.3f}".rstrip("0") == p[1].rstrip("0")

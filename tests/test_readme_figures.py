@@ -70,3 +70,14 @@ def test_seeds_sentence_quotes_the_evidence_table():
     assert p, "README: the seeds sentence gives no sign-flip p"
     diffs = [r["values"]["success_after"] - r["values"]["success_before"] for r in runs]
     assert f"{evidence.sign_flip_p(diffs):.3f}".rstrip("0") == p[1].rstrip("0")
+
+    control = re.search(r"more supervised training instead reaches ([\d.]+)%,\s+so RL's own lead is \+([\d.]+) points",
+                        README)
+    assert control, "README: no 'more supervised training instead reaches x%, so RL's own lead is +y points'"
+    by_seed = {r["seed"]: r["values"]["success_after"] for r in runs}
+    supervised = [r for r in EVIDENCE["variants"]["supervised"]["runs"] if "values" in r]
+    assert sorted(r["seed"] for r in supervised) == seeds
+    assert {(r.get("commit"), r.get("diff")) for r in supervised} == {(runs[0].get("commit"), runs[0].get("diff"))}
+    reached = sum(r["values"]["success_after"] for r in supervised) / len(supervised)
+    lead = sum(by_seed[r["seed"]] - r["values"]["success_after"] for r in supervised) / len(supervised)
+    assert f"{100 * reached:.1f}" == control[1] and f"{100 * lead:.1f}" == control[2]

@@ -56,7 +56,7 @@ def test_replace_block_round_trips():
 def test_seeds_sentence_quotes_the_evidence_table():
     """'over seeds 0-7 ... **A% -> B%, +C points**' is the per-agent variant's mean success before
     and after RL in the committed evidence JSON, and the quoted p its sign-flip p-value."""
-    found = re.search(r"over seeds (\d+)-(\d+).*?\*\*([\d.]+)% -> ([\d.]+)%, \+([\d.]+) points\*\*", README, re.S | re.I)
+    found = re.search(r"over\s+seeds (\d+)-(\d+).*?\*\*([\d.]+)% -> ([\d.]+)%, \+([\d.]+) points\*\*", README, re.S | re.I)
     assert found, "README: no 'over seeds a-b ... **x% -> y%, +z points**' sentence"
     runs = [r for r in EVIDENCE["variants"]["per_agent"]["runs"] if "values" in r]
     assert len({(r.get("commit"), r.get("diff")) for r in runs}) == 1, "the quoted runs ran on different code"

@@ -333,12 +333,14 @@ def _committed(name: str) -> dict:
     result = json.loads((ROOT / "results" / f"evidence_{name}.json").read_text())
     table = evidence.TABLES[name]
     first = next(v for v in table.variants if result["variants"].get(v.name, {}).get("runs"))
+    template = {r["seed"]: r for r in result["variants"][first.name]["runs"] if "values" in r}
     for variant in table.variants:
         entry = result["variants"].setdefault(variant.name, {"label": variant.label, "runs": []})
-        if not [r for r in entry["runs"] if "values" in r]:
-            entry["runs"] = [dict(r, values={k: (None if x is None else x * (0.9 + 0.03 * r["seed"]))
-                                             for k, x in r["values"].items()})
-                             for r in result["variants"][first.name]["runs"] if "values" in r]
+        have = {r["seed"] for r in entry["runs"] if "values" in r}
+        entry["runs"] = [r for r in entry["runs"] if "values" in r] + [
+            dict(r, values={k: (None if x is None else x * (0.9 + 0.03 * r["seed"])) for k, x in r["values"].items()})
+            for seed, r in template.items() if seed not in have]
+        entry["runs"].sort(key=lambda r: r["seed"])
         for r in entry["runs"]:
             r.update(commit="abc1234", dirty=False)
             r.pop("commit_inferred", None)

@@ -14,6 +14,7 @@ from jmarl.models.model import (
     param_shapes,
     positions_from_mask,
     prefill,
+    packed_token_logprobs,
     prefix_token_logprobs,
     token_logprobs,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "param_shapes",
     "positions_from_mask",
     "prefill",
+    "packed_token_logprobs",
     "prefix_token_logprobs",
     "sample_token",
     "save_hf",

@@ -34,6 +34,7 @@ A query with no valid key (a padding row) gets a finite average instead of NaN.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -127,6 +128,62 @@ def prefixed_attention(
     return _merge(own, (pre[0], pre_lse)).astype(q.dtype)
 
 
+def packed_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment: jax.Array,
+    branch: jax.Array,
+    *,
+    impl: str = "auto",
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> jax.Array:
+    """Attention inside packed rows. q [R,T,H,hd], k/v [R,T,KV,hd] (one slot per token, keys and
+    queries aligned); segment int[R,T]: 0 = padding, else the id of a contiguous run of slots
+    (a prompt followed by its continuations); branch int[R,T]: 0 = the segment's shared prompt,
+    b > 0 = its b-th continuation. Query t sees key s iff s <= t, both lie in the same non-zero
+    segment, and s is on branch 0 or on t's branch: each continuation attends to its prompt
+    and to itself, never to its siblings. -> [R,T,H,hd] in q's dtype; a padding query gets a
+    finite average. Forms: dense when the scores are small (or impl dense/xla), otherwise the
+    blockwise kernel, which skips every tile outside a segment and above the diagonal (cuDNN's
+    and splash's masks cannot say "prompt or own branch", so no kernel form is used here)."""
+    _check(q, k, v, impl)
+    if q.shape[1] != k.shape[1]:
+        raise JmarlError(f"packed attention takes aligned queries and keys; got {q.shape} and {k.shape}")
+    segment, branch = jnp.asarray(segment, jnp.int32), jnp.asarray(branch, jnp.int32)
+    r, t, h, _ = q.shape
+    if impl in ("xla", "dense") or (impl == "auto" and r * h * t * t <= DENSE_MAX_SCORES):
+        idx = jnp.arange(t)
+        allowed = _Packed().allowed((segment, branch), idx, idx)
+        return _dense_masked(q, k, v, allowed)[0]
+    bq, bk = min(block_q, t), min(block_k, t)
+    tp, sp = -(-t // bq) * bq, -(-t // bk) * bk
+    width = max(tp, sp)
+    pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, width - t)), constant_values=fill)  # noqa: E731
+    segment, branch = pad(segment, 0), pad(branch, 0)
+    start, end = segment_bounds(segment)
+    qg = _grouped(q, k.shape[2])
+    qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, sp - t), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, sp - t), (0, 0), (0, 0)))
+    out, _ = _flash(qg, k, v, (segment, branch, start, end), _Packed(), bq, bk)
+    return out[:, :t].reshape(r, t, h, -1).astype(q.dtype)
+
+
+def segment_bounds(segment: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """segment int[R,T] -> (start, end) int[R,T]: the first slot of each slot's run of equal
+    non-zero ids and one past its last; a padding slot (0) is a run of its own."""
+    r, t = segment.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    pad = segment == 0
+    new_run = jnp.concatenate([jnp.ones((r, 1), bool), segment[:, 1:] != segment[:, :-1]], axis=1) | pad
+    ends_run = jnp.concatenate([segment[:, 1:] != segment[:, :-1], jnp.ones((r, 1), bool)], axis=1) | pad
+    start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
+    end = jax.lax.cummin(jnp.where(ends_run, idx + 1, t), axis=1, reverse=True)
+    return start, end
+
+
 def form_for(q_shape: tuple[int, ...], k_shape: tuple[int, ...], impl: str) -> str:
     """The form `attention` uses for these shapes: dense / blockwise / cudnn / splash, or
     'platform' (auto on long sequences: chosen when the program is lowered)."""
@@ -177,13 +234,18 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
 # ---------------------------------------------------------------------------------- dense
 def _dense(q, k, v, lengths, rows, causal):
     """(out [B,T,H,hd] in q's dtype, lse float32 [B,T,H]); rows: k/v [U,..] read per row."""
-    b, t, h, hd = q.shape
     if rows is not None:
         k, v = k[rows], v[rows]
+    return _dense_masked(q, k, v, _allowed(jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), lengths, causal))
+
+
+def _dense_masked(q, k, v, allowed):
+    """(out [B,T,H,hd] in q's dtype, lse float32 [B,T,H]) over the keys `allowed`
+    (bool [B,1,1,T,S])."""
+    b, t, h, hd = q.shape
     kv = k.shape[2]
     qg = _grouped(q, kv).astype(k.dtype)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    allowed = _allowed(jnp.arange(t), jnp.arange(k.shape[1]), lengths, causal)
     scores = jnp.where(allowed, scores, _MASKED)
     lse = jax.nn.logsumexp(scores, axis=-1)  # [B,KV,G,T]
     probs = jnp.exp(scores - lse[..., None]).astype(v.dtype)
@@ -210,17 +272,10 @@ def _blockwise(q, k, v, lengths, rows, causal, block_q, block_k):
         k = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
     rows_arg = jnp.zeros((0,), jnp.int32) if rows is None else rows
-    out, lse = _flash(qg, k, v, lengths, rows_arg, causal, bq, bk)
+    out, lse = _flash(qg, k, v, (lengths, rows_arg), _RightPadded(causal), bq, bk)
     out = out[:, :t].reshape(b, t, h, hd).astype(q.dtype)
     lse = lse[..., :t].transpose(0, 3, 1, 2).reshape(b, t, h)
     return out, lse
-
-
-def _kv_block(x: jax.Array, rows: jax.Array, j: jax.Array, bk: int) -> jax.Array:
-    """Key block j of x [Bk,S,KV,hd] for every query row: [B,bk,KV,hd] (gathered by rows when
-    the keys are shared prefixes, rows non-empty)."""
-    block = jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
-    return block[rows] if rows.shape[0] else block
 
 
 def _num_key_blocks(lengths: jax.Array, nk: int, bk: int) -> jax.Array:
@@ -233,27 +288,108 @@ def _causal_key_blocks(i: jax.Array, bq: int, bk: int) -> jax.Array:
     return ((i + 1) * bq - 1) // bk + 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(qg, k, v, lengths, rows, causal, bq, bk):
+class _Mask:
+    """Which keys a query sees, and which tiles can hold any: the part of the blockwise kernel
+    that differs between layouts. `meta` is a tuple of int arrays (traced), the rest static."""
+
+    def allowed(self, meta: tuple, q_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
+        """bool[B, 1, 1, Tq, Sk] for query slots q_idx [Tq] and key slots k_idx [Sk]."""
+        raise NotImplementedError
+
+    def key_blocks(self, meta: tuple, i: jax.Array, bq: int, bk: int, nk: int) -> tuple[jax.Array, jax.Array]:
+        """[start, stop): the key blocks query block i may see."""
+        raise NotImplementedError
+
+    def query_blocks(self, meta: tuple, j: jax.Array, bq: int, bk: int, nq: int, nk: int) -> tuple[jax.Array, jax.Array]:
+        """[first, last): the query blocks that may see key block j."""
+        raise NotImplementedError
+
+    def kv_block(self, meta: tuple, x: jax.Array, j: jax.Array, bk: int) -> jax.Array:
+        """Key block j of x [Bk,S,KV,hd] for every query row: [B,bk,KV,hd]."""
+        return jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
+
+    def key_grad(self, meta: tuple, g: jax.Array, num_rows: int) -> jax.Array:
+        """A key block's gradient for every query row [B,bk,KV,hd] -> for the keys' rows."""
+        return g
+
+
+@dataclass(frozen=True)
+class _RightPadded(_Mask):
+    """meta = (lengths int[B], rows int[B] or int[0]): keys s < lengths[b] are valid (and, with
+    causal, s <= t); non-empty rows read the keys of row rows[b] of a shared key array (the
+    shared-prefix layout), whose gradients then sum over the rows that read them."""
+
+    causal: bool
+
+    def allowed(self, meta, q_idx, k_idx):
+        return _allowed(q_idx, k_idx, meta[0], self.causal)
+
+    def key_blocks(self, meta, i, bq, bk, nk):
+        n_valid = _num_key_blocks(meta[0], nk, bk)
+        return 0, (jnp.minimum(n_valid, _causal_key_blocks(i, bq, bk)) if self.causal else n_valid)
+
+    def query_blocks(self, meta, j, bq, bk, nq, nk):
+        first = (j * bk) // bq if self.causal else 0
+        return first, jnp.where(j < _num_key_blocks(meta[0], nk, bk), nq, first)
+
+    def kv_block(self, meta, x, j, bk):
+        block = super().kv_block(meta, x, j, bk)
+        rows = meta[1]
+        return block[rows] if rows.shape[0] else block
+
+    def key_grad(self, meta, g, num_rows):
+        rows = meta[1]
+        if not rows.shape[0]:
+            return g
+        return jnp.zeros((num_rows,) + g.shape[1:], g.dtype).at[rows].add(g)
+
+
+@dataclass(frozen=True)
+class _Packed(_Mask):
+    """meta = (segment, branch, start, end) int[B, L] (L >= the padded query and key lengths):
+    query t sees key s iff s <= t, both in the same non-zero segment, and key s is on branch 0
+    (the segment's shared prompt) or on the query's own branch. start/end: the first slot of
+    each slot's segment and one past its last (a padding slot is its own segment)."""
+
+    def allowed(self, meta, q_idx, k_idx):
+        segment, branch = meta[0], meta[1]
+        sq, sk = segment[:, q_idx], segment[:, k_idx]
+        bq_, bk_ = branch[:, q_idx], branch[:, k_idx]
+        ok = (sq[:, :, None] == sk[:, None, :]) & (sk > 0)[:, None, :]
+        ok = ok & ((bk_ == 0)[:, None, :] | (bq_[:, :, None] == bk_[:, None, :]))
+        ok = ok & (k_idx[None, None, :] <= q_idx[None, :, None])
+        return ok[:, None, None]
+
+    def key_blocks(self, meta, i, bq, bk, nk):
+        first_key = jnp.min(meta[2][:, i * bq])  # segments are contiguous runs: the block's first query starts earliest
+        return first_key // bk, jnp.minimum(nk, _causal_key_blocks(i, bq, bk))
+
+    def query_blocks(self, meta, j, bq, bk, nq, nk):
+        last_key = jnp.minimum(j * bk + bk, meta[3].shape[1]) - 1
+        last_query = jnp.max(meta[3][:, last_key])  # one past the end of the block's last segment
+        return (j * bk) // bq, jnp.clip((last_query + bq - 1) // bq, 0, nq)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(qg, k, v, meta, mask, bq, bk):
     """qg [B,Tp,KV,G,hd] (scaled), k/v [Bk,Sp,KV,hd] -> (out f32 [B,Tp,KV,G,hd], lse f32 [B,KV,G,Tp])."""
-    return _flash_forward(qg, k, v, lengths, rows, causal, bq, bk)
+    return _flash_forward(qg, k, v, meta, mask, bq, bk)
 
 
-def _flash_forward(qg, k, v, lengths, rows, causal, bq, bk):
+def _flash_forward(qg, k, v, meta, mask, bq, bk):
     b, tp, kvh, g, hd = qg.shape
     nq, nk = tp // bq, k.shape[1] // bk
-    n_valid = _num_key_blocks(lengths, nk, bk)
 
     def query_block(i):
         qi = jax.lax.dynamic_slice_in_dim(qg, i * bq, bq, axis=1).astype(k.dtype)
         q_idx = i * bq + jnp.arange(bq)
-        stop = jnp.minimum(n_valid, _causal_key_blocks(i, bq, bk)) if causal else n_valid
+        start, stop = mask.key_blocks(meta, i, bq, bk, nk)
 
         def body(j, carry):
             m, l, acc = carry
-            kj, vj = _kv_block(k, rows, j, bk), _kv_block(v, rows, j, bk)
+            kj, vj = mask.kv_block(meta, k, j, bk), mask.kv_block(meta, v, j, bk)
             s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
-            s = jnp.where(_allowed(q_idx, j * bk + jnp.arange(bk), lengths, causal), s, _MASKED)
+            s = jnp.where(mask.allowed(meta, q_idx, j * bk + jnp.arange(bk)), s, _MASKED)
             m_new = jnp.maximum(m, s.max(axis=-1))
             scale = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
@@ -266,7 +402,7 @@ def _flash_forward(qg, k, v, lengths, rows, causal, bq, bk):
             jnp.zeros((b, kvh, g, bq), jnp.float32),
             jnp.zeros((b, kvh, g, bq, hd), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(0, stop, body, init)
+        m, l, acc = jax.lax.fori_loop(start, stop, body, init)
         return acc / l[..., None], m + jnp.log(l)
 
     out, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq,B,KV,G,bq,hd], [nq,B,KV,G,bq]
@@ -275,29 +411,27 @@ def _flash_forward(qg, k, v, lengths, rows, causal, bq, bk):
     return out, lse
 
 
-def _flash_fwd(qg, k, v, lengths, rows, causal, bq, bk):
-    out, lse = _flash_forward(qg, k, v, lengths, rows, causal, bq, bk)
-    return (out, lse), (qg, k, v, lengths, rows, out, lse)
+def _flash_fwd(qg, k, v, meta, mask, bq, bk):
+    out, lse = _flash_forward(qg, k, v, meta, mask, bq, bk)
+    return (out, lse), (qg, k, v, meta, out, lse)
 
 
-def _flash_bwd(causal, bq, bk, residuals, cotangents):
+def _flash_bwd(mask, bq, bk, residuals, cotangents):
     """FlashAttention-2's backward: per key block j, over the query blocks that saw it,
     recompute p = exp(s - lse), then dv_j += p^T do, ds = p (do v^T - D + dlse), dk_j += ds^T q,
     dq += ds k. D = rowsum(do * out). Memory: one [B,KV,G,bq,bk] tile and a float32 dq."""
-    qg, k, v, lengths, rows, out, lse = residuals
+    qg, k, v, meta, out, lse = residuals
     d_out, d_lse = cotangents
     b, tp, kvh, g, hd = qg.shape
     nq, nk = tp // bq, k.shape[1] // bk
-    n_valid = _num_key_blocks(lengths, nk, bk)
     d_out = d_out.astype(jnp.float32)
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out, out) - d_lse  # [B,KV,G,Tp]
     qc = qg.astype(k.dtype)
 
     def key_block(dq, j):
-        kj, vj = _kv_block(k, rows, j, bk), _kv_block(v, rows, j, bk)
+        kj, vj = mask.kv_block(meta, k, j, bk), mask.kv_block(meta, v, j, bk)
         k_idx = j * bk + jnp.arange(bk)
-        first = (j * bk) // bq if causal else 0
-        last = jnp.where(j < n_valid, nq, first)
+        first, last = mask.query_blocks(meta, j, bq, bk, nq, nk)
 
         def body(i, carry):
             dq, dk_j, dv_j = carry
@@ -306,7 +440,7 @@ def _flash_bwd(causal, bq, bk, residuals, cotangents):
             lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
             delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
             s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
-            s = jnp.where(_allowed(i * bq + jnp.arange(bq), k_idx, lengths, causal), s, _MASKED)
+            s = jnp.where(mask.allowed(meta, i * bq + jnp.arange(bq), k_idx), s, _MASKED)
             p = jnp.exp(s - lse_i[..., None])
             dv_j = dv_j + jnp.einsum("bkgqs,bqkgd->bskd", p, doi)
             dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj.astype(jnp.float32))
@@ -319,16 +453,13 @@ def _flash_bwd(causal, bq, bk, residuals, cotangents):
 
         zeros = jnp.zeros((b, bk, kvh, hd), jnp.float32)
         dq, dk_j, dv_j = jax.lax.fori_loop(first, last, body, (dq, zeros, zeros))
-        if rows.shape[0]:  # shared prefixes: the rows' gradients sum into their prefix
-            dk_j = jnp.zeros((k.shape[0],) + dk_j.shape[1:], jnp.float32).at[rows].add(dk_j)
-            dv_j = jnp.zeros((k.shape[0],) + dv_j.shape[1:], jnp.float32).at[rows].add(dv_j)
-        return dq, (dk_j, dv_j)
+        return dq, (mask.key_grad(meta, dk_j, k.shape[0]), mask.key_grad(meta, dv_j, k.shape[0]))
 
     dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qg.shape, jnp.float32), jnp.arange(nk))
     dk = dk.transpose(1, 0, 2, 3, 4).reshape(k.shape)
     dv = dv.transpose(1, 0, 2, 3, 4).reshape(v.shape)
     # the forward scaled the queries in qg already: dq is with respect to qg
-    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -383,6 +383,22 @@ class Transformer(nnx.Module):
         return self.final_norm(xp_last), restore_rows(self.final_norm(xs), s_dest)
 
 
+    def hidden_packed(self, tokens: jax.Array, positions: jax.Array, segment: jax.Array, branch: jax.Array) -> jax.Array:
+        """Packed rows -> final-normed hidden [R,T,D]. tokens, positions (each token's place in
+        its own sequence, for RoPE), segment and branch int[R,T] as `attention.packed_attention`
+        takes them: a prompt's tokens run once, and each of its continuations attends to them
+        and to itself, as if every continuation ran after its own copy of the prompt."""
+        c = self.config
+        t = tokens.shape[1]
+        cos, sin = rope_tables(c, positions.astype(jnp.int32), t)
+        layer_def, layer_state = nnx.split(self.layers)
+        step = functools.partial(_packed_step, layer_def, c.attention)
+        unroll = c.num_layers <= _UNROLL_MAX_LAYERS
+        x = scan_layers(step, self.embed(tokens), layer_state, (cos, sin, segment, branch),
+                        remat=c.remat, policy=c.remat_policy(), unroll=unroll)
+        return self.final_norm(x)
+
+
 # ---------------------------------------------------------------------------------- layer stack
 def _decoder_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple) -> jax.Array:
     """One decoder layer on right-padded rows: x [B,T,D] -> [B,T,D]; consts = (cos, sin, lengths)."""
@@ -411,6 +427,16 @@ def _prefixed_step(layer_def: Any, impl: str, carry: tuple, state: Any, consts: 
 
     xs, _ = layer(xs, s_cos, s_sin, attend_continuation)
     return xp, xs
+
+
+def _packed_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple) -> jax.Array:
+    """One decoder layer on packed rows: x [R,T,D] -> [R,T,D]; consts = (cos, sin, segment, branch)."""
+    cos, sin, segment, branch = consts
+
+    def attend(q, k, v):
+        return attention_lib.packed_attention(q, k, v, segment, branch, impl=impl), None
+
+    return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)[0]
 
 
 def scan_layers(step: Callable, carry: Any, layers: Any, consts: Any, *, remat: str, policy: Any, unroll: bool) -> Any:
@@ -756,6 +782,32 @@ def prefix_token_logprobs(
     mask = mask.astype(bool)
     has_context = mask & (prefix_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=-1) > 1)
     return jnp.where(has_context, lp, 0.0)
+
+
+def packed_token_logprobs(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment: jax.Array,
+    branch: jax.Array,
+    source: jax.Array,
+    target: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    *,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    """float32[M]: out[m] = log p(target[m] | the sequence up to packed slot source[m]) under
+    softmax(logits / T), for packed rows tokens/positions/segment/branch int[R,T]
+    (`Transformer.hidden_packed`) and M predictions source int[M] (flat slots, r * T + t) and
+    target int[M]. A prompt's last slot is the source of each of its continuations' first
+    token, so the LM head runs over the M predictions, not over padded [N, C] slots."""
+    model = bind(config, params)
+    h = model.hidden_packed(tokens, positions, segment, branch)
+    h = h.reshape(-1, h.shape[-1])[source.astype(jnp.int32)]
+    lp = chunked_logprobs(model.head_master(), h[None], target.astype(jnp.int32)[None], temperature,
+                          chunk_size=chunk_size, compute_dtype=config.compute_dtype)
+    return lp[0]
 
 
 def chunked_logprobs(

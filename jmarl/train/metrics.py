@@ -24,9 +24,12 @@ import os
 import textwrap
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jmarl.rollouts import Rollouts
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -95,6 +98,70 @@ def write_summary(output_dir: str | Path, summary: Mapping[str, Any]) -> Path | 
     tmp.write_text(json.dumps(_encode(dict(summary)), indent=2, sort_keys=True, allow_nan=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def rollout_length_metrics(
+    rollouts: "Rollouts",
+    policy_names: Sequence[str],
+    max_new_tokens: int,
+    eos_ids: Sequence[int | None] | None = None,
+) -> dict[str, float]:
+    """Completion lengths and truncation of one step's generations, all policies and per policy.
+
+    rollouts: N samples, of which only the generated ones count: rows whose learner is their
+    generator (`policy == source_policy`; a `shared`/HACPO cross sample is a re-tokenised copy
+    of another policy's completion, counted once as its source's self sample) and that belong to
+    a group (`group >= 0`; `jmarl.rollouts.pad_to`'s padding rows are -1). A sample's completion
+    is its `loss_mask` tokens (bool[N, T], the span `build_rollouts` marks: the sampled tokens,
+    stop token included), so its length is `loss_mask.sum(-1)` (int[N]).
+
+    A completion is truncated when it was cut at the generation budget: length >=
+    `max_new_tokens` and its last token is not its policy's stop token `eos_ids[policy]` (the
+    sampler stops a row on the tokenizer's eos_id or at max_new_tokens, and keeps the stop token
+    in the completion; neither the static sampler nor the engine records a per-row "stopped"
+    flag, so the last token is the evidence). A completion that emits eos as its
+    `max_new_tokens`-th token is therefore not truncated. eos_ids None (or a None entry): the
+    proxy length >= max_new_tokens alone, which also counts those.
+
+    Returns (float values; lengths in tokens), for all generated samples:
+    rollout/completion_length_mean, rollout/completion_length_p90 (numpy's default linear
+    interpolation, `np.percentile(lengths, 90)`), rollout/completion_length_max,
+    rollout/truncated_fraction; and with more than one policy the same four per policy p that
+    generated samples this step, as rollout/<policy_names[p]>/<metric> (the
+    `<family>/<policy name>/<metric>` convention of the trainer's train/<group>/ and
+    evaluation's eval/<policy>/ keys). {} when there is no generated sample.
+    """
+    loss_mask = np.asarray(rollouts.loss_mask, bool)
+    tokens = np.asarray(rollouts.tokens)
+    policy = np.asarray(rollouts.policy, np.int64)
+    keep = (policy == np.asarray(rollouts.source_policy, np.int64)) & (np.asarray(rollouts.group) >= 0)
+    if not keep.any():
+        return {}
+    lengths = loss_mask.sum(axis=1)
+    truncated = lengths >= int(max_new_tokens)
+    if eos_ids is not None:  # a completion that ends in its policy's stop token stopped, at any length
+        n, t = loss_mask.shape
+        last = tokens[np.arange(n), t - 1 - np.argmax(loss_mask[:, ::-1], axis=1)]  # the last completion token
+        eos_of = np.full(max(len(eos_ids), int(policy.max(initial=0)) + 1), -1, np.int64)  # -1: no stop token
+        eos_of[: len(eos_ids)] = [-1 if e is None else int(e) for e in eos_ids]
+        truncated &= ~((lengths > 0) & (last == eos_of[np.maximum(policy, 0)]))
+
+    def four(rows: np.ndarray) -> dict[str, float]:
+        got = lengths[rows].astype(np.float64)
+        return {
+            "completion_length_mean": float(np.mean(got)),
+            "completion_length_p90": float(np.percentile(got, 90)),
+            "completion_length_max": float(np.max(got)),
+            "truncated_fraction": float(np.mean(truncated[rows])),
+        }
+
+    out = {f"rollout/{k}": v for k, v in four(keep).items()}
+    if len(policy_names) > 1:
+        for pid, name in enumerate(policy_names):
+            rows = keep & (policy == pid)
+            if rows.any():
+                out.update({f"rollout/{name}/{k}": v for k, v in four(rows).items()})
+    return out
 
 
 def family(name: str) -> str:
@@ -245,6 +312,8 @@ def _unit(name: str) -> str:
         return "% of episodes"
     if name.endswith("_fraction"):
         return "%"
+    if "completion_length" in name:
+        return "tokens"
     return ""
 
 

@@ -117,11 +117,16 @@ class ModelSampler:
 
     def _reset_stats(self) -> None:
         self._stats = {"rows": 0, "decoded_rows": 0, "slot_steps": 0, "busy_slot_steps": 0, "requests": 0,
-                       "queue_wait": 0, "entry_waits": 0, "seconds": 0.0}
+                       "queue_wait": 0, "entry_waits": 0, "seconds": 0.0, "tokens": 0, "decoded_positions": 0}
 
     def take_stats(self) -> dict[str, float]:
         """The rollout figures since the last call (then reset): rollout/row_utilization (real
-        completion rows / decoded rows), rollout/slot_utilization (busy slot-steps / slot-steps,
+        completion rows / decoded rows), rollout/decode_utilization (new tokens of the real
+        completions / token positions decoded: static, each call's rows, padding included, x the
+        steps its decode loop ran, i.e. its longest row, as every row keeps its slot until the
+        last one stops; continuous, the engine's slot-steps plus one per completion for the first
+        token it samples when its slot starts, as `benchmarks.engine` counts them; not 1 by
+        construction on the engine, unlike row_utilization), rollout/slot_utilization (busy slot-steps / slot-steps,
         continuous engine only), rollout/queue_wait (mean decode chunks a request waited before
         its first completion started, continuous engine only), rollout/entry_waits (refills that
         left slots free because no prompt-pool entry was: a larger budget or fewer slots would
@@ -130,6 +135,8 @@ class ModelSampler:
         out = {"time/generate": float(st["seconds"])}
         if st["decoded_rows"]:
             out["rollout/row_utilization"] = st["rows"] / st["decoded_rows"]
+        if st["decoded_positions"]:
+            out["rollout/decode_utilization"] = st["tokens"] / st["decoded_positions"]
         if st["slot_steps"]:
             out["rollout/slot_utilization"] = st["busy_slot_steps"] / st["slot_steps"]
         if st["requests"]:
@@ -244,11 +251,15 @@ class ModelSampler:
         of generated row k; gen's fields [(P,) B, max_new_tokens] on the host."""
         out: list[list[Completion]] = [[] for _ in range(num_requests)]
         prompt_arrays = [np.asarray(p, np.int32) for p in prompts]  # one array per request, shared by its n completions
+        lengths = np.asarray(gen.lengths)  # [(P,) B]: every decoded row, padding rows included
+        # the decode loop runs until every row of the call (of every policy) has stopped: its longest row
+        self._stats["decoded_positions"] += int(lengths.size) * int(lengths.max(initial=0))
         for r, pi, j in located:
             at = j if pi is None else (pi, j)
             length_j = int(gen.lengths[at])
             comp = np.asarray(gen.tokens[at][:length_j], np.int32)
             self.new_tokens += length_j
+            self._stats["tokens"] += length_j
             out[r].append(
                 Completion(
                     text=tok.decode(comp.tolist()),
@@ -290,10 +301,12 @@ class ModelSampler:
             self._stats["requests"] += st.requests
             self._stats["queue_wait"] += st.queue_wait_chunks
             self._stats["entry_waits"] += st.entry_waits
+            self._stats["decoded_positions"] += st.slot_steps + st.rows  # + each completion's first token
             for r, comps in zip(idx, result.completions):
                 prompt_array = np.asarray(prompts[r], np.int32)  # shared by the request's completions
                 for comp, logprobs in comps:
                     self.new_tokens += len(comp)
+                    self._stats["tokens"] += len(comp)
                     out[r].append(Completion(
                         text=tok.decode(comp.tolist()), prompt_tokens=prompt_array,
                         completion_tokens=comp, logprobs=logprobs,

@@ -1,0 +1,214 @@
+"""The learner's batch layout: real tokens only, packed into rows of a few fixed widths.
+
+A GRPO group's samples share their prompt, and their completions differ in length. The learner
+packs each micro-batch into `rows_per_part` rows of L slots: every distinct prompt once,
+followed by the continuations that extend it (one "segment" per prompt), and padding only at
+the end of a row. In attention (`jmarl.models.attention.packed_attention`) a continuation sees
+its prompt and itself, never its siblings, so the log-probs and gradients are those of running
+each sample alone, while the prompt's work is divided by the group size and no slot is spent
+on padding a continuation to the longest of the batch.
+
+The LM head runs over the M predictions (one per continuation token that has a token before
+it), gathered from the packed hidden states; `pred_slot` maps them back to the per-sample
+[N, C] arrays the loss reads, which keep their meaning (and normalisers) unchanged.
+
+Host side (NumPy). A sample's prompt is its real tokens before its first loss token (all of
+them when it has none); its continuation is the rest of its real tokens. Output fields:
+
+    packed_tokens, packed_positions  int32[parts * R, L]  tokens; each token's place in its own
+                                                          sequence (prompt + continuation)
+    packed_segment, packed_branch    int32[parts * R, L]  segment id (0 = padding; from 1 per
+                                                          row), branch (0 = prompt, b = the b-th
+                                                          continuation of the segment)
+    pred_source, pred_target         int32[parts * M]     flat slot (r * L + t) whose hidden
+                                                          state predicts, and the predicted token
+    pred_slot                        int32[N, C]          the prediction of continuation token
+                                                          j of sample n, -1 = none
+(pred_source and pred_slot index the whole batch; read inside a micro-batch they are taken
+modulo its size, as `packed_logprobs` does.)
+    tokens, attention_mask           [N, C]               continuations, right-padded
+    any other [N, T] field           [N, C]               (loss_mask, behavior_logprobs) cut the
+                                                          same way
+
+Micro-batch m holds samples [m * N/parts, (m+1) * N/parts), packed rows [m * R, (m+1) * R) and
+predictions [m * M, (m+1) * M). L comes from `token_budget` (eight widths per doubling), M and
+C from length buckets, so that steps reuse a few compiled programs. [N] fields pass through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmarl.errors import JmarlError
+from jmarl.models.config import ModelConfig
+from jmarl.models.model import Params, packed_token_logprobs
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
+
+PACKED_FIELDS: dict[str, Any] = {
+    "packed_tokens": np.int32, "packed_positions": np.int32, "packed_segment": np.int32, "packed_branch": np.int32,
+}
+PRED_FIELDS: dict[str, Any] = {"pred_source": np.int32, "pred_target": np.int32}
+# what the model reads from a packed batch (the rest is for the loss)
+MODEL_INPUTS: tuple[str, ...] = (*PACKED_FIELDS, *PRED_FIELDS, "pred_slot")
+MIN_BUDGET = 64
+
+
+def token_budget(tokens: int, minimum: int = MIN_BUDGET) -> int:
+    """A packed row's width L for `tokens` tokens: the smallest of minimum, then m x 2^k with m
+    in 8..15 (64, 72, 80, ..., 120, 128, 144, ...), so a row wastes at most 1/9 of its slots and
+    a run compiles for a few widths."""
+    n = max(tokens, minimum)
+    step = max(1 << max(0, n.bit_length() - 4), 1)
+    return int(-(-n // step) * step)
+
+
+def split_prompts(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For each row of [N, T] arrays: (prompt token ids, column indices of its continuation)."""
+    out = []
+    for tok, real, loss in zip(tokens, attention_mask.astype(bool), loss_mask.astype(bool)):
+        cols = np.flatnonzero(real)
+        trained = np.flatnonzero(loss[cols])
+        first = int(trained[0]) if trained.size else cols.size
+        out.append((tok[cols[:first]].astype(np.int32), cols[first:]))
+    return out
+
+
+def _segments(samples: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, list[int]]]:
+    """One micro-batch's samples -> [(prompt, [sample indices continuing it])] in first-seen
+    order; samples without a continuation are left out (nothing of theirs is predicted)."""
+    seen: dict[bytes, int] = {}
+    out: list[tuple[np.ndarray, list[int]]] = []
+    for i, (prompt, rest) in enumerate(samples):
+        if not rest.size:
+            continue
+        key = prompt.tobytes()
+        if key not in seen:
+            seen[key] = len(out)
+            out.append((prompt, []))
+        out[seen[key]][1].append(i)
+    return out
+
+
+def _assign_rows(sizes: Sequence[int], rows: int) -> list[int]:
+    """Segments of `sizes` tokens -> the row each goes to: longest first onto the least-filled
+    row (ties: the lowest row), so the rows' widths stay close."""
+    load = [0] * rows
+    where = [0] * len(sizes)
+    for s in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = min(range(rows), key=lambda j: (load[j], j))
+        where[s] = r
+        load[r] += sizes[s]
+    return where
+
+
+def pack(
+    batches: Sequence[dict[str, np.ndarray]], parts: int = 1, rows_per_part: int = 1,
+    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+) -> list[dict[str, np.ndarray]]:
+    """Plain batches (tokens/attention_mask/loss_mask [N, T], N a multiple of `parts`) -> the
+    packed layout of the module docstring, with R = rows_per_part and L, M, C common to all of
+    them (so the results stack, e.g. one per policy of a stacked group)."""
+    plans = []  # per batch: (samples, per micro-batch: (segments, row of each segment))
+    widest, most_preds, longest_rest = 1, 1, 1
+    for b in batches:
+        n = b["tokens"].shape[0]
+        if n % parts:
+            raise JmarlError(f"batch of {n} samples does not split into {parts} micro-batches")
+        samples = split_prompts(b["tokens"], b["attention_mask"], b["loss_mask"])
+        per_part = n // parts
+        micro = []
+        for m in range(parts):
+            local = samples[m * per_part:(m + 1) * per_part]
+            segments = _segments(local)
+            sizes = [p.size + sum(local[i][1].size for i in idx) for p, idx in segments]
+            rows = _assign_rows(sizes, rows_per_part)
+            for r in range(rows_per_part):
+                widest = max(widest, sum(s for s, w in zip(sizes, rows) if w == r))
+            preds = sum(rest.size - (1 if not p.size else 0) for p, rest in local if rest.size)
+            most_preds = max(most_preds, preds)
+            micro.append((segments, rows))
+        longest_rest = max([longest_rest] + [rest.size for _, rest in samples])
+        plans.append((samples, micro))
+    width = token_budget(widest)
+    m_len = bucket_length(most_preds, buckets)
+    c_len = bucket_length(longest_rest, buckets)
+    return [_fill(b, samples, micro, parts, rows_per_part, width, m_len, c_len) for b, (samples, micro) in zip(batches, plans)]
+
+
+def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows: int, width: int, m_len: int,
+          c_len: int) -> dict[str, np.ndarray]:
+    """One batch's packed arrays (see `pack`)."""
+    n, t = b["tokens"].shape
+    per_part = n // parts
+    packed = {k: np.zeros((parts * rows, width), dtype) for k, dtype in PACKED_FIELDS.items()}
+    source = np.zeros((parts * m_len,), np.int32)
+    target = np.zeros((parts * m_len,), np.int32)
+    pred_slot = np.full((n, c_len), -1, np.int32)
+    gather = np.zeros((n, c_len), np.int64)  # column of the [N, T] row each continuation slot reads
+    valid = np.zeros((n, c_len), bool)
+    for m, (segments, where) in enumerate(micro):
+        fill = [0] * rows  # next free slot of each row
+        next_id = [1] * rows
+        k = 0  # next prediction of this micro-batch
+        for (prompt, members), r in zip(segments, where):
+            row, at = m * rows + r, fill[r]
+            seg = next_id[r]
+            p = prompt.size
+            packed["packed_tokens"][row, at:at + p] = prompt
+            packed["packed_positions"][row, at:at + p] = np.arange(p)
+            packed["packed_segment"][row, at:at + p] = seg
+            last_prompt = row * width + at + p - 1
+            at += p
+            for branch, i in enumerate(members, start=1):
+                cols = samples[m * per_part + i][1]
+                c = cols.size
+                toks = b["tokens"][m * per_part + i, cols]
+                packed["packed_tokens"][row, at:at + c] = toks
+                packed["packed_positions"][row, at:at + c] = p + np.arange(c)
+                packed["packed_segment"][row, at:at + c] = seg
+                packed["packed_branch"][row, at:at + c] = branch
+                src = row * width + at + np.arange(-1, c - 1)
+                src[0] = last_prompt
+                first = 0 if p else 1  # with no prompt the first token has nothing before it
+                count = c - first
+                source[m * m_len + k:m * m_len + k + count] = src[first:]
+                target[m * m_len + k:m * m_len + k + count] = toks[first:]
+                pred_slot[m * per_part + i, first:c] = m * m_len + k + np.arange(count)
+                k += count
+                at += c
+            fill[r], next_id[r] = at, seg + 1
+    for i, (_, cols) in enumerate(samples):
+        gather[i, :cols.size] = cols
+        valid[i, :cols.size] = True
+    out: dict[str, np.ndarray] = {**packed, "pred_source": source, "pred_target": target, "pred_slot": pred_slot}
+    for key, x in b.items():
+        x = np.asarray(x)
+        if x.shape == (n, t):
+            out[key] = np.where(valid, np.take_along_axis(x, gather, axis=1), np.zeros((), x.dtype))
+        else:
+            out[key] = x
+    out["attention_mask"] = valid
+    return out
+
+
+def packed_logprobs(config: ModelConfig, params: Params, batch: Any, temperature: float | jax.Array = 1.0) -> jax.Array:
+    """float32[N, C]: the continuation token log-probs of a packed (micro-)batch, a
+    `LearnerBatch` or a dict (reads `MODEL_INPUTS`); 0 where a token has no prediction."""
+    get = batch.__getitem__ if isinstance(batch, Mapping) else lambda name: getattr(batch, name)
+    tokens = get("packed_tokens")
+    lp = packed_token_logprobs(
+        config, params, tokens, get("packed_positions"), get("packed_segment"), get("packed_branch"),
+        get("pred_source") % tokens.size, get("pred_target"), temperature,
+    )
+    slot = get("pred_slot")
+    return jnp.where(slot >= 0, lp[jnp.maximum(slot, 0) % lp.shape[0]], 0.0)
+
+
+def token_utilization(batch: Any) -> tuple[int, int]:
+    """(real tokens, token slots) of a packed batch's rows (host arrays; any leading axes)."""
+    segment = np.asarray(batch["packed_segment"] if isinstance(batch, Mapping) else batch.packed_segment)
+    return int(np.count_nonzero(segment)), int(segment.size)

@@ -1,0 +1,143 @@
+"""The learner's packed batch layout: exact fields on a hand-made batch, the same log-probs,
+loss and gradients as the plain [N, T] layout through `make_update`'s micro-batches, in both
+attention forms, with several rows per micro-batch."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmarl import algos, models
+from jmarl.errors import JmarlError
+from jmarl.train.optim import make_optimizer
+from jmarl.train.packing import pack, packed_logprobs, split_prompts, token_budget, token_utilization
+from jmarl.train.step import init_train_state, make_update, split_minibatches
+
+TINY = models.ModelConfig(
+    model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
+)
+
+
+def _plain(rows: list[tuple[list[int], list[int]]], t: int) -> dict[str, np.ndarray]:
+    """Right-padded [N, T] batch of (prompt, completion) rows, as `build_rollouts` lays them out."""
+    n = len(rows)
+    tokens = np.zeros((n, t), np.int32)
+    attn = np.zeros((n, t), bool)
+    loss = np.zeros((n, t), bool)
+    for i, (p, c) in enumerate(rows):
+        tokens[i, : len(p) + len(c)] = p + c
+        attn[i, : len(p) + len(c)] = True
+        loss[i, len(p): len(p) + len(c)] = True
+    behavior = np.where(loss, -0.5 - np.arange(t, dtype=np.float32) / 10, 0.0).astype(np.float32)
+    return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss, "behavior_logprobs": behavior,
+            "reward": np.arange(n, dtype=np.float32)}
+
+
+def test_token_budgets():
+    assert [token_budget(n) for n in (1, 64, 65, 72, 73, 128, 129, 200, 1000)] == [64, 64, 72, 72, 80, 128, 144, 208, 1024]
+    assert all(n <= token_budget(n) <= max(64, n * 9 / 8) for n in range(1, 5000))
+
+
+def test_layout_by_hand():
+    plain = _plain([([5, 6, 7], [8, 9]), ([5, 6, 7], [10]), ([5, 6], [11, 12, 13]), ([], [])], t=6)
+    (out,) = pack([plain], parts=2, buckets=(4,))
+    # micro-batch 0: prompt [5 6 7] then its two continuations; micro-batch 1: [5 6] and one
+    # continuation (the padding row packs nothing). L = 64 (the smallest budget), M = C = 4.
+    assert out["packed_tokens"].shape == (2, 64)
+    np.testing.assert_array_equal(out["packed_tokens"][:, :8], [[5, 6, 7, 8, 9, 10, 0, 0], [5, 6, 11, 12, 13, 0, 0, 0]])
+    np.testing.assert_array_equal(out["packed_positions"][:, :6], [[0, 1, 2, 3, 4, 3], [0, 1, 2, 3, 4, 0]])
+    np.testing.assert_array_equal(out["packed_segment"][:, :7], [[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["packed_branch"][:, :6], [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 0]])
+    # predictions: sample 0 token 8 from slot 2 (the prompt's last), 9 from slot 3; sample 1's
+    # 10 from slot 2 again; sample 2's 11 from row 1's slot 1 (64 + 1), 12 from 66, 13 from 67
+    np.testing.assert_array_equal(out["pred_source"], [2, 3, 2, 0, 65, 66, 67, 0])
+    np.testing.assert_array_equal(out["pred_target"], [8, 9, 10, 0, 11, 12, 13, 0])
+    np.testing.assert_array_equal(out["pred_slot"], [[0, 1, -1, -1], [2, -1, -1, -1], [4, 5, 6, -1], [-1] * 4])
+    np.testing.assert_array_equal(out["tokens"], [[8, 9, 0, 0], [10, 0, 0, 0], [11, 12, 13, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(out["attention_mask"], out["loss_mask"])
+    np.testing.assert_allclose(out["behavior_logprobs"][0, :2], [-0.8, -0.9])
+    np.testing.assert_array_equal(out["reward"], plain["reward"])  # [N] fields pass through
+    assert token_utilization(out) == (11, 128)
+    with pytest.raises(JmarlError, match="does not split into 3"):
+        pack([plain], parts=3)
+
+
+def test_rows_per_part_balance_segments_and_keep_them_whole():
+    rows = [([1] * 30, [2] * 10)] * 2 + [([3] * 20, [4] * 5)] * 3 + [([5] * 8, [6] * 40)]
+    (out,) = pack([_plain(rows, t=64)], parts=1, rows_per_part=2)
+    seg, br = out["packed_segment"], out["packed_branch"]
+    # segments of 50, 35 and 48 tokens, longest first onto the emptier row: 50 | 48 + 35
+    assert [int(np.count_nonzero(r)) for r in seg] == [50, 83]
+    for r in range(2):
+        for s in set(seg[r][seg[r] > 0].tolist()):
+            slots = np.flatnonzero(seg[r] == s)
+            assert np.all(np.diff(slots) == 1) and br[r, slots[0]] == 0
+
+
+def test_prompt_is_everything_before_the_first_loss_token():
+    tokens = np.array([[1, 2, 3, 4, 5, 6]])
+    attn = np.array([[0, 1, 1, 1, 1, 0]], bool)
+    loss = np.array([[0, 0, 0, 1, 0, 0]], bool)
+    (prompt, cols), = split_prompts(tokens, attn, loss)
+    np.testing.assert_array_equal(prompt, [2, 3])
+    np.testing.assert_array_equal(cols, [3, 4])
+
+
+def _random_rows(rng) -> list[tuple[list[int], list[int]]]:
+    """Three GRPO groups (sizes 3, 3, 1) with prompts of different lengths, a sample with no
+    prompt, a padding row."""
+    rows = []
+    for size, plen in ((3, 7), (3, 4), (1, 9)):
+        prompt = rng.integers(3, 64, plen).tolist()
+        rows += [(prompt, rng.integers(3, 64, int(rng.integers(1, 6))).tolist()) for _ in range(size)]
+    return rows + [([], [7, 8, 9]), ([], [])]
+
+
+@pytest.mark.parametrize("attention, rows_per_part", [("xla", 1), ("blockwise", 2)])
+def test_same_logprobs_loss_and_gradients_as_the_plain_layout(attention, rows_per_part):
+    config = dataclasses.replace(TINY, attention=attention)
+    rng = np.random.default_rng(0)
+    params = models.init(config, jax.random.key(0))
+    plain = _plain(_random_rows(rng), t=16)
+    plain["old_logprobs"] = plain.pop("behavior_logprobs")
+    plain["advantages"] = rng.normal(size=9).astype(np.float32)
+    plain = {k: np.concatenate([v, v[-1:] * 0]) for k, v in plain.items()}  # 10 rows: 2 micro-batches of 5
+    (packed,) = pack([plain], parts=2, rows_per_part=rows_per_part, buckets=(8, 16))
+
+    full = np.asarray(models.token_logprobs(config, params, plain["tokens"], plain["attention_mask"], 0.8))
+    split = split_prompts(plain["tokens"], plain["attention_mask"], plain["loss_mask"])
+    lp = np.asarray(packed_logprobs(config, params, packed, 0.8))
+    micro = split_minibatches(packed, 1, 2)
+    lp_micro = np.concatenate([
+        np.asarray(packed_logprobs(config, params, jax.tree.map(lambda x: x[0, m], micro), 0.8)) for m in range(2)
+    ])
+    for i, (_, cols) in enumerate(split):
+        np.testing.assert_allclose(lp[i, : cols.size], full[i, cols], atol=1e-5)
+        np.testing.assert_allclose(lp_micro[i, : cols.size], full[i, cols], atol=1e-5)
+        assert np.all(lp[i, cols.size:] == 0)
+    assert lp[7, 0] == 0 and lp[7, 1] != 0  # no prompt: the first token has nothing before it
+
+    cfg = algos.grpo.GRPOConfig()
+    optimizer = make_optimizer(1e-3, total_steps=10, grad_clip=1.0)
+
+    def plain_loss(p, frozen, b):
+        lp = models.token_logprobs(config, p, b["tokens"], b["attention_mask"])
+        return algos.policy_loss(lp, b["old_logprobs"], b["advantages"], b["loss_mask"], aggregation=cfg.aggregation)
+
+    def packed_loss(p, frozen, b):
+        return algos.policy_loss(packed_logprobs(config, p, b), b["old_logprobs"], b["advantages"], b["loss_mask"],
+                                 aggregation=cfg.aggregation)
+
+    results = []
+    for loss_fn, batch in ((plain_loss, plain), (packed_loss, packed)):
+        update = jax.jit(make_update(loss_fn, optimizer, grad_accum=2))
+        results.append(update(init_train_state(params, optimizer), None, jax.tree.map(jnp.asarray, batch)))
+    (s_plain, m_plain), (s_packed, m_packed) = results
+    assert float(m_plain["grad_norm"]) > 0
+    np.testing.assert_allclose(m_packed["loss"], m_plain["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m_packed["grad_norm"], m_plain["grad_norm"], rtol=1e-5)
+    # Adam moves every parameter by ~lr = 1e-3: a tiny gradient's float noise may show, a wrong gradient would not hide
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s_packed.params, s_plain.params)

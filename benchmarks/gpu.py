@@ -86,10 +86,10 @@ def bench_train_mfu(shape: str, repeats: int, peak: float, *, batch: int = GPU_B
     optimizer = make_optimizer(LR, total_steps=10**6, weight_decay=0.01, grad_clip=1.0)
     state = jax.jit(lambda k: init_train_state(models.init(config, k), optimizer))(jax.random.key(0))
     update = jit_update(make_update(jmarl_loss_fn(config), optimizer))
-    # distinct prompts (group size 1): the shared-prefix layout then runs every token, so the
+    # distinct prompts (group size 1): the packed layout then runs every token, so the
     # executed FLOPs are tokens x train_flops_per_token and MFU is not inflated by prompt sharing
     host = make_batch(config.vocab_size, batch, seq // 2, seq - seq // 2, group_size=1)
-    device_batch = jax.device_put({k: jnp.asarray(v) for k, v in host.shared_prefix().items()})
+    device_batch = jax.device_put({k: jnp.asarray(v) for k, v in host.packed().items()})
     holder = {"state": state}
 
     def once() -> None:

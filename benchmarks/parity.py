@@ -42,12 +42,12 @@ class GrpoBatch:
         return {"tokens": self.tokens, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
                 "old_logprobs": self.old_logprobs, "advantages": self.advantages}
 
-    def shared_prefix(self) -> dict[str, np.ndarray]:
-        """The batch as jmarl's learner lays it out (`jmarl.train.shared_prefix`): each distinct
-        prompt once, [N, C] completion fields (C = T - prompt length here)."""
-        from jmarl.train.shared_prefix import to_shared_prefix
+    def packed(self) -> dict[str, np.ndarray]:
+        """The batch as jmarl's learner lays it out (`jmarl.train.packing`): each distinct prompt
+        once with its completions after it, [N, C] completion fields (C = T - prompt length here)."""
+        from jmarl.train.packing import pack
 
-        return to_shared_prefix([self.as_dict()])[0]
+        return pack([self.as_dict()])[0]
 
 
 def make_batch(vocab_size: int, rows: int, prompt_len: int, new_tokens: int, *, group_size: int = 8,
@@ -119,15 +119,15 @@ def torch_loss_of(model, tb: dict[str, Any]):
 # ------------------------------------------------------------------------------------------- jmarl
 def jmarl_loss_fn(config, temperature: float = 1.0):
     """`loss_fn(params, frozen, batch) -> (loss, metrics)` for
-    `jmarl.train.step.make_update` over a `GrpoBatch.shared_prefix()` batch: what jmarl's trainer
-    runs (`jmarl.train.shared_prefix.shared_prefix_logprobs` and `jmarl.algos.policy_loss`)."""
+    `jmarl.train.step.make_update` over a `GrpoBatch.packed()` batch: what jmarl's trainer
+    runs (`jmarl.train.packing.packed_logprobs` and `jmarl.algos.policy_loss`)."""
     from jmarl import algos
-    from jmarl.train.shared_prefix import shared_prefix_logprobs
+    from jmarl.train.packing import packed_logprobs
 
     cfg = algos.grpo.GRPOConfig()
 
     def loss_fn(params, frozen, batch):
-        lp = shared_prefix_logprobs(config, params, batch, temperature)
+        lp = packed_logprobs(config, params, batch, temperature)
         return algos.policy_loss(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.aggregation)
 
@@ -162,7 +162,7 @@ def check_parity(torch_model, config, params, *, rows: int = 4, prompt_len: int 
     import jax.numpy as jnp
 
     from jmarl import models
-    from jmarl.train.shared_prefix import shared_prefix_logprobs
+    from jmarl.train.packing import packed_logprobs
 
     batch = make_batch(config.vocab_size, rows, prompt_len, new_tokens, group_size=rows, seed=1)
     tb = torch_batch(batch)
@@ -178,15 +178,15 @@ def check_parity(torch_model, config, params, *, rows: int = 4, prompt_len: int 
     jb = {k: jnp.asarray(v) for k, v in batch.as_dict().items()}
     logits_j = np.asarray(jax.jit(lambda p, b: models.apply(config, p, b["tokens"], b["attention_mask"]))(params, jb))
     lp_j = np.asarray(jax.jit(lambda p, b: models.token_logprobs(config, p, b["tokens"], b["attention_mask"]))(params, jb))
-    shared = {k: jnp.asarray(v) for k, v in batch.shared_prefix().items()}
+    packed = {k: jnp.asarray(v) for k, v in batch.packed().items()}
     loss_fn = jmarl_loss_fn(config)
-    lp_shared = np.asarray(jax.jit(lambda p, b: shared_prefix_logprobs(config, p, b))(params, shared))
-    (loss_j, _), grads_j = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, None, shared)
+    lp_packed = np.asarray(jax.jit(lambda p, b: packed_logprobs(config, p, b))(params, packed))
+    (loss_j, _), grads_j = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, None, packed)
 
     errors = {
         "logits_rel_err": _rel_err(logits_j, logits_t),
         "logprobs_rel_err": max(_rel_err(lp_j, lp_t.detach().numpy()),
-                                _rel_err(lp_shared[:, :new_tokens], lp_t.detach().numpy()[:, prompt_len:])),
+                                _rel_err(lp_packed[:, :new_tokens], lp_t.detach().numpy()[:, prompt_len:])),
         "loss_abs_err": abs(float(loss_j) - float(loss_t.detach())),
         "grads_rel_err": max(_rel_err(np.asarray(a), np.asarray(b))
                              for a, b in zip(jax.tree.leaves(grads_j), jax.tree.leaves(grads_t))),

@@ -7,8 +7,8 @@ Work per step: 64 sequences (8 prompts x group 8) of 64 prompt + 64 completion t
 the GRPO loss of `jmarl.algos.grpo` on the completion tokens, its gradient, global-norm
 clipping at 1.0 and AdamW (lr 1e-6, betas 0.9/0.999, eps 1e-8, weight decay 0.01).
 
-jmarl runs what its trainer runs: `jmarl.train.step.make_update` over the shared-prefix batch
-layout (`jmarl.train.shared_prefix`: each group's prompt runs through the model once, not G
+jmarl runs what its trainer runs: `jmarl.train.step.make_update` over the packed batch
+layout (`jmarl.train.packing`: each group's prompt runs through the model once, not G
 times; same log-probs, loss and gradients, which the parity gate checks against PyTorch) and
 `jmarl.algos.policy_loss` (GRPO's defaults) with `jmarl.train.optim.make_optimizer`, jitted with the state donated. PyTorch runs the minimal step: HF forward, log-softmax gather, the same loss,
 `backward`, `clip_grad_norm_`, `torch.optim.AdamW.step`, `zero_grad`; once eager and once with
@@ -34,7 +34,7 @@ from benchmarks.parity import GrpoBatch, check_parity, jmarl_loss_fn, make_batch
 
 def jmarl_update(config, params, batch: GrpoBatch):
     """(update, state, device batch): the benchmark's GRPO update, not jitted (update(state, None,
-    device_batch) -> (state, metrics)), a fresh train state and the shared-prefix batch on device."""
+    device_batch) -> (state, metrics)), a fresh train state and the packed batch on device."""
     import jax
     import jax.numpy as jnp
 
@@ -43,7 +43,7 @@ def jmarl_update(config, params, batch: GrpoBatch):
 
     optimizer = make_optimizer(LR, total_steps=10**6, weight_decay=0.01, grad_clip=1.0)
     state = init_train_state(jax.tree.map(jnp.array, params), optimizer)
-    device_batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.shared_prefix().items()})
+    device_batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.packed().items()})
     return make_update(jmarl_loss_fn(config), optimizer), state, device_batch
 
 
@@ -120,9 +120,8 @@ def _bench_train_step(shape: str, checkpoint: str, repeats: int, peak_flops: flo
     batch = make_batch(config.vocab_size, rows, prompt_len, new_tokens, group_size=GROUP_SIZE)
     tokens = float(batch.tokens.size)
     flops_per_token = train_flops_per_token(shape, prompt_len + new_tokens)
-    layout = batch.shared_prefix()
-    (prefixes, p_len), (n, c_len) = layout["prefix_tokens"].shape, layout["tokens"].shape
-    executed_per_step = shared_prefix_train_flops(shape, prefixes, p_len, n, c_len)
+    # packed: each group's prompt once, then its completions (all of equal length here, so no padding)
+    executed_per_step = shared_prefix_train_flops(shape, rows // GROUP_SIZE, prompt_len, rows, new_tokens)
     run_jmarl, _ = jmarl_step(config, params, batch)
     out = []
     for mode in modes:

@@ -262,14 +262,31 @@ def step_bounds(trainer: Any, group: Any) -> StepBounds:
 
 
 def prefixes_per_part(rows_per_part: int, share: int, aligned: bool) -> int:
-    """U: distinct prompts in one micro-batch of `rows_per_part` rows, rounded up to a power of
-    two as `to_shared_prefix` does (module docstring)."""
+    """U: a bound on the distinct prompts in one micro-batch of `rows_per_part` rows (a power of
+    two; module docstring)."""
     from jmarl.rollouts import next_pow2
 
     if share <= 1:
         return next_pow2(rows_per_part)
     distinct = -(-rows_per_part // share) + (0 if aligned and rows_per_part % share == 0 else 1)
     return next_pow2(min(distinct, rows_per_part))
+
+
+def packed_bounds(rows: int, prompts: int, share: int, prompt_len: int, new_tokens: int, rows_per_part: int
+                  ) -> tuple[int, int, int]:
+    """(R, L, M): bounds on the packed rows, their width and the predictions of one micro-batch
+    of `rows` samples with at most `prompts` distinct prompts of <= prompt_len tokens and
+    continuations of <= new_tokens (`jmarl.train.packing.pack`): at most T tokens make the most
+    rows; a row holds at most min(ROW_TOKENS, T / rows_per_part) on average plus one whole
+    segment (a prompt and `share` continuations) from the uneven split."""
+    from jmarl.rollouts import next_pow2
+    from jmarl.train.packing import ROW_TOKENS, token_budget
+
+    total = prompts * prompt_len + rows * new_tokens
+    segment = prompt_len + max(share, 1) * new_tokens
+    packed_rows = rows_per_part * next_pow2(-(-total // (ROW_TOKENS * rows_per_part)))
+    width = min(total, min(ROW_TOKENS, -(-total // rows_per_part)) + segment)
+    return packed_rows, token_budget(width), token_budget(max(rows * new_tokens, 1))
 
 
 # ----------------------------------------------------------------------------------- programs
@@ -339,10 +356,12 @@ def trainer_programs(trainer: Any) -> list[Program]:
         # warm start
         if b.sft_rows:
             n_sft = next_pow2(b.sft_rows)
-            batch = abstract_learner_batch(group, n_sft, n_sft, p_len, c_len, sft=True)
+            packed_rows, width, preds = packed_bounds(n_sft, n_sft, 1, s.max_prompt_len, s.max_new_tokens,
+                                                      trainer.rows_per_part(group))
+            batch = abstract_learner_batch(group, n_sft, packed_rows, width, preds, c_len, sft=True)
             jitted, args = _bind(fns.sft_update, group.state, group.base, batch)
             add("sft_update", jitted, args, _resident(run_state, (group.state, group.base)),
-                {"N": n_sft, "U": n_sft, "P": p_len, "C": c_len})
+                {"N": n_sft, "rows": packed_rows, "L": width, "M": preds, "C": c_len})
 
         # generation: of the step's sampler calls, the one with the largest arguments
         # the group's own leaves, placed as they are (LoRA: the base once, adapters attached
@@ -362,8 +381,10 @@ def trainer_programs(trainer: Any) -> list[Program]:
         # the step's batch
         n = batch_rows([b.rows], parts, trainer.rows_bound())
         u = prefixes_per_part(n // parts, b.share, b.aligned)
-        host = abstract_learner_batch(group, n, parts * u, p_len, c_len)
-        shapes = {"R": b.rows, "N": n, "parts": parts, "U": u, "P": p_len, "C": c_len}
+        r, width, preds = packed_bounds(n // parts, u, b.share, s.max_prompt_len, s.max_new_tokens,
+                                        trainer.rows_per_part(group))
+        host = abstract_learner_batch(group, n, parts * r, width, parts * preds, c_len)
+        shapes = {"R": b.rows, "N": n, "parts": parts, "U": u, "rows": r, "L": width, "M": preds, "C": c_len}
         inputs = host.model_inputs()
         recompute, cross = trainer.config.train.recompute_old_logprobs, not trainer.plan.routes_by_agent
         scored = recompute or cross  # a plan that does not route by agent shares samples across policies

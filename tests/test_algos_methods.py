@@ -126,8 +126,7 @@ def learner_batch(seed=0, n=8, t=5, learner=0):
     refp = (lp + rng.uniform(-0.3, 0.3, (n, t))).astype(np.float32)
     mask = rng.random((n, t)) < 0.8
     mask[:, 0] = True
-    batch = LearnerBatch(
-        prefix_tokens=np.zeros((1, 1), np.int32), prefix_mask=np.ones((1, 1), bool), prefix_rows=np.zeros(n, np.int32),
+    batch = LearnerBatch.loss_only(
         tokens=np.zeros((n, t), np.int32), attention_mask=mask, loss_mask=mask, behavior_logprobs=old,
         reward=rng.integers(0, 2, n).astype(np.float32), group=np.repeat(np.arange(n // 4), 4).astype(np.int32),
         agent=np.zeros(n, np.int32), learner=np.full(n, learner, np.int32),

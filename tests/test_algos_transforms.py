@@ -39,8 +39,7 @@ def per_policy(name, learner, batch):
     method = METHODS[name]
     cfg = method.config(kl_coef=0.01)
     n, t = batch["lp"].shape
-    lb = LearnerBatch(
-        prefix_tokens=jnp.zeros((1, 1), jnp.int32), prefix_mask=jnp.ones((1, 1), bool), prefix_rows=jnp.zeros(n, jnp.int32),
+    lb = LearnerBatch.loss_only(
         tokens=jnp.zeros((n, t), jnp.int32), attention_mask=batch["mask"], loss_mask=batch["mask"],
         reward=batch["rewards"], group=batch["groups"], agent=jnp.zeros(n, jnp.int32),
         learner=jnp.full((n,), learner, jnp.int32), source_policy=batch["source"], source_seq_logprob=batch["src_lp"],

@@ -92,14 +92,12 @@ def test_shared_prefix_flops_by_hand():
     assert common.shared_prefix_train_flops("tiny", 4, 3, 4, 5) > expected
 
 
-def test_shared_prefix_batch_keeps_the_gated_batch():
+def test_packed_batch_keeps_the_gated_batch():
     b = make_batch(100, rows=16, prompt_len=4, new_tokens=3, group_size=8, seed=0)
-    s = b.shared_prefix()
-    assert s["prefix_tokens"].shape[0] == 2  # one prompt per group
-    np.testing.assert_array_equal(s["prefix_tokens"][s["prefix_rows"]][:, -4:], b.tokens[:, :4])
+    s = b.packed()
+    assert np.count_nonzero(s["packed_segment"]) == 2 * 4 + 16 * 3  # one prompt per group, then its completions
+    np.testing.assert_array_equal(s["packed_tokens"][0, :4], b.tokens[0, :4])
     np.testing.assert_array_equal(s["tokens"][:, :3], b.tokens[:, 4:])
-    np.testing.assert_array_equal(s["old_logprobs"][:, :3], b.old_logprobs[:, 4:])
-    assert s["loss_mask"].sum() == b.loss_mask.sum()
 
 
 def test_make_row_statistics():

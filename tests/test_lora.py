@@ -1,5 +1,5 @@
 """LoRA run unmerged (`attach_lora`: x W + s (x A) B): the same numbers as merged weights
-(`merge_lora`) in every path the model runs (full forward, shared-prefix learner, KV-cache
+(`merge_lora`) in every path the model runs (full forward, packed learner, KV-cache
 sampler, stacked policies), the same adapter gradients, and one base in memory for many
 adapters."""
 
@@ -20,7 +20,8 @@ from jmarl.models import sampler as sampler_lib
 from jmarl.models.model import LoraKernel
 from jmarl.train.lora import attach_lora, init_lora, merge_lora
 from jmarl.train.policies import PolicyGroup
-from jmarl.train.shared_prefix import shared_prefix_logprobs
+from jmarl.batch import MODEL_INPUTS
+from jmarl.train.packing import pack, packed_logprobs
 
 TINY = models.ModelConfig(
     model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -64,14 +65,20 @@ def _close(a, b, rtol=1e-5, atol=1e-5):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
 
 
-def _shared_prefix_batch(rng):
-    """2 left-padded prompts [2, 6] shared by 4 right-padded continuations [4, 5]."""
-    prefix = rng.integers(3, TINY.vocab_size, (2, 6)).astype(np.int32)
-    prefix_mask = np.arange(6)[None] >= np.array([[0], [2]])
-    tokens = rng.integers(3, TINY.vocab_size, (4, 5)).astype(np.int32)
-    mask = np.arange(5)[None] < np.array([[5], [3], [4], [5]])
-    return {"prefix_tokens": prefix, "prefix_mask": prefix_mask, "prefix_rows": np.array([0, 0, 1, 1], np.int32),
-            "tokens": tokens, "attention_mask": mask}
+def _packed_batch(rng):
+    """2 prompts (6 and 4 tokens) each continued by 2 samples (5 and 3, 4 and 5 tokens), packed."""
+    rows = []
+    for plen, lens in ((6, (5, 3)), (4, (4, 5))):
+        prompt = rng.integers(3, TINY.vocab_size, plen).tolist()
+        rows += [(prompt, rng.integers(3, TINY.vocab_size, n).tolist()) for n in lens]
+    tokens = np.zeros((4, 11), np.int32)
+    attn, loss = np.zeros((4, 11), bool), np.zeros((4, 11), bool)
+    for i, (p, c) in enumerate(rows):
+        tokens[i, :len(p) + len(c)] = p + c
+        attn[i, :len(p) + len(c)] = True
+        loss[i, len(p):len(p) + len(c)] = True
+    (out,) = pack([{"tokens": tokens, "attention_mask": attn, "loss_mask": loss}])
+    return {k: out[k] for k in MODEL_INPUTS}
 
 
 BASE = jax.jit(models.init, static_argnums=0)(TINY, jax.random.key(0))
@@ -108,15 +115,15 @@ def test_logits_and_logprobs_equal_merged():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
-def test_shared_prefix_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch):
-    """The learner's path (shared prefixes, the layer scan with each remat policy, the feed-forward
+def test_packed_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch):
+    """The learner's path (packed rows, the layer scan with each remat policy, the feed-forward
     layer in token chunks, the chunked LM head): log-probs and the gradient w.r.t. A and B."""
     monkeypatch.setattr(model_lib, "MLP_CHUNK_ELEMENTS", 4 * TINY.intermediate_size)  # chunks of 4 tokens
     config = TINY.replace(remat=remat)
-    batch = _shared_prefix_batch(np.random.default_rng(1))
+    batch = _packed_batch(np.random.default_rng(1))
 
     def loss(params):
-        lp = shared_prefix_logprobs(config, params, batch, 0.9)
+        lp = packed_logprobs(config, params, batch, 0.9)
         return jnp.sum(jnp.sin(lp)), lp
 
     (_, lp_a), g_a = _fast(jax.value_and_grad(lambda ad: loss(_attached(BASE, ad)), has_aux=True), AD)
@@ -130,8 +137,8 @@ def test_shared_prefix_logprobs_and_adapter_gradients_equal_merged(remat, monkey
 def test_base_gets_no_gradient():
     """The base in a LoraKernel is frozen: a gradient w.r.t. the whole attached tree is zero on W."""
     config = TINY.replace(remat="full")
-    batch = _shared_prefix_batch(np.random.default_rng(2))
-    grads = _fast(jax.grad(lambda p: jnp.sum(shared_prefix_logprobs(config, p, batch))), _attached(BASE, AD))
+    batch = _packed_batch(np.random.default_rng(2))
+    grads = _fast(jax.grad(lambda p: jnp.sum(packed_logprobs(config, p, batch))), _attached(BASE, AD))
     q = grads["layers"]["attn"]["q_proj"]["kernel"]
     assert not np.any(np.asarray(q.w)) and np.any(np.asarray(q.a))
 
@@ -154,11 +161,11 @@ def test_stacked_policies_gradients_with_one_base():
     """Two policies' adapters [2, ...] vmapped over with the base unmapped (the update's form):
     each policy's gradient equals the one through its merged weights."""
     ads = [AD, _adapters(BASE, 2)]
-    batch = _shared_prefix_batch(np.random.default_rng(4))
+    batch = _packed_batch(np.random.default_rng(4))
     stacked_batch = {k: np.stack([v, v]) for k, v in batch.items()}
 
     def loss(ad, base, b, join):
-        return jnp.sum(jnp.sin(shared_prefix_logprobs(TINY.replace(remat="full"), join(base, ad), b)))
+        return jnp.sum(jnp.sin(packed_logprobs(TINY.replace(remat="full"), join(base, ad), b)))
 
     grads = _fast(jax.vmap(jax.grad(functools.partial(loss, join=_attached)), in_axes=(0, None, 0)),
                   _stack(*ads), BASE, stacked_batch)
@@ -252,15 +259,15 @@ def _stats(jitted, *args):
 
 
 def _wide(policies: int):
-    """(base, adapters [policies, ...] on all 7 projections, shared-prefix batch [policies, ...]):
+    """(base, adapters [policies, ...] on all 7 projections, packed batch [policies, ...]):
     shapes only. Per policy one 4-token prompt shared by two 3-token continuations."""
     base = jax.eval_shape(lambda: models.init(WIDE, jax.random.key(0)))
     ads = jax.eval_shape(lambda: jax.vmap(lambda k: init_lora(models.init(WIDE, jax.random.key(0)), k, rank=RANK,
                                                               target_modules=ALL[:-1]))(jax.random.split(jax.random.key(1), policies)))
     s = jax.ShapeDtypeStruct
-    batch = {"prefix_tokens": s((policies, 1, 4), jnp.int32), "prefix_mask": s((policies, 1, 4), jnp.bool_),
-             "prefix_rows": s((policies, 2), jnp.int32), "tokens": s((policies, 2, 3), jnp.int32),
-             "attention_mask": s((policies, 2, 3), jnp.bool_)}
+    i32 = jnp.int32
+    batch = {**{k: s((policies, 1, 10), i32) for k in ("packed_tokens", "packed_positions", "packed_segment", "packed_branch")},
+             "pred_source": s((policies, 6), i32), "pred_target": s((policies, 6), i32), "pred_slot": s((policies, 2, 3), i32)}
     return base, ads, batch
 
 
@@ -270,7 +277,7 @@ def _update_bytes(join, policies: int) -> int:
     base, ads, batch = _wide(policies)
 
     def loss(ad, b, mb):
-        return jnp.sum(shared_prefix_logprobs(WIDE.replace(remat="full"), join(b, ad), mb))
+        return jnp.sum(packed_logprobs(WIDE.replace(remat="full"), join(b, ad), mb))
 
     stats = _stats(jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None, 0))), ads, base, batch)
     return int(stats.argument_size_in_bytes + stats.temp_size_in_bytes)

@@ -12,7 +12,7 @@ import pytest
 from jmarl import algos, models
 from jmarl.errors import JmarlError
 from jmarl.train.optim import make_optimizer
-from jmarl.train.packing import pack, packed_logprobs, split_prompts, token_budget, token_utilization
+from jmarl.train.packing import ROW_TOKENS, pack, packed_logprobs, split_prompts, token_budget, token_utilization
 from jmarl.train.step import init_train_state, make_update, split_minibatches
 
 TINY = models.ModelConfig(
@@ -38,6 +38,7 @@ def _plain(rows: list[tuple[list[int], list[int]]], t: int) -> dict[str, np.ndar
 
 def test_token_budgets():
     assert [token_budget(n) for n in (1, 64, 65, 72, 73, 128, 129, 200, 1000)] == [64, 64, 72, 72, 80, 128, 144, 208, 1024]
+    assert token_budget(3, minimum=1) == 3
     assert all(n <= token_budget(n) <= max(64, n * 9 / 8) for n in range(1, 5000))
 
 
@@ -45,7 +46,7 @@ def test_layout_by_hand():
     plain = _plain([([5, 6, 7], [8, 9]), ([5, 6, 7], [10]), ([5, 6], [11, 12, 13]), ([], [])], t=6)
     (out,) = pack([plain], parts=2, buckets=(4,))
     # micro-batch 0: prompt [5 6 7] then its two continuations; micro-batch 1: [5 6] and one
-    # continuation (the padding row packs nothing). L = 64 (the smallest budget), M = C = 4.
+    # continuation (the padding row packs nothing). L = M = 64 (the smallest budget), C = 4.
     assert out["packed_tokens"].shape == (2, 64)
     np.testing.assert_array_equal(out["packed_tokens"][:, :8], [[5, 6, 7, 8, 9, 10, 0, 0], [5, 6, 11, 12, 13, 0, 0, 0]])
     np.testing.assert_array_equal(out["packed_positions"][:, :6], [[0, 1, 2, 3, 4, 3], [0, 1, 2, 3, 4, 0]])
@@ -53,9 +54,10 @@ def test_layout_by_hand():
     np.testing.assert_array_equal(out["packed_branch"][:, :6], [[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 0]])
     # predictions: sample 0 token 8 from slot 2 (the prompt's last), 9 from slot 3; sample 1's
     # 10 from slot 2 again; sample 2's 11 from row 1's slot 1 (64 + 1), 12 from 66, 13 from 67
-    np.testing.assert_array_equal(out["pred_source"], [2, 3, 2, 0, 65, 66, 67, 0])
-    np.testing.assert_array_equal(out["pred_target"], [8, 9, 10, 0, 11, 12, 13, 0])
-    np.testing.assert_array_equal(out["pred_slot"], [[0, 1, -1, -1], [2, -1, -1, -1], [4, 5, 6, -1], [-1] * 4])
+    assert out["pred_source"].shape == out["pred_target"].shape == (2 * 64,)
+    np.testing.assert_array_equal(out["pred_source"].reshape(2, 64)[:, :4], [[2, 3, 2, 0], [65, 66, 67, 0]])
+    np.testing.assert_array_equal(out["pred_target"].reshape(2, 64)[:, :4], [[8, 9, 10, 0], [11, 12, 13, 0]])
+    np.testing.assert_array_equal(out["pred_slot"], [[0, 1, -1, -1], [2, -1, -1, -1], [64, 65, 66, -1], [-1] * 4])
     np.testing.assert_array_equal(out["tokens"], [[8, 9, 0, 0], [10, 0, 0, 0], [11, 12, 13, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(out["attention_mask"], out["loss_mask"])
     np.testing.assert_allclose(out["behavior_logprobs"][0, :2], [-0.8, -0.9])
@@ -75,6 +77,15 @@ def test_rows_per_part_balance_segments_and_keep_them_whole():
         for s in set(seg[r][seg[r] > 0].tolist()):
             slots = np.flatnonzero(seg[r] == s)
             assert np.all(np.diff(slots) == 1) and br[r, slots[0]] == 0
+
+
+def test_rows_grow_by_powers_of_two_to_keep_rows_near_the_target_width():
+    rows = [([1 + i] * 50, [2] * 30) for i in range(60)]  # 60 segments of 80 tokens: 4800 in all
+    (out,) = pack([_plain(rows, t=80)], parts=1, rows_per_part=1)
+    assert out["packed_tokens"].shape[0] == 8 and 4800 / 8 <= ROW_TOKENS  # 4800 / 1024 -> 5 rows -> 8
+    assert out["packed_tokens"].shape[1] == token_budget(8 * 80)  # 60 segments over 8 rows: at most 8 in one
+    (out,) = pack([_plain(rows, t=80)], parts=1, rows_per_part=1, width=None)
+    assert out["packed_tokens"].shape == (1, token_budget(4800))
 
 
 def test_prompt_is_everything_before_the_first_loss_token():

@@ -1,4 +1,5 @@
-"""The learner's shared-prefix batch layout: exact fields on a hand-made batch, and the same
+"""The packing benchmark's baseline, the learner's previous shared-prefix batch layout
+(`benchmarks.shared_prefix_layout`): exact fields on a hand-made batch, and the same
 log-probs, loss and gradients as the plain [N, T] layout through `make_update`'s micro-batches."""
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 from jmarl import algos, models
 from jmarl.errors import JmarlError
 from jmarl.train.optim import make_optimizer
-from jmarl.train.shared_prefix import shared_prefix_logprobs, split_prompts, to_shared_prefix
+from benchmarks.shared_prefix_layout import shared_prefix_logprobs, split_prompts, to_shared_prefix
 from jmarl.train.step import init_train_state, make_update, split_minibatches
 
 TINY = models.ModelConfig(
@@ -49,18 +50,6 @@ def test_layout_by_hand():
     np.testing.assert_array_equal(out["reward"], plain["reward"])  # [N] fields pass through
     with pytest.raises(JmarlError, match="does not split into 3"):
         to_shared_prefix([plain], parts=3)
-
-
-def test_prompt_is_everything_before_the_first_loss_token():
-    tokens = np.array([[1, 2, 3, 4, 5, 6]])
-    attn = np.array([[0, 1, 1, 1, 1, 0]], bool)  # a left pad and a right pad
-    loss = np.array([[0, 0, 0, 1, 0, 0]], bool)
-    (prompt, cols), = split_prompts(tokens, attn, loss)
-    np.testing.assert_array_equal(prompt, [2, 3])
-    np.testing.assert_array_equal(cols, [3, 4])  # the untrained token after it stays in the continuation
-    (prompt, cols), = split_prompts(tokens, attn, np.zeros_like(loss))
-    np.testing.assert_array_equal(prompt, [2, 3, 4, 5])
-    assert cols.size == 0
 
 
 def _random_rows(rng) -> list[tuple[list[int], list[int]]]:

@@ -119,8 +119,7 @@ def _learner_batch(n=8, t=4, seed=0):
     mask = np.zeros((n, t), bool)
     mask[: n // 2] = True  # the first half full rows ...
     mask[n // 2 :, 0] = True  # ... the second half one token each
-    return LearnerBatch(
-        prefix_tokens=np.zeros((n, 1), np.int32), prefix_mask=np.ones((n, 1), bool), prefix_rows=np.arange(n, dtype=np.int32),
+    return LearnerBatch.loss_only(
         tokens=rng.normal(size=(n, t)).astype(np.float32), attention_mask=mask, loss_mask=mask,
         advantages=rng.normal(size=n).astype(np.float32), old_logprobs=np.zeros((n, t), np.float32),
     )

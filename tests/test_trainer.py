@@ -21,7 +21,7 @@ from jmarl import models
 from jmarl.config import load_config
 from jmarl.train import trainer as trainer_mod
 from jmarl.train.learner import learner_batch, score_batch
-from jmarl.train.shared_prefix import shared_prefix_logprobs
+from jmarl.train.packing import packed_logprobs
 from jmarl.train.step import make_update
 from jmarl.workflows import build_rollouts, run_plan
 
@@ -304,7 +304,7 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
 
 def test_scoring_by_micro_batches_equals_one_pass(tmp_path):
     """The scoring program runs the step's batch one micro-batch at a time (4 parts here): the
-    same log-probs as one pass over the whole shared-prefix batch."""
+    same log-probs as one pass over the whole packed batch."""
     cfg = load_config(_config(tmp_path, "score"), ["optim.minibatches=2", "optim.grad_accum=2"])
     t = trainer_mod.Trainer(cfg)
     group, fns = t.policies.groups[0], t.fns[0]
@@ -313,7 +313,7 @@ def test_scoring_by_micro_batches_equals_one_pass(tmp_path):
     batch, _ = learner_batch(group, build_rollouts(result.records), t.parts)
     inputs = jax.tree.map(jnp.asarray, batch.model_inputs())
     scored = fns.score(group.state.params, group.base, inputs)
-    one_pass = jax.vmap(lambda p, b: shared_prefix_logprobs(group.model_config, p, b, t.temperature))
+    one_pass = jax.vmap(lambda p, b: packed_logprobs(group.model_config, p, b, t.temperature))
     np.testing.assert_allclose(np.asarray(scored), np.asarray(one_pass(group.state.params, inputs)), atol=1e-5)
     assert float(jnp.abs(scored).sum()) > 0
 
@@ -322,7 +322,7 @@ def _single_loss(t):
     mcfg, method, algo_cfg = t.policies.groups[0].model_config, t.method, t.algo_cfg
 
     def loss_fn(params, frozen, batch):
-        return method.loss(algo_cfg, shared_prefix_logprobs(mcfg, params, batch, t.temperature), batch)
+        return method.loss(algo_cfg, packed_logprobs(mcfg, params, batch, t.temperature), batch)
 
     return loss_fn
 

@@ -209,8 +209,7 @@ def test_hacpo_three_scripted_steps_match_hand_computed_values():
         rollouts = build_rollouts(result.records)
         for k in (0, 1):
             rows = learner_mod.policy_rows(rollouts, k, 8)
-            batch = learner_mod.LearnerBatch(prefix_tokens=rows["tokens"][:1], prefix_mask=rows["attention_mask"][:1],
-                                             prefix_rows=np.zeros(8, np.int32), **rows)
+            batch = learner_mod.LearnerBatch.loss_only(**rows)
             adv = method.advantages(cfg, batch, method.device_state(cfg, state))
             keep = method.keep_mask(cfg, batch)
             np.testing.assert_array_equal(batch.source_policy[:4], [0, 0, 1, 1])
@@ -243,8 +242,7 @@ def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
         return hacpo.METHOD.loss(cfg, lp, batch.replace(old_logprobs=lp))
 
     n = 3
-    batch = learner_mod.LearnerBatch(
-        prefix_tokens=np.zeros((n, 1), np.int32), prefix_mask=np.ones((n, 1), bool), prefix_rows=np.arange(n, dtype=np.int32),
+    batch = learner_mod.LearnerBatch.loss_only(
         tokens=np.zeros((n, 4), np.int32), attention_mask=np.ones((n, 4), bool), loss_mask=np.ones((n, 4), bool),
         advantages=np.ones(n, np.float32), learner=np.zeros(n, np.int32), source_policy=np.ones(n, np.int32),
         source_seq_logprob=np.zeros(n, np.float32), old_logprobs=np.zeros((n, 4), np.float32),

@@ -48,6 +48,12 @@ IMPLS: tuple[str, ...] = ("auto", "xla", "dense", "cudnn", "splash", "blockwise"
 DENSE_MAX_SCORES = 1 << 26
 BLOCK_Q = 512
 BLOCK_K = 512
+# packed rows: auto takes the dense form up to this width, else tiles of PACKED_BLOCK, small
+# enough that the tiles outside a segment (skipped) are most of a wide row's
+# (`python -m benchmarks.packing`: on the quickstart's batches, 64 ran the update 1.2x faster
+# than 128 and 1.15x faster than 32)
+PACKED_DENSE_MAX = 256
+PACKED_BLOCK = 64
 # Large negative score for masked keys: finite, so a row with no valid key averages instead of NaN.
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
@@ -136,8 +142,8 @@ def packed_attention(
     branch: jax.Array,
     *,
     impl: str = "auto",
-    block_q: int = BLOCK_Q,
-    block_k: int = BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Attention inside packed rows. q [R,T,H,hd], k/v [R,T,KV,hd] (one slot per token, keys and
     queries aligned); segment int[R,T]: 0 = padding, else the id of a contiguous run of slots
@@ -153,11 +159,11 @@ def packed_attention(
         raise JmarlError(f"packed attention takes aligned queries and keys; got {q.shape} and {k.shape}")
     segment, branch = jnp.asarray(segment, jnp.int32), jnp.asarray(branch, jnp.int32)
     r, t, h, _ = q.shape
-    if impl in ("xla", "dense") or (impl == "auto" and r * h * t * t <= DENSE_MAX_SCORES):
+    if impl in ("xla", "dense") or (impl == "auto" and t <= PACKED_DENSE_MAX and r * h * t * t <= DENSE_MAX_SCORES):
         idx = jnp.arange(t)
         allowed = _Packed().allowed((segment, branch), idx, idx)
         return _dense_masked(q, k, v, allowed)[0]
-    bq, bk = min(block_q, t), min(block_k, t)
+    bq, bk = min(block_q or PACKED_BLOCK, t), min(block_k or PACKED_BLOCK, t)
     tp, sp = -(-t // bq) * bq, -(-t // bk) * bk
     width = max(tp, sp)
     pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, width - t)), constant_values=fill)  # noqa: E731

@@ -1,9 +1,9 @@
 """The learner side of a step: `LearnerBatch`es from `Rollouts`, and a policy group's device functions.
 
 Host side: `learner_batch` turns the step's `Rollouts` into one group's batch (its policies'
-samples padded to N rows, a power of two times the update's parts, in the shared-prefix layout,
-stacked [P, ...] for stacked policies); `sft_batch` does the same for warm-start
-demonstrations. Device side, per `PolicyGroup` (jitted once, vmapped over stacked policies):
+samples padded to N rows, a power of two times the update's parts, in the packed layout of
+`jmarl.train.packing`, stacked [P, ...] for stacked policies); `sft_batch` does the same for
+warm-start demonstrations. Device side, per `PolicyGroup` (jitted once, vmapped over stacked policies):
 `score` (log-probs under the current policy, micro-batch by micro-batch), `score_ref`,
 `prepare` (the method's advantages and keep mask) and the two updates (RL and warm start).
 Nothing here branches on a method's or a plan's name: the method is a `jmarl.algos.Method`.
@@ -20,11 +20,11 @@ import numpy as np
 
 from jmarl import sharding as sharding_lib
 from jmarl.algos.method import Method, finite_advantages
-from jmarl.batch import PREFIX_FIELDS, ROLLOUT_FIELDS, LearnerBatch, pad_rows
+from jmarl.batch import PACKED_FIELDS, PRED_FIELDS, ROLLOUT_FIELDS, LearnerBatch, pad_rows
 from jmarl.rollouts import Rollouts, bucket_length, next_pow2, select
 from jmarl.train.lora import attach_lora
 from jmarl.train.policies import PolicyGroup
-from jmarl.train.shared_prefix import shared_prefix_logprobs, to_shared_prefix
+from jmarl.train.packing import pack, packed_logprobs
 from jmarl.train.step import jit_update, make_update, split_minibatches
 
 # the fields of a warm-start batch before the shared-prefix layout
@@ -58,19 +58,26 @@ def _stacked(group: PolicyGroup, parts: list[dict[str, np.ndarray]]) -> LearnerB
     return LearnerBatch(**parts[0])
 
 
-def learner_batch(group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0) -> tuple[LearnerBatch, list[int]]:
+def learner_batch(
+    group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0, rows_per_part: int = 1
+) -> tuple[LearnerBatch, list[int]]:
     """The group's `LearnerBatch` (host arrays) and each policy's sample count. N is a power of
     two times `parts` (`batch_rows`); `min_rows`, a bound on any policy's samples per step
-    known from the plan (0: none), fixes N across steps, so the update compiles once per
-    sequence-length bucket."""
+    known from the plan (0: none), fixes N across steps; each micro-batch packs into a power
+    of two times `rows_per_part` (one per data shard) rows of about `packing.ROW_TOKENS`,
+    so the update compiles once per row count, token budget and length bucket."""
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
     size = batch_rows(counts, parts, min_rows)
-    return _stacked(group, to_shared_prefix([policy_rows(rollouts, p, size) for p in group.policy_ids], parts)), counts
+    rows = [policy_rows(rollouts, p, size) for p in group.policy_ids]
+    return _stacked(group, pack(rows, parts, rows_per_part)), counts
 
 
-def sft_batch(group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> LearnerBatch | None:
+def sft_batch(
+    group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]], rows_per_part: int = 1
+) -> LearnerBatch | None:
     """A warm-start batch from (policy id, prompt token ids, completion token ids) rows (the
-    completion trained on), padded per policy to a power of two; None without rows."""
+    completion trained on), padded per policy to a power of two and packed into a multiple of
+    `rows_per_part` rows; None without rows."""
     if not rows:
         return None
     t = bucket_length(max(len(p) + len(c) for _, p, c in rows))
@@ -87,16 +94,16 @@ def sft_batch(group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Seque
             loss[j, len(p) : len(p) + len(c)] = True
         return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
 
-    return _stacked(group, to_shared_prefix([arrays(x) for x in per]))
+    return _stacked(group, pack([arrays(x) for x in per], rows_per_part=rows_per_part))
 
 
 def abstract_learner_batch(
-    group: PolicyGroup, rows: int, prefixes: int, prefix_len: int, length: int, *, sft: bool = False
+    group: PolicyGroup, rows: int, packed_rows: int, width: int, predictions: int, length: int, *, sft: bool = False
 ) -> LearnerBatch:
-    """The shapes `learner_batch` gives for N = `rows` samples per policy, `prefixes` (parts x U)
-    prompt slots of `prefix_len` (P) tokens and continuations of `length` (C) tokens, as
-    `jax.ShapeDtypeStruct`s; a leading policy axis when the group is stacked. sft: the fields
-    of `sft_batch` only."""
+    """The shapes `learner_batch` gives for N = `rows` samples per policy, `packed_rows`
+    (parts x R) rows of `width` (L) slots, `predictions` (parts x M) predictions and
+    continuations of `length` (C) tokens, as `jax.ShapeDtypeStruct`s; a leading policy axis when
+    the group is stacked. sft: the fields of `sft_batch` only."""
     lead = (len(group.policy_ids),) if group.stacked else ()
     out = {
         k: jax.ShapeDtypeStruct(lead + ((rows, length) if per_token else (rows,)), dtype)
@@ -105,9 +112,11 @@ def abstract_learner_batch(
     }
     if not sft:
         out["learner"] = jax.ShapeDtypeStruct(lead + (rows,), np.int32)
-    for k, dtype in PREFIX_FIELDS.items():
-        shape = (rows,) if k == "prefix_rows" else (prefixes, prefix_len)
-        out[k] = jax.ShapeDtypeStruct(lead + shape, dtype)
+    for k, dtype in PACKED_FIELDS.items():
+        out[k] = jax.ShapeDtypeStruct(lead + (packed_rows, width), dtype)
+    for k, dtype in PRED_FIELDS.items():
+        out[k] = jax.ShapeDtypeStruct(lead + (predictions,), dtype)
+    out["pred_slot"] = jax.ShapeDtypeStruct(lead + (rows, length), np.int32)
     return LearnerBatch(**out)
 
 
@@ -145,7 +154,7 @@ def build_group_fns(
     params_of = model_params(group)
 
     def logprobs_of(trainable, frozen, batch):
-        return shared_prefix_logprobs(mcfg, params_of(trainable, frozen), batch, temperature)
+        return packed_logprobs(mcfg, params_of(trainable, frozen), batch, temperature)
 
     def rl_loss(trainable, frozen, batch: LearnerBatch):
         return method.loss(cfg, logprobs_of(trainable, frozen, batch), batch)
@@ -177,7 +186,7 @@ def build_group_fns(
 
     score_one = per_microbatch(lambda tf, batch: logprobs_of(tf[0], tf[1], batch))
     score = vmapped(lambda t, f, b: score_one((t, f), b), (0, None, 0))
-    ref_logprobs = per_microbatch(lambda params, batch: shared_prefix_logprobs(mcfg, params, batch, temperature))
+    ref_logprobs = per_microbatch(lambda params, batch: packed_logprobs(mcfg, params, batch, temperature))
     score_ref = vmapped(ref_logprobs, (None if group.lora_rank is not None else 0, 0))
 
     def prepare_one(batch: LearnerBatch, state: Any) -> LearnerBatch:

@@ -46,9 +46,11 @@ from jmarl.train.metrics import (
     is_main_process,
     results_table,
     rewind_metrics,
+    rollout_length_metrics,
     write_summary,
 )
 from jmarl.train.optim import make_optimizer
+from jmarl.train.packing import token_utilization
 from jmarl.train.progress import ProgressBar
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
 from jmarl.workflows import build_rollouts, summarize
@@ -136,6 +138,13 @@ class Trainer:
         bound = self.plan.rows_per_policy
         return 0 if bound is None else int(bound(self.plan_opts, self.config.workflow.num_tasks))
 
+    def rows_per_part(self, group: Any) -> int:
+        """Packed rows per micro-batch: one per device that splits the group's rows (1 without a mesh)."""
+        if self.mesh is None:
+            return 1
+        sizes = dict(self.mesh.shape)
+        return int(np.prod([sizes[a] for a in sharding_lib.row_axes(self.mesh, stacked=group.stacked)], dtype=int))
+
     def method_device_state(self) -> Any:
         """What the method's advantages read of its state (`Method.device_state`)."""
         return self.method.device_state(self.algo_cfg, self.method_state)
@@ -202,7 +211,7 @@ class Trainer:
                 tok = group.tokenizer
                 rows = [(pid, encode_prompt(tok, prompt, s.max_prompt_len), tok.encode(text)[: s.max_new_tokens - 1] + [tok.eos_id])
                         for pid, prompt, text in demos if pid in group.policy_ids]
-                batch = sft_batch(group, rows)
+                batch = sft_batch(group, rows, self.rows_per_part(group))
                 if batch is not None:
                     group.state, metrics = fns.sft_update(group.state, group.base, batch)
             bar.update({"nll": float(np.mean(jax.device_get(metrics["sft_nll"])))})
@@ -240,11 +249,18 @@ class Trainer:
         metrics["rollout/reward_mean"] = float(np.mean(finite)) if finite.size else float("nan")
         metrics["rollout/reward_std"] = float(np.std(finite)) if finite.size else float("nan")
         metrics["rollout/nonfinite_rewards"] = float(rewards.size - finite.size)
+        names = self.policies.policy_names
+        metrics.update(rollout_length_metrics(
+            rollouts, names, cfg.sampling.max_new_tokens,
+            eos_ids=[self.policies.group_of(p).tokenizer.eos_id for p in range(len(names))]))
         t_score = t_update = 0.0
+        real_tokens = token_slots = 0
         for group, fns in zip(self.policies.groups, self.fns):
-            batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound())
+            batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound(), self.rows_per_part(group))
             if not any(counts):
                 continue
+            real, slots = token_utilization(batch)
+            real_tokens, token_slots = real_tokens + real, token_slots + slots
             t1 = time.perf_counter()
             cross = bool(np.any(batch.source_policy != batch.learner))
             batch = score_batch(group, fns, batch, self.method_device_state(), recompute=cfg.train.recompute_old_logprobs, cross=cross)
@@ -259,6 +275,9 @@ class Trainer:
             metrics["train/skipped_updates"] = metrics.get("train/skipped_updates", 0.0) + float(np.sum(jax.device_get(group.state.skipped)))
         metrics.update({"time/score": t_score, "time/update": t_score + t_update, "time/step": time.perf_counter() - t0})
         metrics["perf/train_tokens_per_s"] = float(np.sum(np.asarray(rollouts.attention_mask))) / max(t_score + t_update, 1e-9)
+        if token_slots:
+            metrics["learner/token_utilization"] = real_tokens / token_slots
+            metrics["learner/real_tokens_per_s"] = real_tokens / max(t_update, 1e-9)
         return metrics
 
     # ---- evaluation and export

@@ -1,4 +1,5 @@
-"""The learner's batch layout: each distinct prompt once, continuations that point at it.
+"""The learner's previous batch layout, kept as the packing benchmark's baseline
+(`benchmarks.packing`): each distinct prompt once, continuations that point at it, padded.
 
 A GRPO group's G samples share their prompt, so the learner runs each distinct prompt through
 the model once per micro-batch and each sample's completion against it
@@ -27,24 +28,11 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from jmarl.batch import MODEL_INPUTS  # what the model reads from a shared-prefix batch
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, prefix_token_logprobs
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
-
-
-
-
-def split_prompts(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """For each row of [N, T] arrays: (prompt token ids, column indices of its continuation)."""
-    out = []
-    for tok, real, loss in zip(tokens, attention_mask.astype(bool), loss_mask.astype(bool)):
-        cols = np.flatnonzero(real)
-        trained = np.flatnonzero(loss[cols])
-        first = int(trained[0]) if trained.size else cols.size
-        out.append((tok[cols[:first]].astype(np.int32), cols[first:]))
-    return out
+from jmarl.train.packing import split_prompts
 
 
 def to_shared_prefix(
@@ -106,9 +94,9 @@ def to_shared_prefix(
 
 
 def shared_prefix_logprobs(config: ModelConfig, params: Params, batch: Any, temperature: float | jax.Array = 1.0) -> jax.Array:
-    """float32[N, C]: the continuation token log-probs of a shared-prefix (micro-)batch, a
-    `LearnerBatch` or a dict (reads `MODEL_INPUTS`; prefix_rows are taken modulo the number of
-    prefixes it holds)."""
+    """float32[N, C]: the continuation token log-probs of a shared-prefix (micro-)batch, a dict
+    (prefix_tokens, prefix_mask, prefix_rows, tokens, attention_mask; prefix_rows are taken
+    modulo the number of prefixes it holds)."""
     get = batch.__getitem__ if isinstance(batch, Mapping) else lambda name: getattr(batch, name)
     prefix = get("prefix_tokens")
     rows = get("prefix_rows") % prefix.shape[0]

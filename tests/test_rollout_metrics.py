@@ -1,0 +1,147 @@
+"""Per-step rollout metrics: completion lengths and truncation per policy (`rollout_length_metrics`
+on hand-made Rollouts of known lengths) and the sampler's rollout/decode_utilization (static
+sampler and continuous engine on a tiny model, against the positions their decode loops ran)."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jmarl import models
+from jmarl.rollouts import make_rollouts, pad_to
+from jmarl.train.metrics import figure_of, rollout_length_metrics
+from jmarl.train.policies import PolicyGroup, PolicySet, stack
+from jmarl.train.sampling import ModelSampler, SamplingSettings
+
+PROMPT = [2, 40, 41]  # every sample's prompt (3 tokens)
+
+
+def _rollouts(samples):
+    """Rollouts of (policy, source_policy, completion tokens) samples: prompt PROMPT, then the
+    completion (its loss_mask span), right-padded to the longest."""
+    t = len(PROMPT) + max(len(c) for _, _, c in samples)
+    n = len(samples)
+    tokens = np.zeros((n, t), np.int32)
+    loss = np.zeros((n, t), bool)
+    attn = np.zeros((n, t), bool)
+    for i, (_, _, comp) in enumerate(samples):
+        seq = PROMPT + list(comp)
+        tokens[i, : len(seq)] = seq
+        attn[i, : len(seq)] = True
+        loss[i, len(PROMPT) : len(seq)] = True
+    return make_rollouts(tokens, loss, attn, np.zeros(n), np.arange(n),
+                         policy=[p for p, _, _ in samples], source_policy=[s for _, s, _ in samples])
+
+
+SOLVER_EOS, CRITIC_EOS = 1, 7
+SAMPLES = [
+    # solver (policy 0, stop token 1)
+    (0, 0, [5, 6, 1]),  # 3, stopped
+    (0, 0, [5, 6, 5, 6, 5, 6, 5, 6]),  # 8 = max_new_tokens, no stop token: truncated
+    (0, 0, [5, 6, 5, 6, 5, 6, 5, 1]),  # 8, its stop token is the 8th: not truncated
+    (0, 0, [1]),  # 1, stopped at once
+    # critic (policy 1, stop token 7)
+    (1, 1, [3, 7]),  # 2
+    (1, 1, [3, 3, 3, 7]),  # 4
+    (1, 1, [3, 3, 3, 3, 7]),  # 5
+    (1, 1, [3, 3, 3, 3, 3, 3, 3, 1]),  # 8, ends in the solver's stop token, not its own: truncated
+    # a cross sample (solver learns from a critic completion, re-tokenised): not a generation
+    (0, 1, [9] * 11),
+]
+
+
+def test_lengths_and_truncation_per_policy_and_overall():
+    r = pad_to(_rollouts(SAMPLES), num_samples=12)  # + 3 padding rows (group -1): not counted
+    got = rollout_length_metrics(r, ("solver", "critic"), max_new_tokens=8, eos_ids=(SOLVER_EOS, CRITIC_EOS))
+    # all 8 generations: lengths 3 8 8 1 | 2 4 5 8 -> sorted 1 2 3 4 5 8 8 8; p90 at index 0.9 * 7 = 6.3: 8
+    # solver 1 3 8 8: p90 at index 2.7 -> 8; critic 2 4 5 8: p90 at 2.7 -> 5 + 0.7 * (8 - 5) = 7.1
+    expected = {
+        "rollout/completion_length_mean": 39 / 8, "rollout/completion_length_p90": 8.0,
+        "rollout/completion_length_max": 8.0, "rollout/truncated_fraction": 2 / 8,
+        "rollout/solver/completion_length_mean": 5.0, "rollout/solver/completion_length_p90": 8.0,
+        "rollout/solver/completion_length_max": 8.0, "rollout/solver/truncated_fraction": 1 / 4,
+        "rollout/critic/completion_length_mean": 19 / 4, "rollout/critic/completion_length_p90": 7.1,
+        "rollout/critic/completion_length_max": 8.0, "rollout/critic/truncated_fraction": 1 / 4,
+    }
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=0), key
+    assert all(isinstance(v, float) for v in got.values())
+    # without stop tokens: the proxy length >= max_new_tokens (the solver's eos at the budget counts too)
+    proxy = rollout_length_metrics(r, ("solver", "critic"), max_new_tokens=8)
+    assert proxy["rollout/truncated_fraction"] == 3 / 8 and proxy["rollout/solver/truncated_fraction"] == 2 / 4
+    assert proxy["rollout/critic/truncated_fraction"] == 1 / 4
+    # a None stop token: that policy falls back to the proxy
+    mixed = rollout_length_metrics(r, ("solver", "critic"), max_new_tokens=8, eos_ids=(None, CRITIC_EOS))
+    assert mixed["rollout/solver/truncated_fraction"] == 2 / 4 and mixed["rollout/critic/truncated_fraction"] == 1 / 4
+    # the new keys are drawn with the other rollout metrics (plots by family; *_fraction as %)
+    assert {figure_of(k) for k in got} == {"rollout"}
+
+
+def test_one_policy_interpolated_p90_and_no_per_policy_keys():
+    lengths = [2, 4, 6, 8, 10, 16]  # p90 at index 0.9 * 5 = 4.5: (10 + 16) / 2 = 13
+    r = _rollouts([(0, 0, [5] * k) for k in lengths])
+    got = rollout_length_metrics(r, ("policy",), max_new_tokens=16, eos_ids=(1,))
+    assert got == {"rollout/completion_length_mean": 46 / 6, "rollout/completion_length_p90": 13.0,
+                   "rollout/completion_length_max": 16.0, "rollout/truncated_fraction": 1 / 6}
+
+
+def test_a_policy_without_generations_gets_no_keys_and_none_at_all_gives_empty():
+    r = _rollouts([(0, 0, [5, 1]), (0, 0, [5, 5, 1])])
+    got = rollout_length_metrics(r, ("a", "b"), max_new_tokens=4, eos_ids=(1, 1))
+    assert "rollout/b/completion_length_mean" not in got and got["rollout/a/completion_length_mean"] == 2.5
+    assert got["rollout/truncated_fraction"] == 0.0
+    only_cross = _rollouts([(1, 0, [5, 1])])
+    assert rollout_length_metrics(only_cross, ("a", "b"), max_new_tokens=4) == {}
+
+
+# ---- rollout/decode_utilization from the sampler's own counters ------------------------------------
+
+TINY = models.ModelConfig(
+    model_type="qwen3", vocab_size=99, hidden_size=32, intermediate_size=64, num_layers=2,  # CharTokenizer's vocab
+    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True,
+)
+N_NEW = 8
+
+
+def _policies(eos_id: int) -> PolicySet:
+    tok = models.CharTokenizer()
+    tok.eos_id = eos_id
+    params = stack([models.init(TINY, jax.random.key(0)), models.init(TINY, jax.random.key(1))])
+    group = PolicyGroup(name="g", model_config=TINY, tokenizer=tok, policy_ids=(0, 1), stacked=True, lora_rank=None,
+                        lora_alpha=1.0, base=None, state=types.SimpleNamespace(params=params), ref=None)
+    return PolicySet(policy_names=("a", "b"), agent_policy=(0, 1), groups=[group])
+
+
+def test_decode_utilization_counts_token_positions_of_both_engines():
+    """Greedy, two requests of policy 0 with a stop token that ends one completion early and not
+    the other: both engines decode 2 rows until the longest one (N_NEW) ends, so both report
+    (L1 + L2) / (2 x N_NEW); the static sampler with 3 requests pads to 4 rows, all decoding
+    N_NEW positions. The engine's row_utilization stays 1.0."""
+    prompts = ["hi", "hello there"]
+    settings = dict(max_new_tokens=N_NEW, temperature=0.0)
+    free = ModelSampler(_policies(eos_id=0), SamplingSettings(**settings))  # pad: never sampled greedily here
+    long_a, long_b = (c[0].completion_tokens for c in free.sample([(0, p) for p in prompts], 1, jax.random.key(0)))
+    assert len(long_a) == len(long_b) == N_NEW
+    # a stop token that ends the first completion early but never occurs in the second
+    stop = next(int(t) for t in long_a[1:N_NEW - 1] if int(t) not in long_b.tolist())
+    policies = _policies(eos_id=stop)
+    static = ModelSampler(policies, SamplingSettings(**settings))
+    cont = ModelSampler(policies, SamplingSettings(**settings, engine="continuous", kv_budget_bytes=1 << 20,
+                                                   engine_chunk_steps=3))
+    lengths = []
+    for sampler in (static, cont):
+        got = sampler.sample([(0, p) for p in prompts], 1, jax.random.key(0))
+        lengths.append([len(c[0].completion_tokens) for c in got])
+    assert lengths[0] == lengths[1] and lengths[0][0] < N_NEW == lengths[0][1]
+    s, c = static.take_stats(), cont.take_stats()
+    assert s["rollout/decode_utilization"] == sum(lengths[0]) / (2 * N_NEW)
+    assert c["rollout/decode_utilization"] == sum(lengths[1]) / (2 * N_NEW)  # 2 slots x (N_NEW - 1) steps + 2 firsts
+    assert c["rollout/row_utilization"] == 1.0 and c["rollout/decode_utilization"] < 1.0
+    # 3 requests: the static call decodes 4 rows (one of padding), each N_NEW positions (a real row is truncated)
+    got = static.sample([(0, p) for p in prompts + ["abc"]], 1, jax.random.key(0))
+    made = [len(r[0].completion_tokens) for r in got]
+    assert max(made) == N_NEW
+    stats = static.take_stats()
+    assert stats["rollout/row_utilization"] == 3 / 4 and stats["rollout/decode_utilization"] == sum(made) / (4 * N_NEW)

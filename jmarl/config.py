@@ -440,7 +440,9 @@ class ModelSpec:
     may be stored in bfloat16/float16 (`Config` checks this).
     """
 
-    path: str | None = None  # local directory with config.json + safetensors (no downloads)
+    # a local HF directory (config.json + safetensors), a .gguf file, or a registered model name
+    # (`python -m jmarl.models.fetch --list`; fetched once into $JMARL_CACHE)
+    path: str | None = None
     preset: str | ArchConfig | None = None  # a preset name (qwen3-1.7b) or an ArchConfig mapping
     compute_dtype: DType = "float32"  # dtype of the matmuls (norms/softmax/log-probs stay f32)
     param_dtype: DType = "float32"  # storage dtype (float32 for trained parameters)
@@ -787,7 +789,7 @@ class Config:
     env: EnvConfig
     algo: AlgoConfig
     model: ModelSpec | None = None  # every policy's network (heterogeneous: policies.models)
-    tokenizer: str | None = None  # 'char', or a local tokenizer directory; None: model.path's
+    tokenizer: str | None = None  # 'char', a tokenizer directory or .gguf file; None: model.path's
     workflow: WorkflowConfig = _field(factory=WorkflowConfig)
     policies: PoliciesConfig = _field(factory=PoliciesConfig)
     sampling: SamplingConfig = _field(factory=SamplingConfig)

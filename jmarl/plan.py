@@ -54,7 +54,12 @@ turn order that map to one policy (the most over a group's policies), n = all of
     U = next_pow2(distinct prompts per micro-batch) <= N / parts: ceil((N / parts) / s), plus
         one where groups may straddle a micro-batch boundary (s does not divide N / parts, or
         the shared plan's lossy drops)
-    P = bucket_length(sampling.max_prompt_len), C = bucket_length(sampling.max_new_tokens)
+    C = bucket_length(sampling.max_new_tokens)
+    packed rows (`packing.pack`), per micro-batch, with tokens <= U x max_prompt_len +
+    (N / parts) x max_new_tokens and r = the devices that split the rows (`packed_bounds`):
+        rows  r x next_pow2(tokens / (ROW_TOKENS x r))
+        L     token_budget(min(ROW_TOKENS, tokens / r) + one segment), a segment being a
+              prompt and its s continuations; M = token_budget((N / parts) x max_new_tokens)
 
 The update's batch is what `learner.score_batch` makes of that learner batch (traced by
 `jax.eval_shape`: old/ref log-probs, advantages, masks). The warm start's batch: demos x the
@@ -570,6 +575,16 @@ def _arch(model_config: Any) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(model_config).items() if k in names}
 
 
+def _gguf_file(path: str) -> str | None:
+    """The local .gguf file `path` names: itself, or a registered model name's cached file
+    (`jmarl.models.fetch`; planning downloads nothing); None otherwise."""
+    from jmarl.models import fetch
+
+    if path in fetch.MODELS and not os.path.exists(path):
+        path = str(fetch.cached_path(path))
+    return path if os.path.isfile(path) and path.lower().endswith(".gguf") else None
+
+
 def resolve_models(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A config dict whose models the planner can build without reading weights, and notes
     saying what was substituted: an existing model.path -> its config.json's architecture (an
@@ -595,6 +610,11 @@ def resolve_models(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             spec["path"], spec["preset"] = None, _arch(ModelConfig.from_hf(str(path)))
             tok = str(path) if tok is None else tok
             notes.append(f"{where}.path {path}: planned from its config.json (no weights read)")
+        elif path is not None and (gguf := _gguf_file(str(path))) is not None:
+            from jmarl.models.gguf import load_gguf_config
+
+            spec["path"], spec["preset"] = None, _arch(load_gguf_config(gguf))
+            notes.append(f"{where}.path {path}: planned from its GGUF metadata (no weights read)")
         elif path is not None:
             name = preset_for_checkpoint_name(str(path))
             if name is None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jmarl import algos, models
+from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
 from jmarl.train.optim import make_optimizer
 from jmarl.train.packing import ROW_TOKENS, pack, packed_logprobs, split_prompts, token_budget, token_utilization
@@ -152,3 +153,63 @@ def test_same_logprobs_loss_and_gradients_as_the_plain_layout(attention, rows_pe
     np.testing.assert_allclose(m_packed["grad_norm"], m_plain["grad_norm"], rtol=1e-5)
     # Adam moves every parameter by ~lr = 1e-3: a tiny gradient's float noise may show, a wrong gradient would not hide
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s_packed.params, s_plain.params)
+
+
+@pytest.fixture(scope="module")
+def method_inputs():
+    """A batch with every field a method reads, plain [N, T] and packed, the log-probs of both
+    layouts and their compiled pullbacks (params -> log-probs, cotangent -> parameter gradient)."""
+    rng = np.random.default_rng(5)
+    params = models.init(TINY, jax.random.key(1))
+    plain = _plain(_random_rows(rng), t=16)
+    n, t = plain["tokens"].shape
+    old = np.where(plain["loss_mask"], rng.uniform(-4, -2, (n, t)), 0).astype(np.float32)
+    plain.update(
+        behavior_logprobs=old, old_logprobs=old,
+        ref_logprobs=np.where(plain["loss_mask"], old + rng.uniform(-0.3, 0.3, (n, t)), 0).astype(np.float32),
+        reward=np.array([1, 0, 0.5, 1, 1, 0, 1, 0, 0], np.float32),
+        group=np.array([0, 0, 0, 1, 1, 1, 2, 3, -1], np.int32), agent=np.zeros(n, np.int32),
+        learner=np.zeros(n, np.int32), source_policy=np.array([0, 1, 0, 0, 1, 1, 0, 1, 0], np.int32),
+        source_seq_logprob=rng.uniform(-3, -1, n).astype(np.float32),
+    )
+    (packed,) = pack([plain], parts=1)
+
+    def pullback(fn):
+        return jax.jit(lambda p, cot: jax.vjp(fn, p)[1](cot)[0])
+
+    lp_plain = lambda p: models.token_logprobs(TINY, p, plain["tokens"], plain["attention_mask"])  # noqa: E731
+    lp_packed = lambda p: packed_logprobs(TINY, p, packed)  # noqa: E731
+    return dict(plain=plain, packed=packed, params=params, lp=(lp_plain(params), lp_packed(params)),
+                pullback=(pullback(lp_plain), pullback(lp_packed)))
+
+
+@pytest.mark.parametrize("name", sorted(algos.METHODS))
+def test_every_method_gives_the_same_loss_and_gradients_packed_as_plain(name, method_inputs):
+    """Each method's advantages, keep mask, loss (with its normaliser: token or sequence means,
+    Dr.GRPO's constant length, GSPO's sequence ratio, HACPO's cross samples and per-sample
+    weights, a KL term) and parameter gradient on the packed batch's [N, C] fields equal those
+    on the plain [N, T] batch (gradient accumulation: `test_same_logprobs...` and
+    tests/test_train_step.py)."""
+    method = algos.METHODS[name]
+    extra = {"norm_length": 8} if "norm_length" in method.config.__dataclass_fields__ else {}
+    cfg = method.config(kl_coef=0.01, **extra)
+    context = algos.method.MethodContext(num_policies=2, group_size=3)
+    state = np.array([0.7, 0.4], np.float32) if name == "hacpo" else method.device_state(cfg, method.init_state(cfg, context))
+
+    def prepared(fields):
+        batch = LearnerBatch(**fields) if "packed_tokens" in fields else LearnerBatch.loss_only(**fields)
+        batch = jax.tree.map(jnp.asarray, batch)
+        adv = method.advantages(cfg, batch, state)
+        return batch.replace(advantages=adv, loss_mask=batch.loss_mask & method.keep_mask(cfg, batch)[:, None])
+
+    out = []
+    for fields, lp, pullback in zip((method_inputs["plain"], method_inputs["packed"]), method_inputs["lp"],
+                                    method_inputs["pullback"]):
+        batch = prepared(fields)
+        (loss, _), d_lp = jax.value_and_grad(lambda x: method.loss(cfg, x, batch), has_aux=True)(lp)
+        out.append((batch.advantages, loss, pullback(method_inputs["params"], d_lp)))
+    (adv_plain, loss_plain, g_plain), (adv_packed, loss_packed, g_packed) = out
+    np.testing.assert_allclose(adv_packed, adv_plain, rtol=1e-6)
+    np.testing.assert_allclose(loss_packed, loss_plain, rtol=1e-5, atol=1e-7)
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g_plain)) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_packed, g_plain)

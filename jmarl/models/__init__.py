@@ -2,6 +2,8 @@
 checkpoint interop, tokenizers and a KV-cache sampler."""
 
 from jmarl.models.config import ModelConfig
+from jmarl.models.fetch import resolve as resolve_model
+from jmarl.models.gguf import gguf_chat_template, load_gguf, load_gguf_config, load_gguf_tokenizer
 from jmarl.models.hf import load_hf, save_hf
 from jmarl.models.model import (
     KVCache,
@@ -33,8 +35,12 @@ __all__ = [
     "decode_step",
     "generate",
     "generate_stacked",
+    "gguf_chat_template",
     "init",
     "init_cache",
+    "load_gguf",
+    "load_gguf_config",
+    "load_gguf_tokenizer",
     "load_hf",
     "load_tokenizer",
     "num_compiled_programs",
@@ -44,6 +50,7 @@ __all__ = [
     "prefill",
     "packed_token_logprobs",
     "prefix_token_logprobs",
+    "resolve_model",
     "sample_token",
     "save_hf",
     "token_logprobs",

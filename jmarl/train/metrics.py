@@ -284,7 +284,7 @@ FIGURES = (
     ("evaluation", "held-out evaluation", ("eval",)),
     ("rollout", "rollouts and rewards", ("rollout", "reward", "plan")),
     ("loss", "loss, ratios and gradients", ("train", "loss", "kl")),
-    ("time", "time and throughput", ("time", "perf")),
+    ("time", "time, throughput and utilization", ("time", "perf", "learner")),
 )
 OTHER_FIGURE = ("other", "other metrics")
 _COLUMNS = 4  # panels per row at most

@@ -90,13 +90,23 @@ class PolicySet:
 
 
 def build_tokenizer(spec: str | None, model_path: str | None) -> Any:
-    """'char' -> the built-in CharTokenizer; a directory -> its HF tokenizer; None -> model_path's."""
+    """'char' -> the built-in CharTokenizer; a directory -> its HF tokenizer; a .gguf file (or a
+    registered model name, `jmarl.models.fetch`) -> the tokenizer in its metadata; None ->
+    model_path's."""
     if spec == "char":
         return models.CharTokenizer()
     path = spec or model_path
     if path is None:
         raise JmarlError("tokenizer: set tokenizer to 'char' or a local tokenizer directory (the model has no path)")
+    if not os.path.exists(path) and path in models.fetch.MODELS:
+        path = str(models.resolve_model(path))  # a registered model name: fetched once, then cached
+    if _is_gguf(path):
+        return models.load_gguf_tokenizer(path)
     return models.load_tokenizer(path)
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
 
 
 def build_model(
@@ -114,13 +124,20 @@ def build_model(
     numerics = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype,
                     attention=model_cfg.attention)
     if model_cfg.path is not None:
-        if not os.path.isdir(model_cfg.path):
-            raise JmarlError(
-                f"{setting}.path {model_cfg.path!r} is not a directory; point it at a local HF checkpoint"
+        path = model_cfg.path
+        if not os.path.exists(path) and path in models.fetch.MODELS:
+            path = str(models.resolve_model(path))  # a registered model name: fetched once, then cached
+        if _is_gguf(path):
+            config, params = models.load_gguf(
+                path, param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype
             )
-        config, params = models.load_hf(
-            model_cfg.path, dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype
-        )
+        elif os.path.isdir(path):
+            config, params = models.load_hf(path, dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype)
+        else:
+            raise JmarlError(
+                f"{setting}.path {model_cfg.path!r} is not a directory or a .gguf file; point it at a local HF "
+                f"checkpoint, a GGUF file or a registered model name ({', '.join(sorted(models.fetch.MODELS))})"
+            )
         config = config.replace(**numerics)
         return config.replace(remat=resolve_remat(model_cfg.remat, config.num_params())), params
     if tokenizer is None:

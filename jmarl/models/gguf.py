@@ -1,0 +1,561 @@
+"""GGUF checkpoints (llama.cpp's format) as a jmarl input: `load_gguf` -> (ModelConfig, params).
+
+The file is read with the `gguf` package (ggml's own reader: memory-mapped, no torch) and every
+weight is dequantised with `gguf.quants.dequantize` to float32, so the result is the same config
+and parameter tree `jmarl.models.hf.load_hf` gives for the Hugging Face checkpoint the GGUF was
+converted from (up to the quantisation error the file itself carries). Export after training
+stays a Hugging Face directory: `save_hf(dir, config, params)`.
+
+How llama.cpp's converter (`convert_hf_to_gguf.py`) stores a llama / qwen2 / qwen3 model, and what
+is undone here:
+
+* hyperparameters are metadata keys `<arch>.block_count`, `<arch>.attention.head_count`, ...;
+  numbers stored as float32 (rms eps, rope base) are read back as the shortest decimal that
+  rounds to the same float32 (1e-06, not 9.99999997e-07), as config.json spells them;
+* tensors are renamed (`blk.{i}.attn_q.weight` for `model.layers.{i}.self_attn.q_proj.weight`)
+  and stored in ggml order (shape reversed; the data is HF's [out, in] row-major);
+* for architecture "llama" only, the rows of the q and k projections (weights and biases) are
+  permuted from HF's rotate-half RoPE layout to ggml's interleaved one
+  (`LlamaModel.permute`); `_unpermute` inverts it exactly;
+* Llama 3 RoPE scaling is not metadata but a tensor `rope_freqs.weight` (one divisor per
+  frequency); factor, low/high frequency factors and the original context are fitted back to it
+  and checked to reproduce it;
+* tied embeddings: the file simply has no `output.weight`.
+
+`load_gguf_tokenizer(path)` builds the tokenizer described by the file's `tokenizer.*` metadata
+(transformers' own GGUF tokenizer conversion, fed from the `gguf` reader, so no torch) behind
+jmarl's `HFTokenizer`; `gguf_chat_template(path)` is the chat template the file carries.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmarl.errors import JmarlError
+from jmarl.models.config import ModelConfig
+from jmarl.models.hf import _get, _set, _tensor_specs
+from jmarl.models.model import Params, param_shapes
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# ggml tensor types whose values `gguf.quants.dequantize` recovers (names of GGMLQuantizationType;
+# ones the installed gguf package does not know are left out).
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16",
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+)
+
+# HF name (under model.layers.{i}. for layer tensors) -> GGUF name (under blk.{i}.)
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# Tensors the converter writes that carry no parameter (read for the config instead).
+_CONFIG_TENSORS = ("rope_freqs.weight",)
+_MISSING = object()
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise JmarlError("reading GGUF files needs the `gguf` package: pip install gguf") from None
+    return gguf
+
+
+def gguf_name(hf_name: str) -> str:
+    """The llama.cpp tensor name of a HF llama/qwen2/qwen3 tensor name (KeyError if none)."""
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    prefix, _, rest = hf_name.partition(".layers.")
+    layer, _, suffix = rest.partition(".")
+    if prefix != "model" or not layer.isdigit() or suffix not in _LAYER_NAMES:
+        raise KeyError(hf_name)
+    return f"blk.{layer}.{_LAYER_NAMES[suffix]}"
+
+
+# ------------------------------------------------------------------------------ reading
+def _open(path: str | os.PathLike) -> "_File":
+    """The `_File` of `path`, shared by calls on the same unchanged file: the gguf reader parses
+    all metadata when it opens a file, a tokenizer's vocabulary element by element (seconds for a
+    large vocabulary), so `load_gguf`, `load_gguf_tokenizer` and `gguf_chat_template` share it."""
+    path = os.fspath(path)
+    try:
+        stat = os.stat(path)
+    except OSError:
+        raise JmarlError(f"GGUF file not found: {path}") from None
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _OPEN:
+        while len(_OPEN) >= 2:
+            _OPEN.pop(next(iter(_OPEN)))
+        _OPEN[key] = _File(path)
+    return _OPEN[key]
+
+
+_OPEN: dict[tuple, "_File"] = {}
+
+
+class _File:
+    """One opened GGUF file: metadata values on demand, tensors by name."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise JmarlError(f"GGUF file not found: {self.path}")
+        gguf = _gguf()
+        try:
+            self.reader = gguf.GGUFReader(self.path, "r")
+        except Exception as err:  # the reader raises ValueError/struct errors on non-GGUF data
+            raise JmarlError(f"{self.path} is not a readable GGUF file: {err}") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def value(self, key: str, default: Any = _MISSING) -> Any:
+        """The metadata value of `key` (str, int, float, bool or a list of them)."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is _MISSING:
+                raise JmarlError(f"GGUF file {self.path} lacks the metadata key {key!r}")
+            return default
+        return _field_value(field)
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def array(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantised to float32, in HF (row-major, reversed ggml) shape."""
+        gguf = _gguf()
+        tensor = self.tensors[name]
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise _type_error(self.path, name, tensor.tensor_type.name) from None
+        return np.asarray(values, np.float32).reshape(shape)
+
+
+def _field_value(field: Any) -> Any:
+    gguf = _gguf()
+    types = list(field.types)
+    string, array = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+
+    def item(index: int, kind: Any) -> Any:
+        part = field.parts[index]
+        if kind == string:
+            return bytes(part).decode("utf-8", errors="replace")
+        value = part[0].item() if len(part) == 1 else part.tolist()
+        if kind == gguf.GGUFValueType.FLOAT32:
+            # the shortest decimal of the stored float32 (1e-06, as config.json has it)
+            return float(str(np.float32(value)))
+        if kind == gguf.GGUFValueType.BOOL:
+            return bool(value)
+        return value
+
+    if types and types[0] == array:
+        kind = types[-1]
+        return [item(i, kind) for i in field.data]
+    return item(field.data[0], types[0])
+
+
+def _type_error(path: str, name: str, type_name: str) -> JmarlError:
+    return JmarlError(
+        f"tensor {name} in {path} is stored as ggml type {type_name}, which jmarl cannot dequantise; "
+        f"supported types: {', '.join(_supported_types())}. Re-quantise the model to one of them "
+        "(e.g. llama.cpp's llama-quantize ... Q8_0) or convert the HF checkpoint instead"
+    )
+
+
+def _supported_types() -> tuple[str, ...]:
+    known = _gguf().GGMLQuantizationType.__members__
+    return tuple(t for t in SUPPORTED_TENSOR_TYPES if t in known)
+
+
+# ------------------------------------------------------------------------------ config
+def _int_hparam(f: _File, arch: str, key: str, default: Any = _MISSING) -> Any:
+    value = f.value(f"{arch}.{key}", default)
+    if isinstance(value, list):  # per-layer lists (hybrid models): jmarl needs them uniform
+        if len(set(value)) != 1:
+            raise JmarlError(f"GGUF file {f.path}: {arch}.{key} differs between layers ({value}); "
+                             "jmarl supports uniform layers only")
+        value = value[0]
+    return value
+
+
+def _gguf_config(f: _File) -> tuple[ModelConfig, bool]:
+    """(the ModelConfig of the file, whether q/k rows are in llama.cpp's permuted order)."""
+    arch = f.value("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise JmarlError(
+            f"GGUF file {f.path} holds architecture {arch!r}; jmarl loads {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "GGUF files (other families: load their HF checkpoint if it is one of those)"
+        )
+    t = f.tensors
+    for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                 "blk.0.ffn_gate.weight"):
+        if name not in t:
+            raise JmarlError(f"GGUF file {f.path} lacks tensor {name}, which every {arch} model has")
+    hidden, vocab = (int(d) for d in t["token_embd.weight"].shape)
+    num_layers = int(_int_hparam(f, arch, "block_count"))
+    num_heads = int(_int_hparam(f, arch, "attention.head_count"))
+    num_kv_heads = int(_int_hparam(f, arch, "attention.head_count_kv", num_heads))
+    q_out, k_out = int(t["blk.0.attn_q.weight"].shape[1]), int(t["blk.0.attn_k.weight"].shape[1])
+    head_dim = q_out // num_heads
+    declared = _int_hparam(f, arch, "attention.key_length", None)
+    if q_out % num_heads or (declared is not None and int(declared) != head_dim) or k_out != num_kv_heads * head_dim:
+        raise JmarlError(
+            f"GGUF file {f.path}: attention shapes (q {q_out}, k {k_out} outputs) do not fit "
+            f"{num_heads} heads / {num_kv_heads} kv heads (key_length {declared})"
+        )
+    rotary = _int_hparam(f, arch, "rope.dimension_count", None)
+    if rotary is not None and int(rotary) != head_dim:
+        raise JmarlError(f"GGUF file {f.path} rotates {rotary} of {head_dim} head dimensions; "
+                         "jmarl supports full-width RoPE only")
+    embedding_length = int(_int_hparam(f, arch, "embedding_length", hidden))
+    if embedding_length != hidden:
+        raise JmarlError(f"GGUF file {f.path}: embedding_length {embedding_length} but token_embd is {hidden} wide")
+    if f"blk.{num_layers - 1}.attn_q.weight" not in t or f"blk.{num_layers}.attn_q.weight" in t:
+        raise JmarlError(f"GGUF file {f.path}: block_count is {num_layers} but the blk.* tensors disagree")
+    if "blk.0.ffn_up.bias" in t or "blk.0.ffn_down.bias" in t:
+        raise JmarlError(f"GGUF file {f.path} has MLP biases, which jmarl does not support")
+
+    q_bias, o_bias = "blk.0.attn_q.bias" in t, "blk.0.attn_output.bias" in t
+    if arch == "qwen2":
+        if not q_bias or o_bias:
+            raise JmarlError(f"GGUF file {f.path}: a qwen2 model has q/k/v biases and no output bias")
+        qkv_bias, out_bias = True, False
+    else:
+        if q_bias != o_bias:
+            raise JmarlError(
+                f"GGUF file {f.path}: {arch} with biases on {'q/k/v only' if q_bias else 'the output only'}; "
+                "jmarl supports attention biases on all four projections or none"
+            )
+        qkv_bias = out_bias = q_bias
+    qk_norm = arch == "qwen3"
+    if qk_norm != ("blk.0.attn_q_norm.weight" in t):
+        raise JmarlError(f"GGUF file {f.path}: q/k norms {'missing from' if qk_norm else 'present in'} a {arch} model")
+
+    fields: dict[str, Any] = dict(
+        model_type=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(t["blk.0.ffn_gate.weight"].shape[1]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(f.value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(_int_hparam(f, arch, "context_length", 32768)),
+        tie_word_embeddings="output.weight" not in t,
+        qkv_bias=qkv_bias,
+        o_bias=out_bias,
+        qk_norm=qk_norm,
+    )
+    fields.update(_rope_fields(f, arch, head_dim))
+    bos = f.value("tokenizer.ggml.bos_token_id", None)
+    eos = f.value("tokenizer.ggml.eos_token_id", None)
+    eot = f.value("tokenizer.ggml.eot_token_id", None)
+    pad = f.value("tokenizer.ggml.padding_token_id", None)
+    if bos is not None:
+        fields["bos_token_id"] = int(bos)
+    if eos is not None:
+        fields["eos_token_id"] = int(eos) if eot in (None, eos) else (int(eos), int(eot))
+    if pad is not None:
+        fields["pad_token_id"] = int(pad)
+    return ModelConfig(**fields), arch == "llama"
+
+
+def _rope_fields(f: _File, arch: str, head_dim: int) -> dict[str, Any]:
+    theta = float(f.value(f"{arch}.rope.freq_base", 10000.0))
+    fields: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+    scaling = f.value(f"{arch}.rope.scaling.type", "none")
+    linear = f.value(f"{arch}.rope.scale_linear", None)  # older files
+    if scaling == "linear" or (scaling == "none" and linear is not None):
+        factor = float(f.value(f"{arch}.rope.scaling.factor", linear if linear is not None else 1.0))
+        if factor != 1.0:
+            fields.update(rope_type="linear", rope_factor=factor)
+    elif scaling != "none":
+        raise JmarlError(
+            f"GGUF file {f.path} uses RoPE scaling {scaling!r}; jmarl supports none, linear and Llama 3's"
+        )
+    if "rope_freqs.weight" in f.tensors:
+        if fields["rope_type"] != "default":
+            raise JmarlError(f"GGUF file {f.path} has both rope_freqs.weight and {scaling} RoPE scaling")
+        divisors = f.array("rope_freqs.weight").reshape(-1)
+        if divisors.shape != (head_dim // 2,):
+            raise JmarlError(f"GGUF file {f.path}: rope_freqs.weight has {divisors.size} entries, "
+                             f"expected {head_dim // 2}")
+        fields.update(_llama3_fit(divisors, theta, head_dim, f.path))
+    return fields
+
+
+def _llama3_fit(divisors: np.ndarray, theta: float, head_dim: int, path: str) -> dict[str, Any]:
+    """Llama 3 RoPE parameters whose scaled frequencies equal base / `divisors` (llama.cpp's
+    rope_freqs tensor: 1 at high frequencies, `factor` at low ones, a blend in between).
+
+    In the blend, 1 / divisor = (1 - s) / factor + s with s = old_len / wavelength / (high - low)
+    - low / (high - low), linear in the frequency: two blended frequencies fix its slope and
+    intercept, and low = 1 (Llama 3's value) fixes the rest. With fewer, Llama 3's low = 1 and
+    high = 4 are assumed and the original context is solved for (or, with no blended frequency,
+    is 8192, the converter's own default, if that fits, else the middle of the range that fits).
+    The fitted config is checked to reproduce the file's frequencies."""
+    d = divisors.astype(np.float64)
+    if np.allclose(d, 1.0, rtol=0, atol=1e-7):
+        return {}
+    if np.allclose(d, d[0], rtol=1e-6, atol=0):
+        candidates = [{"rope_type": "linear", "rope_factor": _nice(d[0])}]
+    else:
+        factor = _nice(float(d.max()))
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float64)
+        per_wave = inv_freq / (2 * math.pi)  # 1 / wavelength
+        blended = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
+        smooth = (1.0 / d[blended] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        candidates = []
+        if blended.sum() >= 2:
+            slope, intercept = np.polyfit(per_wave[blended], smooth, 1)  # s = slope * x + intercept
+            if intercept < 0:
+                span = -1.0 / intercept  # high - low with low = 1
+                candidates.append((1.0, _nice(1.0 + span), int(round(slope * span))))
+        if blended.sum() >= 1:
+            x, s = per_wave[blended][0], smooth[0]
+            candidates.append((1.0, 4.0, int(round((s * 3.0 + 1.0) / x))))
+        else:
+            # every frequency is either kept or fully scaled: any context between the wavelengths
+            # of the last kept and first scaled frequencies fits (with low 1, high 4)
+            # (kept: wavelength < old_len / 4; scaled: wavelength > old_len)
+            kept, scaled = per_wave[d <= 1 + 1e-6], per_wave[d >= factor * (1 - 1e-6)]
+            lo = 4.0 / kept.min() if kept.size else 1.0  # old_len must exceed this ...
+            hi = 1.0 / scaled.max() if scaled.size else math.inf  # ... and stay below this
+            candidates.append((1.0, 4.0, 8192))
+            if math.isfinite(hi):
+                candidates.append((1.0, 4.0, int(round(math.sqrt(lo * hi)))))
+        candidates = [
+            {"rope_type": "llama3", "rope_factor": factor, "rope_low_freq_factor": low,
+             "rope_high_freq_factor": high, "rope_original_max_position": old}
+            for low, high, old in candidates
+        ]
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    target = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32) / divisors.astype(np.float32)
+    for fields in candidates:
+        probe = ModelConfig(model_type="llama", vocab_size=2, hidden_size=head_dim, intermediate_size=2,
+                            num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta,
+                            **fields)
+        if np.allclose(probe.inv_frequencies(), target, rtol=1e-5, atol=0):
+            return fields
+    raise JmarlError(
+        f"GGUF file {path}: its rope_freqs.weight (RoPE frequency divisors {np.round(d, 4).tolist()}) "
+        "matches no RoPE scaling jmarl supports (none, linear, llama3)"
+    )
+
+
+def _nice(x: float) -> float:
+    """`x` rounded to 6 significant digits (a factor of 8 stored as 7.9999995 reads back as 8.0)."""
+    return float(f"{x:.6g}")
+
+
+# ------------------------------------------------------------------------------ weights
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `LlamaModel.permute(w, n_head, n_head)` on the rows (dim 0) of a
+    q/k weight or bias: back from ggml's interleaved RoPE pairs to HF's rotate-half halves."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(
+    path: str | os.PathLike, *, param_dtype: Any = None, compute_dtype: Any = None
+) -> tuple[ModelConfig, Params]:
+    """Loads a llama/qwen2/qwen3 GGUF file -> (config, params), the tree `load_hf` gives.
+
+    Every tensor is dequantised to float32 (which holds each quantised value exactly);
+    `param_dtype` (default "float32") is how the parameters are stored and, unless
+    `compute_dtype` is given, the dtype the matmuls run in. Training needs float32 storage (see
+    `load_hf`). Raises JmarlError for other architectures and for ggml types jmarl cannot
+    dequantise (`SUPPORTED_TENSOR_TYPES`).
+    """
+    f = _open(path)
+    config, permuted = _gguf_config(f)
+    try:
+        dtype_name = jnp.dtype(param_dtype if param_dtype is not None else "float32").name
+        compute_name = dtype_name if compute_dtype is None else jnp.dtype(compute_dtype).name
+    except TypeError as err:
+        raise JmarlError(f"load_gguf: {err}; use float32, bfloat16 or float16") from None
+    config = config.replace(param_dtype=dtype_name, compute_dtype=compute_name)
+    target = jnp.dtype(dtype_name)
+    specs = list(_tensor_specs(config))
+    names = {spec[1]: gguf_name(spec[1]) for spec in specs}
+    unexpected = sorted(set(f.tensors) - set(names.values()) - set(_CONFIG_TENSORS))
+    if unexpected:
+        raise JmarlError(
+            f"GGUF file {f.path} has tensors a {config.model_type} model of this shape does not: "
+            f"{', '.join(unexpected[:6])}{' ...' if len(unexpected) > 6 else ''}"
+        )
+    supported = set(_supported_types())
+    for name in names.values():
+        if name in f.tensors and f.type_name(name) not in supported:
+            raise _type_error(f.path, name, f.type_name(name))
+
+    shapes = param_shapes(config)
+    host: dict = {}
+    for path_, hf_name, transposed, layer in specs:
+        name = names[hf_name]
+        full_shape = _get(shapes, path_).shape
+        shape = full_shape if layer is None else full_shape[1:]
+        hf_shape = tuple(reversed(shape)) if transposed else tuple(shape)
+        if name not in f.tensors:
+            raise JmarlError(f"GGUF file {f.path} lacks tensor {name} (expected shape {list(hf_shape)})")
+        value = f.array(name)
+        if tuple(value.shape) != hf_shape:
+            raise JmarlError(
+                f"tensor {name} in {f.path} has shape {list(value.shape)} (HF order), expected {list(hf_shape)}"
+            )
+        if permuted and (".attn_q." in name or ".attn_k." in name):
+            value = _unpermute(value, config.num_heads if ".attn_q." in name else config.num_kv_heads)
+        value = value.T if transposed else value
+        if layer is None:
+            _set(host, path_, np.array(value, dtype=target))  # a copy, not a view of the mapped file
+        else:
+            if layer == 0:
+                _set(host, path_, np.empty(full_shape, target))
+            _get(host, path_)[layer] = value
+    params = jax.tree.map(jnp.asarray, host)
+    return config, params
+
+
+def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a GGUF file (float32 parameters), without reading its weights."""
+    return _gguf_config(_open(path))[0]
+
+
+# ------------------------------------------------------------------------------ tokenizer
+# tokenizer.* metadata key -> transformers' tokenizer_dict key (as its GGUF tokenizer mapping has it)
+_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model": "tokenizer_type",
+    "tokenizer.ggml.pre": "pre_tokenizer_type",
+    "tokenizer.ggml.tokens": "tokens",
+    "tokenizer.ggml.scores": "scores",
+    "tokenizer.ggml.token_type": "token_type",
+    "tokenizer.ggml.merges": "merges",
+    "tokenizer.ggml.precompiled_charsmap": "precompiled_charsmap",
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+    "tokenizer.ggml.add_space_prefix": "add_prefix_space",
+}
+_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unk_token_id",
+                "pad_token": "pad_token_id"}
+
+
+def gguf_chat_template(path: str | os.PathLike) -> str | None:
+    """The chat template (`tokenizer.chat_template`) a GGUF file carries, or None."""
+    return _open(path).value("tokenizer.chat_template", None)
+
+
+def _convert_tokenizer(architecture: str, tokenizer_dict: dict) -> tuple[Any, dict]:
+    """transformers' GGUF tokenizer conversion: `tokenizers.Tokenizer` + extra init kwargs."""
+    try:  # transformers 5
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+    except ImportError:  # transformers 4
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+    return convert_gguf_tokenizer(architecture, tokenizer_dict)
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer a GGUF file describes, with its chat template, as a jmarl `HFTokenizer`.
+
+    Built by transformers' GGUF tokenizer conversion (the one `AutoTokenizer.from_pretrained(dir,
+    gguf_file=...)` runs) from metadata read here with the `gguf` package, so no torch is needed.
+    `tokenizer.hf.save_pretrained(dir)` writes it beside a `save_hf` export.
+    """
+    from jmarl.models.tokenizer import HFTokenizer
+
+    f = _open(path)
+    if f.value("tokenizer.ggml.tokens", None) is None:
+        raise JmarlError(f"GGUF file {f.path} carries no tokenizer (no tokenizer.ggml.tokens)")
+    tokenizer_dict = {}
+    for key, name in _TOKENIZER_KEYS.items():
+        value = f.value(key, None)
+        if value is not None:
+            tokenizer_dict[name] = value
+    architecture = f.value("general.architecture")
+    try:
+        backend, extra = _convert_tokenizer(architecture, tokenizer_dict)
+    except (KeyError, ValueError) as err:
+        raise JmarlError(
+            f"cannot build the tokenizer of GGUF file {f.path} (tokenizer.ggml.model "
+            f"{tokenizer_dict.get('tokenizer_type')!r}): {err}"
+        ) from None
+    tokens = tokenizer_dict["tokens"]
+    backend = _drop_foreign_tokens(backend, len(tokens))
+    _fix_pre_tokenizer(backend, tokenizer_dict.get("pre_tokenizer_type"))
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {}
+    for kwarg, key in _SPECIAL_IDS.items():
+        index = tokenizer_dict.get(key)
+        if index is not None and 0 <= int(index) < len(tokens):
+            specials[kwarg] = tokens[int(index)]
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **specials, **extra)
+    template = f.value("tokenizer.chat_template", None)
+    if template:
+        hf.chat_template = template
+    return HFTokenizer(hf)
+
+
+def _drop_foreign_tokens(backend: Any, vocab_size: int) -> Any:
+    """`backend` without added tokens beyond the file's vocabulary: the conversion's GPT-2
+    tokenizer adds its default `<|endoftext|>` when the vocabulary has none, an id the model
+    does not embed."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(backend.to_str())
+    added = spec.get("added_tokens") or []
+    kept = [t for t in added if int(t["id"]) < vocab_size]
+    if len(kept) == len(added):
+        return backend
+    spec["added_tokens"] = kept
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def _fix_pre_tokenizer(backend: Any, pre: str | None) -> None:
+    """llama.cpp pre-tokenizer types transformers' conversion leaves at GPT-2's default split.
+
+    "smollm" (SmolLM/SmolLM2) splits every digit on its own before the GPT-2 split, as the
+    model's own tokenizer.json does (`Digits(individual_digits=True)`, then `ByteLevel`)."""
+    if pre != "smollm":
+        return
+    from tokenizers import pre_tokenizers
+
+    current = backend.pre_tokenizer
+    if current is not None and "Digits" in repr(current):
+        return
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])

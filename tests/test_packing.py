@@ -13,7 +13,8 @@ from jmarl import algos, models
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
 from jmarl.train.optim import make_optimizer
-from jmarl.train.packing import ROW_TOKENS, pack, packed_logprobs, split_prompts, token_budget, token_utilization
+from jmarl.train.packing import (ROW_TOKENS, PackShape, pack, packed_logprobs, shape_of, split_prompts, token_budget,
+                                 token_utilization)
 from jmarl.train.step import init_train_state, make_update, split_minibatches
 
 TINY = models.ModelConfig(
@@ -213,3 +214,18 @@ def test_every_method_gives_the_same_loss_and_gradients_packed_as_plain(name, me
     np.testing.assert_allclose(loss_packed, loss_plain, rtol=1e-5, atol=1e-7)
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g_plain)) > 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_packed, g_plain)
+
+
+def test_a_previous_shape_is_reused_while_the_batch_fits_it_well():
+    rows = [([1 + i] * 50, [2] * 30) for i in range(12)]  # 12 segments of 80 tokens
+    plain = _plain(rows, t=80)
+    (own,) = pack([plain])
+    shape = shape_of(own)
+    assert shape == PackShape(1, token_budget(960), token_budget(12 * 30), 32)
+    (fewer,) = pack([_plain(rows[:11], t=80)], reuse=shape)  # 880 tokens: 92% of the slots, reused
+    assert shape_of(fewer) == shape
+    (half,) = pack([_plain(rows[:6], t=80)], reuse=shape)  # 480 tokens: a smaller shape of its own
+    assert shape_of(half) == PackShape(1, token_budget(480), token_budget(6 * 30), 32)
+    (more,) = pack([_plain(rows + rows[:1], t=80)], reuse=shape)  # does not fit
+    assert shape_of(more).width > shape.width
+    np.testing.assert_array_equal(fewer["packed_tokens"][0, :880], own["packed_tokens"][0, :880])

@@ -37,7 +37,7 @@ from length buckets, so that steps reuse a few compiled programs. [N] fields pas
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,8 @@ MIN_BUDGET = 64
 # at 2.5x the previous layout's speed; of 192 only 62% (segments fill few rows unevenly); one
 # row per micro-batch 1.85x (attention's tiles unbatched)
 ROW_TOKENS = 1024
+# a previous shape is reused while the batch needs at least this fraction of its slots
+REUSE_FILL = 0.85
 
 
 def token_budget(tokens: int, minimum: int = MIN_BUDGET) -> int:
@@ -105,9 +107,28 @@ def _assign_rows(sizes: Sequence[int], rows: int) -> list[int]:
     return where
 
 
+class PackShape(NamedTuple):
+    """The static shape of a packed batch: R rows and M predictions per micro-batch, rows of L
+    slots, continuations of C tokens."""
+
+    rows: int
+    width: int
+    predictions: int
+    length: int
+
+
+def shape_of(batch: Any, parts: int = 1) -> PackShape:
+    """The `PackShape` of a packed batch of `parts` micro-batches (a dict or `LearnerBatch`;
+    any leading policy axis)."""
+    get = batch.__getitem__ if isinstance(batch, Mapping) else lambda name: getattr(batch, name)
+    rows, width = np.shape(get("packed_tokens"))[-2:]
+    return PackShape(int(rows) // parts, int(width), int(np.shape(get("pred_source"))[-1]) // parts,
+                     int(np.shape(get("pred_slot"))[-1]))
+
+
 def pack(
     batches: Sequence[dict[str, np.ndarray]], parts: int = 1, rows_per_part: int = 1, width: int | None = ROW_TOKENS,
-    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, reuse: PackShape | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Plain batches (tokens/attention_mask/loss_mask [N, T], N a multiple of `parts`) -> the
     packed layout of the module docstring, with R, L, M and C common to all of them (so the
@@ -118,7 +139,12 @@ def pack(
 
     Wide rows cost little more than their segments (attention skips the tiles outside a
     segment); ROW_TOKENS keeps several rows per micro-batch, so that attention's tiles are
-    batched, with enough segments per row to fill it evenly."""
+    batched, with enough segments per row to fill it evenly.
+
+    reuse: a previous batch's `PackShape` (`shape_of`), taken instead when these batches fit in
+    it and it holds at most 1/REUSE_FILL times the token slots and predictions they need on
+    their own: a new shape means a new compiled update, so the shape only changes when the
+    batches outgrow it or would leave too much of it empty."""
     plans = []  # per batch: (samples, per micro-batch: (segments, their sizes))
     most_preds, longest_rest, most_tokens = 1, 1, 1
     for b in batches:
@@ -140,16 +166,27 @@ def pack(
     rows = rows_per_part
     if width is not None:
         rows *= next_pow2(-(-most_tokens // (width * rows_per_part)))
-    widest = 1
+    own = PackShape(rows, token_budget(_widest(plans, rows)), token_budget(most_preds), bucket_length(longest_rest, buckets))
+    shape = own
+    if (reuse is not None and reuse.rows % rows_per_part == 0 and reuse.predictions >= own.predictions
+            and reuse.length >= own.length and reuse.rows * reuse.width * REUSE_FILL <= own.rows * own.width
+            and reuse.predictions * REUSE_FILL <= own.predictions and _widest(plans, reuse.rows) <= reuse.width):
+        shape = reuse
     for _, micro in plans:
         for i, (segments, sizes) in enumerate(micro):
+            micro[i] = (segments, _assign_rows(sizes, shape.rows))
+    return [_fill(b, samples, micro, parts, shape.rows, shape.width, shape.predictions, shape.length)
+            for b, (samples, micro) in zip(batches, plans)]
+
+
+def _widest(plans: list, rows: int) -> int:
+    """The most tokens any row holds when each micro-batch's segments go to `rows` rows."""
+    widest = 1
+    for _, micro in plans:
+        for _, sizes in micro:
             where = _assign_rows(sizes, rows)
-            micro[i] = (segments, where)
             widest = max([widest] + [sum(s for s, w in zip(sizes, where) if w == r) for r in range(rows)])
-    width_l = token_budget(widest)
-    m_len = token_budget(most_preds)
-    c_len = bucket_length(longest_rest, buckets)
-    return [_fill(b, samples, micro, parts, rows, width_l, m_len, c_len) for b, (samples, micro) in zip(batches, plans)]
+    return widest
 
 
 def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows: int, width: int, m_len: int,

@@ -57,9 +57,9 @@ turn order that map to one policy (the most over a group's policies), n = all of
     C = bucket_length(sampling.max_new_tokens)
     packed rows (`packing.pack`), per micro-batch, with tokens <= U x max_prompt_len +
     (N / parts) x max_new_tokens and r = the devices that split the rows (`packed_bounds`):
-        rows  r x next_pow2(tokens / (ROW_TOKENS x r))
-        L     token_budget(min(ROW_TOKENS, tokens / r) + one segment), a segment being a
-              prompt and its s continuations; M = token_budget((N / parts) x max_new_tokens)
+        L     max(ROW_TOKENS, token_budget(one segment)), a segment being a prompt and its s
+              continuations
+        rows  2 x tokens / L + 1, rounded up to a multiple of r; M = rows x L
 
 The update's batch is what `learner.score_batch` makes of that learner batch (traced by
 `jax.eval_shape`: old/ref log-probs, advantages, masks). The warm start's batch: demos x the
@@ -281,17 +281,15 @@ def packed_bounds(rows: int, prompts: int, share: int, prompt_len: int, new_toke
                   ) -> tuple[int, int, int]:
     """(R, L, M): bounds on the packed rows, their width and the predictions of one micro-batch
     of `rows` samples with at most `prompts` distinct prompts of <= prompt_len tokens and
-    continuations of <= new_tokens (`jmarl.train.packing.pack`): at most T tokens make the most
-    rows; a row holds at most min(ROW_TOKENS, T / rows_per_part) on average plus one whole
-    segment (a prompt and `share` continuations) from the uneven split."""
-    from jmarl.rollouts import next_pow2
+    continuations of <= new_tokens (`jmarl.train.packing.pack`): L = ROW_TOKENS or the budget
+    of the longest segment (a prompt and `share` continuations); first-fit leaves at most one
+    row half empty or less, so T tokens take at most 2T / L + 1 rows; M = R x L."""
     from jmarl.train.packing import ROW_TOKENS, token_budget
 
     total = prompts * prompt_len + rows * new_tokens
-    segment = prompt_len + max(share, 1) * new_tokens
-    packed_rows = rows_per_part * next_pow2(-(-total // (ROW_TOKENS * rows_per_part)))
-    width = min(total, min(ROW_TOKENS, -(-total // rows_per_part)) + segment)
-    return packed_rows, token_budget(width), token_budget(max(rows * new_tokens, 1))
+    width = max(ROW_TOKENS, token_budget(prompt_len + max(share, 1) * new_tokens))
+    packed_rows = -(-(2 * total // width + 1) // rows_per_part) * rows_per_part
+    return packed_rows, width, packed_rows * width
 
 
 # ----------------------------------------------------------------------------------- programs

@@ -46,9 +46,10 @@ def test_token_budgets():
 
 def test_layout_by_hand():
     plain = _plain([([5, 6, 7], [8, 9]), ([5, 6, 7], [10]), ([5, 6], [11, 12, 13]), ([], [])], t=6)
-    (out,) = pack([plain], parts=2, buckets=(4,))
+    (out,) = pack([plain], parts=2, width=8, buckets=(4,))
     # micro-batch 0: prompt [5 6 7] then its two continuations; micro-batch 1: [5 6] and one
-    # continuation (the padding row packs nothing). L = M = 64 (the smallest budget), C = 4.
+    # continuation (the padding row packs nothing). One row each of L = 64 (the smallest budget
+    # holding the longest segment, above width 8); M = R x L = 64; C = 4.
     assert out["packed_tokens"].shape == (2, 64)
     np.testing.assert_array_equal(out["packed_tokens"][:, :8], [[5, 6, 7, 8, 9, 10, 0, 0], [5, 6, 11, 12, 13, 0, 0, 0]])
     np.testing.assert_array_equal(out["packed_positions"][:, :6], [[0, 1, 2, 3, 4, 3], [0, 1, 2, 3, 4, 0]])
@@ -65,29 +66,34 @@ def test_layout_by_hand():
     np.testing.assert_allclose(out["behavior_logprobs"][0, :2], [-0.8, -0.9])
     np.testing.assert_array_equal(out["reward"], plain["reward"])  # [N] fields pass through
     assert token_utilization(out) == (11, 128)
+    assert shape_of(out, parts=2) == PackShape(rows=1, width=64, predictions=64, length=4)
     with pytest.raises(JmarlError, match="does not split into 3"):
         pack([plain], parts=3)
 
 
-def test_rows_per_part_balance_segments_and_keep_them_whole():
+def test_segments_go_whole_into_the_first_row_with_room():
     rows = [([1] * 30, [2] * 10)] * 2 + [([3] * 20, [4] * 5)] * 3 + [([5] * 8, [6] * 40)]
-    (out,) = pack([_plain(rows, t=64)], parts=1, rows_per_part=2)
+    (out,) = pack([_plain(rows, t=64)], parts=1, width=96)
     seg, br = out["packed_segment"], out["packed_branch"]
-    # segments of 50, 35 and 48 tokens, longest first onto the emptier row: 50 | 48 + 35
-    assert [int(np.count_nonzero(r)) for r in seg] == [50, 83]
+    # segments of 50, 35 and 48 tokens, longest first: 50 + 35 | 48
+    assert out["packed_tokens"].shape == (2, 96)
+    assert [int(np.count_nonzero(r)) for r in seg] == [85, 48]
     for r in range(2):
         for s in set(seg[r][seg[r] > 0].tolist()):
             slots = np.flatnonzero(seg[r] == s)
             assert np.all(np.diff(slots) == 1) and br[r, slots[0]] == 0
+    (out,) = pack([_plain(rows, t=64)], parts=1, width=96, rows_per_part=4)  # one row per data shard at least
+    assert out["packed_tokens"].shape == (4, 96) and np.count_nonzero(out["packed_segment"][2:]) == 0
 
 
-def test_rows_grow_by_powers_of_two_to_keep_rows_near_the_target_width():
+def test_rows_are_full_but_the_last_and_a_long_segment_widens_them():
     rows = [([1 + i] * 50, [2] * 30) for i in range(60)]  # 60 segments of 80 tokens: 4800 in all
-    (out,) = pack([_plain(rows, t=80)], parts=1, rows_per_part=1)
-    assert out["packed_tokens"].shape[0] == 8 and 4800 / 8 <= ROW_TOKENS  # 4800 / 1024 -> 5 rows -> 8
-    assert out["packed_tokens"].shape[1] == token_budget(8 * 80)  # 60 segments over 8 rows: at most 8 in one
-    (out,) = pack([_plain(rows, t=80)], parts=1, rows_per_part=1, width=None)
-    assert out["packed_tokens"].shape == (1, token_budget(4800))
+    (out,) = pack([_plain(rows, t=80)])
+    assert out["packed_tokens"].shape == (5, ROW_TOKENS)  # 12 segments (960 tokens) per row of 1024
+    assert [int(np.count_nonzero(r)) for r in out["packed_segment"]] == [960] * 5
+    long = [([7] * 600, [8] * 500)] * 2  # a segment of 1600 tokens
+    (out,) = pack([_plain(rows[:3] + long, t=1100)])
+    assert out["packed_tokens"].shape == (2, token_budget(1600))  # 1600 | 3 x 80
 
 
 def test_prompt_is_everything_before_the_first_loss_token():
@@ -214,18 +220,3 @@ def test_every_method_gives_the_same_loss_and_gradients_packed_as_plain(name, me
     np.testing.assert_allclose(loss_packed, loss_plain, rtol=1e-5, atol=1e-7)
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g_plain)) > 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_packed, g_plain)
-
-
-def test_a_previous_shape_is_reused_while_the_batch_fits_it_well():
-    rows = [([1 + i] * 50, [2] * 30) for i in range(12)]  # 12 segments of 80 tokens
-    plain = _plain(rows, t=80)
-    (own,) = pack([plain])
-    shape = shape_of(own)
-    assert shape == PackShape(1, token_budget(960), token_budget(12 * 30), 32)
-    (fewer,) = pack([_plain(rows[:11], t=80)], reuse=shape)  # 880 tokens: 92% of the slots, reused
-    assert shape_of(fewer) == shape
-    (half,) = pack([_plain(rows[:6], t=80)], reuse=shape)  # 480 tokens: a smaller shape of its own
-    assert shape_of(half) == PackShape(1, token_budget(480), token_budget(6 * 30), 32)
-    (more,) = pack([_plain(rows + rows[:1], t=80)], reuse=shape)  # does not fit
-    assert shape_of(more).width > shape.width
-    np.testing.assert_array_equal(fewer["packed_tokens"][0, :880], own["packed_tokens"][0, :880])

@@ -24,7 +24,7 @@ from jmarl.batch import PACKED_FIELDS, PRED_FIELDS, ROLLOUT_FIELDS, LearnerBatch
 from jmarl.rollouts import Rollouts, bucket_length, next_pow2, select
 from jmarl.train.lora import attach_lora
 from jmarl.train.policies import PolicyGroup
-from jmarl.train.packing import PackShape, pack, packed_logprobs
+from jmarl.train.packing import pack, packed_logprobs
 from jmarl.train.step import jit_update, make_update, split_minibatches
 
 # the fields of a warm-start batch before the shared-prefix layout
@@ -59,28 +59,25 @@ def _stacked(group: PolicyGroup, parts: list[dict[str, np.ndarray]]) -> LearnerB
 
 
 def learner_batch(
-    group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0, rows_per_part: int = 1,
-    reuse: PackShape | None = None,
+    group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0, rows_per_part: int = 1
 ) -> tuple[LearnerBatch, list[int]]:
     """The group's `LearnerBatch` (host arrays) and each policy's sample count. N is a power of
     two times `parts` (`batch_rows`); `min_rows`, a bound on any policy's samples per step
-    known from the plan (0: none), fixes N across steps; each micro-batch packs into a power
-    of two times `rows_per_part` (one per data shard) rows of about `packing.ROW_TOKENS`,
-    so the update compiles once per row count, token budget and length bucket; `reuse`, the
-    previous step's `PackShape`, is kept while the batch fits it well (`packing.pack`)."""
+    known from the plan (0: none), fixes N across steps; each micro-batch packs into rows of
+    `packing.ROW_TOKENS` slots, a multiple of `rows_per_part` (one per data shard) of them, so
+    the update compiles once per row count and length bucket (`packing.pack`)."""
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
     size = batch_rows(counts, parts, min_rows)
     rows = [policy_rows(rollouts, p, size) for p in group.policy_ids]
-    return _stacked(group, pack(rows, parts, rows_per_part, reuse=reuse)), counts
+    return _stacked(group, pack(rows, parts, rows_per_part)), counts
 
 
 def sft_batch(
-    group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]], rows_per_part: int = 1,
-    reuse: PackShape | None = None,
+    group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]], rows_per_part: int = 1
 ) -> LearnerBatch | None:
     """A warm-start batch from (policy id, prompt token ids, completion token ids) rows (the
     completion trained on), padded per policy to a power of two and packed into a multiple of
-    `rows_per_part` rows (`reuse` as in `learner_batch`); None without rows."""
+    `rows_per_part` rows; None without rows."""
     if not rows:
         return None
     t = bucket_length(max(len(p) + len(c) for _, p, c in rows))
@@ -97,7 +94,7 @@ def sft_batch(
             loss[j, len(p) : len(p) + len(c)] = True
         return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
 
-    return _stacked(group, pack([arrays(x) for x in per], rows_per_part=rows_per_part, reuse=reuse))
+    return _stacked(group, pack([arrays(x) for x in per], rows_per_part=rows_per_part))
 
 
 def abstract_learner_batch(

@@ -31,8 +31,9 @@ modulo its size, as `packed_logprobs` does.)
                                                           same way
 
 Micro-batch m holds samples [m * N/parts, (m+1) * N/parts), packed rows [m * R, (m+1) * R) and
-predictions [m * M, (m+1) * M). L and M come from `token_budget` (eight widths per doubling), C
-from length buckets, so that steps reuse a few compiled programs. [N] fields pass through.
+predictions [m * M, (m+1) * M). L is fixed (ROW_TOKENS, or the `token_budget` of a longer
+segment), M = R x L and C a length bucket, so steps reuse a few compiled programs (one per row
+count). [N] fields pass through.
 """
 
 from __future__ import annotations
@@ -47,16 +48,11 @@ from jmarl.batch import PACKED_FIELDS
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, packed_token_logprobs
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
 
 MIN_BUDGET = 64
-# the target width of a packed row. `python -m benchmarks.packing` on the quickstart's batches
-# (~3k tokens per policy and step, in segments of ~140): rows of 1024 computed 90% real tokens
-# at 2.5x the previous layout's speed; of 192 only 62% (segments fill few rows unevenly); one
-# row per micro-batch 1.85x (attention's tiles unbatched)
+# the width of a packed row (wider when a segment is longer)
 ROW_TOKENS = 1024
-# a previous shape is reused while the batch needs at least this fraction of its slots
-REUSE_FILL = 0.85
 
 
 def token_budget(tokens: int, minimum: int = MIN_BUDGET) -> int:
@@ -95,13 +91,15 @@ def _segments(samples: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.nda
     return out
 
 
-def _assign_rows(sizes: Sequence[int], rows: int) -> list[int]:
-    """Segments of `sizes` tokens -> the row each goes to: longest first onto the least-filled
-    row (ties: the lowest row), so the rows' widths stay close."""
-    load = [0] * rows
+def _first_fit(sizes: Sequence[int], width: int) -> list[int]:
+    """Segments of `sizes` tokens (each <= width) -> the row each goes to: longest first into
+    the first row with room (first-fit decreasing), a new row when none has."""
+    load: list[int] = []
     where = [0] * len(sizes)
     for s in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        r = min(range(rows), key=lambda j: (load[j], j))
+        r = next((j for j, used in enumerate(load) if used + sizes[s] <= width), len(load))
+        if r == len(load):
+            load.append(0)
         where[s] = r
         load[r] += sizes[s]
     return where
@@ -127,26 +125,24 @@ def shape_of(batch: Any, parts: int = 1) -> PackShape:
 
 
 def pack(
-    batches: Sequence[dict[str, np.ndarray]], parts: int = 1, rows_per_part: int = 1, width: int | None = ROW_TOKENS,
-    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, reuse: PackShape | None = None,
+    batches: Sequence[dict[str, np.ndarray]], parts: int = 1, rows_per_part: int = 1, width: int = ROW_TOKENS,
+    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
 ) -> list[dict[str, np.ndarray]]:
     """Plain batches (tokens/attention_mask/loss_mask [N, T], N a multiple of `parts`) -> the
     packed layout of the module docstring, with R, L, M and C common to all of them (so the
-    results stack, e.g. one per policy of a stacked group). R: `rows_per_part` (one per data
-    shard) times the power of two that brings the fullest micro-batch's rows to at most
-    `width` tokens each on average (None: no more rows); L: the fullest row's tokens (segments
-    go whole, longest first, to the emptiest row), rounded up to a `token_budget`.
+    results stack, e.g. one per policy of a stacked group).
 
-    Wide rows cost little more than their segments (attention skips the tiles outside a
-    segment); ROW_TOKENS keeps several rows per micro-batch, so that attention's tiles are
-    batched, with enough segments per row to fill it evenly.
+    L = `width`, or the `token_budget` of the longest segment when one is longer. R = the rows
+    the fullest micro-batch needs when its segments go whole, longest first, into the first
+    row with room (first-fit decreasing), rounded up to a multiple of `rows_per_part` (one per
+    data shard). M = R x L (a micro-batch never predicts more tokens than its rows hold).
 
-    reuse: a previous batch's `PackShape` (`shape_of`), taken instead when these batches fit in
-    it and it holds at most 1/REUSE_FILL times the token slots and predictions they need on
-    their own: a new shape means a new compiled update, so the shape only changes when the
-    batches outgrow it or would leave too much of it empty."""
+    So the shapes a run compiles for change only with the number of rows (a few values over a
+    run) rather than with every change of length, and rows are full but for the last one:
+    attention skips the tiles outside a segment, so a wide row costs little more than its
+    segments, and several rows per micro-batch keep attention's tiles batched."""
     plans = []  # per batch: (samples, per micro-batch: (segments, their sizes))
-    most_preds, longest_rest, most_tokens = 1, 1, 1
+    longest_rest, longest_segment = 1, 1
     for b in batches:
         n = b["tokens"].shape[0]
         if n % parts:
@@ -158,35 +154,18 @@ def pack(
             local = samples[m * per_part:(m + 1) * per_part]
             segments = _segments(local)
             sizes = [p.size + sum(local[i][1].size for i in idx) for p, idx in segments]
-            most_tokens = max(most_tokens, sum(sizes))
-            most_preds = max(most_preds, sum(rest.size - (0 if p.size else 1) for p, rest in local if rest.size))
+            longest_segment = max([longest_segment] + sizes)
             micro.append((segments, sizes))
         longest_rest = max([longest_rest] + [rest.size for _, rest in samples])
         plans.append((samples, micro))
-    rows = rows_per_part
-    if width is not None:
-        rows *= next_pow2(-(-most_tokens // (width * rows_per_part)))
-    own = PackShape(rows, token_budget(_widest(plans, rows)), token_budget(most_preds), bucket_length(longest_rest, buckets))
-    shape = own
-    if (reuse is not None and reuse.rows % rows_per_part == 0 and reuse.predictions >= own.predictions
-            and reuse.length >= own.length and reuse.rows * reuse.width * REUSE_FILL <= own.rows * own.width
-            and reuse.predictions * REUSE_FILL <= own.predictions and _widest(plans, reuse.rows) <= reuse.width):
-        shape = reuse
+    width = max(width, token_budget(longest_segment))
+    rows = max([1] + [max(_first_fit(sizes, width), default=-1) + 1 for _, micro in plans for _, sizes in micro])
+    rows = -(-rows // rows_per_part) * rows_per_part
     for _, micro in plans:
         for i, (segments, sizes) in enumerate(micro):
-            micro[i] = (segments, _assign_rows(sizes, shape.rows))
-    return [_fill(b, samples, micro, parts, shape.rows, shape.width, shape.predictions, shape.length)
+            micro[i] = (segments, _first_fit(sizes, width))
+    return [_fill(b, samples, micro, parts, rows, width, rows * width, bucket_length(longest_rest, buckets))
             for b, (samples, micro) in zip(batches, plans)]
-
-
-def _widest(plans: list, rows: int) -> int:
-    """The most tokens any row holds when each micro-batch's segments go to `rows` rows."""
-    widest = 1
-    for _, micro in plans:
-        for _, sizes in micro:
-            where = _assign_rows(sizes, rows)
-            widest = max([widest] + [sum(s for s, w in zip(sizes, where) if w == r) for r in range(rows)])
-    return widest
 
 
 def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows: int, width: int, m_len: int,

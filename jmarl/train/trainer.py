@@ -50,7 +50,7 @@ from jmarl.train.metrics import (
     write_summary,
 )
 from jmarl.train.optim import make_optimizer
-from jmarl.train.packing import shape_of, token_utilization
+from jmarl.train.packing import token_utilization
 from jmarl.train.progress import ProgressBar
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
 from jmarl.workflows import build_rollouts, summarize
@@ -121,7 +121,6 @@ class Trainer:
         self.sampler.mesh = self.mesh  # generation rows and KV cache sharded over the same mesh
         self.checkpointer = None if abstract else Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
-        self.pack_shapes: dict[tuple[str, str], Any] = {}  # the last packed shape per group and update kind
         self.warm_started = False
         self.resumed_step: int | None = None  # the checkpoint step `maybe_resume` restored
         # metrics.jsonl records up to the last step logged: what a checkpoint stores, so that a
@@ -212,9 +211,7 @@ class Trainer:
                 tok = group.tokenizer
                 rows = [(pid, encode_prompt(tok, prompt, s.max_prompt_len), tok.encode(text)[: s.max_new_tokens - 1] + [tok.eos_id])
                         for pid, prompt, text in demos if pid in group.policy_ids]
-                batch = sft_batch(group, rows, self.rows_per_part(group), reuse=self.pack_shapes.get((group.name, "sft")))
-                if batch is not None:
-                    self.pack_shapes[(group.name, "sft")] = shape_of(batch)
+                batch = sft_batch(group, rows, self.rows_per_part(group))
                 if batch is not None:
                     group.state, metrics = fns.sft_update(group.state, group.base, batch)
             bar.update({"nll": float(np.mean(jax.device_get(metrics["sft_nll"])))})
@@ -259,9 +256,7 @@ class Trainer:
         t_score = t_update = 0.0
         real_tokens = token_slots = 0
         for group, fns in zip(self.policies.groups, self.fns):
-            batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound(), self.rows_per_part(group),
-                                          reuse=self.pack_shapes.get((group.name, "rl")))
-            self.pack_shapes[(group.name, "rl")] = shape_of(batch, self.parts)
+            batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound(), self.rows_per_part(group))
             if not any(counts):
                 continue
             real, slots = token_utilization(batch)

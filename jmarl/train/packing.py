@@ -48,7 +48,7 @@ from jmarl.batch import PACKED_FIELDS
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, packed_token_logprobs
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
 
 MIN_BUDGET = 64
 # the width of a packed row (wider when a segment is longer)
@@ -135,7 +135,9 @@ def pack(
     L = `width`, or the `token_budget` of the longest segment when one is longer. R = the rows
     the fullest micro-batch needs when its segments go whole, longest first, into the first
     row with room (first-fit decreasing), rounded up to a multiple of `rows_per_part` (one per
-    data shard). M = R x L (a micro-batch never predicts more tokens than its rows hold).
+    data shard); a batch that needs no more rows than that gets rows only as wide as its
+    fullest (`row_bucket`: four widths per doubling). M = R x L (a micro-batch never predicts
+    more tokens than its rows hold).
 
     So the shapes a run compiles for change only with the number of rows (a few values over a
     run) rather than with every change of length, and rows are full but for the last one:
@@ -159,7 +161,11 @@ def pack(
         longest_rest = max([longest_rest] + [rest.size for _, rest in samples])
         plans.append((samples, micro))
     width = max(width, token_budget(longest_segment))
-    rows = max([1] + [max(_first_fit(sizes, width), default=-1) + 1 for _, micro in plans for _, sizes in micro])
+    fits = [(_first_fit(sizes, width), sizes) for _, micro in plans for _, sizes in micro]
+    rows = max([1] + [max(where, default=-1) + 1 for where, _ in fits])
+    if rows <= rows_per_part:  # a small batch: rows no wider than it needs (four widths per doubling)
+        fullest = max([1] + [sum(s for s, w in zip(sizes, where) if w == r) for where, sizes in fits for r in set(where)])
+        width = min(width, max(MIN_BUDGET, row_bucket(fullest)))
     rows = -(-rows // rows_per_part) * rows_per_part
     for _, micro in plans:
         for i, (segments, sizes) in enumerate(micro):

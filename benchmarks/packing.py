@@ -11,7 +11,9 @@ group's step `Rollouts`). For every recorded batch it lays the samples out both 
   [U, P] left-padded to a length bucket, continuations [N, C] right-padded to the longest.
 
 Token utilization = real tokens (distinct prompt tokens + continuation tokens) / token slots
-the update computes (packed: rows x L; shared prefix: U x P + N x C), summed over the run.
+the update computes (packed: rows x L; shared prefix: U x P + N x C), summed over the run; a
+stacked group computes all its policies, also those without samples in a step, so the packed
+layout's utilization over the policies that have samples is reported too.
 On the `--time` configs (default: the quickstart) it then times one optimizer update of each
 layout on the same batches (the method's loss, advantages and old log-probs from the trainer's
 scoring pass, identical [N, C] fields), compiled once per shape before timing, interleaved,
@@ -80,10 +82,14 @@ def utilization(packed: Any, shared: dict[str, Any]) -> dict[str, int]:
     """Real tokens and the slots each layout computes for one batch."""
     import numpy as np
 
-    real = int(np.count_nonzero(np.asarray(packed.packed_segment)))
+    segment = np.asarray(packed.packed_segment)
+    real = int(np.count_nonzero(segment))
     shared_real = int(np.count_nonzero(shared["prefix_mask"]) + np.count_nonzero(shared["attention_mask"]))
     assert real <= shared_real  # the shared layout's empty-continuation prompts are the only difference
-    return {"real": real, "packed_slots": int(np.asarray(packed.packed_segment).size),
+    # a stacked group computes every policy; the slots of the policies that have samples this step
+    per_policy = segment.reshape(-1, segment.shape[-2] * segment.shape[-1]) if segment.ndim == 3 else segment.reshape(1, -1)
+    active = int(sum(row.size for row in per_policy if np.any(row)))
+    return {"real": real, "packed_slots": int(segment.size), "packed_active_slots": active,
             "shared_slots": int(shared["prefix_mask"].size + shared["attention_mask"].size)}
 
 
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.configs:
         with tempfile.TemporaryDirectory() as out_dir:
             trainer, seen = record(CONFIGS[name], args.steps, args.warm_start, out_dir)
-            totals = {"real": 0, "packed_slots": 0, "shared_slots": 0}
+            totals = {"real": 0, "packed_slots": 0, "packed_active_slots": 0, "shared_slots": 0}
             for group, _, rollouts in seen:
                 packed, shared, counts = layouts(trainer, group, rollouts)
                 if any(counts):
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
                         totals[k] += v
             row = {"config": CONFIGS[name], "steps": args.steps, "batches": len(seen), **totals,
                    "packed_utilization": totals["real"] / totals["packed_slots"],
+                   "packed_utilization_of_active_policies": totals["real"] / totals["packed_active_slots"],
                    "shared_utilization": totals["real"] / totals["shared_slots"]}
             if name in args.time:
                 row["update"] = time_updates(trainer, seen, args.repeats)

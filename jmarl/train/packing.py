@@ -135,9 +135,9 @@ def pack(
     L = `width`, or the `token_budget` of the longest segment when one is longer. R = the rows
     the fullest micro-batch needs when its segments go whole, longest first, into the first
     row with room (first-fit decreasing), rounded up to a multiple of `rows_per_part` (one per
-    data shard); a batch that needs no more rows than that gets rows only as wide as its
-    fullest (`row_bucket`: four widths per doubling). M = R x L (a micro-batch never predicts
-    more tokens than its rows hold).
+    data shard); then L is narrowed to the fullest row's `row_bucket` (four widths per
+    doubling) when that is less. M = R x L (a micro-batch never predicts more tokens than its
+    rows hold).
 
     So the shapes a run compiles for change only with the number of rows (a few values over a
     run) rather than with every change of length, and rows are full but for the last one:
@@ -163,9 +163,10 @@ def pack(
     width = max(width, token_budget(longest_segment))
     fits = [(_first_fit(sizes, width), sizes) for _, micro in plans for _, sizes in micro]
     rows = max([1] + [max(where, default=-1) + 1 for where, _ in fits])
-    if rows <= rows_per_part:  # a small batch: rows no wider than it needs (four widths per doubling)
-        fullest = max([1] + [sum(s for s, w in zip(sizes, where) if w == r) for where, sizes in fits for r in set(where)])
-        width = min(width, max(MIN_BUDGET, row_bucket(fullest)))
+    # rows no wider than the fullest needs (four widths per doubling): a small batch, or a
+    # stacked policy's, does not fill a row of ROW_TOKENS
+    fullest = max([1] + [sum(s for s, w in zip(sizes, where) if w == r) for where, sizes in fits for r in set(where)])
+    width = min(width, max(MIN_BUDGET, row_bucket(fullest)))
     rows = -(-rows // rows_per_part) * rows_per_part
     for _, micro in plans:
         for i, (segments, sizes) in enumerate(micro):

@@ -1,15 +1,15 @@
-"""The learner's batch layout: real tokens only, packed into rows of a few fixed widths.
+"""The learner's batch layout: real tokens only, packed into rows of a fixed width.
 
 A GRPO group's samples share their prompt, and their completions differ in length. The learner
-packs each micro-batch into `rows_per_part` rows of L slots: every distinct prompt once,
+packs each micro-batch into R rows of L slots (`pack`): every distinct prompt once,
 followed by the continuations that extend it (one "segment" per prompt), and padding only at
 the end of a row. In attention (`jmarl.models.attention.packed_attention`) a continuation sees
 its prompt and itself, never its siblings, so the log-probs and gradients are those of running
 each sample alone, while the prompt's work is divided by the group size and no slot is spent
 on padding a continuation to the longest of the batch.
 
-The LM head runs over the M predictions (one per continuation token that has a token before
-it), gathered from the packed hidden states; `pred_slot` maps them back to the per-sample
+The LM head runs over M prediction slots (one per continuation token that has a token before
+it, the rest padding), gathered from the packed hidden states; `pred_slot` maps them back to the per-sample
 [N, C] arrays the loss reads, which keep their meaning (and normalisers) unchanged.
 
 Host side (NumPy). A sample's prompt is its real tokens before its first loss token (all of
@@ -24,16 +24,17 @@ them when it has none); its continuation is the rest of its real tokens. Output 
                                                           state predicts, and the predicted token
     pred_slot                        int32[N, C]          the prediction of continuation token
                                                           j of sample n, -1 = none
-(pred_source and pred_slot index the whole batch; read inside a micro-batch they are taken
-modulo its size, as `packed_logprobs` does.)
     tokens, attention_mask           [N, C]               continuations, right-padded
     any other [N, T] field           [N, C]               (loss_mask, behavior_logprobs) cut the
                                                           same way
 
+pred_source and pred_slot index the whole batch; read inside a micro-batch they are taken
+modulo its size, as `packed_logprobs` does.
+
 Micro-batch m holds samples [m * N/parts, (m+1) * N/parts), packed rows [m * R, (m+1) * R) and
 predictions [m * M, (m+1) * M). L is fixed (ROW_TOKENS, or the `token_budget` of a longer
-segment), M = R x L and C a length bucket, so steps reuse a few compiled programs (one per row
-count). [N] fields pass through.
+segment; narrower when every row is shorter), M = R x L and C a length bucket, so steps reuse a
+few compiled programs (mostly one per row count). [N] fields pass through.
 """
 
 from __future__ import annotations

@@ -11,28 +11,8 @@ from jmarl import algos, models
 from jmarl.errors import JmarlError
 from jmarl.train.optim import make_optimizer
 from benchmarks.shared_prefix_layout import shared_prefix_logprobs, split_prompts, to_shared_prefix
+from test_packing import TINY, _plain  # the same tiny model and plain batches as the packed layout's tests
 from jmarl.train.step import init_train_state, make_update, split_minibatches
-
-TINY = models.ModelConfig(
-    model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
-)
-
-
-def _plain(rows: list[tuple[list[int], list[int]]], t: int) -> dict[str, np.ndarray]:
-    """Right-padded [N, T] batch of (prompt, completion) rows, as `build_rollouts` lays them out."""
-    n = len(rows)
-    tokens = np.zeros((n, t), np.int32)
-    attn = np.zeros((n, t), bool)
-    loss = np.zeros((n, t), bool)
-    for i, (p, c) in enumerate(rows):
-        tokens[i, : len(p) + len(c)] = p + c
-        attn[i, : len(p) + len(c)] = True
-        loss[i, len(p): len(p) + len(c)] = True
-    behavior = np.where(loss, -0.5 - np.arange(t, dtype=np.float32) / 10, 0.0).astype(np.float32)
-    return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss, "behavior_logprobs": behavior,
-            "reward": np.arange(n, dtype=np.float32)}
-
 
 def test_layout_by_hand():
     plain = _plain([([5, 6, 7], [8, 9]), ([5, 6, 7], [10]), ([5, 6], [11, 12, 13]), ([], [])], t=6)

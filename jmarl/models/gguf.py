@@ -39,7 +39,7 @@ import numpy as np
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.hf import _get, _set, _tensor_specs
+from jmarl.models.hf import _get, _tensor_specs, place
 from jmarl.models.model import Params, param_shapes
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -434,13 +434,7 @@ def load_gguf(
             )
         if permuted and (".attn_q." in name or ".attn_k." in name):
             value = _unpermute(value, config.num_heads if ".attn_q." in name else config.num_kv_heads)
-        value = value.T if transposed else value
-        if layer is None:
-            _set(host, path_, np.array(value, dtype=target))  # a copy, not a view of the mapped file
-        else:
-            if layer == 0:
-                _set(host, path_, np.empty(full_shape, target))
-            _get(host, path_)[layer] = value
+        place(host, path_, value.T if transposed else value, layer, full_shape, target)
     params = jax.tree.map(jnp.asarray, host)
     return config, params
 

@@ -156,6 +156,17 @@ def _tensor_specs(config: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, b
                 yield ("layers",) + path, f"model.layers.{i}.{name}", transposed, i
 
 
+def place(host: dict, path: Any, value: np.ndarray, layer: int | None, full_shape: tuple[int, ...], dtype: Any) -> None:
+    """Puts one checkpoint tensor into the host parameter tree: a copy at `path`, or (`layer`
+    given) row `layer` of the stacked [L, ...] array there, allocated at layer 0."""
+    if layer is None:
+        _set(host, path, np.array(value, dtype=dtype))  # a copy, not a view of a mapped file
+        return
+    if layer == 0:
+        _set(host, path, np.empty(full_shape, dtype))
+    _get(host, path)[layer] = value
+
+
 def _get(tree: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         tree = tree[key]
@@ -209,14 +220,7 @@ def load_hf(
                 f"tensor {name} in {path} has shape {list(src.shape)}, expected {list(hf_shape)} "
                 "for this config.json"
             )
-        value = src.T if transposed else src
-        if layer is None:
-            host_value = np.array(value, dtype=target)
-            _set(host, path_, host_value)
-        else:
-            if layer == 0:
-                _set(host, path_, np.empty(full_shape, target))
-            _get(host, path_)[layer] = value
+        place(host, path_, src.T if transposed else src, layer, full_shape, target)
     params = jax.tree.map(jnp.asarray, host)
     return config, params
 

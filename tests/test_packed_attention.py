@@ -101,3 +101,22 @@ def test_blockwise_gradients_equal_dense():
     blockwise = jax.grad(lambda *a: loss("blockwise", *a), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(dense, blockwise):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
+def test_the_blockwise_kernel_skips_a_continuations_siblings():
+    """A prompt of 4 slots and 3 continuations of 4, in tiles of 4: each continuation's query
+    tile reads the prompt's tile and its own (7 tiles of the causal 10), and each key tile is
+    read to the end of its segment (the prompt) or of its branch."""
+    segment = jnp.ones((1, 16), jnp.int32)
+    branch = jnp.asarray([[0] * 4 + [1] * 4 + [2] * 4 + [3] * 4])
+    prompt_lo, prompt_hi, own_lo, query_hi = attention_lib.packed_tiles(segment, branch, 4, 4, 4, 4)
+    np.testing.assert_array_equal(np.asarray(prompt_lo), [0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(prompt_hi), [1, 1, 1, 1])
+    np.testing.assert_array_equal(np.asarray(own_lo), [0, 1, 2, 3])
+    np.testing.assert_array_equal(np.asarray(query_hi), [4, 2, 3, 4])
+    meta = (segment, branch, prompt_lo, prompt_hi, own_lo, query_hi)
+    visited = set()
+    for i in range(4):
+        for start, stop in attention_lib._Packed().key_ranges(meta, i, 4, 4, 4):
+            visited |= {(i, j) for j in range(int(start), int(stop))}
+    assert visited == {(0, 0), (1, 0), (1, 1), (2, 0), (2, 2), (3, 0), (3, 3)}

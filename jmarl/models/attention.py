@@ -168,26 +168,66 @@ def packed_attention(
     width = max(tp, sp)
     pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, width - t)), constant_values=fill)  # noqa: E731
     segment, branch = pad(segment, 0), pad(branch, 0)
-    start, end = segment_bounds(segment)
     qg = _grouped(q, k.shape[2])
     qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, 0), (0, 0)))
     k = jnp.pad(k, ((0, 0), (0, sp - t), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, sp - t), (0, 0), (0, 0)))
-    out, _ = _flash(qg, k, v, (segment, branch, start, end), _Packed(), bq, bk)
+    meta = (segment, branch) + packed_tiles(segment, branch, bq, bk, tp // bq, sp // bk)
+    out, _ = _flash(qg, k, v, meta, _Packed(), bq, bk)
     return out[:, :t].reshape(r, t, h, -1).astype(q.dtype)
+
+
+def _run_bounds(new_run: jax.Array, ends_run: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """new_run/ends_run bool[R,T] (a run starts / ends at this slot) -> (start, end) int[R,T]:
+    the first slot of each slot's run and one past its last."""
+    t = new_run.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), new_run.shape)
+    start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
+    end = jax.lax.cummin(jnp.where(ends_run, idx + 1, t), axis=1, reverse=True)
+    return start, end
+
+
+def _runs_of(ids: tuple[jax.Array, ...], pad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(start, end) int[R,T] of the runs of slots on which every array of `ids` [R,T] stays
+    equal; a padding slot (pad bool[R,T]) is a run of its own."""
+    r = pad.shape[0]
+    change = functools.reduce(jnp.logical_or, [x[:, 1:] != x[:, :-1] for x in ids])
+    edge = jnp.ones((r, 1), bool)
+    return _run_bounds(jnp.concatenate([edge, change], axis=1) | pad, jnp.concatenate([change, edge], axis=1) | pad)
 
 
 def segment_bounds(segment: jax.Array) -> tuple[jax.Array, jax.Array]:
     """segment int[R,T] -> (start, end) int[R,T]: the first slot of each slot's run of equal
     non-zero ids and one past its last; a padding slot (0) is a run of its own."""
-    r, t = segment.shape
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    return _runs_of((segment,), segment == 0)
+
+
+def packed_tiles(
+    segment: jax.Array, branch: jax.Array, bq: int, bk: int, nq: int, nk: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The tiles the packed blockwise kernel visits. segment/branch int[R,W] (W >= nq*bq and
+    nk*bk) -> (prompt_lo, prompt_hi, own_lo) int[nq] and query_hi int[nk]. Query tile i reads
+    key tiles [prompt_lo, prompt_hi) (the prompt of the segment its first query lies in) and
+    [own_lo, its diagonal) (that query's own branch onward: every later query's branch and, in
+    a later segment, its prompt): a continuation's siblings are skipped, so a group of G
+    continuations costs about G tiles each rather than G^2 / 2. Key tile j is read by query
+    tiles [j*bk // bq, query_hi[j]): up to the end of its keys' segment for a prompt key, of
+    its branch otherwise. Each bound is the loosest over the R rows."""
+    w = segment.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), segment.shape)
     pad = segment == 0
-    new_run = jnp.concatenate([jnp.ones((r, 1), bool), segment[:, 1:] != segment[:, :-1]], axis=1) | pad
-    ends_run = jnp.concatenate([segment[:, 1:] != segment[:, :-1], jnp.ones((r, 1), bool)], axis=1) | pad
-    start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
-    end = jax.lax.cummin(jnp.where(ends_run, idx + 1, t), axis=1, reverse=True)
-    return start, end
+    seg_start, seg_end = _runs_of((segment,), pad)
+    own_start, own_end = _runs_of((segment, branch), pad)
+    first = lambda x: jnp.take_along_axis(x, seg_start, axis=1)  # noqa: E731  the segment's first slot's value
+    prompt_end = jnp.where(first(branch) == 0, first(own_end), seg_start)
+    visible_until = jnp.where(pad, idx + 1, jnp.where(branch == 0, seg_end, own_end))
+    q0 = jnp.arange(nq) * bq
+    prompt_lo = jnp.min(seg_start[:, q0], axis=0) // bk
+    prompt_hi = -(-jnp.max(prompt_end[:, q0], axis=0) // bk)
+    own_lo = jnp.min(own_start[:, q0], axis=0) // bk
+    per_key_tile = visible_until[:, : nk * bk].reshape(-1, nk, bk).max(axis=(0, 2))
+    query_hi = jnp.minimum(-(-per_key_tile // bq), nq)
+    return prompt_lo, prompt_hi, own_lo, query_hi
 
 
 def form_for(q_shape: tuple[int, ...], k_shape: tuple[int, ...], impl: str) -> str:
@@ -302,8 +342,8 @@ class _Mask:
         """bool[B, 1, 1, Tq, Sk] for query slots q_idx [Tq] and key slots k_idx [Sk]."""
         raise NotImplementedError
 
-    def key_blocks(self, meta: tuple, i: jax.Array, bq: int, bk: int, nk: int) -> tuple[jax.Array, jax.Array]:
-        """[start, stop): the key blocks query block i may see."""
+    def key_ranges(self, meta: tuple, i: jax.Array, bq: int, bk: int, nk: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """Disjoint [start, stop) ranges of the key blocks query block i may see, in order."""
         raise NotImplementedError
 
     def query_blocks(self, meta: tuple, j: jax.Array, bq: int, bk: int, nq: int, nk: int) -> tuple[jax.Array, jax.Array]:
@@ -330,9 +370,9 @@ class _RightPadded(_Mask):
     def allowed(self, meta, q_idx, k_idx):
         return _allowed(q_idx, k_idx, meta[0], self.causal)
 
-    def key_blocks(self, meta, i, bq, bk, nk):
+    def key_ranges(self, meta, i, bq, bk, nk):
         n_valid = _num_key_blocks(meta[0], nk, bk)
-        return 0, (jnp.minimum(n_valid, _causal_key_blocks(i, bq, bk)) if self.causal else n_valid)
+        return ((0, (jnp.minimum(n_valid, _causal_key_blocks(i, bq, bk)) if self.causal else n_valid)),)
 
     def query_blocks(self, meta, j, bq, bk, nq, nk):
         first = (j * bk) // bq if self.causal else 0
@@ -352,10 +392,9 @@ class _RightPadded(_Mask):
 
 @dataclass(frozen=True)
 class _Packed(_Mask):
-    """meta = (segment, branch, start, end) int[B, L] (L >= the padded query and key lengths):
-    query t sees key s iff s <= t, both in the same non-zero segment, and key s is on branch 0
-    (the segment's shared prompt) or on the query's own branch. start/end: the first slot of
-    each slot's segment and one past its last (a padding slot is its own segment)."""
+    """meta = (segment, branch) int[B, L] (L >= the padded query and key lengths) and the tile
+    bounds of `packed_tiles`: query t sees key s iff s <= t, both in the same non-zero segment,
+    and key s is on branch 0 (the segment's shared prompt) or on the query's own branch."""
 
     def allowed(self, meta, q_idx, k_idx):
         segment, branch = meta[0], meta[1]
@@ -366,14 +405,14 @@ class _Packed(_Mask):
         ok = ok & (k_idx[None, None, :] <= q_idx[None, :, None])
         return ok[:, None, None]
 
-    def key_blocks(self, meta, i, bq, bk, nk):
-        first_key = jnp.min(meta[2][:, i * bq])  # segments are contiguous runs: the block's first query starts earliest
-        return first_key // bk, jnp.minimum(nk, _causal_key_blocks(i, bq, bk))
+    def key_ranges(self, meta, i, bq, bk, nk):
+        prompt_lo, prompt_hi, own_lo = meta[2][i], meta[3][i], meta[4][i]
+        stop = jnp.minimum(nk, _causal_key_blocks(i, bq, bk))
+        return (prompt_lo, jnp.minimum(jnp.minimum(prompt_hi, own_lo), stop)), (own_lo, stop)
 
     def query_blocks(self, meta, j, bq, bk, nq, nk):
-        last_key = jnp.minimum(j * bk + bk, meta[3].shape[1]) - 1
-        last_query = jnp.max(meta[3][:, last_key])  # one past the end of the block's last segment
-        return (j * bk) // bq, jnp.clip((last_query + bq - 1) // bq, 0, nq)
+        first = (j * bk) // bq
+        return first, jnp.maximum(first, meta[5][j])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -389,7 +428,6 @@ def _flash_forward(qg, k, v, meta, mask, bq, bk):
     def query_block(i):
         qi = jax.lax.dynamic_slice_in_dim(qg, i * bq, bq, axis=1).astype(k.dtype)
         q_idx = i * bq + jnp.arange(bq)
-        start, stop = mask.key_blocks(meta, i, bq, bk, nk)
 
         def body(j, carry):
             m, l, acc = carry
@@ -408,7 +446,10 @@ def _flash_forward(qg, k, v, meta, mask, bq, bk):
             jnp.zeros((b, kvh, g, bq), jnp.float32),
             jnp.zeros((b, kvh, g, bq, hd), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(start, stop, body, init)
+        carry = init
+        for start, stop in mask.key_ranges(meta, i, bq, bk, nk):
+            carry = jax.lax.fori_loop(start, stop, body, carry)
+        m, l, acc = carry
         return acc / l[..., None], m + jnp.log(l)
 
     out, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq,B,KV,G,bq,hd], [nq,B,KV,G,bq]

@@ -133,6 +133,25 @@ def test_more_requests_than_slots_all_served_with_per_request_limits():
     assert st.queue_wait_chunks > 0  # later requests waited for slots
 
 
+def test_with_the_queue_empty_one_drain_runs_until_the_state_can_shrink(monkeypatch):
+    """All 8 requests fit the 8 slots, so nothing is queued: without shrinking, one decode call
+    (a drain) serves the whole run whatever chunk_steps says; with shrinking, the drain stops
+    once at most a quarter of the slots are busy, the state shrinks, and a second drain ends
+    the run. The completions are the same either way (draws depend on the seed only)."""
+    prompts = _prompts(8, seed=4)
+    limits = [1, 2, 2, 3, 3, 4, N_NEW, N_NEW]  # two long rows: the tail
+    kw = dict(max_new_tokens=N_NEW, num_slots=8, chunk_steps=2, limits=limits)
+    whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(5), shrink=False, **kw)
+    assert whole.stats.chunks == 1
+    shrinks = _count_shrinks(monkeypatch)
+    tail = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(5), **kw)
+    assert tail.stats.chunks == 2 and shrinks == [2]
+    assert tail.stats.slot_steps < whole.stats.slot_steps
+    for a, b in zip(whole.completions, tail.completions):
+        np.testing.assert_array_equal(a[0][0], b[0][0])
+        np.testing.assert_allclose(a[0][1], b[0][1], atol=1e-6)
+
+
 def test_shared_prompt_prefilled_once():
     prompt = _prompts(1, seed=4)
     res = engine.run(TINY, PARAMS, prompt, 4, jax.random.key(4), max_new_tokens=N_NEW, num_slots=4, chunk_steps=4)
@@ -317,7 +336,7 @@ def _decode_compiled(mesh, params, slots):
     fn = engine._chunk_program(TINY, 4, True, 0, False, (), 0, layout)
     state = engine._init_program(TINY, slots, slots, 8, N_NEW, layout)()
     with mesh_context(mesh):
-        return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1)).compile()
+        return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.int32(0)).compile()
 
 
 @pytest.mark.parametrize("axes", [dict(data=8), dict(data=4, tensor=2), dict(data=2, fsdp=4)])

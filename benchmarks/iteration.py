@@ -1,14 +1,26 @@
 """Whole RL iterations (generate, reward, score, update), completions/s: jmarl's trainer vs TRL's
 `GRPOTrainer` (single-agent GRPO) and vs CoMLRL's `MAGRPOTrainer` (two agents).
 
-    python -m benchmarks.iteration [--shape cpu-small] [--which grpo|magrpo|all] [--repeats 5]
+    python -m benchmarks.iteration [--shape cpu-small|cpu-medium|smollm2] [--which grpo|magrpo|all]
+        [--repeats 5] [--new-tokens 64]
 
-Same checkpoint and char tokenizer on every side (`benchmarks.common.write_checkpoint`), same
-prompts and reward (`benchmarks.workload`), 8 prompts x 8 completions per policy per iteration,
-64-token prompts, 64 new tokens (the baselines get `min_new_tokens=64`; jmarl stops a row at EOS,
-which a random model emits ~1/vocab of the time, but its batch still runs all 64 decode steps
-and trains on the same padded shape), temperature 1, no top-k / top-p, AdamW lr 1e-6 with
-weight decay 0.01 and grad-norm clip 1.0, one optimizer step per policy per iteration, no KL.
+Same checkpoint and tokenizer on every side (`benchmarks.common.write_checkpoint`: a random shape
+with the char tokenizer, or `smollm2`, SmolLM2-135M-Instruct with its own tokenizer and ChatML
+template; every side loads the tokenizer from the checkpoint's `TOKENIZER_SUBDIR`), same prompts
+under that tokenizer's chat template and the same reward (`benchmarks.workload`), 8 prompts x 8
+completions per policy per iteration, 64 new tokens, temperature 1, no top-k / top-p, AdamW lr
+1e-6 with weight decay 0.01 and grad-norm clip 1.0, one optimizer step per policy per iteration,
+no KL. Prompts are 64 tokens under the char tokenizer (48 under SmolLM2's, system prompt
+included; `prompt_len` in the row, counted with the checkpoint's tokenizer).
+
+New tokens: the baselines get `min_new_tokens` = new tokens, so each of their completions has
+exactly that many. jmarl's sampler always stops a row at the tokenizer's EOS (no setting turns
+that off): a random model emits it ~1/vocab of the time, but a real model ends most answers
+early; the decode loop ends once every row of a call has stopped, and the update then runs on
+shorter completions. So each row records the completion lengths both sides produced over the
+timed repeats (`jmarl_completion_tokens_mean`; `baseline_completion_tokens_mean` for TRL, from its
+`completions/mean_length` log), and on a real model the completions/s of the two sides are not
+the same work unless those agree.
 
 jmarl: `jmarl.train.trainer.Trainer.rl_step` (ModelSampler -> plan -> Rollouts -> advantages ->
 jitted update) with `train.recompute_old_logprobs=false` (TRL with one iteration per generation
@@ -35,8 +47,8 @@ import time
 from typing import Any
 
 from benchmarks.baseline_process import BaselineProcess, Channel, SelfDriven
-from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, make_row,
-                               paired_times, timed, write_checkpoint)
+from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, known_shapes,
+                               make_row, paired_times, timed, weights_of, write_checkpoint)
 from benchmarks.workload import comlrl_reward, templated_prompts, trl_reward
 
 
@@ -65,29 +77,49 @@ def jmarl_trainer(checkpoint: str, out_dir: str, *, num_agents: int, new_tokens:
     return Trainer(config_from_dict(data))
 
 
-def jmarl_runner(trainer) -> Any:
-    """run(i) -> seconds of one `rl_step` (it returns host metrics, so it has finished)."""
+def jmarl_runner(trainer, lengths: dict[int, float] | None = None) -> Any:
+    """run(i) -> seconds of one `rl_step` (it returns host metrics, so it has finished);
+    `lengths[i]`, where given, gets run i's mean completion length in tokens (stop token
+    included; `rollout/completion_length_mean`)."""
 
     def run(i: int) -> float:
-        seconds = timed(trainer.rl_step)
+        metrics: dict[str, float] = {}
+        seconds = timed(lambda: metrics.update(trainer.rl_step()))
         trainer.step += 1
+        if lengths is not None:
+            lengths[i] = metrics["rollout/completion_length_mean"]
         return seconds
 
     return run
 
 
 def _prepare(shape: str, workdir: str, *, num_agents: int, new_tokens: int):
-    """(checkpoint dir, jmarl iteration runner, its first and warm call seconds)."""
+    """(checkpoint dir, jmarl iteration runner, its first and warm call seconds, the runner's
+    completion lengths by run index)."""
     ckpt = os.path.join(workdir, "model")
     write_checkpoint(shape, ckpt)
     trainer = jmarl_trainer(ckpt, os.path.join(workdir, "jmarl"), num_agents=num_agents, new_tokens=new_tokens)
-    run_jmarl = jmarl_runner(trainer)
+    lengths: dict[int, float] = {}
+    run_jmarl = jmarl_runner(trainer, lengths)
     first, warm = run_jmarl(0), run_jmarl(1)
-    return ckpt, run_jmarl, first, warm
+    return ckpt, run_jmarl, first, warm, lengths
+
+
+def timed_mean(lengths: dict[int, float]) -> float | None:
+    """The mean of the timed repeats' values (run indices >= 100, `paired_times`), or None."""
+    timed_values = [v for i, v in lengths.items() if i >= 100]
+    return sum(timed_values) / len(timed_values) if timed_values else None
+
+
+def prompt_tokens(checkpoint: str) -> int:
+    """Token count of the workload's templated prompt (seed 0) under the checkpoint's tokenizer."""
+    tok = _tokenizer(checkpoint)
+    return len(tok(templated_prompts(tok, [0])[0]).input_ids)
 
 
 def _tokenizer(checkpoint: str):
-    """The checkpoint's char tokenizer, padding on the left (as both PyTorch trainers need)."""
+    """The checkpoint's tokenizer (`TOKENIZER_SUBDIR`), padding on the left (as both PyTorch
+    trainers need)."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(os.path.join(checkpoint, TOKENIZER_SUBDIR))
@@ -95,10 +127,16 @@ def _tokenizer(checkpoint: str):
     return tok
 
 
+TRL_LOG = "step_logs.jsonl"  # in TRL's output_dir: one line per step of what its trainer logged
+
+
 def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int) -> SelfDriven:
     """Baseline-process setup: TRL's `GRPOTrainer` for `steps` steps on the benchmark task; each
     step (`on_step_begin` -> `on_step_end`: generation, reward, loss, backward, AdamW) waits for a
-    run request and replies with its seconds."""
+    run request and replies with its seconds. Each step's log (`completions/mean_length` among
+    it) is appended to `output_dir/TRL_LOG` (`trl_completion_lengths` reads it)."""
+    import json
+
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -123,6 +161,11 @@ def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int) -
             def on_step_end(self, *a, **k):
                 channel.reply(time.perf_counter() - self.start)
 
+            def on_log(self, args, state, control, logs=None, **k):
+                os.makedirs(output_dir, exist_ok=True)
+                with open(os.path.join(output_dir, TRL_LOG), "a") as f:
+                    f.write(json.dumps({"step": state.global_step, **(logs or {})}) + "\n")
+
         prompts = templated_prompts(tok, range(NUM_PROMPTS * steps))
         trl = GRPOTrainer(model=checkpoint, reward_funcs=[trl_reward], args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Pair()])
@@ -131,26 +174,53 @@ def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int) -
     return SelfDriven(serve)
 
 
+def trl_completion_lengths(output_dir: str) -> dict[int, float]:
+    """TRL's mean completion length in tokens (EOS included) by step (1-based), from the
+    `TRL_LOG` its baseline process wrote in `output_dir` ({} when it logged none)."""
+    import json
+
+    path = os.path.join(output_dir, TRL_LOG)
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    with open(path) as f:
+        for line in f:
+            entry = json.loads(line)
+            if "completions/mean_length" in entry:
+                out[int(entry["step"])] = float(entry["completions/mean_length"])
+    return out
+
+
 def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS,
                       baseline_host_memory: str = "default") -> dict[str, Any]:
     """The `grpo_iteration_vs_trl` row (TRL in a `BaselineProcess`; its first step is the warm-up)."""
     with tempfile.TemporaryDirectory() as d:
-        ckpt, run_jmarl, first, warm = _prepare(shape, d, num_agents=1, new_tokens=new_tokens)
+        ckpt, run_jmarl, first, warm, jmarl_lengths = _prepare(shape, d, num_agents=1, new_tokens=new_tokens)
+        trl_dir = os.path.join(d, "trl")
         with BaselineProcess("benchmarks.iteration:trl_trainer", host_memory=baseline_host_memory, checkpoint=ckpt,
-                             output_dir=os.path.join(d, "trl"), steps=repeats + 1, new_tokens=new_tokens) as trl:
+                             output_dir=trl_dir, steps=repeats + 1, new_tokens=new_tokens) as trl:
             paired = paired_times(run_jmarl, trl.run, repeats, jmarl_warmed=(first, warm))
+        trl_lengths = [v for step, v in trl_completion_lengths(trl_dir).items() if step > 1]  # step 1: warm-up
+        prompt_len = prompt_tokens(ckpt)
     completions = float(NUM_PROMPTS * GROUP_SIZE)
     row = make_row("grpo_iteration_vs_trl", "completions_per_s", shape, completions, paired,
-                   completions_per_iteration=completions, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
-                   group_size=GROUP_SIZE, baseline_impl="trl.GRPOTrainer (eager torch, HF generate)",
+                   completions_per_iteration=completions, prompt_len=prompt_len, new_tokens=new_tokens,
+                   jmarl_completion_tokens_mean=timed_mean(jmarl_lengths),
+                   baseline_completion_tokens_mean=sum(trl_lengths) / len(trl_lengths) if trl_lengths else None,
+                   jmarl_stops_at_eos=True, group_size=GROUP_SIZE, weights=weights_of(shape),
+                   baseline_impl="trl.GRPOTrainer (eager torch, HF generate)",
                    baseline_host_memory=trl.info["host_memory_policy"])
     _report(row)
     return row
 
 
 def _report(row: dict[str, Any]) -> None:
+    lengths = f"jmarl {row['jmarl_completion_tokens_mean']}"
+    if row.get("baseline_completion_tokens_mean") is not None:
+        lengths += f", baseline {row['baseline_completion_tokens_mean']}"
     print(f"[{row['name']} {row['size']}] jmarl {row['jmarl']:.1f} completions/s, baseline {row['baseline']:.1f}, "
-          f"ratio {row['paired_ratio_median']:.2f} (jmarl compile {row['jmarl_compile_s']:.0f}s)", flush=True)
+          f"ratio {row['paired_ratio_median']:.2f} (jmarl compile {row['jmarl_compile_s']:.0f}s); "
+          f"mean completion tokens: {lengths}", flush=True)
 
 
 def comlrl_runner(checkpoint: str, new_tokens: int):
@@ -192,14 +262,18 @@ def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TO
     """The `magrpo_iteration_vs_comlrl` row (completions of both agents per second; CoMLRL in a
     `BaselineProcess`)."""
     with tempfile.TemporaryDirectory() as d:
-        ckpt, run_jmarl, first, warm = _prepare(shape, d, num_agents=2, new_tokens=new_tokens)
+        ckpt, run_jmarl, first, warm, jmarl_lengths = _prepare(shape, d, num_agents=2, new_tokens=new_tokens)
         with BaselineProcess("benchmarks.iteration:comlrl_runner", host_memory=baseline_host_memory, checkpoint=ckpt,
                              new_tokens=new_tokens) as comlrl:
             paired = paired_times(run_jmarl, comlrl.run, repeats, jmarl_warmed=(first, warm))
+        prompt_len = prompt_tokens(ckpt)
     completions = float(2 * NUM_PROMPTS * GROUP_SIZE)
+    # CoMLRL logs no completion lengths; `min_new_tokens` = `max_new_tokens` fixes them at new_tokens
     row = make_row("magrpo_iteration_vs_comlrl", "completions_per_s", shape, completions, paired,
-                   completions_per_iteration=completions, agents=2, prompt_len=PROMPT_LEN, new_tokens=new_tokens,
-                   group_size=GROUP_SIZE, baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)",
+                   completions_per_iteration=completions, agents=2, prompt_len=prompt_len, new_tokens=new_tokens,
+                   jmarl_completion_tokens_mean=timed_mean(jmarl_lengths), baseline_min_new_tokens=new_tokens,
+                   jmarl_stops_at_eos=True, group_size=GROUP_SIZE, weights=weights_of(shape),
+                   baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)",
                    baseline_host_memory=comlrl.info["host_memory_policy"])
     _report(row)
     return row
@@ -209,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="cpu-small")
+    parser.add_argument("--shape", choices=known_shapes(), default="cpu-small")
     parser.add_argument("--which", choices=["grpo", "magrpo", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)

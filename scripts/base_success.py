@@ -87,7 +87,7 @@ def render(result: dict) -> str:
     lines = [f"Held-out success of the untrained {result['model']} ({result['episodes']} episodes per cell, "
              f"at most {result['max_new_tokens']} new tokens per turn; `python scripts/base_success.py`, "
              f"commits {', '.join(sorted({c['commit'] for c in cells.values()}))}):", "",
-             "| task | greedy | temperature 1 | seconds (greedy + T=1) |", "|---|---|---|---|"]
+             "| task | greedy [95% interval] | temperature 1 | seconds (greedy + T=1) |", "|---|---|---|---|"]
     for name, (_, _, what) in TASKS.items():
         row = [what]
         secs = 0.0
@@ -100,7 +100,7 @@ def render(result: dict) -> str:
             lo, hi = wilson(p, result["episodes"])
             row.append(f"{100 * p:.1f}% [{100 * lo:.0f}-{100 * hi:.0f}]")
             secs += cell["seconds"]
-        row.append(f"{secs:.0f}")
+        row.append(f"{secs:.0f}" if secs else "")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

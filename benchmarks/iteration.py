@@ -223,6 +223,24 @@ def _report(row: dict[str, Any]) -> None:
           f"mean completion tokens: {lengths}", flush=True)
 
 
+def pad_outside_prompts(tok, prompts: list[str]) -> None:
+    """Makes `tok`'s pad token one that no prompt in `prompts` holds: CoMLRL takes a prompt to end
+    at its first pad token (and a completion likewise), and a tokenizer whose pad is its EOS
+    (SmolLM2: `<|im_end|>`) has it inside every chat-templated prompt, which would cut the prompt
+    there and leave every completion empty. The unknown token stands in; prompts of equal length
+    (the workload's) are never padded, so only where CoMLRL looks for the end changes."""
+    from jmarl.errors import JmarlError
+
+    used = {i for p in prompts for i in tok(p).input_ids}
+    if tok.pad_token_id not in used:
+        return
+    if tok.unk_token is None or tok.unk_token_id in used:
+        raise JmarlError(f"the tokenizer's pad token {tok.pad_token!r} occurs in the chat-templated prompts and it "
+                         f"has no unknown token outside them to pad with instead; CoMLRL would cut every prompt "
+                         f"at the pad token")
+    tok.pad_token = tok.unk_token
+
+
 def comlrl_runner(checkpoint: str, new_tokens: int):
     """Baseline-process setup: run(i) -> seconds of one CoMLRL `MAGRPOTrainer.train()` over 8 new
     prompts (one epoch: 8 x 2 x 8 completions, one update per agent), two agents on the checkpoint."""
@@ -231,6 +249,7 @@ def comlrl_runner(checkpoint: str, new_tokens: int):
     from datasets import Dataset
 
     tok = _tokenizer(checkpoint)
+    pad_outside_prompts(tok, templated_prompts(tok, range(NUM_PROMPTS)))
     args = MAGRPOConfig(
         num_train_epochs=1, agent_learning_rate=LR, num_agents=2, num_generations=GROUP_SIZE,
         max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_turns=1,

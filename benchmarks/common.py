@@ -78,6 +78,7 @@ def known_shapes() -> tuple[str, ...]:
 
 
 def _check_shape(shape: str) -> None:
+    """Raises JmarlError naming the known shapes when `shape` is none of them."""
     if shape not in SHAPES and shape not in REAL_MODELS:
         from jmarl.errors import JmarlError
 

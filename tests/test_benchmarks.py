@@ -589,6 +589,29 @@ def test_iteration_records_both_sides_completion_lengths(tmp_path):
     assert iteration.trl_completion_lengths(str(tmp_path / "none")) == {}
 
 
+def test_comlrl_pad_token_is_moved_out_of_the_prompts(tiny_checkpoint):
+    """CoMLRL ends a prompt at its first pad token: a pad that the templated prompts hold (as
+    SmolLM2's pad = eos `<|im_end|>` is) is replaced by the unknown token, or refused without one."""
+    import transformers
+
+    from benchmarks.iteration import pad_outside_prompts
+    from benchmarks.workload import templated_prompts
+    from jmarl.errors import JmarlError
+
+    _, _, _, d = tiny_checkpoint
+    tok = transformers.AutoTokenizer.from_pretrained(str(d / common.TOKENIZER_SUBDIR))
+    prompts = templated_prompts(tok, range(4))
+    pad_outside_prompts(tok, prompts)
+    assert tok.pad_token_id == common.PAD_ID  # the char tokenizer's pad is in no prompt: kept
+    tok.pad_token = ":"  # in every prompt ("user: ...")
+    with pytest.raises(JmarlError, match="occurs in the chat-templated prompts"):
+        pad_outside_prompts(tok, prompts)
+    tok.unk_token = "~"
+    pad_outside_prompts(tok, prompts)
+    assert tok.pad_token == "~"
+    assert all(tok.pad_token_id not in tok(p).input_ids for p in prompts)
+
+
 @pytest.mark.slow
 def test_smollm2_checkpoint_gives_transformers_and_jmarl_the_same_logprobs(tmp_path):
     """The real SmolLM2-135M-Instruct checkpoint the benchmarks write: transformers' log-probs of

@@ -80,3 +80,17 @@ def make_tiny_checkpoint(tmp_path: str | os.PathLike, family: str, seed: int = 0
     model.save_pretrained(path, safe_serialization=True)
     CharTokenizer().save(path)
     return path
+
+
+def padded_batch(vocab_size: int, seed: int = 0, b: int = 3, t: int = 12):
+    """(tokens int[B,T], mask bool[B,T]) of random ids in [3, vocab_size): row 0 full, row 1
+    right-padded (7 real), row 2 left-padded (5 pads); padding ids are 0."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab_size, (b, t))
+    mask = np.ones((b, t), bool)
+    mask[1, 7:] = False
+    mask[2, :5] = False
+    tokens[~mask] = 0
+    return tokens, mask

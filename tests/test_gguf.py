@@ -21,7 +21,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (ggml's GGUF reader) is not installed")
 
-from _tiny_models import make_tiny_checkpoint
+from _tiny_models import make_tiny_checkpoint, padded_batch
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf, load_tokenizer, save_hf
 from jmarl.models import fetch as fetch_lib
@@ -166,14 +166,8 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _batch(seed: int = 0, b: int = 3, t: int = 12):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, BPE_VOCAB, (b, t))
-    mask = np.ones((b, t), bool)
-    mask[1, 7:] = False
-    mask[2, :5] = False
-    tokens[~mask] = 0
-    return tokens, mask
+def _batch(seed: int = 0):
+    return padded_batch(BPE_VOCAB, seed)
 
 
 def _logits(config, params):

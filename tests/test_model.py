@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
+from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model, padded_batch
 from jmarl.errors import JmarlError
 from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill, prefix_token_logprobs,
                           save_hf, token_logprobs)
@@ -30,13 +30,7 @@ B, T = 3, 12
 
 def _batch(seed: int = 0):
     """Tokens [B,T]; row 0 full, row 1 right-padded, row 2 left-padded."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, VOCAB_SIZE, (B, T))
-    mask = np.ones((B, T), bool)
-    mask[1, 7:] = False
-    mask[2, :5] = False
-    tokens[~mask] = 0
-    return tokens, mask
+    return padded_batch(VOCAB_SIZE, seed, B, T)
 
 
 def _positions(mask):

@@ -128,15 +128,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--decoding", nargs="+", default=list(DECODING), choices=list(DECODING))
-    parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--render", action="store_true", help="only re-render the table from the JSON")
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--fresh", action="store_true", help="start a new table when the settings differ")
     args = parser.parse_args(argv)
     path = ROOT / "results" / f"base_success_{args.model}.json"
     result = json.loads(path.read_text()) if path.exists() else {}
     same = (result.get("model"), result.get("episodes"), result.get("max_new_tokens")) == (
         args.model, args.episodes, args.max_new_tokens)
+    if not same and result.get("cells") and not args.fresh:
+        sys.exit(f"{path} holds cells run with {result.get('episodes')} episodes and at most "
+                 f"{result.get('max_new_tokens')} new tokens; pass those settings to continue it, or --fresh "
+                 "to start a new table (its cells are then dropped)")
     if not same:
         result = {"model": args.model, "episodes": args.episodes, "max_new_tokens": args.max_new_tokens, "cells": {}}
     if not args.render:

@@ -13,14 +13,11 @@ completions per policy per iteration, 64 new tokens, temperature 1, no top-k / t
 no KL. Prompts are 64 tokens under the char tokenizer (48 under SmolLM2's, system prompt
 included; `prompt_len` in the row, counted with the checkpoint's tokenizer).
 
-New tokens: the baselines get `min_new_tokens` = new tokens, so each of their completions has
-exactly that many. jmarl's sampler always stops a row at the tokenizer's EOS (no setting turns
-that off): a random model emits it ~1/vocab of the time, but a real model ends most answers
-early; the decode loop ends once every row of a call has stopped, and the update then runs on
-shorter completions. So each row records the completion lengths both sides produced over the
-timed repeats (`jmarl_completion_tokens_mean`; `baseline_completion_tokens_mean` for TRL, from its
-`completions/mean_length` log), and on a real model the completions/s of the two sides are not
-the same work unless those agree.
+New tokens: every completion has exactly that many on both sides: the baselines get
+`min_new_tokens` = new tokens, jmarl `sampling.ignore_eos` (a real model ends most answers early,
+and a side that stops at EOS would do less work). Each row records the completion lengths both
+sides produced over the timed repeats (`jmarl_completion_tokens_mean`;
+`baseline_completion_tokens_mean` for TRL, from its `completions/mean_length` log), which show it.
 
 jmarl: `jmarl.train.trainer.Trainer.rl_step` (ModelSampler -> plan -> Rollouts -> advantages ->
 jitted update) with `train.recompute_old_logprobs=false` (TRL with one iteration per generation
@@ -69,7 +66,7 @@ def jmarl_trainer(checkpoint: str, out_dir: str, *, num_agents: int, new_tokens:
         "workflow": {"plan": "joint" if multi else "independent", "group_size": group_size, "num_tasks": num_prompts},
         "policies": {"mode": "per_agent" if multi else "shared"},
         "sampling": {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                     "max_prompt_len": PROMPT_LEN},
+                     "max_prompt_len": PROMPT_LEN, "ignore_eos": True},
         "optim": {"lr": LR, "weight_decay": 0.01, "grad_clip": 1.0},
         "train": {"steps": 10**6, "recompute_old_logprobs": False},
         "logging": {"progress": False, "tensorboard": False, "plots": False},
@@ -207,7 +204,7 @@ def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS,
                    completions_per_iteration=completions, prompt_len=prompt_len, new_tokens=new_tokens,
                    jmarl_completion_tokens_mean=timed_mean(jmarl_lengths),
                    baseline_completion_tokens_mean=sum(trl_lengths) / len(trl_lengths) if trl_lengths else None,
-                   jmarl_stops_at_eos=True, group_size=GROUP_SIZE, weights=weights_of(shape),
+                   jmarl_ignores_eos=True, group_size=GROUP_SIZE, weights=weights_of(shape),
                    baseline_impl="trl.GRPOTrainer (eager torch, HF generate)",
                    baseline_host_memory=trl.info["host_memory_policy"])
     _report(row)
@@ -291,7 +288,7 @@ def bench_magrpo_vs_comlrl(shape: str, repeats: int, *, new_tokens: int = NEW_TO
     row = make_row("magrpo_iteration_vs_comlrl", "completions_per_s", shape, completions, paired,
                    completions_per_iteration=completions, agents=2, prompt_len=prompt_len, new_tokens=new_tokens,
                    jmarl_completion_tokens_mean=timed_mean(jmarl_lengths), baseline_min_new_tokens=new_tokens,
-                   jmarl_stops_at_eos=True, group_size=GROUP_SIZE, weights=weights_of(shape),
+                   jmarl_ignores_eos=True, group_size=GROUP_SIZE, weights=weights_of(shape),
                    baseline_impl="comlrl MAGRPOTrainer (eager torch, HF generate)",
                    baseline_host_memory=comlrl.info["host_memory_policy"])
     _report(row)

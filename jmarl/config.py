@@ -602,6 +602,9 @@ class SamplingConfig:
     # "4GiB", "4e9", an int (`parse_bytes`); null: a quarter of the device's memory limit, 1 GiB on CPU
     kv_budget_bytes: str | int | None = None
     engine_chunk_steps: int = _field(8, ge=1)  # decode steps between two refills of the engine's slots
+    # true: a completion runs to max_new_tokens even past the tokenizer's EOS (vLLM's ignore_eos),
+    # for benchmarks against fixed-length baselines; training leaves it false
+    ignore_eos: bool = False
 
     def _validate(self, path: str) -> None:
         if self.kv_budget_bytes is not None:

@@ -434,7 +434,7 @@ def engine_programs(trainer: Any, group: Any, calls: Sequence[tuple[tuple[int, .
     programs = engine_lib.planned_programs(
         group.model_config, _abstract(params), slots=slots, entries=entries, prompt_len=prompt_len,
         max_new_tokens=s.max_new_tokens, chunk_steps=s.engine_chunk_steps, temperature=s.temperature, top_p=s.top_p,
-        top_k=s.top_k, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, select=group.stacked, mesh=mesh,
+        top_k=s.top_k, stop_tokens=s.stop_tokens(tok), pad_id=tok.pad_id, select=group.stacked, mesh=mesh,
         max_prefill=max_prefill)
     shapes = {"rows": rows, "share": share, "slots": slots, "entries": entries, "P": prompt_len,
               "G": engine_lib.generated_capacity(s.max_new_tokens)}

@@ -145,3 +145,9 @@ def test_decode_utilization_counts_token_positions_of_both_engines():
     assert max(made) == N_NEW
     stats = static.take_stats()
     assert stats["rollout/row_utilization"] == 3 / 4 and stats["rollout/decode_utilization"] == sum(made) / (4 * N_NEW)
+    # ignore_eos: the same EOS no longer ends the first completion, in either engine
+    for engine in ("static", "continuous"):
+        extra = dict(kv_budget_bytes=1 << 20, engine_chunk_steps=3) if engine == "continuous" else {}
+        sampler = ModelSampler(policies, SamplingSettings(**settings, engine=engine, ignore_eos=True, **extra))
+        got = sampler.sample([(0, p) for p in prompts], 1, jax.random.key(0))
+        assert [c[0].completion_tokens.tolist() for c in got] == [long_a.tolist(), long_b.tolist()]

@@ -44,6 +44,11 @@ class SamplingSettings:
     engine: str = "static"  # "static" | "continuous" (jmarl.models.engine)
     kv_budget_bytes: int | None = None  # the continuous engine's KV bytes per device; None: device default
     engine_chunk_steps: int = 8  # decode steps between refills (continuous)
+    ignore_eos: bool = False  # True: every completion runs to max_new_tokens
+
+    def stop_tokens(self, tokenizer: Any) -> tuple[int, ...]:
+        """The ids that end a completion: the tokenizer's EOS, none under ignore_eos."""
+        return () if self.ignore_eos else (int(tokenizer.eos_id),)
 
     @classmethod
     def from_config(cls, config: Any) -> "SamplingSettings":
@@ -51,6 +56,7 @@ class SamplingSettings:
         return cls(
             config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.max_prompt_len,
             config.max_rows_per_call, config.engine, config.kv_budget(), config.engine_chunk_steps,
+            config.ignore_eos,
         )
 
 
@@ -209,7 +215,7 @@ class ModelSampler:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            stop_tokens=(tok.eos_id,),
+            stop_tokens=s.stop_tokens(tok),
             pad_id=tok.pad_id,
             mesh=self.mesh,
         )
@@ -288,7 +294,7 @@ class ModelSampler:
             result = engine_lib.run(
                 group.model_config, group.full_params(), [prompts[r] for r in idx], n, key,
                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, kv_budget_bytes=s.kv_budget_bytes,
+                stop_tokens=s.stop_tokens(tok), pad_id=tok.pad_id, kv_budget_bytes=s.kv_budget_bytes,
                 chunk_steps=s.engine_chunk_steps, buckets=self.buckets, policy=policy, mesh=self.mesh,
                 max_slots=s.max_rows_per_call,
             )
@@ -359,7 +365,7 @@ class ModelSampler:
         greedy = float(s.temperature) == 0.0
         program = sampler_lib._program(
             group.model_config, stacked, int(s.max_new_tokens), greedy, int(s.top_k), float(s.top_p) < 1.0,
-            (int(tok.eos_id),), int(tok.pad_id), size,
+            s.stop_tokens(tok), int(tok.pad_id), size,
             sampler_lib.first_phase_slots(capacity - (0 if size > 1 else length)), only is not None,
         )
         if params is None:

@@ -22,3 +22,39 @@ _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jmarl-test-jax-cache-{_worker}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# A worker that dies of a fatal signal is reported by xdist with its test's name only. Each worker
+# writes faulthandler's dump (every thread's Python stack) to a file of its own, and the controller
+# prints any non-empty one, without the test runner's own frames, at the end of its summary.
+import faulthandler  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+_FAULTS = Path(tempfile.gettempdir()) / f"jmarl-test-faults-{os.getuid()}"
+_RUNNER_FRAMES = ("/_pytest/", "/pluggy/", "/execnet/", "/xdist/", 'File "<string>"')
+_DUMP_KEY = pytest.StashKey[object]()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which points it at stderr
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:  # the controller (or a run without xdist): forget an earlier session's dumps
+        for old in _FAULTS.glob("*.txt"):
+            old.unlink(missing_ok=True)
+        return
+    _FAULTS.mkdir(exist_ok=True)
+    dump = open(_FAULTS / f"{worker}-{os.getpid()}.txt", "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(file=dump, all_threads=True)
+    config.stash[_DUMP_KEY] = dump
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return
+    for path in sorted(_FAULTS.glob("*.txt")):
+        lines = [line for line in path.read_text(errors="replace").splitlines()
+                 if line.strip() and not any(frame in line for frame in _RUNNER_FRAMES)]
+        if lines:
+            terminalreporter.write_sep("=", f"fatal error of xdist worker {path.stem}")
+            terminalreporter.write_line("\n".join(lines[:40]))

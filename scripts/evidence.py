@@ -51,6 +51,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -122,6 +123,9 @@ class Table:
     digits: int = 2
     steps_key: str = "train.steps"
     fields: tuple[str, ...] = field(default=())  # extra summary/metrics keys kept in the JSON
+    # long runs (hours): a run stopped midway continues from its last checkpoint when the table is
+    # run again on the same code (`prepare_run_dir`), instead of starting over
+    resume: bool = False
 
     def cells(self) -> list[tuple[Line, Line, str, str]]:
         """(row, column, variant name, key) of every cell, row-major."""
@@ -575,7 +579,71 @@ QUICKSTART = Table(
     fields=("wall_seconds", "mean:rollout/success_rate", "mean:rollout/row_utilization"),
 )
 
-TABLES: dict[str, Table] = {t.name: t for t in (QUICKSTART, WRITING, HACPO, JOYAGENTS)}
+def _real_rl_note(f: Facts) -> str:
+    parts = []
+    for variant, what in (("at_grpo", "AT-GRPO (tool + reasoner, a LoRA adapter each)"),
+                          ("grpo", "single-agent GRPO (the reasoner alone, one adapter)")):
+        try:
+            st = f.pair(variant, variant, "success_after")
+        except Missing:
+            continue
+        parts.append(f"{what} against the untrained model: {_said_points(st, _ahead_on(st))}")
+    if not parts:
+        raise Missing("no paired seeds")
+    return "; ".join(parts) + "."
+
+
+def _real_time_note(f: Facts) -> str:
+    split = []
+    for key, what in (("generate", "generation"), ("env", "env steps"), ("update", "scoring + update")):
+        try:
+            split.append(f"{what} {f.mean('at_grpo', 'mean:time/' + key):.0f} s")
+        except Missing:
+            pass
+    if not split:
+        raise Missing("time split")
+    return (f"An AT-GRPO step on this CPU took {f.mean('at_grpo', 'mean:time/step'):.0f} s on average: "
+            + ", ".join(split) + " (each run's mean over its steps); "
+            + f"{f.mean('at_grpo', 'mean:rollout/truncated_fraction'):.0%} of its completions were cut at "
+            f"max_new_tokens. {_cpu_note(f)}")
+
+
+REAL_VARIANTS = (
+    Variant("at_grpo", "AT-GRPO, tool + reasoner, per-agent LoRA (configs/real/at_grpo_math.yaml)", ()),
+    # the baseline at equal samples per step (configs/real/grpo_math.yaml as overrides of this config):
+    # 4 tasks x 8 episodes x 2 turns of one agent, against 4 tasks x 2 turns x 2 agents x 4 candidates
+    Variant("grpo", "single agent (the reasoner alone), GRPO, equal samples",
+            ("env.options.agents=[reasoner]", "algo.name=grpo", "algo.options.normalize=std",
+             "workflow.plan=independent", "workflow.group_size=8", "workflow.options={}",
+             "policies.agent_to_policy={}")),
+)
+REAL = Table(
+    name="real",
+    title="A real model, SmolLM2-135M-Instruct, on easy math (difficulty 1): held-out greedy success on 32 problems",
+    config="configs/real/at_grpo_math.yaml",
+    base=("checkpoint.every=1", "checkpoint.keep=1", "eval.every=0"),
+    variants=REAL_VARIANTS,
+    rows=(
+        Line("tool + reasoner, untrained", "success_before", "at_grpo"),
+        Line("tool + reasoner + AT-GRPO, per-agent LoRA", "success_after", "at_grpo"),
+        Line("reasoner alone, untrained", "success_before", "grpo"),
+        Line("reasoner alone + GRPO (equal samples)", "success_after", "grpo"),
+    ),
+    columns=(Line("held-out success"),),
+    comparisons=(
+        Comparison("at_grpo", "at_grpo", "success_after", "AT-GRPO vs the untrained model",
+                   baseline_key="success_before"),
+        Comparison("grpo", "grpo", "success_after", "GRPO vs the untrained model", baseline_key="success_before"),
+        Comparison("at_grpo", "grpo", "success_after", "AT-GRPO (two agents) vs single-agent GRPO, equal samples"),
+    ),
+    digits=3,
+    notes=(_real_rl_note, _real_time_note),
+    fields=("wall_seconds", "mean:rollout/success_rate", "mean:time/step", "mean:time/generate", "mean:time/env",
+            "mean:time/update", "mean:rollout/truncated_fraction"),
+    resume=True,
+)
+
+TABLES: dict[str, Table] = {t.name: t for t in (QUICKSTART, WRITING, HACPO, JOYAGENTS, REAL)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -585,9 +653,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (QUICKSTART, WRITING, HACPO, JOYA
 def run_command(table: Table, variant: Variant, seed: int, out_dir: Path, steps: int | None) -> list[str]:
     """The `python -m jmarl.run ...` argv of one (variant, seed) run."""
     extra = [f"{table.steps_key}={steps}"] if steps is not None else []
+    quiet = [("resume=true" if table.resume and q == "resume=false" else q) for q in QUIET]
     return [
         sys.executable, "-m", "jmarl.run", "--config", table.config, f"seed={seed}", f"output_dir={out_dir}",
-        *QUIET, *table.base, *variant.overrides, *extra,
+        *quiet, *table.base, *variant.overrides, *extra,
     ]
 
 
@@ -629,6 +698,7 @@ def child_env(runs_root: Path) -> dict[str, str]:
 
 
 RUN_RECORD = "evidence_run.json"  # in a run's output dir: its argv (sans interpreter), times and code
+STARTED_RECORD = "evidence_started.json"  # in a resumable run's output dir: its argv, code and attempts
 
 # The tracked paths a run executes or reads: the package and the configs (and the dependencies'
 # pins). Other tracked files (tests, benchmarks, docs, the result JSONs this script rewrites after
@@ -668,6 +738,21 @@ def run_code(result: dict[str, Any] | None, row: dict[str, Any]) -> dict[str, An
 def same_code(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two `code_state`s are the same code: one commit, the same uncommitted changes."""
     return bool(a.get("commit")) and a.get("commit") == b.get("commit") and a.get("diff") == b.get("diff")
+
+
+def equivalent_code(a: dict[str, Any], b: dict[str, Any], root: Path = ROOT) -> bool:
+    """`same_code`, or two commits between which nothing a run executes or reads changed
+    (`RUN_PATHS`: commits of docs, tests or results only), with the same uncommitted changes."""
+    if same_code(a, b):
+        return True
+    if not (a.get("commit") and b.get("commit")) or a.get("diff") != b.get("diff"):
+        return False
+    try:
+        diff = subprocess.run(["git", "diff", "--quiet", a["commit"], b["commit"], "--", *RUN_PATHS], cwd=root,
+                              capture_output=True)
+    except OSError:
+        return False
+    return diff.returncode == 0
 
 
 def code_label(code: dict[str, Any], reused: bool = False) -> str:
@@ -725,7 +810,7 @@ def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: 
     saved = json.loads(record.read_text())
     if saved.get("argv") != list(cmd[1:]) or not (out_dir / "summary.json").exists():
         return None
-    ran_on = {k: saved[k] for k in ("commit", "dirty", "diff") if k in saved}
+    ran_on = {k: saved[k] for k in ("commit", "dirty", "diff", "attempts") if k in saved}
     if not other_code and not same_code(ran_on, current or {}):
         if passed is not None:
             passed.append(ran_on)
@@ -772,6 +857,24 @@ def recorded_row(previous: dict[str, Any] | None, variant: Variant, seed: int, c
 Started = tuple[subprocess.Popen, list[str], Path, float, dict[str, Any]]  # process, argv, dir, start, code
 
 
+def prepare_run_dir(out_dir: Path, cmd: Sequence[str], code: dict[str, Any]) -> int:
+    """For a table whose runs resume: the attempt this start is (1 for a fresh run). An output
+    dir whose started record names the same argv and the same code is kept, so the run continues
+    from its last checkpoint; any other (another command, other code, no record) is emptied
+    first, so a run never continues one made by something else."""
+    record = out_dir / STARTED_RECORD
+    saved = json.loads(record.read_text()) if record.exists() else {}
+    if saved.get("argv") == list(cmd[1:]) and equivalent_code(saved.get("code") or {}, code):
+        attempt = int(saved.get("attempts", 1)) + 1
+    else:
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        attempt = 1
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"argv": list(cmd[1:]), "code": code, "attempts": attempt}, indent=1))
+    return attempt
+
+
 def start_run(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None,
               cpus: Sequence[int] | None = None) -> Started:
     """Starts one (variant, seed) run in its own process (pinned to `cpus` when given), noting
@@ -780,6 +883,12 @@ def start_run(table: Table, variant: Variant, seed: int, runs_root: Path, steps:
     cmd = run_command(table, variant, seed, out_dir, steps)
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     ran_on = code_state()
+    if table.resume:
+        attempt = prepare_run_dir(out_dir, cmd, ran_on)
+        if attempt > 1:
+            print(f"[evidence:{table.name}] {variant.name} seed {seed}: attempt {attempt}, continuing from its last "
+                  "checkpoint", flush=True)
+            ran_on = {**ran_on, "attempts": attempt}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(runs_root), preexec_fn=pin,
                             stdout=subprocess.DEVNULL if cpus is not None else None)
     return proc, cmd, out_dir, time.perf_counter(), ran_on

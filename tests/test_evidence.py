@@ -246,6 +246,49 @@ def test_a_run_records_the_code_it_ran_on(tmp_path):
     assert failed["error"] == "exit status 1" and failed["commit"] == "abc1234"
 
 
+def test_a_resumable_run_continues_only_its_own_command_on_its_own_code(tmp_path, monkeypatch):
+    table, variant = evidence.REAL, evidence.REAL.variants[0]
+    out = tmp_path / "run"
+    cmd = evidence.run_command(table, variant, 0, out, None)
+    assert "resume=true" in cmd and "resume=false" not in cmd
+    assert "resume=false" in evidence.run_command(evidence.WRITING, evidence.WRITING.variants[0], 0, out, None)
+    out.mkdir()
+    (out / "stale.ckpt").write_text("another run's")
+    assert evidence.prepare_run_dir(out, cmd, HERE) == 1 and not (out / "stale.ckpt").exists()  # no record: emptied
+    (out / "step_3.ckpt").write_text("this run's")
+    assert evidence.prepare_run_dir(out, cmd, HERE) == 2 and (out / "step_3.ckpt").exists()  # continues
+    other = evidence.run_command(table, variant, 0, out, 5)
+    assert evidence.prepare_run_dir(out, other, HERE) == 1 and not (out / "step_3.ckpt").exists()
+    (out / "step_1.ckpt").write_text("this run's")
+    monkeypatch.setattr(evidence, "equivalent_code", lambda a, b, root=None: a == b)
+    assert evidence.prepare_run_dir(out, other, ELSEWHERE) == 1 and not (out / "step_1.ckpt").exists()
+
+
+def test_commits_that_change_no_run_path_are_equivalent_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True).stdout  # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "jmarl").mkdir()
+    (tmp_path / "jmarl" / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "code")
+    first = evidence.code_state(tmp_path)
+    (tmp_path / "notes.md").write_text("docs\n")
+    git("add", "-A")
+    git("commit", "-qm", "docs")
+    docs = evidence.code_state(tmp_path)
+    (tmp_path / "jmarl" / "a.py").write_text("x = 2\n")
+    git("commit", "-qam", "code again")
+    code = evidence.code_state(tmp_path)
+    assert first["commit"] != docs["commit"] and not evidence.same_code(first, docs)
+    assert evidence.equivalent_code(first, docs, tmp_path)
+    assert not evidence.equivalent_code(first, code, tmp_path) and not evidence.equivalent_code(docs, code, tmp_path)
+    assert not evidence.equivalent_code(first, dict(docs, dirty=True, diff="0123456789ab"), tmp_path)
+    assert not evidence.equivalent_code({}, docs, tmp_path)
+
+
 def test_a_run_on_other_code_is_not_reused_silently(tmp_path):
     table, variant = evidence.WRITING, evidence.WRITING.variants[0]
     out = tmp_path / "run"
@@ -326,12 +369,26 @@ def test_code_state_of_a_git_checkout(tmp_path, monkeypatch):
     assert evidence.code_state(tmp_path)["dirty"]
 
 
+def _made_up(table, seeds=(0, 1, 2, 3)) -> dict:
+    """A result of `table` as `run_table` writes it, from rows of made-up values (each key of each
+    variant a different number per seed), every run on one code."""
+    runs = {v.name: [{"seed": s, "wall_seconds": 100.0 + s, "cpu_seconds": 150.0 + s, "commit": "abc1234", "dirty": False,
+                      "values": {k: 0.05 + 0.1 * ((i + j + s) % 7) / 7 + 0.02 * s
+                                 for j, k in enumerate(table.keys_of(v.name))}}
+                     for s in seeds]
+            for i, v in enumerate(table.variants)}
+    return evidence._result(table, list(seeds), None, runs, time.perf_counter(), complete=True)
+
+
 def _committed(name: str) -> dict:
     """A table's committed result, made whole for the note tests: every run on one code, and
     every variant with a row per seed (a missing variant's rows copied from the first variant's,
     its values shifted by seed so its comparisons are not degenerate)."""
-    result = json.loads((ROOT / "results" / f"evidence_{name}.json").read_text())
     table = evidence.TABLES[name]
+    path = ROOT / "results" / f"evidence_{name}.json"
+    if not path.exists():  # a table with no committed runs yet: made-up rows through the script's own builder
+        return _made_up(table)
+    result = json.loads(path.read_text())
     first = next(v for v in table.variants if result["variants"].get(v.name, {}).get("runs"))
     template = {r["seed"]: r for r in result["variants"][first.name]["runs"] if "values" in r}
     for variant in table.variants:

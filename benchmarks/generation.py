@@ -19,7 +19,6 @@ excluded (jmarl's compile time is reported separately), then the two sides alter
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -30,7 +29,7 @@ import numpy as np
 
 from benchmarks.baseline_process import BaselineProcess
 from benchmarks.common import (NEW_TOKENS, PROMPT_LEN, REAL_MODELS, generation_prompts, make_row, paired_times,
-                               weights_of, write_checkpoint)
+                               results_end, results_header, weights_of, write_checkpoint, write_json)
 
 ROW_NAMES = {64: "generation_vs_hf_generate", 8: "generation_small_batch_vs_hf_generate"}
 
@@ -151,13 +150,13 @@ def main(argv: list[str] | None = None) -> None:
         shapes = [args.shape]
     repeats = 2 if args.quick else max(args.repeats, 5)
     new_tokens = 16 if args.quick else NEW_TOKENS
-    os.makedirs(args.out_dir, exist_ok=True)
     for shape in shapes:
+        header = results_header("benchmarks.generation", argv)
         rows = bench_shape(shape, repeats, new_tokens, batches=(64, 8))
         suffix = "_quick" if args.quick else ""
         path = os.path.join(args.out_dir, f"generation_{shape}{suffix}.json")
-        with open(path, "w") as f:
-            json.dump([{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows], f, indent=2)
+        write_json(path, {**header, "rows": [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows],
+                          **results_end()})
         print(f"wrote {path}")
 
 

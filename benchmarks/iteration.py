@@ -2,7 +2,7 @@
 `GRPOTrainer` (single-agent GRPO) and vs CoMLRL's `MAGRPOTrainer` (two agents).
 
     python -m benchmarks.iteration [--shape cpu-small|cpu-medium|smollm2] [--which grpo|magrpo|all]
-        [--repeats 5] [--new-tokens 64]
+        [--repeats 5] [--new-tokens 64] [--out results.json]
 
 Same checkpoint and tokenizer on every side (`benchmarks.common.write_checkpoint`: a random shape
 with the char tokenizer, or `smollm2`, SmolLM2-135M-Instruct with its own tokenizer and ChatML
@@ -45,7 +45,8 @@ from typing import Any
 
 from benchmarks.baseline_process import BaselineProcess, Channel, SelfDriven
 from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, TOKENIZER_SUBDIR, known_shapes,
-                               make_row, paired_times, timed, weights_of, write_checkpoint)
+                               make_row, paired_times, results_end, results_header, timed, weights_of,
+                               write_checkpoint, write_json)
 from benchmarks.workload import comlrl_reward, templated_prompts, trl_reward
 
 
@@ -303,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--which", choices=["grpo", "magrpo", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--out", default=None, help="also write the rows, with the command, date, machine and "
+                        "commit, to this JSON file")
     args = parser.parse_args(argv)
+    header = results_header("benchmarks.iteration", argv)
     rows = []
     if args.which in ("grpo", "all"):
         rows.append(bench_grpo_vs_trl(args.shape, args.repeats, new_tokens=args.new_tokens))
@@ -311,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(bench_magrpo_vs_comlrl(args.shape, args.repeats, new_tokens=args.new_tokens))
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("_seconds")}, indent=1))
+    if args.out:
+        write_json(args.out, {**header, "rows": rows, **results_end()})
 
 
 if __name__ == "__main__":

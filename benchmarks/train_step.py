@@ -31,8 +31,8 @@ import functools
 import tempfile
 from benchmarks.baseline_process import BaselineProcess
 from benchmarks.common import (GROUP_SIZE, LR, NEW_TOKENS, NUM_PROMPTS, PROMPT_LEN, known_shapes, make_row,
-                               paired_times, shared_prefix_train_flops, timed, train_flops_per_token, weights_of,
-                               write_checkpoint)
+                               paired_times, results_end, results_header, shared_prefix_train_flops, timed,
+                               train_flops_per_token, weights_of, write_checkpoint, write_json)
 from benchmarks.parity import GrpoBatch, check_parity, jmarl_loss_fn, make_batch, torch_batch, torch_loss_of
 
 
@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--modes", default="eager,compile", help="PyTorch sides, comma-separated: eager, compile")
+    parser.add_argument("--out", default=None, help="also write the rows, with the command, date, machine and "
+                        "commit, to this JSON file")
     args = parser.parse_args(argv)
+    header = results_header("benchmarks.train_step", argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or set(modes) - {"eager", "compile"}:
         parser.error(f"--modes {args.modes!r}: name eager and/or compile")
@@ -181,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = bench_train_step(args.shape, 2 if args.quick else args.repeats, peak_flops=peak, rows=batch_rows,
                             prompt_len=args.prompt_len, new_tokens=args.new_tokens, modes=modes)
     print(json.dumps([{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows], indent=1))
+    if args.out:
+        write_json(args.out, {**header, "matmul_peak_flops": peak, "rows": rows, **results_end()})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from _tensorboard import tensorboard_points
 from jmarl import models
 from jmarl.config import load_config
 from jmarl.train import trainer as trainer_mod
-from jmarl.train.learner import learner_batch, score_batch
+from jmarl.train.learner import active_policies, learner_batch, merge, restrict, score_batch
+from jmarl.train.packing import token_utilization
 from jmarl.train.packing import packed_logprobs
 from jmarl.train.step import make_update
 from jmarl.workflows import build_rollouts, run_plan
@@ -300,6 +301,42 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
         # is off by up to 2 * lr = 0.02)
         for x, y in zip(jax.tree.leaves(alone.params), jax.tree.leaves(stacked_state.params)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y[i]), rtol=1e-5, atol=1e-2 * cfg.optim.lr)
+
+
+def test_a_stacked_policy_without_samples_is_neither_computed_nor_stepped(tmp_path):
+    """A step whose samples are all policy 0's: the update runs on policy 0's slice of the stack
+    alone (`restrict` / `merge`); policy 1 stays bit-for-bit as it was (the whole stack's update
+    would give it an AdamW step of zero gradient: weight decay, a step count), and policy 0
+    ends as in the whole stack's update."""
+    cfg = load_config(_config(tmp_path, "idle"), ["optim.weight_decay=0.1"])
+    t = trainer_mod.Trainer(cfg)
+    group, fns = t.policies.groups[0], t.fns[0]
+    result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, jax.random.key(3), group_size=4)
+    rollouts = build_rollouts([r for r in result.records if r.policy == 0])
+    batch, counts = learner_batch(group, rollouts, t.parts)
+    assert counts == [8, 0]
+    active = active_policies(counts, group.stacked)
+    assert active.tolist() == [0]
+    assert active_policies(counts, True, multiple=2) is None  # a mesh splitting the policy axis in two
+    assert active_policies([8, 8], True) is None and active_policies(counts, False) is None
+    assert active_policies([0, 3, 0, 5], True, multiple=2).tolist() == [1, 3]
+    assert active_policies([0, 3, 0, 0], True, multiple=2).tolist() == [0, 1]
+
+    start = jax.tree.map(jnp.array, group.state)
+    whole, _ = fns.update(jax.tree.map(jnp.array, start), None, score_batch(group, fns, batch, None, recompute=True, cross=False))
+    view, part = restrict(group, batch, active)
+    assert view.policy_ids == (0,) and np.shape(part.packed_segment)[0] == 1
+    assert token_utilization(part)[1] * 2 == token_utilization(batch)[1]  # half the slots computed
+    new, _ = fns.update(view.state, None, score_batch(view, fns, part, None, recompute=True, cross=False))
+    merge(group, active, new)
+    assert np.asarray(group.state.step).tolist() == [1, 0] and np.asarray(whole.step).tolist() == [1, 1]
+    moved = False
+    for after, before, stack in zip(jax.tree.leaves(group.state.params), jax.tree.leaves(start.params),
+                                    jax.tree.leaves(whole.params)):
+        np.testing.assert_array_equal(np.asarray(after[1]), np.asarray(before[1]))
+        moved |= not np.array_equal(np.asarray(stack[1]), np.asarray(before[1]))
+        np.testing.assert_allclose(np.asarray(after[0]), np.asarray(stack[0]), rtol=1e-5, atol=1e-2 * cfg.optim.lr)
+    assert moved  # the whole stack's update does move the idle policy
 
 
 def test_scoring_by_micro_batches_equals_one_pass(tmp_path):

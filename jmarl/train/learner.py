@@ -11,7 +11,9 @@ Nothing here branches on a method's or a plan's name: the method is a `jmarl.alg
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import jax
@@ -196,6 +198,60 @@ def build_group_fns(
 
     prepare = vmapped(prepare_one, (0, None))
     return GroupFns(update=update, score=score, score_ref=score_ref, sft_update=sft_update, prepare=prepare)
+
+
+def active_policies(counts: Sequence[int], stacked: bool, multiple: int = 1) -> np.ndarray | None:
+    """int32[P'] positions on a stacked group's policy axis that a step scores and updates: the
+    policies with samples (counts[i] > 0), plus as many without, lowest first, as make P' a
+    multiple of `multiple` (the mesh's policy-axis size). None when that is every policy, or the
+    group is not stacked: the whole stack runs. The others are left exactly as they were (no
+    optimizer step, as with one optimizer per agent), and no rows are computed for them."""
+    if not stacked:
+        return None
+    active = [i for i, c in enumerate(counts) if c]
+    idle = [i for i, c in enumerate(counts) if not c]
+    while len(active) % max(multiple, 1) and idle:
+        active.append(idle.pop(0))
+    if len(active) == len(counts):
+        return None
+    return np.asarray(sorted(active), np.int32)
+
+
+def policy_axis_size(mesh: Any) -> int:
+    """How many ways the mesh splits a stacked policy axis (1 without a mesh or policy axis)."""
+    axis = sharding_lib.policy_axis(mesh)
+    if axis is None:
+        return 1
+    sizes = sharding_lib.axis_sizes(mesh)
+    return int(np.prod([sizes[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
+
+
+@jax.jit
+def _take(tree: Any, index: jax.Array) -> Any:
+    """Every leaf's entries at `index` of its leading (policy) axis."""
+    return jax.tree.map(lambda a: a[index], tree)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _put(tree: Any, index: jax.Array, part: Any) -> Any:
+    """`tree` with the entries at `index` of every leaf's leading axis replaced by `part`'s."""
+    return jax.tree.map(lambda a, p: a.at[index].set(p), tree, part)
+
+
+def restrict(group: PolicyGroup, batch: LearnerBatch, index: np.ndarray) -> tuple[PolicyGroup, LearnerBatch]:
+    """A stacked group and its step's batch cut to the policies at `index` (`active_policies`):
+    a view whose state (and stacked reference) holds those policies only, and the batch's
+    [P', ...] host arrays. `merge` writes the view's updated state back."""
+    index_dev = jnp.asarray(index)
+    ref = group.ref if group.ref is None or group.lora_rank is not None else _take(group.ref, index_dev)
+    view = dataclasses.replace(group, policy_ids=tuple(group.policy_ids[i] for i in index),
+                               state=_take(group.state, index_dev), ref=ref)
+    return view, jax.tree.map(lambda a: np.asarray(a)[index], batch)
+
+
+def merge(group: PolicyGroup, index: np.ndarray, state: Any) -> None:
+    """Writes the state of a `restrict` view (policies at `index`) back into `group.state`."""
+    group.state = _put(group.state, jnp.asarray(index), state)
 
 
 def score_batch(

@@ -38,7 +38,8 @@ from jmarl.train.build import build_policies, init_state
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.evaluate import evaluate
 from jmarl.train.host_loop import run_rollout
-from jmarl.train.learner import build_group_fns, learner_batch, score_batch, sft_batch
+from jmarl.train.learner import (active_policies, build_group_fns, learner_batch, merge, policy_axis_size, restrict,
+                                 score_batch, sft_batch)
 from jmarl.train.metrics import (
     METRICS_FILE,
     MetricsLogger,
@@ -259,15 +260,21 @@ class Trainer:
             batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound(), self.rows_per_part(group))
             if not any(counts):
                 continue
+            t1 = time.perf_counter()
+            active = active_policies(counts, group.stacked, policy_axis_size(self.mesh))
+            view, batch = (group, batch) if active is None else restrict(group, batch, active)
             real, slots = token_utilization(batch)
             real_tokens, token_slots = real_tokens + real, token_slots + slots
-            t1 = time.perf_counter()
             cross = bool(np.any(batch.source_policy != batch.learner))
-            batch = score_batch(group, fns, batch, self.method_device_state(), recompute=cfg.train.recompute_old_logprobs, cross=cross)
+            batch = score_batch(view, fns, batch, self.method_device_state(), recompute=cfg.train.recompute_old_logprobs, cross=cross)
             batch = jax.block_until_ready(batch)
             t_score += time.perf_counter() - t1
             t2 = time.perf_counter()
-            group.state, m = fns.update(group.state, group.base, batch)
+            state, m = fns.update(view.state, group.base, batch)
+            if active is None:
+                group.state = state
+            else:
+                merge(group, active, state)
             m = jax.device_get(m)
             t_update += time.perf_counter() - t2
             for k, v in m.items():

@@ -43,6 +43,7 @@ BASE = {"env": {"name": "plan_path"}, "algo": {"name": "grpo"}, "tokenizer": "ch
 PUBLISHED = {
     "qwen3-0.6b": "0.6", "qwen3-1.7b": "1.7", "qwen3-4b": "4.0", "qwen3-8b": "8.2",
     "llama3.2-1b": "1.24", "llama3.2-3b": "3.2", "llama3.1-8b": "8.0",
+    "gemma3-270m": "0.27", "gemma3-1b": "1.0",
 }
 
 

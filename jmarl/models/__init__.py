@@ -1,5 +1,5 @@
-"""Decoder-only LMs (Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX with a pure functional API, HF
-checkpoint interop, tokenizers and a KV-cache sampler."""
+"""Decoder-only LMs (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3 text) in Flax NNX with a pure functional
+API, HF checkpoint interop, tokenizers and a KV-cache sampler."""
 
 from jmarl.models.config import ModelConfig
 from jmarl.models.fetch import resolve as resolve_model

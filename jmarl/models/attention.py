@@ -29,6 +29,13 @@ Forms (`impl`, `ModelConfig.attention`):
 Exactness: every form computes the same softmax(q k^T / sqrt(hd)) v over the same keys; they
 differ only in float rounding (blockwise accumulates in float32 and normalises at the end).
 A query with no valid key (a padding row) gets a finite average instead of NaN.
+
+Sliding windows (Gemma 3's local layers): `window` W (an int or a traced int32 scalar: a
+stacked layer scan passes NO_WINDOW on its full-attention layers) restricts query t to keys
+t - W < s <= t (`attention`; slots are positions in the right-padded layout) or to keys less
+than W positions before it (`packed_attention`, by the `positions` of each token). With a window
+only the dense and blockwise forms run (the kernel forms are not given the window): blockwise
+skips the key tiles wholly before a query tile's window as well as those above its diagonal.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ BLOCK_K = 512
 # than 128 and 1.15x faster than 32)
 PACKED_DENSE_MAX = 256
 PACKED_BLOCK = 64
+# The window of a layer that has none, when windows are traced per layer: no key is that far back
+# (and q_idx - NO_WINDOW, (j + 1) * bk + NO_WINDOW stay within int32).
+NO_WINDOW = 1 << 30
 # Large negative score for masked keys: finite, so a row with no valid key averages instead of NaN.
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
@@ -69,12 +79,21 @@ def attention(
     impl: str = "auto",
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(hd)) v over the valid keys. q [B,T,H,hd], k/v [B,S,KV,hd],
     lengths int[B] (keys s < lengths[b] are valid; rows right-padded) -> [B,T,H,hd] in q's dtype.
-    causal: query t sees keys s <= t as well (queries and keys aligned at slot 0)."""
+    causal: query t sees keys s <= t as well (queries and keys aligned at slot 0).
+    window: query t sees only keys s > t - window (a sliding window of `window` keys, t's own
+    included, with causal); an int or a traced int32 scalar; None: no window (dense or
+    blockwise only when given, see the module docstring)."""
     _check(q, k, v, impl)
     lengths = jnp.maximum(lengths.astype(jnp.int32), 1)
+    if window is not None:
+        window = jnp.asarray(window, jnp.int32)
+        if form_for(q.shape, k.shape, impl) == "dense":
+            return _dense(q, k, v, lengths, None, causal, window)[0]
+        return _blockwise(q, k, v, lengths, None, causal, block_q, block_k, window)[0]
     form = _static_form(q, k, impl)
     if form == "dense":
         return _dense(q, k, v, lengths, None, causal)[0]
@@ -144,6 +163,8 @@ def packed_attention(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    window: int | jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Attention inside packed rows. q [R,T,H,hd], k/v [R,T,KV,hd] (one slot per token, keys and
     queries aligned); segment int[R,T]: 0 = padding, else the id of a contiguous run of slots
@@ -153,15 +174,23 @@ def packed_attention(
     and to itself, never to its siblings. -> [R,T,H,hd] in q's dtype; a padding query gets a
     finite average. Forms: dense when the scores are small (or impl dense/xla), otherwise the
     blockwise kernel, which skips every tile outside a segment and above the diagonal (cuDNN's
-    and splash's masks cannot say "prompt or own branch", so no kernel form is used here)."""
+    and splash's masks cannot say "prompt or own branch", so no kernel form is used here).
+    window (with positions int[R,T], each token's position in its own sequence): query t also
+    sees only keys less than `window` positions before its own (positions[t] - positions[s] <
+    window), a sliding window over the sequence the continuation belongs to."""
     _check(q, k, v, impl)
     if q.shape[1] != k.shape[1]:
         raise JmarlError(f"packed attention takes aligned queries and keys; got {q.shape} and {k.shape}")
     segment, branch = jnp.asarray(segment, jnp.int32), jnp.asarray(branch, jnp.int32)
     r, t, h, _ = q.shape
+    windowed = window is not None
+    if windowed and positions is None:
+        raise JmarlError("packed attention with a sliding window needs the tokens' positions")
+    # the window's extra meta: each slot's position and the window (last in meta; see _Packed)
+    extra = (jnp.asarray(positions, jnp.int32), jnp.asarray(window, jnp.int32)) if windowed else ()
     if impl in ("xla", "dense") or (impl == "auto" and t <= PACKED_DENSE_MAX and r * h * t * t <= DENSE_MAX_SCORES):
         idx = jnp.arange(t)
-        allowed = _Packed().allowed((segment, branch), idx, idx)
+        allowed = _Packed(windowed).allowed((segment, branch) + extra, idx, idx)
         return _dense_masked(q, k, v, allowed)[0]
     bq, bk = min(block_q or PACKED_BLOCK, t), min(block_k or PACKED_BLOCK, t)
     tp, sp = -(-t // bq) * bq, -(-t // bk) * bk
@@ -173,7 +202,9 @@ def packed_attention(
     k = jnp.pad(k, ((0, 0), (0, sp - t), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, sp - t), (0, 0), (0, 0)))
     meta = (segment, branch) + packed_tiles(segment, branch, bq, bk, tp // bq, sp // bk)
-    out, _ = _flash(qg, k, v, meta, _Packed(), bq, bk)
+    if windowed:
+        meta = meta + (pad(extra[0], 0), extra[1])
+    out, _ = _flash(qg, k, v, meta, _Packed(windowed), bq, bk)
     return out[:, :t].reshape(r, t, h, -1).astype(q.dtype)
 
 
@@ -263,11 +294,15 @@ def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> ja
     return oa.astype(jnp.float32) * wa + ob.astype(jnp.float32) * wb
 
 
-def _allowed(q_idx: jax.Array, k_idx: jax.Array, lengths: jax.Array, causal: bool) -> jax.Array:
-    """bool[B, 1, 1, Tq, Sk]: key slot k_idx valid for row b and, with causal, <= query slot."""
+def _allowed(q_idx: jax.Array, k_idx: jax.Array, lengths: jax.Array, causal: bool,
+             window: jax.Array | None = None) -> jax.Array:
+    """bool[B, 1, 1, Tq, Sk]: key slot k_idx valid for row b and, with causal, <= query slot;
+    with a window, also > query slot - window."""
     ok = k_idx[None, None, :] < lengths[:, None, None]  # [B, 1, Sk]
     if causal:
         ok = ok & (k_idx[None, None, :] <= q_idx[None, :, None])  # [B, Tq, Sk]
+    if window is not None:
+        ok = ok & (k_idx[None, None, :] > q_idx[None, :, None] - window)  # [B, Tq, Sk]
     return ok[:, None, None]
 
 
@@ -278,11 +313,11 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------- dense
-def _dense(q, k, v, lengths, rows, causal):
+def _dense(q, k, v, lengths, rows, causal, window=None):
     """(out [B,T,H,hd] in q's dtype, lse float32 [B,T,H]); rows: k/v [U,..] read per row."""
     if rows is not None:
         k, v = k[rows], v[rows]
-    return _dense_masked(q, k, v, _allowed(jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), lengths, causal))
+    return _dense_masked(q, k, v, _allowed(jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), lengths, causal, window))
 
 
 def _dense_masked(q, k, v, allowed):
@@ -304,9 +339,10 @@ def _blockwise_out(q, k, v, lengths, *, causal, block_q, block_k):
     return _blockwise(q, k, v, lengths, None, causal, block_q, block_k)[0]
 
 
-def _blockwise(q, k, v, lengths, rows, causal, block_q, block_k):
+def _blockwise(q, k, v, lengths, rows, causal, block_q, block_k, window=None):
     """(out [B,T,H,hd], lse float32 [B,T,H]) by the blockwise kernel; pads T and S to whole
-    blocks (padded keys lie past every length; padded queries are cut off)."""
+    blocks (padded keys lie past every length; padded queries are cut off). window: a traced
+    int32 scalar (see `attention`), or None."""
     b, t, h, hd = q.shape
     s = k.shape[1]
     bq, bk = min(block_q, t), min(block_k, s)
@@ -318,7 +354,8 @@ def _blockwise(q, k, v, lengths, rows, causal, block_q, block_k):
         k = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
     rows_arg = jnp.zeros((0,), jnp.int32) if rows is None else rows
-    out, lse = _flash(qg, k, v, (lengths, rows_arg), _RightPadded(causal), bq, bk)
+    meta = (lengths, rows_arg) if window is None else (lengths, rows_arg, window)
+    out, lse = _flash(qg, k, v, meta, _RightPadded(causal, window is not None), bq, bk)
     out = out[:, :t].reshape(b, t, h, hd).astype(q.dtype)
     lse = lse[..., :t].transpose(0, 3, 1, 2).reshape(b, t, h)
     return out, lse
@@ -336,7 +373,11 @@ def _causal_key_blocks(i: jax.Array, bq: int, bk: int) -> jax.Array:
 
 class _Mask:
     """Which keys a query sees, and which tiles can hold any: the part of the blockwise kernel
-    that differs between layouts. `meta` is a tuple of int arrays (traced), the rest static."""
+    that differs between layouts. `meta` is a tuple of int arrays (traced), the rest static.
+    may_skip_all: whether a query tile may visit no key tile at all (then its queries, which
+    have no valid key, get 0 and a log-sum-exp of _MASKED instead of 0 / 0)."""
+
+    may_skip_all = False
 
     def allowed(self, meta: tuple, q_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
         """bool[B, 1, 1, Tq, Sk] for query slots q_idx [Tq] and key slots k_idx [Sk]."""
@@ -361,22 +402,39 @@ class _Mask:
 
 @dataclass(frozen=True)
 class _RightPadded(_Mask):
-    """meta = (lengths int[B], rows int[B] or int[0]): keys s < lengths[b] are valid (and, with
-    causal, s <= t); non-empty rows read the keys of row rows[b] of a shared key array (the
-    shared-prefix layout), whose gradients then sum over the rows that read them."""
+    """meta = (lengths int[B], rows int[B] or int[0]) (+ window int32[] when `windowed`): keys
+    s < lengths[b] are valid (and, with causal, s <= t; windowed, s > t - window); non-empty
+    rows read the keys of row rows[b] of a shared key array (the shared-prefix layout), whose
+    gradients then sum over the rows that read them. Windowed, the key tiles wholly before a
+    query tile's window (and the query tiles wholly past a key tile's) are skipped."""
 
     causal: bool
+    windowed: bool = False
+
+    @property
+    def may_skip_all(self) -> bool:
+        """Windowed, a query tile past the longest row may lie wholly after its keys' windows."""
+        return self.windowed
 
     def allowed(self, meta, q_idx, k_idx):
-        return _allowed(q_idx, k_idx, meta[0], self.causal)
+        return _allowed(q_idx, k_idx, meta[0], self.causal, meta[2] if self.windowed else None)
 
     def key_ranges(self, meta, i, bq, bk, nk):
         n_valid = _num_key_blocks(meta[0], nk, bk)
-        return ((0, (jnp.minimum(n_valid, _causal_key_blocks(i, bq, bk)) if self.causal else n_valid)),)
+        stop = jnp.minimum(n_valid, _causal_key_blocks(i, bq, bk)) if self.causal else n_valid
+        if not self.windowed:
+            return ((0, stop),)
+        start = jnp.maximum(i * bq - meta[2] + 1, 0) // bk  # the tile of the first query's first key
+        return ((jnp.minimum(start, stop), stop),)
 
     def query_blocks(self, meta, j, bq, bk, nq, nk):
         first = (j * bk) // bq if self.causal else 0
-        return first, jnp.where(j < _num_key_blocks(meta[0], nk, bk), nq, first)
+        last = jnp.where(j < _num_key_blocks(meta[0], nk, bk), nq, first)
+        if not self.windowed:
+            return first, last
+        # the last query that sees key block j's last key is (j + 1) * bk - 1 + window - 1
+        reach = ((j + 1) * bk + meta[2] - 2) // bq + 1
+        return first, jnp.maximum(first, jnp.minimum(last, reach))
 
     def kv_block(self, meta, x, j, bk):
         block = super().kv_block(meta, x, j, bk)
@@ -394,7 +452,11 @@ class _RightPadded(_Mask):
 class _Packed(_Mask):
     """meta = (segment, branch) int[B, L] (L >= the padded query and key lengths) and the tile
     bounds of `packed_tiles`: query t sees key s iff s <= t, both in the same non-zero segment,
-    and key s is on branch 0 (the segment's shared prompt) or on the query's own branch."""
+    and key s is on branch 0 (the segment's shared prompt) or on the query's own branch.
+    windowed: meta ends with (positions int[B, L], window int32[]) and query t also needs
+    positions[t] - positions[s] < window (the tiles visited are the same)."""
+
+    windowed: bool = False
 
     def allowed(self, meta, q_idx, k_idx):
         segment, branch = meta[0], meta[1]
@@ -403,6 +465,9 @@ class _Packed(_Mask):
         ok = (sq[:, :, None] == sk[:, None, :]) & (sk > 0)[:, None, :]
         ok = ok & ((bk_ == 0)[:, None, :] | (bq_[:, :, None] == bk_[:, None, :]))
         ok = ok & (k_idx[None, None, :] <= q_idx[None, :, None])
+        if self.windowed:
+            positions, window = meta[-2], meta[-1]
+            ok = ok & (positions[:, q_idx][:, :, None] - positions[:, k_idx][:, None, :] < window)
         return ok[:, None, None]
 
     def key_ranges(self, meta, i, bq, bk, nk):
@@ -450,6 +515,10 @@ def _flash_forward(qg, k, v, meta, mask, bq, bk):
         for start, stop in mask.key_ranges(meta, i, bq, bk, nk):
             carry = jax.lax.fori_loop(start, stop, body, carry)
         m, l, acc = carry
+        if mask.may_skip_all:  # l = 0 where no tile was visited (no valid key): out 0, lse _MASKED
+            some = l > 0
+            safe = jnp.where(some, l, 1.0)
+            return acc / safe[..., None], jnp.where(some, m + jnp.log(safe), _MASKED)
         return acc / l[..., None], m + jnp.log(l)
 
     out, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq,B,KV,G,bq,hd], [nq,B,KV,G,bq]

@@ -1,4 +1,4 @@
-"""`ModelConfig`: the static description of a decoder-only LM (Llama 3.x, Qwen2/2.5, Qwen3).
+"""`ModelConfig`: the static description of a decoder-only LM (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3).
 
 One frozen, hashable dataclass, so it can be a static argument of `jax.jit` and a cache key.
 `ModelConfig.from_hf` reads a Hugging Face `config.json` in both styles: `rope_theta` +
@@ -17,7 +17,7 @@ import numpy as np
 
 from jmarl.errors import JmarlError
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3_text")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 _DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # How attention is computed (`jmarl.models.attention`): auto picks per platform when the program
@@ -36,7 +36,11 @@ _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# Gemma 3's per-layer attention kinds (HF `layer_types`): a sliding layer attends to the
+# `sliding_window` most recent positions (itself included), a full layer to every earlier one.
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,13 @@ class ModelConfig:
     resolved when the config is built, so `remat` always holds one of REMAT_POLICIES; a
     `replace` that changes the shape keeps the resolved policy unless it passes remat="auto"
     again. `attention` is one of ATTENTION_IMPLS (see `jmarl.models.attention`).
+
+    Gemma 3 (`model_type="gemma3_text"`, `is_gemma3`): embeddings scaled by sqrt(hidden_size),
+    RMSNorms x * (1 + w), norms before and after attention and the MLP, a GeGLU MLP (tanh GELU),
+    q/k RMSNorm, scores scaled by `query_pre_attn_scalar ** -0.5`. `sliding_window` W (None: every
+    layer attends to all earlier tokens) with `layer_types` (one of SLIDING / FULL per layer): a
+    sliding layer's query at position t sees keys at positions t - W < s <= t and rotates by
+    RoPE of theta `rope_local_theta` (no scaling); full layers use `rope_theta` and `rope_type`.
     """
 
     model_type: str
@@ -83,6 +94,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -109,12 +124,64 @@ class ModelConfig:
             raise JmarlError(f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._check_sliding_window()
+
+    def _check_sliding_window(self) -> None:
+        """Validates sliding_window / layer_types (a list becomes a tuple, hashable)."""
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.is_gemma3:
+            if self.qkv_bias or self.o_bias:
+                raise JmarlError("gemma3_text has no attention biases: set qkv_bias and o_bias to False")
+            object.__setattr__(self, "qk_norm", True)  # Gemma 3 always normalises q and k
+        if self.sliding_window is None:
+            return
+        if self.model_type != "gemma3_text":
+            raise JmarlError(f"ModelConfig.sliding_window is supported for gemma3_text only, not {self.model_type!r}")
+        if int(self.sliding_window) < 1:
+            raise JmarlError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.layer_types is None or len(self.layer_types) != self.num_layers:
+            raise JmarlError(
+                f"ModelConfig.layer_types must list one of {SLIDING!r} / {FULL!r} per layer ({self.num_layers}) "
+                f"when sliding_window is set, got {self.layer_types!r}; build it with gemma3_layer_types(num_layers, 6)"
+            )
+        bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+        if bad:
+            raise JmarlError(f"ModelConfig.layer_types: unknown layer types {bad}; supported: {SLIDING!r}, {FULL!r}")
 
     # ----------------------------------------------------------------------------- derived
     @property
     def num_groups(self) -> int:
         """Query heads per key/value head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_gemma3(self) -> bool:
+        """Gemma 3 numerics: scaled embeddings, (1 + w) norms, sandwich norms, GeGLU MLP."""
+        return self.model_type == "gemma3_text"
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some layer attends through a sliding window (`sliding_layers`)."""
+        return self.sliding_window is not None and SLIDING in (self.layer_types or ())
+
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it attends through the sliding window (all False without one)."""
+        if self.sliding_window is None or self.layer_types is None:
+            return (False,) * self.num_layers
+        return tuple(kind == SLIDING for kind in self.layer_types)
+
+    def window_exceeded(self, length: int) -> bool:
+        """Whether a sequence of `length` tokens reaches past the sliding window (below or at W a
+        sliding layer sees every earlier token, as a full one does)."""
+        return self.has_sliding_window and length > int(self.sliding_window)
+
+    def attention_scale_factor(self) -> float | None:
+        """The factor that turns attention's 1/sqrt(head_dim) into 1/sqrt(query_pre_attn_scalar)
+        (applied to the queries), or None when they are equal (no multiply at all)."""
+        if self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) == float(self.head_dim):
+            return None
+        return float(np.sqrt(np.float64(self.head_dim)) / np.sqrt(np.float64(self.query_pre_attn_scalar)))
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (e.g. `param_dtype="bfloat16"`, `remat=True`)."""
@@ -134,13 +201,17 @@ class ModelConfig:
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * (self.qkv_bias or self.o_bias) + d * self.o_bias
         attn += 2 * hd * self.qk_norm
-        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        layer = attn + 3 * d * self.intermediate_size + (4 if self.is_gemma3 else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + d + head
 
-    def inv_frequencies(self) -> np.ndarray:
-        """RoPE inverse frequencies float32[head_dim // 2], scaled as `rope_type` says."""
+    def inv_frequencies(self, local: bool = False) -> np.ndarray:
+        """RoPE inverse frequencies float32[head_dim // 2], scaled as `rope_type` says. local: those
+        of the sliding-window layers (theta `rope_local_theta`, never scaled)."""
         exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim
+        if local:
+            theta = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
+            return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
         inv_freq = (1.0 / (np.float32(self.rope_theta) ** exponents)).astype(np.float32)
         if self.rope_type == "linear":
             return (inv_freq / np.float32(self.rope_factor)).astype(np.float32)
@@ -156,6 +227,8 @@ class ModelConfig:
         `overrides` set jmarl-only fields such as `param_dtype`, `compute_dtype`, `remat`.
         """
         hf = _read_hf_dict(path_or_dict)
+        if hf.get("model_type") == "gemma3" and isinstance(hf.get("text_config"), Mapping):
+            hf = dict(hf["text_config"], model_type="gemma3_text")  # the text part of a multimodal config
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise JmarlError(
@@ -180,6 +253,10 @@ class ModelConfig:
         fields["max_position_embeddings"] = int(hf.get("max_position_embeddings", 32768))
         fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
         attention_bias = bool(hf.get("attention_bias", False))
+        if model_type == "gemma3_text":
+            fields.update(_gemma3_fields(hf, fields["num_layers"]))
+            fields.update(overrides)
+            return cls(**fields)
         fields["qkv_bias"] = model_type == "qwen2" or attention_bias
         fields["o_bias"] = model_type != "qwen2" and attention_bias
         fields["qk_norm"] = model_type == "qwen3"
@@ -203,6 +280,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict (transformers 4 and 5 both read it)."""
+        if self.is_gemma3:
+            return _gemma3_to_hf(self)
         rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_type == "linear":
             rope["factor"] = self.rope_factor
@@ -274,6 +353,123 @@ def _read_hf_dict(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[s
             return json.load(f)
     except json.JSONDecodeError as err:
         raise JmarlError(f"HF config {path} is not valid JSON: {err}") from None
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's interleaving (HF `sliding_window_pattern`): pattern - 1 sliding layers, then one
+    full layer, repeated; layer i is full iff (i + 1) % pattern == 0."""
+    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+
+
+def _gemma3_fields(hf: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma 3 text config beyond the common ones; JmarlError for
+    anything it asks that jmarl does not implement."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise JmarlError(
+                f"HF config sets {key}={hf[key]!r}: jmarl's gemma3_text does not implement logit soft-capping "
+                f"(Gemma 2 style); set {key} to null (Gemma 3 checkpoints do)"
+            )
+    if hf.get("use_bidirectional_attention"):
+        raise JmarlError("HF config sets use_bidirectional_attention=True (EmbeddingGemma); jmarl's gemma3_text "
+                         "is causal only: set it to false")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise JmarlError(f"HF config has hidden_activation={act!r}; jmarl's gemma3_text supports 'gelu_pytorch_tanh' only")
+    if hf.get("attention_bias"):
+        raise JmarlError("HF config sets attention_bias=True, which jmarl's gemma3_text does not support")
+    if float(hf.get("attention_dropout") or 0.0) != 0.0:
+        raise JmarlError("HF config sets attention_dropout != 0, which jmarl does not implement; set it to 0.0")
+    window = hf.get("sliding_window", 4096)
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        layer_types = gemma3_layer_types(num_layers, int(hf.get("sliding_window_pattern", 6)))
+    layer_types = tuple(layer_types)
+    # RoPE per layer type: `rope_parameters` {sliding_attention: {...}, full_attention: {...}}
+    # (transformers 5), else rope_theta + rope_scaling (full layers) and rope_local_base_freq
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and (SLIDING in params or FULL in params):
+        full = dict(params.get(FULL) or {})
+        local = dict(params.get(SLIDING) or {})
+    else:
+        full = dict(hf.get("rope_scaling") or {})
+        if isinstance(params, Mapping):  # a flat rope_parameters: the full layers'
+            full.update(params)
+        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    local_type = local.get("rope_type", local.get("type", "default")) or "default"
+    if local_type != "default":
+        raise JmarlError(f"HF config scales the sliding layers' RoPE ({local_type!r}); jmarl supports scaling on "
+                         "the full-attention layers only")
+    fields = _rope_fields({"rope_parameters": full})
+    fields.update(
+        qkv_bias=False, o_bias=False, qk_norm=True,
+        sliding_window=None if window is None else int(window),
+        layer_types=layer_types,
+        rope_local_theta=float(local.get("rope_theta", 10_000.0)),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
+    )
+    for key, default in (("bos_token_id", 2), ("pad_token_id", 0)):
+        value = hf.get(key, default)
+        if isinstance(value, int):
+            fields[key] = value
+    eos = hf.get("eos_token_id", 1)
+    if isinstance(eos, int):
+        fields["eos_token_id"] = eos
+    elif isinstance(eos, list) and eos:
+        fields["eos_token_id"] = tuple(int(e) for e in eos)
+    return fields
+
+
+def _gemma3_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """The HF `Gemma3TextConfig` dict of a gemma3_text ModelConfig: RoPE both as transformers 5's
+    per-layer-type `rope_parameters` and as the older rope_theta / rope_scaling /
+    rope_local_base_freq keys."""
+    full: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.rope_type == "linear":
+        full["factor"] = c.rope_factor
+    elif c.rope_type == "llama3":
+        full.update(factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+                    high_freq_factor=c.rope_high_freq_factor,
+                    original_max_position_embeddings=c.rope_original_max_position)
+    local_theta = c.rope_theta if c.rope_local_theta is None else c.rope_local_theta
+    layer_types = list(c.layer_types) if c.layer_types is not None else [FULL] * c.num_layers
+    qpas = c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim
+    return {
+        "architectures": [_HF_ARCHITECTURES[c.model_type]],
+        "model_type": c.model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "query_pre_attn_scalar": int(qpas) if float(qpas).is_integer() else qpas,
+        "sliding_window": c.sliding_window,
+        "layer_types": layer_types,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "rope_theta": c.rope_theta,
+        "rope_local_base_freq": local_theta,
+        "rope_scaling": None if c.rope_type == "default" else dict(full),
+        "rope_parameters": {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": local_theta}},
+        "torch_dtype": c.param_dtype,
+        "dtype": c.param_dtype,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+    }
 
 
 def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:

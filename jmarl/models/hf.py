@@ -55,6 +55,15 @@ _LAYER_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
     (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", True),
     (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", True),
 )
+# Gemma 3: post_attention_layernorm normalises the attention's output; the MLP's input norm is
+# pre_feedforward_layernorm and its output norm post_feedforward_layernorm.
+_GEMMA3_LAYER_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = tuple(
+    entry for entry in _LAYER_TENSORS if entry[0] != ("mlp_norm", "scale")
+) + (
+    (("attn_post_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", False),
+    (("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", False),
+)
 _TOP_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
     (("embed", "embedding"), "model.embed_tokens.weight", False),
     (("final_norm", "scale"), "model.norm.weight", False),
@@ -150,7 +159,7 @@ def _tensor_specs(config: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, b
     for path, name, transposed in _TOP_TENSORS:
         if exists(path):
             yield path, name, transposed, None
-    for path, name, transposed in _LAYER_TENSORS:
+    for path, name, transposed in (_GEMMA3_LAYER_TENSORS if config.is_gemma3 else _LAYER_TENSORS):
         if exists(("layers",) + path):
             for i in range(config.num_layers):
                 yield ("layers",) + path, f"model.layers.{i}.{name}", transposed, i
@@ -183,7 +192,7 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 def load_hf(
     path: str | os.PathLike, dtype: Any = None, *, compute_dtype: Any = None
 ) -> tuple[ModelConfig, Params]:
-    """Loads a HF Llama/Qwen2/Qwen3 checkpoint directory -> (config, params).
+    """Loads a HF Llama/Qwen2/Qwen3/Gemma 3 (text) checkpoint directory -> (config, params).
 
     `dtype` (e.g. "bfloat16") sets how the parameters are stored AND, unless `compute_dtype` is
     given, the dtype the matmuls run in; by default both are the dtype the checkpoint stores its
@@ -199,6 +208,11 @@ def load_hf(
         raise JmarlError(f"checkpoint directory not found: {path}")
     config = ModelConfig.from_hf(path)
     tensors = _checkpoint_tensors(path)
+    if config.is_gemma3 and "model.embed_tokens.weight" not in tensors and any("language_model" in n for n in tensors):
+        raise JmarlError(
+            f"{path} is a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration); jmarl loads the "
+            "text-only gemma3_text layout: save its language model as a Gemma3ForCausalLM checkpoint first"
+        )
     embed = tensors.get("model.embed_tokens.weight")
     if dtype is None:
         dtype = embed.dtype if embed is not None else np.float32

@@ -1,4 +1,4 @@
-"""One decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX, behind a pure API.
+"""One decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3) in Flax NNX, behind a pure API.
 
 The NNX modules below define the network; the public functions (`init`, `apply`,
 `token_logprobs`, and the KV-cache pair `prefill` / `decode_step`) take the parameters as a
@@ -15,9 +15,10 @@ Hq = num_heads * head_dim, Hkv = num_kv_heads * head_dim, F = intermediate size:
     layers/attn/k_proj/kernel       [L, D, Hkv]    (+ bias)
     layers/attn/v_proj/kernel       [L, D, Hkv]    (+ bias)
     layers/attn/o_proj/kernel       [L, Hq, D]     (+ bias [L, D] when o_bias)
-    layers/attn/q_norm/scale        [L, head_dim]  (Qwen3 only; also k_norm)
+    layers/attn/q_norm/scale        [L, head_dim]  (Qwen3 and Gemma 3 only; also k_norm)
     layers/mlp_norm/scale           [L, D]
     layers/mlp/{gate,up}_proj/kernel [L, D, F];  layers/mlp/down_proj/kernel [L, F, D]
+    layers/{attn,mlp}_post_norm/scale [L, D]       (Gemma 3 only: norms of the attention / MLP outputs)
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]         (absent when embeddings are tied)
 
@@ -29,6 +30,14 @@ Decoder layers are stacked on a leading axis and run with `jax.lax.scan` (unroll
 models, rolled beyond `_UNROLL_MAX_LAYERS` so compile time does not grow with depth);
 `config.remat` wraps each layer in `jax.checkpoint` with its policy. Dense layers multiply 2-D [rows, D] views.
 Token positions are `cumsum(attention_mask) - 1`, so left- and right-padded batches are exact.
+
+Gemma 3 (`config.is_gemma3`): embeddings times sqrt(D) (in the compute dtype), RMSNorms
+x * (1 + w) (scales initialised to 0), "sandwich" norms (input, post-attention, pre- and
+post-feed-forward), a GeGLU MLP (tanh GELU), q/k norms, scores scaled by
+query_pre_attn_scalar ** -0.5 (a factor on the queries when it is not head_dim). Sliding-window
+layers: the layer scan carries a per-layer flag beside each layer's parameters (`_layer_kind`),
+which picks that layer's window (W, or `attention.NO_WINDOW`) and RoPE tables (local theta, or
+the global one); the decode step's Python loop over layers picks them statically.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jmarl.errors import JmarlError
 from jmarl.models import attention as attention_lib
 from jmarl.models.config import ModelConfig
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
@@ -68,16 +78,27 @@ def _normal(stddev: float = 0.02):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis, computed in float32 (as HF does)."""
+    """x / rms(x) * scale over the last axis, computed in float32 (as HF does).
 
-    def __init__(self, dim: int, eps: float, param_dtype: Any):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    unit_offset (Gemma): x / rms(x) * (1 + scale), the product in float32 too and cast last (as
+    HF's Gemma3RMSNorm), the scale initialised to 0."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: Any, unit_offset: bool = False):
+        self.scale = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), param_dtype))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _norm(c: ModelConfig, dim: int) -> RMSNorm:
+    """The config's RMSNorm over `dim` (Gemma's 1 + w form for gemma3_text)."""
+    return RMSNorm(dim, c.rms_norm_eps, jnp.dtype(c.param_dtype), unit_offset=c.is_gemma3)
 
 
 @struct.dataclass
@@ -175,7 +196,8 @@ def _linear(c: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE (+ Qwen2 q/k/v biases, + Qwen3 q/k RMSNorm)."""
+    """Grouped-query self-attention with RoPE (+ Qwen2 q/k/v biases, + Qwen3 / Gemma 3 q/k RMSNorm,
+    + Gemma 3's query_pre_attn_scalar as a factor on the rotated queries)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         hq, hkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -184,10 +206,11 @@ class Attention(nnx.Module):
         self.k_proj = _linear(c, c.hidden_size, hkv, in_bias, rngs)
         self.v_proj = _linear(c, c.hidden_size, hkv, in_bias, rngs)
         self.o_proj = _linear(c, hq, c.hidden_size, c.o_bias, rngs)
-        pdt = jnp.dtype(c.param_dtype)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pdt) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pdt) if c.qk_norm else None
+        self.q_norm = _norm(c, c.head_dim) if c.qk_norm else None
+        self.k_norm = _norm(c, c.head_dim) if c.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        # every attention form scales by head_dim ** -0.5: this factor makes it query_pre_attn_scalar ** -0.5
+        self.q_factor = c.attention_scale_factor()
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn):
         """x [B,T,D], cos/sin [B,T,hd] -> (out [B,T,D], whatever `attend` returns beside)."""
@@ -198,12 +221,19 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_factor is not None:
+            q = q * jnp.asarray(self.q_factor, q.dtype)
         out, aux = attend(q, k, v)  # out [B, T', H, hd]: T' = T, or fewer (the last) queries
         return self.o_proj(out.reshape(b, out.shape[1], self.num_heads * self.head_dim)), aux
 
 
+def _activation(name: str, x: jax.Array) -> jax.Array:
+    """The gate activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU, HF gelu_pytorch_tanh)."""
+    return jax.nn.gelu(x, approximate=True) if name == "gelu_tanh" else jax.nn.silu(x)
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh GELU (Gemma's GeGLU).
 
     When its [tokens, F] intermediates exceed MLP_CHUNK_ELEMENTS it runs MLP_CHUNK_ELEMENTS / F
     tokens at a time, in chunks of the token axis (`jax.lax.map` under `jax.checkpoint`): the
@@ -214,41 +244,44 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
         self.up_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
         self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs)
+        self.activation = "gelu_tanh" if c.is_gemma3 else "silu"
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B,T,D] (or [T,D]) -> [B,T,D]."""
         rows = int(np.prod(x.shape[:-1]))
         chunk_rows = max(MLP_CHUNK_ELEMENTS // self.gate_proj.out_features, 1)
         if rows <= chunk_rows or x.ndim < 3:
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(_activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
         # chunks along the token axis: the batch axis (sharded over the mesh) stays whole in each
         # chunk, so every device keeps its own rows
         b, t, d = x.shape
         n = min(t, -(-rows // chunk_rows))
         size = -(-t // n)
         weights = (self.gate_proj.kernel[...], self.up_proj.kernel[...], self.down_proj.kernel[...])
-        dtype = self.gate_proj.dtype
+        dtype, activation = self.gate_proj.dtype, self.activation
         chunks = jnp.pad(x, ((0, 0), (0, n * size - t), (0, 0))).reshape(b, n, size, d).swapaxes(0, 1)
 
         @jax.checkpoint
         def chunk(x_c: jax.Array) -> jax.Array:  # [B, size, D]
             gate, up, down = (cast_kernel(w, dtype) for w in weights)
             x_c = x_c.astype(dtype)
-            return dense(jax.nn.silu(dense(x_c, gate)) * dense(x_c, up), down)
+            return dense(_activation(activation, dense(x_c, gate)) * dense(x_c, up), down)
 
         out = jax.lax.map(chunk, chunks)  # [n, B, size, D]
         return out.swapaxes(0, 1).reshape(b, n * size, -1)[:, :t]
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Gemma 3 adds a norm on each
+    branch's output: x + post(attn(norm(x))), then x + post(mlp(norm(x)))."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
-        pdt = jnp.dtype(c.param_dtype)
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pdt)
+        self.attn_norm = _norm(c, c.hidden_size)
         self.attn = Attention(c, rngs)
-        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pdt)
+        self.mlp_norm = _norm(c, c.hidden_size)
         self.mlp = MLP(c, rngs)
+        self.attn_post_norm = _norm(c, c.hidden_size) if c.is_gemma3 else None
+        self.mlp_post_norm = _norm(c, c.hidden_size) if c.is_gemma3 else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
                  pick: Callable[[jax.Array], jax.Array] | None = None):
@@ -256,8 +289,13 @@ class DecoderLayer(nnx.Module):
         queries (a prefill's last layer): `pick` then selects the same slots of the residual
         stream [B,T,D] -> [B,T',D], and the rest of the layer runs on those only."""
         h, aux = self.attn(self.attn_norm(x), cos, sin, attend)
+        if self.attn_post_norm is not None:
+            h = self.attn_post_norm(h)
         x = (x if pick is None else pick(x)) + h
-        return x + self.mlp(self.mlp_norm(x)), aux
+        m = self.mlp(self.mlp_norm(x))
+        if self.mlp_post_norm is not None:
+            m = self.mlp_post_norm(m)
+        return x + m, aux
 
 
 class Transformer(nnx.Module):
@@ -280,8 +318,31 @@ class Transformer(nnx.Module):
             return DecoderLayer(c, layer_rngs)
 
         self.layers = make_layers(rngs)
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, jnp.dtype(c.param_dtype))
+        self.final_norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else _linear(c, c.hidden_size, c.vocab_size, False, rngs)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens int[...] -> embeddings [..., D] in the compute dtype. Gemma 3: times sqrt(D),
+        the factor rounded to float32 and then to the compute dtype first (as HF's
+        Gemma3TextScaledWordEmbedding: bf16 makes sqrt(1152) = 33.94 into 34.0)."""
+        x = self.embed(tokens)
+        if self.config.is_gemma3:
+            x = x * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(x.dtype)
+        return x
+
+    def local_rope(self, positions: jax.Array, num_positions: int | None = None) -> tuple[jax.Array, jax.Array] | None:
+        """(cos, sin) float32[B,T,hd] of the sliding-window layers (`rope_tables` with local=True)
+        for positions int[B,T]; None when no layer has a window."""
+        if not self.config.has_sliding_window:
+            return None
+        return rope_tables(self.config, positions, num_positions, local=True)
+
+    def layer_xs(self, layer_state: Any) -> Any:
+        """What the layer scan runs over: the stacked layer state, paired with the int32[L] flags
+        of the sliding-window layers when there are any (`_layer_kind` unpacks one step's)."""
+        if not self.config.has_sliding_window:
+            return layer_state
+        return layer_state, jnp.asarray(np.array(self.config.sliding_layers(), np.int32))
 
     def head_master(self) -> jax.Array | LoraKernel:
         """The output projection [D, V] as stored (float32 masters; the embedding when tied; a
@@ -317,9 +378,11 @@ class Transformer(nnx.Module):
         dest, lengths = compaction(attention_mask)
         b, t = tokens.shape
         cos, sin = rope_tables(c, jnp.arange(t, dtype=jnp.int32)[None], t)
+        local = self.local_rope(jnp.arange(t, dtype=jnp.int32)[None], t)  # None without sliding windows
+        window = c.sliding_window if local is not None else None
 
-        def attend(q, k, v):
-            out = attention_lib.attention(q, k, v, lengths, causal=True, impl=c.attention)
+        def attend(q, k, v, window=None):
+            out = attention_lib.attention(q, k, v, lengths, causal=True, impl=c.attention, window=window)
             return out, ((k, v) if return_kv else None)
 
         last = jnp.maximum(lengths - 1, 0)[:, None, None]  # [B,1,1]: the last real token's slot
@@ -333,18 +396,25 @@ class Transformer(nnx.Module):
 
         layer_def, layer_state = nnx.split(self.layers)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        x = self.embed(compact_rows(tokens, dest))
+        x = self.embed_tokens(compact_rows(tokens, dest))
+        xs = self.layer_xs(layer_state)
         if not last_only and not return_kv:  # the differentiated path: layers rematerialised as configured
-            step = functools.partial(_decoder_step, layer_def, c.attention)
-            x = scan_layers(step, x, layer_state, (cos, sin, lengths), remat=c.remat, policy=c.remat_policy(), unroll=unroll)
+            step = functools.partial(_decoder_step, layer_def, c.attention, window=window)
+            consts = (cos, sin, lengths) if local is None else (cos, sin, lengths, local)
+            x = scan_layers(step, x, xs, consts, remat=c.remat, policy=c.remat_policy(), unroll=unroll)
             return restore_rows(self.final_norm(x), dest), None
 
         def body(x, state):
-            return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)
+            state, cos_i, sin_i, window_i = _layer_kind(state, cos, sin, local, window)
+            attend_i = attend if window_i is None else functools.partial(attend, window=window_i)
+            return nnx.merge(layer_def, state)(batch_sharded(x), cos_i, sin_i, attend_i)
 
-        if not last_only:
-            x, kv = jax.lax.scan(body, x, layer_state, unroll=unroll)
+        if not last_only or local is not None:
+            # (with sliding windows, a prefill runs every layer on every token, then keeps the last)
+            x, kv = jax.lax.scan(body, x, xs, unroll=unroll)
             kv = None if kv is None else jax.tree.map(lambda a: restore_rows(a, dest, axis=2), kv)
+            if last_only:
+                return self.final_norm(pick_last(x)), kv
             return restore_rows(self.final_norm(x), dest), kv
         def body_at(x, i):  # layer i read from the stack in the loop: no copy of the first L-1 layers
             return body(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_state))
@@ -366,18 +436,28 @@ class Transformer(nnx.Module):
         never copied per row) and to themselves (causally)."""
         c = self.config
         p, t = prefix_tokens.shape[1], tokens.shape[1]
+        if c.window_exceeded(p + t):
+            raise JmarlError(
+                f"the shared-prefix layout does not implement sliding-window attention: prefixes of {p} plus "
+                f"continuations of {t} slots exceed sliding_window={c.sliding_window}; score these sequences with "
+                "token_logprobs or the packed layout (packed_token_logprobs), which are exact"
+            )
         p_dest, prefix_len = compaction(prefix_mask)
         s_dest, own_len = compaction(mask)
-        p_cos, p_sin = rope_tables(c, jnp.arange(p, dtype=jnp.int32)[None], p)
+        p_positions = jnp.arange(p, dtype=jnp.int32)[None]
+        p_cos, p_sin = rope_tables(c, p_positions, p)
         s_positions = prefix_len[rows][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         s_cos, s_sin = rope_tables(c, s_positions, p + t)
 
         layer_def, layer_state = nnx.split(self.layers)
         step = functools.partial(_prefixed_step, layer_def, c.attention)
         consts = (p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows.astype(jnp.int32))
-        carry = (self.embed(compact_rows(prefix_tokens, p_dest)), self.embed(compact_rows(tokens, s_dest)))
+        if c.has_sliding_window:  # no window to apply (checked above), only the local layers' RoPE
+            consts = consts + (self.local_rope(p_positions, p) + self.local_rope(s_positions, p + t),)
+        carry = (self.embed_tokens(compact_rows(prefix_tokens, p_dest)), self.embed_tokens(compact_rows(tokens, s_dest)))
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        xp, xs = scan_layers(step, carry, layer_state, consts, remat=c.remat, policy=c.remat_policy(), unroll=unroll)
+        xp, xs = scan_layers(step, carry, self.layer_xs(layer_state), consts, remat=c.remat, policy=c.remat_policy(),
+                             unroll=unroll)
         last = jnp.maximum(prefix_len - 1, 0)[:, None, None]
         xp_last = jnp.take_along_axis(xp, last, axis=1)[:, 0]
         return self.final_norm(xp_last), restore_rows(self.final_norm(xs), s_dest)
@@ -390,22 +470,44 @@ class Transformer(nnx.Module):
         and to itself, as if every continuation ran after its own copy of the prompt."""
         c = self.config
         t = tokens.shape[1]
-        cos, sin = rope_tables(c, positions.astype(jnp.int32), t)
+        positions = positions.astype(jnp.int32)
+        cos, sin = rope_tables(c, positions, t)
         layer_def, layer_state = nnx.split(self.layers)
-        step = functools.partial(_packed_step, layer_def, c.attention)
+        local = self.local_rope(positions, t)
+        window = c.sliding_window if local is not None else None
+        step = functools.partial(_packed_step, layer_def, c.attention, window=window)
+        consts = (cos, sin, segment, branch) if local is None else (cos, sin, segment, branch, local, positions)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        x = scan_layers(step, self.embed(tokens), layer_state, (cos, sin, segment, branch),
+        x = scan_layers(step, self.embed_tokens(tokens), self.layer_xs(layer_state), consts,
                         remat=c.remat, policy=c.remat_policy(), unroll=unroll)
         return self.final_norm(x)
 
 
 # ---------------------------------------------------------------------------------- layer stack
-def _decoder_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple) -> jax.Array:
-    """One decoder layer on right-padded rows: x [B,T,D] -> [B,T,D]; consts = (cos, sin, lengths)."""
-    cos, sin, lengths = consts
+def _layer_kind(state: Any, cos: jax.Array, sin: jax.Array, local: tuple[jax.Array, jax.Array] | None,
+                window: int | None) -> tuple[Any, jax.Array, jax.Array, jax.Array | None]:
+    """One scanned layer's (state, cos, sin, window). Without sliding windows (local None) the
+    state and tables as given and no window. With them, state is (layer state, int32 flag) (see
+    `Transformer.layer_xs`) and local the sliding layers' (cos, sin): a flagged layer takes
+    those and `window`, the others the global tables and `attention.NO_WINDOW` (traced, so one
+    rolled scan serves both kinds)."""
+    if local is None:
+        return state, cos, sin, None
+    state, sliding = state
+    on = sliding > 0
+    window_i = jnp.where(on, jnp.int32(window), jnp.int32(attention_lib.NO_WINDOW))
+    return state, jnp.where(on, local[0], cos), jnp.where(on, local[1], sin), window_i
+
+
+def _decoder_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple,
+                  window: int | None = None) -> jax.Array:
+    """One decoder layer on right-padded rows: x [B,T,D] -> [B,T,D]; consts = (cos, sin, lengths)
+    (+ the sliding layers' (cos, sin) with sliding windows: `_layer_kind`)."""
+    cos, sin, lengths = consts[:3]
+    state, cos, sin, window_i = _layer_kind(state, cos, sin, consts[3] if len(consts) > 3 else None, window)
 
     def attend(q, k, v):
-        return attention_lib.attention(q, k, v, lengths, causal=True, impl=impl), None
+        return attention_lib.attention(q, k, v, lengths, causal=True, impl=impl, window=window_i), None
 
     return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)[0]
 
@@ -413,7 +515,11 @@ def _decoder_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: t
 def _prefixed_step(layer_def: Any, impl: str, carry: tuple, state: Any, consts: tuple) -> tuple:
     """One decoder layer of the shared-prefix layout: the U prefixes [U,P,D], then the N
     continuations [N,C,D] attending to their prefix's keys/values and to themselves."""
-    p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows = consts
+    p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows = consts[:7]
+    if len(consts) > 7:  # sliding-window layers: their own RoPE (no window: sequences within it)
+        p_local, s_local = consts[7][:2], consts[7][2:]
+        _, s_cos, s_sin, _ = _layer_kind(state, s_cos, s_sin, s_local, 0)
+        state, p_cos, p_sin, _ = _layer_kind(state, p_cos, p_sin, p_local, 0)
     xp, xs = batch_sharded(carry[0]), batch_sharded(carry[1])
     layer = nnx.merge(layer_def, state)
 
@@ -429,12 +535,17 @@ def _prefixed_step(layer_def: Any, impl: str, carry: tuple, state: Any, consts: 
     return xp, xs
 
 
-def _packed_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple) -> jax.Array:
-    """One decoder layer on packed rows: x [R,T,D] -> [R,T,D]; consts = (cos, sin, segment, branch)."""
-    cos, sin, segment, branch = consts
+def _packed_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple,
+                 window: int | None = None) -> jax.Array:
+    """One decoder layer on packed rows: x [R,T,D] -> [R,T,D]; consts = (cos, sin, segment, branch)
+    (+ the sliding layers' (cos, sin) and the positions int[R,T] with sliding windows)."""
+    cos, sin, segment, branch = consts[:4]
+    local, positions = consts[4:] if len(consts) > 4 else (None, None)
+    state, cos, sin, window_i = _layer_kind(state, cos, sin, local, window)
 
     def attend(q, k, v):
-        return attention_lib.packed_attention(q, k, v, segment, branch, impl=impl), None
+        return attention_lib.packed_attention(q, k, v, segment, branch, impl=impl, window=window_i,
+                                              positions=positions), None
 
     return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)[0]
 
@@ -582,16 +693,17 @@ ROPE_TABLE_MAX_BYTES = 4 << 20
 
 
 def rope_tables(
-    config: ModelConfig, positions: jax.Array, num_positions: int | None = None
+    config: ModelConfig, positions: jax.Array, num_positions: int | None = None, *, local: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """positions int[B,T] -> (cos, sin) float32[B,T,head_dim] (HF `rotate_half` layout).
+    """positions int[B,T] -> (cos, sin) float32[B,T,head_dim] (HF `rotate_half` layout). local:
+    the sliding-window layers' tables (`ModelConfig.inv_frequencies(local=True)`).
 
     num_positions: a static bound on the positions (each < num_positions). Given, and the two
     tables [num_positions, head_dim] within ROPE_TABLE_MAX_BYTES, cos and sin are computed once
     per position at trace time and gathered: computed in the program instead, XLA fuses them into
     every consumer and evaluates them again for each head of each layer (on CPU, cos and sin then
     take most of the time of the fusions that apply the rotation)."""
-    inv_freq = config.inv_frequencies()
+    inv_freq = config.inv_frequencies(local=True) if local else config.inv_frequencies()
     if num_positions is not None and 2 * num_positions * config.head_dim * 4 <= ROPE_TABLE_MAX_BYTES:
         cos, sin = _cos_sin(np, np.arange(num_positions, dtype=np.float32), inv_freq)
         return jnp.take(cos, positions, axis=0, mode="clip"), jnp.take(sin, positions, axis=0, mode="clip")
@@ -675,6 +787,8 @@ def param_axes(config: ModelConfig) -> dict[str, Any]:
         "down_proj": _linear_axes("mlp", "embed", None),
     }
     layer = {"attn_norm": {"scale": ("norm",)}, "attn": attn, "mlp_norm": {"scale": ("norm",)}, "mlp": mlp}
+    if c.is_gemma3:
+        layer.update(attn_post_norm={"scale": ("norm",)}, mlp_post_norm={"scale": ("norm",)})
     tree: dict[str, Any] = {
         "embed": {"embedding": ("vocab", "embed")},
         "layers": jax.tree.map(lambda axes: ("layers",) + axes, layer, is_leaf=is_axes),
@@ -938,13 +1052,25 @@ def decode_step(
     stored once per group instead of once per row (a GRPO group reads its prompt's cache once).
 
     Layers run as an unrolled Python loop over per-layer cache buffers, so each buffer is updated
-    in place and read directly by the attention (no per-step copy of the cache)."""
+    in place and read directly by the attention (no per-step copy of the cache).
+
+    Sliding-window layers (Gemma 3) attend to the slots of key_mask (and prefix_mask) within the
+    window of `position`, the keys' positions counted along the mask's slots (`window_masks`),
+    and rotate by the local RoPE tables; the cache keeps every slot."""
     model = bind(config, params)
     cos, sin = rope_tables(config, position[:, None])
-    x = model.embed(token[:, None])
+    sliding = config.sliding_layers()
+    if any(sliding):
+        cos_l, sin_l = rope_tables(config, position[:, None], local=True)
+        key_mask_l, prefix_mask_l = window_masks(config, position, key_mask, prefix_mask)
+    x = model.embed_tokens(token[:, None])
     layer_def, layer_state = nnx.split(model.layers)
     keys, values = list(cache.keys), list(cache.values)
     for i in range(config.num_layers):
+        if sliding[i]:
+            cos_i, sin_i, key_mask_i, prefix_mask_i = cos_l, sin_l, key_mask_l, prefix_mask_l
+        else:
+            cos_i, sin_i, key_mask_i, prefix_mask_i = cos, sin, key_mask, prefix_mask
         if layers is None:
             state_i = jax.tree.map(lambda a: a[i], layer_state)
         else:
@@ -952,7 +1078,7 @@ def decode_step(
             nnx.replace_by_pure_dict(state_i, layers[i])
         layer = nnx.merge(layer_def, state_i)
 
-        def attend(q, k, v, i=i):
+        def attend(q, k, v, i=i, key_mask=key_mask_i, prefix_mask=prefix_mask_i):
             k = k.transpose(0, 2, 3, 1).astype(keys[i].dtype)  # [B, KV, hd, 1]
             v = v.swapaxes(1, 2).astype(values[i].dtype)  # [B, KV, 1, hd]
             if jnp.ndim(slot) == 0:
@@ -976,9 +1102,34 @@ def decode_step(
             )
             return out, (k_buf, v_buf)
 
-        x, (keys[i], values[i]) = layer(x, cos, sin, attend)
+        x, (keys[i], values[i]) = layer(x, cos_i, sin_i, attend)
     h = model.final_norm(x[:, 0])
     return model.logits(h), KVCache(keys=tuple(keys), values=tuple(values))
+
+
+def window_masks(
+    config: ModelConfig, position: jax.Array, key_mask: jax.Array, prefix_mask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """(key_mask, prefix_mask) of a sliding-window layer in `decode_step`: the slots of key_mask
+    bool[B,C] (and prefix_mask bool[U,S]) whose keys lie less than `sliding_window` positions
+    before the query's, position int[B]. A key's position is the count of valid slots before it
+    along the mask (the prefix's first, with one): the cache layout of the sampler and the engine,
+    whose slots are in the order of their tokens and whose RoPE positions count the real tokens.
+    With a prefix, the rows of a group (B/U consecutive rows) decode at the same position (the
+    sampler's groups share their prompt and step), so the prefix's window is the group's."""
+    w = jnp.int32(config.sliding_window)
+    key_mask = key_mask.astype(bool)
+    before = 0
+    local_prefix = None
+    if prefix_mask is not None:
+        prefix_mask = prefix_mask.astype(bool)
+        u = prefix_mask.shape[0]
+        prefix_pos = jnp.cumsum(prefix_mask.astype(jnp.int32), axis=-1) - 1  # [U, S]
+        group_position = position.reshape(u, -1)[:, 0]
+        local_prefix = prefix_mask & (group_position[:, None] - prefix_pos < w)
+        before = jnp.repeat(prefix_pos[:, -1] + 1, key_mask.shape[0] // u)[:, None]  # each row's prefix length
+    key_pos = before + jnp.cumsum(key_mask.astype(jnp.int32), axis=-1) - 1
+    return key_mask & (position[:, None] - key_pos < w), local_prefix
 
 
 def take_rows(buffer: jax.Array, rows: jax.Array, groups: int = 1) -> jax.Array:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from jmarl.errors import JmarlError
-from jmarl.models.config import ModelConfig
+from jmarl.models.config import ModelConfig, gemma3_layer_types
 
 _QWEN3 = dict(
     model_type="qwen3", vocab_size=151936, num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6,
@@ -22,6 +22,13 @@ _LLAMA32 = dict(
     rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192,
     max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000,
     eos_token_id=(128001, 128008, 128009),
+)
+# Gemma 3 (google/gemma-3-270m, gemma-3-1b config.json): 5 sliding-window layers (512 tokens,
+# RoPE theta 1e4) then 1 global layer (theta 1e6), head_dim 256, one KV head, tied embeddings.
+_GEMMA3 = dict(
+    model_type="gemma3_text", vocab_size=262144, num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1e6,
+    rope_local_theta=1e4, sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=(1, 106), pad_token_id=0,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -39,6 +46,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                         head_dim=128),
     "llama3.1-8b": dict(_LLAMA32, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                         head_dim=128, rope_factor=8.0, tie_word_embeddings=False),
+    "gemma3-270m": dict(_GEMMA3, hidden_size=640, intermediate_size=2048, num_layers=18,
+                        layer_types=gemma3_layer_types(18, 6)),
+    "gemma3-1b": dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_layers=26,
+                      layer_types=gemma3_layer_types(26, 6)),
 }
 
 
@@ -62,5 +73,6 @@ def preset_for_checkpoint_name(path: str) -> str | None:
     import os
 
     base = os.path.basename(os.path.normpath(path)).lower().replace("meta-", "").replace("-instruct", "")
-    base = base.replace("llama-3", "llama3")
+    base = base.replace("llama-3", "llama3").replace("gemma-3", "gemma3")
+    base = base[:-3] if base.startswith("gemma3") and base.endswith("-it") else base  # gemma-3-1b-it
     return base if base in PRESETS else None

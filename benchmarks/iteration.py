@@ -2,7 +2,7 @@
 `GRPOTrainer` (single-agent GRPO) and vs CoMLRL's `MAGRPOTrainer` (two agents).
 
     python -m benchmarks.iteration [--shape cpu-small|cpu-medium|smollm2] [--which grpo|magrpo|all]
-        [--repeats 5] [--new-tokens 64] [--out results.json]
+        [--repeats 5] [--new-tokens 64] [--prompts 8] [--out results.json]
 
 Same checkpoint and tokenizer on every side (`benchmarks.common.write_checkpoint`: a random shape
 with the char tokenizer, or `smollm2`, SmolLM2-135M-Instruct with its own tokenizer and ChatML
@@ -91,12 +91,13 @@ def jmarl_runner(trainer, lengths: dict[int, float] | None = None) -> Any:
     return run
 
 
-def _prepare(shape: str, workdir: str, *, num_agents: int, new_tokens: int):
+def _prepare(shape: str, workdir: str, *, num_agents: int, new_tokens: int, num_prompts: int = NUM_PROMPTS):
     """(checkpoint dir, jmarl iteration runner, its first and warm call seconds, the runner's
     completion lengths by run index)."""
     ckpt = os.path.join(workdir, "model")
     write_checkpoint(shape, ckpt)
-    trainer = jmarl_trainer(ckpt, os.path.join(workdir, "jmarl"), num_agents=num_agents, new_tokens=new_tokens)
+    trainer = jmarl_trainer(ckpt, os.path.join(workdir, "jmarl"), num_agents=num_agents, new_tokens=new_tokens,
+                            num_prompts=num_prompts)
     lengths: dict[int, float] = {}
     run_jmarl = jmarl_runner(trainer, lengths)
     first, warm = run_jmarl(0), run_jmarl(1)
@@ -128,7 +129,7 @@ def _tokenizer(checkpoint: str):
 TRL_LOG = "step_logs.jsonl"  # in TRL's output_dir: one line per step of what its trainer logged
 
 
-def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int) -> SelfDriven:
+def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int, num_prompts: int = NUM_PROMPTS) -> SelfDriven:
     """Baseline-process setup: TRL's `GRPOTrainer` for `steps` steps on the benchmark task; each
     step (`on_step_begin` -> `on_step_end`: generation, reward, loss, backward, AdamW) waits for a
     run request and replies with its seconds. Each step's log (`completions/mean_length` among
@@ -142,7 +143,7 @@ def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int) -
     tok = _tokenizer(checkpoint)
     args = GRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, beta=0.0,
-        loss_type="grpo", num_generations=GROUP_SIZE, per_device_train_batch_size=NUM_PROMPTS * GROUP_SIZE,
+        loss_type="grpo", num_generations=GROUP_SIZE, per_device_train_batch_size=num_prompts * GROUP_SIZE,
         gradient_accumulation_steps=1, max_completion_length=new_tokens,
         generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant",
@@ -164,7 +165,7 @@ def trl_trainer(checkpoint: str, output_dir: str, steps: int, new_tokens: int) -
                 with open(os.path.join(output_dir, TRL_LOG), "a") as f:
                     f.write(json.dumps({"step": state.global_step, **(logs or {})}) + "\n")
 
-        prompts = templated_prompts(tok, range(NUM_PROMPTS * steps))
+        prompts = templated_prompts(tok, range(num_prompts * steps))
         trl = GRPOTrainer(model=checkpoint, reward_funcs=[trl_reward], args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Pair()])
         trl.train()
@@ -190,17 +191,20 @@ def trl_completion_lengths(output_dir: str) -> dict[int, float]:
 
 
 def bench_grpo_vs_trl(shape: str, repeats: int, *, new_tokens: int = NEW_TOKENS,
-                      baseline_host_memory: str = "default") -> dict[str, Any]:
-    """The `grpo_iteration_vs_trl` row (TRL in a `BaselineProcess`; its first step is the warm-up)."""
+                      baseline_host_memory: str = "default", num_prompts: int = NUM_PROMPTS) -> dict[str, Any]:
+    """The `grpo_iteration_vs_trl` row (TRL in a `BaselineProcess`; its first step is the warm-up);
+    `num_prompts` x GROUP_SIZE completions per iteration on both sides."""
     with tempfile.TemporaryDirectory() as d:
-        ckpt, run_jmarl, first, warm, jmarl_lengths = _prepare(shape, d, num_agents=1, new_tokens=new_tokens)
+        ckpt, run_jmarl, first, warm, jmarl_lengths = _prepare(shape, d, num_agents=1, new_tokens=new_tokens,
+                                                               num_prompts=num_prompts)
         trl_dir = os.path.join(d, "trl")
         with BaselineProcess("benchmarks.iteration:trl_trainer", host_memory=baseline_host_memory, checkpoint=ckpt,
-                             output_dir=trl_dir, steps=repeats + 1, new_tokens=new_tokens) as trl:
+                             output_dir=trl_dir, steps=repeats + 1, new_tokens=new_tokens,
+                             num_prompts=num_prompts) as trl:
             paired = paired_times(run_jmarl, trl.run, repeats, jmarl_warmed=(first, warm))
         trl_lengths = [v for step, v in trl_completion_lengths(trl_dir).items() if step > 1]  # step 1: warm-up
         prompt_len = prompt_tokens(ckpt)
-    completions = float(NUM_PROMPTS * GROUP_SIZE)
+    completions = float(num_prompts * GROUP_SIZE)
     row = make_row("grpo_iteration_vs_trl", "completions_per_s", shape, completions, paired,
                    completions_per_iteration=completions, prompt_len=prompt_len, new_tokens=new_tokens,
                    jmarl_completion_tokens_mean=timed_mean(jmarl_lengths),
@@ -304,13 +308,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--which", choices=["grpo", "magrpo", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--prompts", type=int, default=NUM_PROMPTS,
+                        help=f"prompts per GRPO iteration, {GROUP_SIZE} completions each (default {NUM_PROMPTS}; "
+                        "smollm2: TRL's step on 64 completions needs ~18 GB)")
     parser.add_argument("--out", default=None, help="also write the rows, with the command, date, machine and "
                         "commit, to this JSON file")
     args = parser.parse_args(argv)
     header = results_header("benchmarks.iteration", argv)
     rows = []
     if args.which in ("grpo", "all"):
-        rows.append(bench_grpo_vs_trl(args.shape, args.repeats, new_tokens=args.new_tokens))
+        rows.append(bench_grpo_vs_trl(args.shape, args.repeats, new_tokens=args.new_tokens, num_prompts=args.prompts))
     if args.which in ("magrpo", "all"):
         rows.append(bench_magrpo_vs_comlrl(args.shape, args.repeats, new_tokens=args.new_tokens))
     for r in rows:

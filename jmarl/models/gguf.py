@@ -6,8 +6,8 @@ and parameter tree `jmarl.models.hf.load_hf` gives for the Hugging Face checkpoi
 converted from (up to the quantisation error the file itself carries). Export after training
 stays a Hugging Face directory: `save_hf(dir, config, params)`.
 
-How llama.cpp's converter (`convert_hf_to_gguf.py`) stores a llama / qwen2 / qwen3 model, and what
-is undone here:
+How llama.cpp's converter (`convert_hf_to_gguf.py`) stores a llama / qwen2 / qwen3 / gemma3 model,
+and what is undone here:
 
 * hyperparameters are metadata keys `<arch>.block_count`, `<arch>.attention.head_count`, ...;
   numbers stored as float32 (rms eps, rope base) are read back as the shortest decimal that
@@ -21,6 +21,26 @@ is undone here:
   frequency); factor, low/high frequency factors and the original context are fitted back to it
   and checked to reproduce it;
 * tied embeddings: the file simply has no `output.weight`.
+
+Gemma 3 text (architecture "gemma3", loaded as jmarl's `gemma3_text`; `Gemma3ForCausalLM`'s
+tensors, or the language model of a multimodal checkpoint, whose vision tower goes to a separate
+mmproj file):
+
+* every RMSNorm weight (`*norm.weight`: the four per-layer norms, q/k norms, the final norm) is
+  stored as 1 + w (Gemma's norms scale by 1 + w): 1 is subtracted in float32, as transformers'
+  GGUF loader does, so w is HF's; HF's `post_attention_layernorm` / `pre_feedforward_layernorm` /
+  `post_feedforward_layernorm` are `post_attention_norm` / `ffn_norm` / `post_ffw_norm`;
+* `gemma3.attention.sliding_window` is the window (absent: no sliding layer, all attend fully);
+  the interleaving is `gemma3.attention.sliding_window_pattern` if the file has it (a period, or
+  one bool per layer), else llama.cpp's fixed period of 6 (five sliding layers, then one full);
+  `gemma3.rope.freq_base` is the full layers' RoPE base and the sliding layers' is
+  `gemma3.rope.freq_base_swa` if present, else llama.cpp's fixed 10000; linear RoPE scaling
+  (Gemma 3 4B and up) is `gemma3.rope.scaling.*` on the full layers only;
+* the query scale is not stored: `gemma3.attention.scale` if present, else llama.cpp's rule
+  (1 / sqrt(hidden / heads) for the 62-layer 27B, 1 / sqrt(head_dim) otherwise), which gives
+  the released configs' `query_pre_attn_scalar`;
+* the embedding keeps only the tokenizer's rows (262,144 of the checkpoint's 262,208), so the
+  vocabulary is the file's; logit soft-capping (`gemma3.final_logit_softcapping`) is refused.
 
 `load_gguf_tokenizer(path)` builds the tokenizer described by the file's `tokenizer.*` metadata
 (transformers' own GGUF tokenizer conversion, fed from the `gguf` reader, so no torch) behind
@@ -38,11 +58,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl.errors import JmarlError
-from jmarl.models.config import ModelConfig
+from jmarl.models.config import FULL, SLIDING, ModelConfig, gemma3_layer_types
 from jmarl.models.hf import _get, _tensor_specs, place
 from jmarl.models.model import Params, param_shapes
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 # ggml tensor types whose values `gguf.quants.dequantize` recovers (names of GGMLQuantizationType;
 # ones the installed gguf package does not know are left out).
 SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
@@ -75,6 +95,17 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 3's layer tensors beyond / instead of the ones above (its post_attention_layernorm
+# normalises the attention output; the MLP's input norm is pre_feedforward_layernorm).
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "post_attention_layernorm.weight"},
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+# llama.cpp's Gemma 3 constants, used when the file does not state them (llama-model.cpp)
+_GEMMA3_SWA_PERIOD = 6
+_GEMMA3_SWA_ROPE_BASE = 10000.0
 # Tensors the converter writes that carry no parameter (read for the config instead).
 _CONFIG_TENSORS = ("rope_freqs.weight",)
 _MISSING = object()
@@ -88,15 +119,17 @@ def _gguf() -> Any:
     return gguf
 
 
-def gguf_name(hf_name: str) -> str:
-    """The llama.cpp tensor name of a HF llama/qwen2/qwen3 tensor name (KeyError if none)."""
+def gguf_name(hf_name: str, model_type: str = "llama") -> str:
+    """The llama.cpp tensor name of a HF tensor name of a `model_type` model (llama, qwen2, qwen3
+    or gemma3_text; KeyError if none)."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
+    layer_names = _GEMMA3_LAYER_NAMES if model_type == "gemma3_text" else _LAYER_NAMES
     prefix, _, rest = hf_name.partition(".layers.")
     layer, _, suffix = rest.partition(".")
-    if prefix != "model" or not layer.isdigit() or suffix not in _LAYER_NAMES:
+    if prefix != "model" or not layer.isdigit() or suffix not in layer_names:
         raise KeyError(hf_name)
-    return f"blk.{layer}.{_LAYER_NAMES[suffix]}"
+    return f"blk.{layer}.{layer_names[suffix]}"
 
 
 # ------------------------------------------------------------------------------ reading
@@ -241,6 +274,8 @@ def _gguf_config(f: _File) -> tuple[ModelConfig, bool]:
         raise JmarlError(f"GGUF file {f.path}: block_count is {num_layers} but the blk.* tensors disagree")
     if "blk.0.ffn_up.bias" in t or "blk.0.ffn_down.bias" in t:
         raise JmarlError(f"GGUF file {f.path} has MLP biases, which jmarl does not support")
+    if arch == "gemma3":
+        return _gemma3_config(f, hidden, vocab, num_layers, num_heads, num_kv_heads, head_dim), False
 
     q_bias, o_bias = "blk.0.attn_q.bias" in t, "blk.0.attn_output.bias" in t
     if arch == "qwen2":
@@ -275,6 +310,13 @@ def _gguf_config(f: _File) -> tuple[ModelConfig, bool]:
         qk_norm=qk_norm,
     )
     fields.update(_rope_fields(f, arch, head_dim))
+    fields.update(_token_ids(f))
+    return ModelConfig(**fields), arch == "llama"
+
+
+def _token_ids(f: _File) -> dict[str, Any]:
+    """bos / eos (with the end-of-turn token, if another) / pad ids from the tokenizer metadata."""
+    fields: dict[str, Any] = {}
     bos = f.value("tokenizer.ggml.bos_token_id", None)
     eos = f.value("tokenizer.ggml.eos_token_id", None)
     eot = f.value("tokenizer.ggml.eot_token_id", None)
@@ -285,11 +327,78 @@ def _gguf_config(f: _File) -> tuple[ModelConfig, bool]:
         fields["eos_token_id"] = int(eos) if eot in (None, eos) else (int(eos), int(eot))
     if pad is not None:
         fields["pad_token_id"] = int(pad)
-    return ModelConfig(**fields), arch == "llama"
+    return fields
 
 
-def _rope_fields(f: _File, arch: str, head_dim: int) -> dict[str, Any]:
-    theta = float(f.value(f"{arch}.rope.freq_base", 10000.0))
+def _gemma3_config(f: _File, hidden: int, vocab: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> ModelConfig:
+    """The gemma3_text ModelConfig of a llama.cpp "gemma3" file (shapes already checked)."""
+    arch, t = "gemma3", f.tensors
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        cap = f.value(f"{arch}.{key}", None)
+        if cap:
+            raise JmarlError(f"GGUF file {f.path} sets {arch}.{key}={cap}: jmarl's gemma3_text does not "
+                             "implement logit soft-capping")
+    biases = sorted(n for n in t if n.startswith("blk.0.") and n.endswith(".bias"))
+    if biases:
+        raise JmarlError(f"GGUF file {f.path}: a gemma3 model with biases ({', '.join(biases)}), "
+                         "which jmarl's gemma3_text does not support")
+    for name in ("blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight", "blk.0.post_attention_norm.weight",
+                 "blk.0.ffn_norm.weight", "blk.0.post_ffw_norm.weight"):
+        if name not in t:
+            raise JmarlError(f"GGUF file {f.path} lacks tensor {name}, which every gemma3 model has")
+
+    window = _int_hparam(f, arch, "attention.sliding_window", None)
+    window = int(window) if window else None  # absent or 0: llama.cpp runs every layer fully
+    pattern = f.value(f"{arch}.attention.sliding_window_pattern", None)
+    if window is None:
+        layer_types = (FULL,) * num_layers
+    elif pattern is None or isinstance(pattern, (int, float)):
+        period = _GEMMA3_SWA_PERIOD if pattern is None else int(pattern)
+        if period < 1:
+            raise JmarlError(f"GGUF file {f.path}: {arch}.attention.sliding_window_pattern is {pattern}")
+        layer_types = gemma3_layer_types(num_layers, period)
+    elif isinstance(pattern, list) and len(pattern) == num_layers:
+        layer_types = tuple(SLIDING if flag else FULL for flag in pattern)
+    else:
+        raise JmarlError(f"GGUF file {f.path}: {arch}.attention.sliding_window_pattern {pattern!r} is neither "
+                         f"a period nor one flag per layer ({num_layers})")
+
+    scale = f.value(f"{arch}.attention.scale", None)
+    if scale:
+        query_scalar = float(_nice(1.0 / float(scale) ** 2))
+    elif num_layers == 62:  # llama.cpp's LLM_TYPE_27B: 1 / sqrt(n_embd / n_head)
+        query_scalar = float(hidden // num_heads)
+    else:
+        query_scalar = float(head_dim)
+
+    fields: dict[str, Any] = dict(
+        model_type="gemma3_text",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(t["blk.0.ffn_gate.weight"].shape[1]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(f.value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(_int_hparam(f, arch, "context_length", 131072)),
+        tie_word_embeddings="output.weight" not in t,
+        qkv_bias=False,
+        o_bias=False,
+        qk_norm=True,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=float(f.value(f"{arch}.rope.freq_base_swa", _GEMMA3_SWA_ROPE_BASE)),
+        query_pre_attn_scalar=query_scalar,
+    )
+    fields.update(_rope_fields(f, arch, head_dim, default_theta=1_000_000.0))
+    fields.update(_token_ids(f))
+    return ModelConfig(**fields)
+
+
+def _rope_fields(f: _File, arch: str, head_dim: int, default_theta: float = 10000.0) -> dict[str, Any]:
+    theta = float(f.value(f"{arch}.rope.freq_base", default_theta))
     fields: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
     scaling = f.value(f"{arch}.rope.scaling.type", "none")
     linear = f.value(f"{arch}.rope.scale_linear", None)  # older files
@@ -388,7 +497,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(
     path: str | os.PathLike, *, param_dtype: Any = None, compute_dtype: Any = None
 ) -> tuple[ModelConfig, Params]:
-    """Loads a llama/qwen2/qwen3 GGUF file -> (config, params), the tree `load_hf` gives.
+    """Loads a llama/qwen2/qwen3/gemma3 GGUF file -> (config, params), the tree `load_hf` gives.
 
     Every tensor is dequantised to float32 (which holds each quantised value exactly);
     `param_dtype` (default "float32") is how the parameters are stored and, unless
@@ -406,7 +515,7 @@ def load_gguf(
     config = config.replace(param_dtype=dtype_name, compute_dtype=compute_name)
     target = jnp.dtype(dtype_name)
     specs = list(_tensor_specs(config))
-    names = {spec[1]: gguf_name(spec[1]) for spec in specs}
+    names = {spec[1]: gguf_name(spec[1], config.model_type) for spec in specs}
     unexpected = sorted(set(f.tensors) - set(names.values()) - set(_CONFIG_TENSORS))
     if unexpected:
         raise JmarlError(
@@ -434,6 +543,8 @@ def load_gguf(
             )
         if permuted and (".attn_q." in name or ".attn_k." in name):
             value = _unpermute(value, config.num_heads if ".attn_q." in name else config.num_kv_heads)
+        if config.is_gemma3 and name.endswith("norm.weight"):
+            value = value - np.float32(1.0)  # stored as 1 + w (Gemma's RMSNorm scales by 1 + w)
         place(host, path_, value.T if transposed else value, layer, full_shape, target)
     params = jax.tree.map(jnp.asarray, host)
     return config, params

@@ -11,9 +11,9 @@ group's step `Rollouts`). For every recorded batch it lays the samples out both 
   [U, P] left-padded to a length bucket, continuations [N, C] right-padded to the longest.
 
 Token utilization = real tokens (distinct prompt tokens + continuation tokens) / token slots
-the update computes (packed: rows x L; shared prefix: U x P + N x C), summed over the run; a
-stacked group computes all its policies, also those without samples in a step, so the packed
-layout's utilization over the policies that have samples is reported too.
+the update computes (packed: rows x L of the policies the step updates, `active_policies`: a
+stacked group's policies without samples are not computed; shared prefix, which computed every
+policy of a stack: U x P + N x C), summed over the run.
 On the `--time` configs (default: the quickstart) it then times one optimizer update of each
 layout on the same batches (the method's loss, advantages and old log-probs from the trainer's
 scoring pass, identical [N, C] fields), compiled once per shape before timing, interleaved,
@@ -78,18 +78,20 @@ def layouts(trainer: Any, group: Any, rollouts: Any) -> tuple[Any, dict[str, Any
     return packed, stacked, counts
 
 
-def utilization(packed: Any, shared: dict[str, Any]) -> dict[str, int]:
-    """Real tokens and the slots each layout computes for one batch."""
+def utilization(packed: Any, shared: dict[str, Any], counts: list[int], stacked: bool) -> dict[str, int]:
+    """Real tokens and the slots each layout computes for one batch (packed: the policies the
+    trainer's step updates, `active_policies`)."""
     import numpy as np
+
+    from jmarl.train.learner import active_policies
 
     segment = np.asarray(packed.packed_segment)
     real = int(np.count_nonzero(segment))
     shared_real = int(np.count_nonzero(shared["prefix_mask"]) + np.count_nonzero(shared["attention_mask"]))
     assert real <= shared_real  # the shared layout's empty-continuation prompts are the only difference
-    # a stacked group computes every policy; the slots of the policies that have samples this step
-    per_policy = segment.reshape(-1, segment.shape[-2] * segment.shape[-1]) if segment.ndim == 3 else segment.reshape(1, -1)
-    active = int(sum(row.size for row in per_policy if np.any(row)))
-    return {"real": real, "packed_slots": int(segment.size), "packed_active_slots": active,
+    active = active_policies(counts, stacked)
+    computed = segment if active is None else segment[active]
+    return {"real": real, "packed_slots": int(computed.size),
             "shared_slots": int(shared["prefix_mask"].size + shared["attention_mask"].size)}
 
 
@@ -122,7 +124,7 @@ def time_updates(trainer: Any, seen: list, repeats: int) -> dict[str, Any]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jmarl.train.learner import score_batch
+    from jmarl.train.learner import active_policies, restrict, score_batch
 
     if trainer.parts != 1:
         raise SystemExit("timing compares one update of a single micro-batch: use a config with 1 mini-batch, no accumulation")
@@ -132,13 +134,19 @@ def time_updates(trainer: Any, seen: list, repeats: int) -> dict[str, Any]:
         packed, shared, counts = layouts(trainer, group, rollouts)
         if not any(counts):
             continue
+        full = packed
+        active = active_policies(counts, group.stacked)  # both layouts on the policies the step updates
+        view = group
+        if active is not None:
+            view, packed = restrict(group, packed, active)
+            shared = {k: v[active] for k, v in shared.items()}
         cross = bool(np.any(packed.source_policy != packed.learner))
-        scored = score_batch(group, fns, packed, trainer.method_device_state(), recompute=False, cross=cross)
+        scored = score_batch(view, fns, packed, trainer.method_device_state(), recompute=False, cross=cross)
         shared_batch = (scored, jax.tree.map(jnp.asarray, shared))
         key = id(group)
         if key not in updates:
             updates[key] = shared_prefix_update(trainer, group)
-        state = group.state
+        state = view.state
 
         def run_packed():
             jax.block_until_ready(fns.update(jax.tree.map(jnp.copy, state), group.base, scored))
@@ -152,7 +160,7 @@ def time_updates(trainer: Any, seen: list, repeats: int) -> dict[str, Any]:
             best_p, best_s = min(best_p, timed(run_packed)), min(best_s, timed(run_shared))
         out["packed_s"] += best_p
         out["shared_s"] += best_s
-        out["real_tokens"] += utilization(packed, shared)["real"]
+        out["real_tokens"] += int(np.count_nonzero(np.asarray(full.packed_segment)))
         out["batches"] += 1
     out["packed_real_tokens_per_s"] = out["real_tokens"] / out["packed_s"]
     out["shared_real_tokens_per_s"] = out["real_tokens"] / out["shared_s"]
@@ -177,15 +185,14 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.configs:
         with tempfile.TemporaryDirectory() as out_dir:
             trainer, seen = record(CONFIGS[name], args.steps, args.warm_start, out_dir)
-            totals = {"real": 0, "packed_slots": 0, "packed_active_slots": 0, "shared_slots": 0}
+            totals = {"real": 0, "packed_slots": 0, "shared_slots": 0}
             for group, _, rollouts in seen:
                 packed, shared, counts = layouts(trainer, group, rollouts)
                 if any(counts):
-                    for k, v in utilization(packed, shared).items():
+                    for k, v in utilization(packed, shared, counts, group.stacked).items():
                         totals[k] += v
             row = {"config": CONFIGS[name], "steps": args.steps, "batches": len(seen), **totals,
                    "packed_utilization": totals["real"] / totals["packed_slots"],
-                   "packed_utilization_of_active_policies": totals["real"] / totals["packed_active_slots"],
                    "shared_utilization": totals["real"] / totals["shared_slots"]}
             if name in args.time:
                 row["update"] = time_updates(trainer, seen, args.repeats)

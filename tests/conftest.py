@@ -13,15 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JMARL_KEEP_HOST_MEMORY", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# A persistent XLA compilation cache per xdist worker (shared with the subprocesses its tests
-# start): tiny-model runs compile the same programs many times. Not one for both workers: JAX
-# writes an entry in place, without a lock, so one worker could read the other's half-written one.
+# No persistent compilation cache in the test processes, nor in the runs they start (the CLI's
+# "auto" follows JAX's switch): every cache write serialises the compiled XLA:CPU executable, and
+# that serialisation crashed a worker with a segmentation fault about once per suite run from an
+# empty cache (jax/_src/compilation_cache.py put_executable_and_time -> executable.serialize()).
+# tests/test_compile_cache.py turns the cache on where it tests it.
 import tempfile  # noqa: E402
 
-_worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jmarl-test-jax-cache-{_worker}"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 # A worker that dies of a fatal signal is reported by xdist with its test's name only. Each worker
 # writes faulthandler's dump (every thread's Python stack) to a file of its own, and the controller

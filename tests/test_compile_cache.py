@@ -24,7 +24,6 @@ FLAGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_sec
 def jax_cache_settings():
     """Puts JAX's cache settings (and its open cache) back as they were after the test."""
     saved = {name: jax.config.values[name] for name in FLAGS if name in jax.config.values}
-    jax.config.update("jax_enable_compilation_cache", True)  # tests/conftest.py switches it off elsewhere
     yield
     for name, value in saved.items():
         jax.config.update(name, value)
@@ -117,7 +116,7 @@ TINY_RUN = ["--config", "configs/quickstart.yaml", "train.steps=1", "train.warm_
 
 def _tiny_run(cache: Path, out: Path) -> tuple[dict[str, int], str]:
     jax_own = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_ENABLE_COMPILATION_CACHE")  # the run sets its own
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")  # tests/conftest.py's: the run must set its own
     env = {k: v for k, v in os.environ.items() if k not in jax_own}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="", **{compile_cache.ENV_VAR: str(cache)})
     result = subprocess.run([sys.executable, "-c", WRAPPER, *TINY_RUN, f"output_dir={out}"], cwd=ROOT, env=env,

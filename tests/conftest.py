@@ -76,13 +76,21 @@ def _mappings() -> int:
         return 0
 
 
+def drop_jax_caches_past(limit: int) -> bool:
+    """Drops JAX's in-memory caches (and the executables only they hold) when this process holds
+    more than `limit` memory mappings; whether it did."""
+    if _mappings() <= limit:
+        return False
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _bounded_memory_mappings():
     yield
-    if _mappings() > _MAX_MAPPINGS:
-        import gc
-
-        import jax
-
-        jax.clear_caches()
-        gc.collect()
+    drop_jax_caches_past(_MAX_MAPPINGS)

@@ -611,7 +611,7 @@ def _real_time_note(f: Facts) -> str:
 REAL_VARIANTS = (
     Variant("at_grpo", "AT-GRPO, tool + reasoner, per-agent LoRA (configs/real/at_grpo_math.yaml)", ()),
     # the baseline at equal samples per step (configs/real/grpo_math.yaml as overrides of this config):
-    # 4 tasks x 8 episodes x 2 turns of one agent, against 4 tasks x 2 turns x 2 agents x 4 candidates
+    # 2 tasks x 8 episodes x 2 turns of one agent, against 2 tasks x 2 turns x 2 agents x 4 candidates
     Variant("grpo", "single agent (the reasoner alone), GRPO, equal samples",
             ("env.options.agents=[reasoner]", "algo.name=grpo", "algo.options.normalize=std",
              "workflow.plan=independent", "workflow.group_size=8", "workflow.options={}",

@@ -290,11 +290,22 @@ def test_windowed_blockwise_attention_skips_tiles_exactly():
     np.testing.assert_array_equal(plain, huge)
 
 
-@pytest.mark.parametrize("name,params_m", [("gemma3-270m", 268), ("gemma3-1b", 1000)])
-def test_presets(name, params_m):
+@pytest.mark.parametrize("name,params_m,window", [("gemma3-270m", 268, 512), ("gemma3-1b", 1000, 512),
+                                                 ("gemma3-4b", 3880, 1024), ("gemma3-12b", 11766, 1024),
+                                                 ("gemma3-27b", 27009, 1024)])
+def test_presets(name, params_m, window):
+    """Published shapes (the text part of 4B and larger): jmarl's parameter count equals that of
+    transformers' Gemma3ForCausalLM built (on the meta device) from the preset's HF config."""
+    import torch
+
     config = preset_config(name)
-    assert config.is_gemma3 and config.sliding_window == 512
+    assert config.is_gemma3 and config.sliding_window == window
     assert config.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
-    assert abs(config.num_params() / 1e6 - params_m) / params_m < 0.02
+    assert (config.rope_type, config.rope_factor if config.rope_type == "linear" else None) == (
+        ("linear", 8.0) if window == 1024 else ("default", None))
+    assert abs(config.num_params() / 1e6 - params_m) / params_m < 0.001
     hf = transformers.Gemma3TextConfig(**{k: v for k, v in config.to_hf().items() if k not in ("architectures", "model_type")})
     assert ModelConfig.from_hf(hf.to_dict()) == config
+    with torch.device("meta"):
+        reference = transformers.Gemma3ForCausalLM(hf)
+    assert config.num_params() == sum(p.numel() for p in reference.parameters())

@@ -30,6 +30,11 @@ _GEMMA3 = dict(
     rope_local_theta=1e4, sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768,
     rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=(1, 106), pad_token_id=0,
 )
+# The text part of Gemma 3 4B, 12B and 27B (gemma-3-*-it config.json, text_config): a 1024-token
+# window, linear RoPE scaling x8 on the global layers, 262,208 embedding rows (the image tokens'
+# included), 128k positions.
+_GEMMA3_LARGE = dict(_GEMMA3, vocab_size=262208, sliding_window=1024, rope_type="linear", rope_factor=8.0,
+                     max_position_embeddings=131072)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
@@ -50,6 +55,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                         layer_types=gemma3_layer_types(18, 6)),
     "gemma3-1b": dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_layers=26,
                       layer_types=gemma3_layer_types(26, 6)),
+    "gemma3-4b": dict(_GEMMA3_LARGE, hidden_size=2560, intermediate_size=10240, num_layers=34, num_heads=8,
+                      num_kv_heads=4, head_dim=256, query_pre_attn_scalar=256, layer_types=gemma3_layer_types(34, 6)),
+    "gemma3-12b": dict(_GEMMA3_LARGE, hidden_size=3840, intermediate_size=15360, num_layers=48, num_heads=16,
+                       num_kv_heads=8, head_dim=256, query_pre_attn_scalar=256, layer_types=gemma3_layer_types(48, 6)),
+    "gemma3-27b": dict(_GEMMA3_LARGE, hidden_size=5376, intermediate_size=21504, num_layers=62, num_heads=32,
+                       num_kv_heads=16, head_dim=128, query_pre_attn_scalar=168,
+                       layer_types=gemma3_layer_types(62, 6)),
 }
 
 

@@ -7,7 +7,8 @@ Each row runs `python -m jmarl.plan --config X --devices N --device-memory 80GiB
 its own process (the device count is fixed when JAX starts) and records its JSON, with the
 command, the UTC date it started and the git commit; the table gives each run's largest peak per
 device (program and figure), the headroom left of 80 GiB, and whether it fits with the plan's 10%
-margin. Rows: the paper configs on 8 devices, the presets on 1, 8 and 64, and four LoRA agents on
+margin. Rows: the paper configs on 8 devices, the Qwen3 presets on 1, 8 and 64, Gemma 3 4B on 1 and
+27B on 8 and 64, and four LoRA agents on
 one Qwen3-1.7B base on one device (docs/scaling.md, "Per-agent LoRA"), planned on this checkout
 and, for the merged column, on the package of commit 8c0b154 (`MERGED_LORA`: the last one whose
 `attach_lora` merged each adapter into a full weight copy; the current code has no merged mode):
@@ -38,6 +39,20 @@ SCALING = tuple(
     (f"{preset}@{devices}", "configs/at_grpo/plan_path.yaml", devices,
      (f"model.preset={preset}", "model.path=null", "tokenizer=char"))
     for preset in ("qwen3-1.7b", "qwen3-8b") for devices in (1, 8, 64)
+) + tuple(
+    # Gemma 3: a 262k vocabulary and 5 sliding-window layers in 6, on the same run
+    (f"{preset}@{devices}", "configs/at_grpo/plan_path.yaml", devices,
+     (f"model.preset={preset}", "model.path=null", "tokenizer=char"))
+    for preset, devices in (("gemma3-4b", 1), ("gemma3-27b", 8), ("gemma3-27b", 64))
+) + tuple(
+    # ... and the settings the plan's error points to that make each fit
+    (f"{preset}@{devices}+{tag}", "configs/at_grpo/plan_path.yaml", devices,
+     (f"model.preset={preset}", "model.path=null", "tokenizer=char", *settings))
+    for preset, devices, tag, settings in (
+        ("gemma3-4b", 1, "lora", ("policies.mode=lora", "optim.grad_accum=8", "workflow.num_tasks=16")),
+        ("gemma3-27b", 8, "lora", ("policies.mode=lora", "optim.grad_accum=16", "sampling.max_rows_per_call=128")),
+        ("gemma3-27b", 64, "accum4", ("optim.grad_accum=4",)),
+    )
 )
 LORA_CONFIG = "benchmarks/configs/lora_4agents_qwen3_1.7b.yaml"
 MERGED_LORA = "8c0b154"  # the last commit whose attach_lora merged every adapter into a weight copy

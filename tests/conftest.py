@@ -65,7 +65,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # test files, and at the kernel's vm.max_map_count (65530 by default) the next mmap fails and XLA
 # segfaults while compiling or serialising. Past _MAX_MAPPINGS, JAX's in-memory caches are
 # dropped after the test (programs then come back from the persistent cache above).
-_MAX_MAPPINGS = 40_000
+_MAX_MAPPINGS = 50_000
 
 
 def _mappings() -> int:

@@ -237,7 +237,8 @@ def test_sharding_of_attached_adapters_and_sharded_generation():
     kw = dict(max_new_tokens=5, temperature=0.0)
     want = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), **kw)
     mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
-    got = sharding.generate(TINY, attached, prompts, mask, jax.random.key(0), mesh, stacked=True, **kw)
+    placed = sharding.shard_params(TINY, attached, mesh)
+    got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     _close(got.logprobs, want.logprobs)
 

@@ -372,7 +372,8 @@ def test_sharded_greedy_sampling_matches_unsharded():
 
     # two policies on (policy, data, tensor): parameters, prompt rows and the KV cache sharded
     mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
-    got = sharding.generate(TINY, stacked, prompts, mask, jax.random.key(0), mesh, stacked=True, **kw)
+    placed = sharding.shard_params(TINY, stacked, mesh)
+    got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
     assert tuple(got.tokens.sharding.spec)[:2] == ("policy", "data")
@@ -383,11 +384,11 @@ def test_sharded_greedy_sampling_matches_unsharded():
     # one policy (greedy ignores the key) with rows on data and heads on tensor
     first = jax.tree.map(lambda x: x[0], stacked)
     mesh = sharding.make_mesh(data=4, tensor=2)
-    got = sharding.generate(TINY, first, prompts[0], mask[0], jax.random.key(0), mesh, **kw)
+    got = models.generate(TINY, sharding.shard_params(TINY, first, mesh), prompts[0], mask[0], jax.random.key(0),
+                          mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens[0]))
     assert got.tokens.sharding.spec[0] == "data"
-    # (plain models.generate on sharded parameters, as the trainer's sampler runs it, is
-    # exercised by test_trainer_runs_sharded_from_config)
+    # (the trainer's sampler makes these calls; test_trainer_runs_sharded_from_config runs it)
 
 
 # ---------------------------------------------------------------------------------- checkpoints

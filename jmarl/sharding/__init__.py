@@ -1,5 +1,5 @@
 """Sharding: device meshes, logical axes mapped to mesh axes by one rules object, placing trees,
-sharded updates and sampling, multi-host start-up.
+sharded updates, multi-host start-up.
 
 JAX is the distributed engine: a `jax.sharding.Mesh` with four named axes, `PartitionSpec`s
 from the logical axes the model declares, `jax.jit` with in/out shardings, and
@@ -47,7 +47,9 @@ parameter tree), so `adam.mu['layers']['attn']['q_proj']['kernel']` is sharded l
 Modules, one per concern: `mesh` (meshes), `rules` (`ShardingRules`: logical axes -> specs),
 `specs` (specs of parameter / state / batch / cache trees), `placement` (put, shard_*,
 device_bytes, to_host), `calls` (`ShardedFn`, `sharded_jit`, `sharded_update`, `shard_trainer`,
-`mesh_context`), `sampling` (`generate`), `distributed` (multi-host start-up).
+`mesh_context`), `distributed` (multi-host start-up). Sampling on a mesh is the sampler's own:
+`jmarl.models.generate(..., mesh=mesh)` shards the KV cache and prompt rows; place the
+parameters with `shard_params` first.
 
 Memory: `python -m jmarl.plan --config X.yaml --devices 8 --device-memory 80GiB` compiles the run's
 own programs for a mesh and reports XLA's per-device figures (`jmarl.plan`).
@@ -68,7 +70,6 @@ from jmarl.sharding.placement import (
     train_state_shardings,
 )
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
-from jmarl.sharding.sampling import generate
 from jmarl.sharding.specs import (batch_spec, cache_specs, microbatch_rows, param_specs, policy_axis, row_axes,
                                   tree_specs)
 
@@ -83,7 +84,6 @@ __all__ = [
     "cache_specs",
     "device_bytes",
     "format_mesh",
-    "generate",
     "make_mesh",
     "maybe_initialize_distributed",
     "mesh_context",

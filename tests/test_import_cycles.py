@@ -1,0 +1,94 @@
+"""Dependencies inside `jmarl/` point one way: no import cycle between its modules, read from
+the AST (every `import`, at module level or inside a function, counts).
+
+One cycle is known and tracked (the memory planner builds the trainer, the trainer's memory
+check calls the planner back): it is the only one allowed until the planner becomes a leaf."""
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jmarl"
+KNOWN_CYCLES = [{"jmarl.plan", "jmarl.train.trainer"}]
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package (a package is its __init__)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that module `name` imports (`from a import b` counts `a.b` when
+    that is a module, else `a`; the packages above an imported module are not counted)."""
+    found = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") if node.level \
+                else node.module or ""
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in modules and target != name:
+                found.add(target)
+    return found
+
+
+def import_cycles() -> list[set[str]]:
+    """The strongly connected components of more than one module of the import graph."""
+    modules = _modules()
+    graph = {name: _imported(name, path, modules) for name, path in modules.items()}
+    order, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in order:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], order[other])
+        if low[node] == order[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(component)
+
+    for name in sorted(graph):
+        if name not in order:
+            visit(name)
+    return cycles
+
+
+def test_no_import_cycle_but_the_tracked_one():
+    cycles = import_cycles()
+    assert [c for c in cycles if c not in KNOWN_CYCLES] == [], "new import cycle(s) inside jmarl/"
+    assert cycles == KNOWN_CYCLES or cycles == [], "a tracked cycle is gone: remove it from KNOWN_CYCLES"
+
+
+def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
+    package = tmp_path / "jmarl"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from jmarl.sub import b\n")
+    (package / "sub" / "__init__.py").write_text("from jmarl.sub.b import g\n")
+    (package / "sub" / "b.py").write_text("from .. import a\n")
+    (package / "c.py").write_text("import jmarl.a\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    assert import_cycles() == [{"jmarl.a", "jmarl.sub.b"}]  # c imports a, sub imports b: neither is in it

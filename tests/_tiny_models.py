@@ -22,6 +22,15 @@ _BASE: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+# Texts a real tokenizer must encode exactly as transformers' does: unicode, digits, whitespace
+# runs, code. Each real-model test adds its own chat-template special tokens.
+TOKENIZER_CORPUS = [
+    "Plain ASCII, punctuation; and: numbers 0 7 42 1234567 3.14159 -12e3.",
+    "Unicode: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 🙂🚀 and ∑ x² ≤ ∞.",
+    "whitespace   runs\t\ttabs\n\n\nnewlines    and trailing spaces   ",
+    "code:\n    def f(x):\n        return {'a': [1, 2, 3]}  # comment\n",
+]
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 

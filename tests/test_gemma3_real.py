@@ -29,7 +29,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf package (ggml's GGUF reader) is not installed")
 torch = pytest.importorskip("torch", reason="the transformers reference needs torch")
 
-from _tiny_models import real_model_and_reference
+from _tiny_models import TOKENIZER_CORPUS, real_model_and_reference
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf
 from jmarl.models.config import FULL, SLIDING
@@ -186,12 +186,8 @@ LONG = "Log of the warehouse robot.\n" + " ".join(
     f"Step {i}: move the box from shelf {i % 7} to shelf {(3 * i) % 11}, then note its weight ({i * 13 % 97} kg)."
     for i in range(36)
 ) + "\nQuestion: which shelf did the box reach last? Answer: shelf"
-CORPUS = [
-    "Plain ASCII, punctuation; and: numbers 0 7 42 1234567 3.14159 -12e3.",
-    "Unicode: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 🙂🚀 and ∑ x² ≤ ∞.",
-    "whitespace   runs\t\ttabs\n\n\nnewlines    and trailing spaces   ",
+CORPUS = TOKENIZER_CORPUS + [
     "   leading spaces, then a  double and a          long run",
-    "code:\n    def f(x):\n        return {'a': [1, 2, 3]}  # comment\n",
     "<start_of_turn>user\nspecial tokens inline<end_of_turn>\n<start_of_turn>model\n",
     "digits 0123456789 9876543210 and 2025-01-31T12:00:00Z",
 ]

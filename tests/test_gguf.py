@@ -21,7 +21,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (ggml's GGUF reader) is not installed")
 
-from _tiny_models import make_tiny_checkpoint, padded_batch, real_model_and_reference
+from _tiny_models import TOKENIZER_CORPUS, make_tiny_checkpoint, padded_batch, real_model_and_reference
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf, load_tokenizer, save_hf
 from jmarl.models import fetch as fetch_lib
@@ -393,13 +393,7 @@ PROMPTS = [
     [{"role": "system", "content": "You read logs and answer in one line."},
      {"role": "user", "content": _LONG + "\nWhich shelf did the box reach last?"}],
 ]
-CORPUS = [
-    "Plain ASCII, punctuation; and: numbers 0 7 42 1234567 3.14159 -12e3.",
-    "Unicode: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 🙂🚀 and ∑ x² ≤ ∞.",
-    "whitespace   runs\t\ttabs\n\n\nnewlines    and trailing spaces   ",
-    "code:\n    def f(x):\n        return {'a': [1, 2, 3]}  # comment\n",
-    "<|im_start|>user\nspecial tokens inline<|im_end|>",
-]
+CORPUS = TOKENIZER_CORPUS + ["<|im_start|>user\nspecial tokens inline<|im_end|>"]
 
 
 @pytest.fixture(scope="module")

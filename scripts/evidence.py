@@ -589,7 +589,7 @@ def _real_rl_note(f: Facts) -> str:
             continue
         parts.append(f"{what} against the untrained model: {_said_points(st, _ahead_on(st))}")
     if not parts:
-        raise Missing("no paired seeds")
+        raise Missing("paired seeds")
     return "; ".join(parts) + "."
 
 

@@ -386,9 +386,10 @@ def _committed(name: str) -> dict:
     its values shifted by seed so its comparisons are not degenerate)."""
     table = evidence.TABLES[name]
     path = ROOT / "results" / f"evidence_{name}.json"
-    if not path.exists():  # a table with no committed runs yet: made-up rows through the script's own builder
+    result = json.loads(path.read_text()) if path.exists() else None
+    seeds = {r["seed"] for v in (result or {}).get("variants", {}).values() for r in v.get("runs", []) if "values" in r}
+    if len(seeds) < 2:  # no committed runs yet, or too few to pair: made-up rows through the script's own builder
         return _made_up(table)
-    result = json.loads(path.read_text())
     first = next(v for v in table.variants if result["variants"].get(v.name, {}).get("runs"))
     template = {r["seed"]: r for r in result["variants"][first.name]["runs"] if "values" in r}
     for variant in table.variants:

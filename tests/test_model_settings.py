@@ -44,6 +44,8 @@ PUBLISHED = {
     "qwen3-0.6b": "0.6", "qwen3-1.7b": "1.7", "qwen3-4b": "4.0", "qwen3-8b": "8.2",
     "llama3.2-1b": "1.24", "llama3.2-3b": "3.2", "llama3.1-8b": "8.0",
     "gemma3-270m": "0.27", "gemma3-1b": "1.0",
+    # the text part: the published 4B, 12B and 27B counts include a ~0.4B vision encoder
+    "gemma3-4b": "3.9", "gemma3-12b": "11.8", "gemma3-27b": "27.0",
 }
 
 

@@ -21,6 +21,14 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+def _absolute(node: ast.ImportFrom, package: list[str]) -> str:
+    """The dotted module a `from ... import` names, relative ones resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    parts = package[: len(package) - node.level + 1]
+    return ".".join(parts + [node.module] if node.module else parts)
+
+
 def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package's modules that module `name` imports (`from a import b` counts `a.b` when
     that is a module, else `a`; the packages above an imported module are not counted)."""
@@ -30,8 +38,7 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") if node.level \
-                else node.module or ""
+            base = _absolute(node, package)
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue

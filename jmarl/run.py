@@ -3,11 +3,12 @@
 Loads and validates the config, then hands it to `jmarl.train.trainer.train`. A `JmarlError`
 (a mistake the user can fix) is printed as one line `error: <message>` on stderr, exit 2.
 
-Before the trainer starts JAX's backends, a run sets two process-wide things (`prepare_process`;
-`import jmarl` sets neither): the CPU host memory policy where JAX runs on the CPU alone
-(`jmarl.host_memory.apply_on_cpu`; JMARL_KEEP_HOST_MEMORY=0: off), and the persistent
-compilation cache `train.compilation_cache` names (`jmarl.compile_cache`; "auto" by default, so a
-resumed or repeated run loads its compiled programs instead of compiling them again).
+Before the trainer starts JAX's backends, a run sets three process-wide things (`prepare_process`;
+neither `import jmarl` nor loading a config sets any): the CPU host memory policy where JAX runs
+on the CPU alone (`jmarl.host_memory.apply_on_cpu`; JMARL_KEEP_HOST_MEMORY=0: off), the
+persistent compilation cache `train.compilation_cache` names (`jmarl.compile_cache`; "auto" by
+default, so a resumed or repeated run loads its compiled programs instead of compiling them
+again), and the code sandbox's isolation policy `sandbox.isolation` (`setup_sandbox`).
 
 The command line also keeps third-party notices a user cannot act on out of its output
 (`quiet_third_party`: transformers' "PyTorch was not found" and its other advisory notices;
@@ -18,6 +19,7 @@ jmarl runs its models in JAX, torch is only a test and benchmark extra). Warning
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -27,8 +29,7 @@ from jmarl import compile_cache, host_memory
 from jmarl.config import Config, dump_yaml, load_config
 from jmarl.errors import JmarlError
 
-_TRAINER = "jmarl.train.trainer"
-
+_TRAINER = "jmarl.train.trainer"  # the module whose train(config) runs; tests swap in a fake
 
 # Environment settings that silence third-party notices a user of the CLI cannot act on; set
 # (unless the user set them) before anything imports the package that reads them.
@@ -41,7 +42,7 @@ QUIET_ENV = {
 
 def quiet_third_party() -> None:
     """Sets QUIET_ENV in os.environ where the user has not set the variable. Called by the
-    command lines (`python -m jmarl.run`, `python -m jmarl.plan`), not by `import jmarl`."""
+    command lines (`python -m jmarl.run`, `python -m jmarl.memory_check`), not by `import jmarl`."""
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
 
@@ -77,8 +78,7 @@ def setup_compilation_cache(config: Config) -> str | None:
     (`jmarl.compile_cache.directory_for`); returns its directory, None when off. A directory set
     explicitly that cannot be used is a JmarlError; the "auto" one only warns (on stderr) and
     the run goes on without a cache."""
-    setting = getattr(config.train, "compilation_cache", "auto")  # the field is new in jmarl.config
-    setting = "auto" if setting is True else "off" if setting is False else str(setting)
+    setting = str(config.train.compilation_cache)  # the config reads true/false as "auto"/"off"
     directory = compile_cache.directory_for(setting, config.output_dir)
     if directory is None:
         return None
@@ -91,14 +91,31 @@ def setup_compilation_cache(config: Config) -> str | None:
         return None
 
 
+def setup_sandbox(config: Config) -> None:
+    """Sets the code sandbox's isolation policy to `sandbox.isolation`; for an env that runs
+    model-written programs (one with a program or test timeout: the tool agents, the code task),
+    checks the isolation level now, so that a refused level stops the run before it starts."""
+    from jmarl import sandbox
+    from jmarl.envs import base
+
+    sandbox.set_isolation_policy(config.sandbox.isolation)
+    cls = base.env_class(config.env.name)
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    if fields & {"program_timeout_s", "test_timeout_s"}:
+        sandbox.require_isolation(log=False)
+
+
 def prepare_process(config: Config) -> tuple[str, str | None]:
     """What a run sets for the whole process before JAX starts its backends: the CPU host memory
-    policy (`jmarl.host_memory.apply_on_cpu`: CPU-only JAX, unless JMARL_KEEP_HOST_MEMORY=0) and
-    the compilation cache (`setup_compilation_cache`). Returns (host memory policy, cache
-    directory or None) and prints them in one line when `logging.progress` is on."""
+    policy (`jmarl.host_memory.apply_on_cpu`: CPU-only JAX, unless JMARL_KEEP_HOST_MEMORY=0), the
+    code sandbox's policy (`setup_sandbox`) and the compilation cache
+    (`setup_compilation_cache`). Returns (host memory policy, cache directory or None) and prints
+    them in one line when `logging.progress` is on. A notebook that builds a `Trainer` itself
+    calls this first to run with the same settings as the command line."""
     policy = host_memory.apply_on_cpu()
+    setup_sandbox(config)
     directory = setup_compilation_cache(config)
-    if getattr(config.logging, "progress", True):
+    if config.logging.progress:
         print(f"compilation cache: {directory or 'off'} (train.compilation_cache); host memory policy: {policy}",
               flush=True)
     return policy, directory
@@ -111,16 +128,7 @@ def run_training(config: Config) -> object:
 
     prepare_process(config)  # before anything starts JAX's backends
     maybe_initialize_distributed(config)  # multi-host: before anything touches devices
-    try:
-        trainer = importlib.import_module(_TRAINER)
-    except ModuleNotFoundError as e:
-        if e.name != _TRAINER:
-            raise
-        raise JmarlError(
-            f"the trainer ({_TRAINER}) is not available in this checkout yet; "
-            "the config is valid (check it with --print-config)"
-        ) from None
-    return trainer.train(config)
+    return importlib.import_module(_TRAINER).train(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

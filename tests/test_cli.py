@@ -85,7 +85,7 @@ def test_help_and_missing_config_argument():
     assert "--config" in result.stderr
 
 
-# In-process: the hand-off to the trainer (written by the coordinator) and what is not caught.
+# In-process: the hand-off to the trainer and what is not caught.
 
 
 def _fake_trainer(tmp_path, monkeypatch, name: str, body: str) -> None:
@@ -93,16 +93,6 @@ def _fake_trainer(tmp_path, monkeypatch, name: str, body: str) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(cli, "_TRAINER", name)
     sys.modules.pop(name, None)
-
-
-def test_missing_trainer_is_a_user_error(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_TRAINER", "jmarl.train.no_such_trainer_module")
-    assert cli.main(["--config", str(ROOT / QUICKSTART)]) == 2
-    err = capsys.readouterr().err
-    assert err == (
-        "error: the trainer (jmarl.train.no_such_trainer_module) is not available in this checkout yet; "
-        "the config is valid (check it with --print-config)\n"
-    )
 
 
 def test_trainer_receives_the_validated_config(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@ import pytest
 
 from jmarl.envs import code_problems
 from jmarl.envs.base import EVAL_SEED_START, Env, eval_seed, make
-from jmarl.envs.code import Code, CodeState, ProgramCheck, extract_code, parse_tests, run_tests
+from jmarl.envs.code import Code, CodeState, extract_code, parse_tests
+from jmarl.envs.code_harness import ProgramCheck, run_tests
 from jmarl.errors import JmarlError
 
 ABSDIFF_TESTS = [
@@ -107,7 +108,7 @@ def test_parse_tests_keeps_setup_and_protects_the_function():
 
 
 def test_value_checks_keep_expected_values_out_of_the_sandbox():
-    from jmarl.envs.code import _value_check
+    from jmarl.envs.code_harness import _value_check
 
     c = _value_check("assert f(1) == [2, 3]")
     assert (c.source, c.kind, c.expected) == ("__value__ = f(1)", "loose", [2, 3])

@@ -217,7 +217,7 @@ def test_trainer_step_reports_rollout_timings(tmp_path):
 def test_code_env_step_many_batches_its_sandbox_runs(variant, monkeypatch):
     """`Code.step_many` equals stepping one by one, and runs every sandbox program of the batch
     through one `run_many` call (the steps that follow hit the cache)."""
-    from jmarl.envs import code as code_mod
+    from jmarl.envs import code_harness as code_mod
     from jmarl.envs.base import make
 
     env = make("code", variant=variant)

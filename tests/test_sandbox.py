@@ -12,6 +12,7 @@ rlimits levels), the way a researcher runs jmarl.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import glob
@@ -29,12 +30,13 @@ import time
 
 import pytest
 
-from jmarl.envs import sandbox
+from jmarl import sandbox
 from jmarl.errors import JmarlError
+from jmarl.sandbox import audit_hook, filesystem, launcher, levels, policy, spawn
 
 MARGIN_S = 4.0  # process start-up and kill/cleanup on a loaded 2-core machine
 LEVEL = sandbox.isolation_level()
-LANDLOCK = sandbox._probe("landlock")
+LANDLOCK = levels.probe("landlock")
 
 
 def _sandbox_dirs() -> set[str]:
@@ -46,11 +48,11 @@ def private_runs(tmp_path_factory, monkeypatch):
     """Job directories in a private temp dir and a uid range of this test process only, so
     that concurrent test workers cannot see each other's runs as leftovers."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("jobs")))
-    monkeypatch.setattr(sandbox, "_UID_BASE", 3_000_000_000 + (os.getpid() % 2**16) * 2**12)
-    monkeypatch.setattr(sandbox, "_UID_SPAN", 2**12)
+    monkeypatch.setattr(spawn, "_UID_BASE", 3_000_000_000 + (os.getpid() % 2**16) * 2**12)
+    monkeypatch.setattr(spawn, "_UID_SPAN", 2**12)
     # The behaviour tests run at whatever level this machine offers (the refusal of a weak
     # level under the default "strict" policy is tested on its own).
-    monkeypatch.setattr(sandbox, "_POLICY", "allow_weak")
+    monkeypatch.setattr(policy, "_POLICY", "allow_weak")
 
 
 def _proc_table() -> list[tuple[int, int, str, int]]:
@@ -83,7 +85,7 @@ def _leftovers() -> list[tuple[int, int, str, int]]:
         for child in children.get(todo.pop(), []):
             mine.add(child)
             todo.append(child)
-    lo, hi = sandbox._UID_BASE, sandbox._UID_BASE + sandbox._UID_SPAN
+    lo, hi = spawn._UID_BASE, spawn._UID_BASE + spawn._UID_SPAN
     return [row for row in table if row[0] in mine or lo <= row[3] < hi]
 
 
@@ -103,7 +105,7 @@ def guarded():
         else:
             kw.setdefault("memory_mb", 512)
             kw.setdefault("max_output_bytes", 65536)
-            result = sandbox._run(code, stdin, level, timeout_s=timeout_s, **kw)
+            result = spawn.run_at_level(code, stdin, level, timeout_s=timeout_s, **kw)
         elapsed = time.monotonic() - start
         assert result.status in sandbox.STATUSES
         assert elapsed < timeout_s + MARGIN_S, (elapsed, result)
@@ -134,6 +136,23 @@ def test_run_summary_names_the_level_code_ran_at():
     r = sandbox.run_python("print(6 * 7)")
     assert r.status == "ok" and r.stdout == "42\n"
     assert sandbox.run_summary() == {"sandbox_isolation": sandbox.isolation_level()}
+
+
+def test_in_sandbox_programs_are_shipped_whole_and_need_only_the_standard_library():
+    """The launcher and the program's interpreter run as `python -I -S -B -c <file's source>`:
+    no jmarl and no site-packages there, so each file imports only the standard library."""
+    for module, shipped in ((launcher, spawn._LAUNCHER_SRC), (audit_hook, spawn._AUDIT_HOOK_SRC)):
+        with open(module.__file__, encoding="utf-8") as f:
+            assert shipped == f.read()
+        for node in ast.walk(ast.parse(shipped)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in sys.stdlib_module_names, (module.__name__, name)
 
 
 def test_wrong_program_has_traceback(guarded):
@@ -399,8 +418,8 @@ def test_segfault_is_killed(guarded):
 
 
 def test_large_file_is_refused(guarded):
-    r = guarded("open('big', 'wb').write(b'0' * (sandbox._MAX_FILE_MB + 1) * 2**20)"
-                .replace("sandbox._MAX_FILE_MB", str(sandbox._MAX_FILE_MB)))
+    r = guarded("open('big', 'wb').write(b'0' * (spawn._MAX_FILE_MB + 1) * 2**20)"
+                .replace("spawn._MAX_FILE_MB", str(spawn._MAX_FILE_MB)))
     assert r.status == "error" and "File too large" in r.stderr
 
 
@@ -429,10 +448,10 @@ def test_namespaces_level_identity(guarded):
     assert r.status == "ok"
     ids, pid, pids, root = r.stdout.splitlines()
     uid, gid, groups = ids.split(" ", 2)
-    assert int(uid) >= sandbox._UID_BASE and int(gid) >= sandbox._UID_BASE and groups == "[]"
+    assert int(uid) >= spawn._UID_BASE and int(gid) >= spawn._UID_BASE and groups == "[]"
     assert int(pid) == 2  # PID 1 is the sandbox's init; the host's processes are invisible
     assert pids == "['1', '2']"
-    _, prefix = sandbox._python_prefix()
+    _, prefix = filesystem.python_prefix()
     if prefix.startswith("/root/"):
         # /root is covered by an empty tmpfs holding only the interpreter's install tree.
         assert root == str([prefix.split("/")[2]])
@@ -616,7 +635,7 @@ def _fake_user_files(base: str, uid: int) -> tuple[str, str, str, str, list[str]
 
 @pytest.mark.parametrize("level", sandbox.ISOLATION_LEVELS)
 def test_hostile_programs_against_user_files(guarded, tmp_path, monkeypatch, level):
-    if not sandbox._probe(level):
+    if not levels.probe(level):
         pytest.skip(f"level {level} unavailable here")
     env_secret = "jmarl-env-secret-" + secrets.token_hex(8)
     monkeypatch.setenv("JMARL_TEST_SECRET", env_secret)
@@ -673,22 +692,23 @@ _DRIVER = r'''
 import json, os, sys
 args = json.loads(sys.argv[1])
 sys.path.insert(0, args["repo"])
-from jmarl.envs import sandbox
+from jmarl import sandbox
 from jmarl.errors import JmarlError
+from jmarl.sandbox import levels, spawn
 out = {"uid": os.getuid(), "level": sandbox.isolation_level(), "runs": {}, "left": []}
 for level, hook in args["levels"]:
     if level == "userns" and out["level"] != "userns":
         continue
-    if level == "landlock" and not sandbox._probe("landlock"):
+    if level == "landlock" and not levels.probe("landlock"):
         continue
     runs = out["runs"][f"{level} {hook or level}"] = {}
     for name, code, timeout in args["cases"]:
-        r = sandbox._run(code, "", level, timeout_s=timeout, memory_mb=512,
-                         max_output_bytes=65536, hook_level=hook)
+        r = spawn.run_at_level(code, "", level, timeout_s=timeout, memory_mb=512,
+                               max_output_bytes=65536, hook_level=hook)
         runs[name] = [r.status, r.stdout[-4000:], r.stderr[-4000:]]
-        out["left"] += sandbox._descendants(os.getpid())
+        out["left"] += spawn._descendants(os.getpid())
 # The default policy refuses the weak level; allow_weak accepts it.
-sandbox._LEVEL = "rlimits"
+levels._LEVEL = "rlimits"
 try:
     sandbox.run_python("print(1)")
     out["strict"] = "ran"
@@ -720,7 +740,7 @@ def _throwaway_uid() -> int:
 def _run_as_user(uid: int, home: str, driver: str, args: dict, tmp_path, env=None) -> dict:
     """Runs the `driver` source as `uid` in `home` (through `_SETUP`) with
     `args` + {"repo": ...}; returns the JSON object it prints last."""
-    exe, prefix = sandbox._python_prefix()
+    exe, prefix = filesystem.python_prefix()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))
     repo = os.path.dirname(repo)
     expose, cover = [], []
@@ -864,17 +884,19 @@ _PRIVILEGE_DRIVER = ("import contextlib, ctypes, os, secrets\n" + inspect.getsou
 import json, sys
 args = json.loads(sys.argv[1])
 sys.path.insert(0, args["repo"])
-from jmarl.envs import sandbox
+from jmarl import sandbox
+from jmarl.sandbox import filesystem, levels, spawn
 out = {"uid": os.getuid(), "level": sandbox.isolation_level(), "host": host_view(),
-       "binds": sandbox._root_layout(*sandbox._python_prefix())[0], "runs": {}}
+       "binds": filesystem.root_layout(*filesystem.python_prefix())[0], "runs": {}}
 with shm_segment() as key:
     for level, hook in args["levels"]:
         if level == "userns" and out["level"] != "userns":
             continue
-        if level == "landlock" and not sandbox._probe("landlock"):
+        if level == "landlock" and not levels.probe("landlock"):
             continue
-        r = sandbox._run(f"SHM_KEY = {key}\n" + args["probe"], "", level, timeout_s=5.0,
-                         memory_mb=512, max_output_bytes=1 << 20, hook_level=hook)
+        r = spawn.run_at_level(f"SHM_KEY = {key}\n" + args["probe"], "", level,
+                               timeout_s=5.0, memory_mb=512, max_output_bytes=1 << 20,
+                               hook_level=hook)
         out["runs"][level] = [r.status, r.stdout, r.stderr]
 print(json.dumps(out))
 ''')
@@ -954,9 +976,9 @@ def _check_privileges(level: str, out: dict, host: dict, root: bool, binds: list
 
 @pytest.mark.parametrize("level,hook", _PRIVILEGE_LEVELS)
 def test_privileges_mounts_dev_and_namespaces(guarded, level, hook):
-    if not sandbox._probe(level):
+    if not levels.probe(level):
         pytest.skip(f"level {level} unavailable here")
-    binds = sandbox._root_layout(*sandbox._python_prefix())[0]
+    binds = filesystem.root_layout(*filesystem.python_prefix())[0]
     with shm_segment() as key:
         r = guarded(f"SHM_KEY = {key}\n" + _PRIVILEGE_PROBE, level=level, hook_level=hook,
                     timeout_s=5.0, max_output_bytes=1 << 20)
@@ -990,8 +1012,8 @@ def test_privileges_mounts_dev_and_namespaces_as_unprivileged_user(tmp_path):
 
 
 def test_strict_policy_refuses_weak_level(monkeypatch, capsys):
-    monkeypatch.setattr(sandbox, "_LEVEL", "rlimits")
-    monkeypatch.setattr(sandbox, "_POLICY", None)
+    monkeypatch.setattr(levels, "_LEVEL", "rlimits")
+    monkeypatch.setattr(policy, "_POLICY", None)
     monkeypatch.delenv("JMARL_SANDBOX_ISOLATION", raising=False)
     assert sandbox.isolation_policy() == "strict"
     with pytest.raises(JmarlError, match="sandbox.isolation: allow_weak"):
@@ -999,36 +1021,40 @@ def test_strict_policy_refuses_weak_level(monkeypatch, capsys):
     with pytest.raises(JmarlError, match="sandbox.isolation: allow_weak"):
         sandbox.run_many(["print(1)"])
     monkeypatch.setenv("JMARL_SANDBOX_ISOLATION", "allow_weak")
-    monkeypatch.setattr(sandbox, "_LOGGED", False)
+    monkeypatch.setattr(policy, "_LOGGED", False)
     assert sandbox.run_python("print(1)").stdout == "1\n"
     assert "isolation level 'rlimits'" in capsys.readouterr().err
     with pytest.raises(JmarlError, match="sandbox.isolation"):
         sandbox.set_isolation_policy("loose")
 
 
-def test_config_sets_the_isolation_policy(monkeypatch):
+def test_the_run_setup_sets_the_isolation_policy(monkeypatch):
     from jmarl.config import load_config
+    from jmarl.run import setup_sandbox
 
-    monkeypatch.setattr(sandbox, "_POLICY", None)
+    monkeypatch.setattr(policy, "_POLICY", None)
+    monkeypatch.delenv("JMARL_SANDBOX_ISOLATION", raising=False)
     config = load_config("configs/quickstart.yaml", ["sandbox.isolation=allow_weak"])
     assert config.sandbox.isolation == "allow_weak"
+    assert sandbox.isolation_policy() == "strict"  # loading a config sets nothing
+    setup_sandbox(config)
     assert sandbox.isolation_policy() == "allow_weak"
-    monkeypatch.setattr(sandbox, "_LEVEL", "rlimits")
+    monkeypatch.setattr(levels, "_LEVEL", "rlimits")
     with pytest.raises(JmarlError, match="sandbox.isolation: allow_weak"):
-        load_config("configs/quickstart.yaml")  # plan_path's tool agent runs programs
+        setup_sandbox(load_config("configs/quickstart.yaml"))  # plan_path's tool agent runs programs
     with pytest.raises(JmarlError, match="isolation"):
         load_config("configs/quickstart.yaml", ["sandbox.isolation=loose"])
 
 
 def test_root_layout_never_binds_a_home_directory(guarded, monkeypatch):
-    exe, prefix = sandbox._python_prefix()
-    binds, _ = sandbox._root_layout(exe, prefix)
+    exe, prefix = filesystem.python_prefix()
+    binds, _ = filesystem.root_layout(exe, prefix)
     assert any(prefix == b or prefix.startswith(b.rstrip("/") + "/") for b in binds)
     assert not any(b in ("/", "/home", "/root", "/etc", "/tmp") for b in binds)
     # An interpreter installed over the home directory (--prefix=$HOME): only the interpreter,
     # its standard library and its shared library are bound, and programs still run.
     monkeypatch.setenv("HOME", os.path.join(prefix, "home"))
-    binds, _ = sandbox._root_layout(exe, prefix)
+    binds, _ = filesystem.root_layout(exe, prefix)
     assert prefix not in binds and exe in binds
     if LEVEL in ("namespaces", "userns"):
         r = guarded("import decimal, json\nprint(json.dumps(str(decimal.Decimal(1) / 4)))")

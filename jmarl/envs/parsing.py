@@ -233,13 +233,13 @@ class ProgramRun:
 
 def run_program(code: str, stdin: str = "", timeout_s: float = 5.0,
                 memory_mb: int = 256) -> ProgramRun:
-    """Runs `code` in the sandbox (`jmarl.envs.sandbox.run_python`). A program's failure is a
+    """Runs `code` in the sandbox (`jmarl.sandbox.run_python`). A program's failure is a
     result, never an exception; only the sandbox refusing this machine's isolation level
     (`JmarlError`, naming `sandbox.isolation`) is raised: that is the user's setting to change."""
     from jmarl.errors import JmarlError
 
     try:
-        from jmarl.envs.sandbox import run_python  # lazy: the sandbox spawns processes
+        from jmarl.sandbox import run_python  # lazy: the sandbox spawns processes
     except Exception:  # noqa: BLE001 - sandbox missing or broken: a defined failure
         return ProgramRun("unavailable", "")
     try:

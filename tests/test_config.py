@@ -14,6 +14,7 @@ import pytest
 import jmarl.algos
 import jmarl.workflows
 from jmarl import config as C
+from jmarl.config import convert
 from jmarl.config import (
     Config,
     algo_options,
@@ -50,14 +51,14 @@ def make(**sections: Any) -> Config:
 
 @dataclass(frozen=True)
 class Inner:
-    rate: float = C._field(0.5, ge=0.0, le=1.0)
+    rate: float = convert._field(0.5, ge=0.0, le=1.0)
     tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Outer:
     name: str
-    count: int = C._field(1, ge=1)
+    count: int = convert._field(1, ge=1)
     mode: Literal["a", "bb"] = "a"
     limit: int | None = None
     flag: bool = False
@@ -255,9 +256,10 @@ def test_group_size_defaults_to_the_algorithms_own():
         ({"env": {"name": "sokobn"}},
          "env.name: unknown env 'sokobn'; registered envs: .* — did you mean 'sokoban'?"),
         ({"optim": {"schedule": "cosin"}}, "optim.schedule: .* did you mean 'cosine'?"),
-        ({"train": {"kl_beta": 0.1, "ref_policy": "initial"}},
+        ({"train": {"kl_coef": 0.1, "ref_policy": "initial"}},
          r"train.ref_policy is no longer a setting: the KL reference is always a frozen copy .* remove the key"),
-        ({"train": {"ref_policy": "none"}}, r"train.ref_policy is no longer a setting: .*ref_policy: none meant train.kl_beta: 0\)$"),
+        ({"train": {"ref_policy": "none"}}, r"train.ref_policy is no longer a setting: .*ref_policy: none meant train.kl_coef: 0\)$"),
+        ({"train": {"kl_beta": 0.1}}, r"train.kl_beta is no longer a setting: the KL weight is train.kl_coef .*rename the key$"),
         ({"eval": {"pass_k": 4}}, "eval.pass_k = 4 needs sampling: set eval.greedy=false"),
         ({"model": {"preset": {}, "path": "/m"}}, "model: set exactly one of model.path"),
         ({"model": {}}, "model: set exactly one of model.path"),
@@ -281,7 +283,7 @@ def test_group_size_defaults_to_the_algorithms_own():
         ({"algo": {"name": "at_grpo"}, "policies": {"mode": "heterogeneous"}},
          "policies.models: mode 'heterogeneous' needs one model entry per policy"),
         ({"algo": {"name": "hacpo"}, "workflow": {"plan": "tree"}},
-         "workflow.plan: hacpo .* needs plan 'shared'"),
+         "workflow.plan: 'tree' cannot train algo.name 'hacpo': it needs plan 'shared'"),
         ({"policies": {"models": {"a": {"model": {"path": "/m"}}}}},
          "policies.models: only used with mode 'heterogeneous'"),
     ],
@@ -338,7 +340,7 @@ def test_dump_yaml_round_trips():
 
 def test_algo_options_validated_and_filled_from_the_run():
     config = make(algo={"name": "grpo", "options": {"clip_high": 0.28}}, workflow={"group_size": 6},
-                  train={"kl_beta": 0.05}, sampling={"max_new_tokens": 48})
+                  train={"kl_coef": 0.05}, sampling={"max_new_tokens": 48})
     opts = algo_options(config)
     assert (opts.clip_high, opts.kl_coef, opts.kl_kind) == (0.28, 0.05, "k3")
     assert opts.norm_length == 48  # the completion budget: a constant of the run, never the padded width
@@ -359,7 +361,7 @@ def test_algo_options_validated_and_filled_from_the_run():
          "algo.options.clip_high: expected float"),
         ({"algo": {"name": "grpo", "options": {"normalize": "max"}}},
          "algo.options: GRPOConfig.normalize = 'max' is not supported"),
-        ({"algo": {"name": "grpo", "options": {"kl_coef": 0.1}}}, "algo.options.kl_coef is a run setting: set train.kl_beta"),
+        ({"algo": {"name": "grpo", "options": {"kl_coef": 0.1}}}, "algo.options.kl_coef is a run setting: set train.kl_coef"),
         ({"algo": {"name": "at_grpo", "options": {"alpha": 0.5}}},
          "algo.options.alpha is a sampling setting: set workflow.options.alpha"),
         ({"algo": {"name": "magrpo", "options": {"joint_mode": "cross"}}},

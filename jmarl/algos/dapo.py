@@ -16,4 +16,4 @@ class DAPOConfig(GroupPolicyConfig):
 
 
 Config = DAPOConfig
-METHOD = group_policy_method("dapo", DAPOConfig)
+METHOD = group_policy_method("dapo", DAPOConfig, multi_agent=False)

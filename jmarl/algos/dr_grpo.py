@@ -17,4 +17,4 @@ class DrGRPOConfig(GroupPolicyConfig):
 
 
 Config = DrGRPOConfig
-METHOD = group_policy_method("dr_grpo", DrGRPOConfig)
+METHOD = group_policy_method("dr_grpo", DrGRPOConfig, multi_agent=False)

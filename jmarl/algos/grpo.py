@@ -16,4 +16,4 @@ class GRPOConfig(GroupPolicyConfig):
 
 
 Config = GRPOConfig
-METHOD = group_policy_method("grpo", GRPOConfig)
+METHOD = group_policy_method("grpo", GRPOConfig, multi_agent=False)

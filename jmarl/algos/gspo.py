@@ -16,4 +16,4 @@ class GSPOConfig(GroupPolicyConfig):
 
 
 Config = GSPOConfig
-METHOD = group_policy_method("gspo", GSPOConfig)
+METHOD = group_policy_method("gspo", GSPOConfig, multi_agent=False)

@@ -9,8 +9,7 @@ options dataclass (`config`), three pure device functions over a `jmarl.batch.Le
 
 and, where it keeps state across steps, hooks the trainer calls by name and never by method:
 `init_state`, `after_plan` (after each step's sampling plan), `device_state`, `plan_inputs`
-(values it feeds the plan's options each step), `configure` (its options as the plan's options
-leave them), `eval_env`, the JSON form of the state the checkpoint metadata keeps, and
+(values it feeds the plan's options each step), `eval_env`, the JSON form of the state the checkpoint metadata keeps, and
 `save_files` (readable copies of the state written beside each checkpoint).
 
 `algo.name` is a registered name (`jmarl.algos.METHODS`) or `package.module:NAME` for your own
@@ -48,7 +47,7 @@ class LossConfig:
     ddof/eps: the group std's degrees of freedom and epsilon; aggregation: how per-token losses
     reduce (`jmarl.algos.losses.aggregate_loss`); norm_length: the constant length of
     `seq_mean_token_sum_norm` (None: the run's completion budget, sampling.max_new_tokens);
-    kl_coef/kl_kind: the KL penalty to the reference policy (set by train.kl_beta/kl_kind).
+    kl_coef/kl_kind: the KL penalty to the reference policy (set by train.kl_coef/kl_kind).
     """
 
     ddof: int = 1
@@ -156,10 +155,6 @@ class MethodContext:
     plan_options: Any = None
 
 
-def _same(cfg: Any, other: Any) -> Any:
-    return cfg
-
-
 def _no_state(cfg: Any, context: MethodContext) -> None:
     return None
 
@@ -205,7 +200,7 @@ class Method:
     default_plan: str = "independent"
     default_group_size: int = 4
     plans: tuple[str, ...] | None = None  # the plans it learns from (None: any plan that routes by agent)
-    configure: Callable[[Any, Any], Any] = _same  # (cfg, plan options) -> cfg
+    multi_agent: bool = True  # False: a single-agent baseline, refused with policies.mode heterogeneous
     init_state: Callable[[Any, MethodContext], Any] = _no_state
     after_plan: Callable[[Any, Any, Any, int], tuple[Any, dict[str, float]]] = _no_update  # (cfg, state, PlanResult, step)
     device_state: Callable[[Any, Any], Any] = _nothing  # (cfg, state) -> the arrays `advantages` reads
@@ -218,6 +213,16 @@ class Method:
     def __post_init__(self) -> None:
         if not (isinstance(self.config, type) and dataclasses.is_dataclass(self.config)):
             raise JmarlError(f"method {self.name!r}: config must be a dataclass type, got {self.config!r}")
+
+    def check_plan(self, plan: Any) -> None:
+        """JmarlError unless this method can learn from the samples of `plan` (a
+        `jmarl.workflows.Plan`): one of `plans`, or by default any plan that routes prompts by agent."""
+        if self.plans is None and plan.routes_by_agent:
+            return
+        if self.plans is not None and plan.name in self.plans:
+            return
+        fits = f"plan {', '.join(map(repr, self.plans))}" if self.plans is not None else "a plan that routes by agent"
+        raise JmarlError(f"workflow.plan: {plan.name!r} cannot train algo.name {self.name!r}: it needs {fits}")
 
 
 def group_policy_method(name: str, config: type, **hooks: Any) -> Method:

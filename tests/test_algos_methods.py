@@ -21,7 +21,8 @@ from jmarl.algos import METHODS, Method, MethodContext, dapo, get_method, hacpo,
 from jmarl.algos.method import finite_advantages
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
-from jmarl.workflows.base import PlanResult
+from jmarl.workflows.base import PlanResult, PlanStats
+from jmarl.workflows.shared import MODES, SharedOptions, SharedStats
 
 SETTINGS = settings(max_examples=20, deadline=None)
 NAMES = sorted(METHODS)
@@ -137,10 +138,17 @@ def learner_batch(seed=0, n=8, t=5, learner=0):
     return lp, batch
 
 
+def shared_result(rates):
+    """An empty `shared` plan result that reports the per-policy success `rates`."""
+    stats = SharedStats(num_generated=0, mode="hacpo", num_records=0, num_lossy=0, success_rate=tuple(rates),
+                        reward_mean=tuple(rates))
+    return PlanResult((), (), stats)
+
+
 def device_state(method, cfg):
     state = method.init_state(cfg, MethodContext(num_policies=2, group_size=4))
     if method is hacpo.METHOD:
-        state, _ = method.after_plan(cfg, state, PlanResult((), (), {"success_rate": [0.6, 0.3]}), 0)
+        state, _ = method.after_plan(cfg, state, shared_result((0.6, 0.3)), 0)
     return method.device_state(cfg, state)
 
 
@@ -275,7 +283,7 @@ def liveness_batch():
 def outcome(method, cfg, lp, batch, window=((0.6, 0.3),)):
     state = method.init_state(cfg, MethodContext(num_policies=2, group_size=4))
     for rates in window:
-        state, _ = method.after_plan(cfg, state, PlanResult((), (), {"success_rate": list(rates)}), 0)
+        state, _ = method.after_plan(cfg, state, shared_result(rates), 0)
     b = batch.replace(advantages=finite_advantages(method.advantages(cfg, batch, method.device_state(cfg, state)), batch.reward))
     b = b.replace(loss_mask=b.loss_mask & method.keep_mask(cfg, b)[:, None], update_index=jnp.asarray(1))
     loss, metrics = method.loss(cfg, lp, b)
@@ -376,11 +384,20 @@ def test_hacpo_two_agents_hand_worked():
     np.testing.assert_allclose(float(hacpo.METHOD.loss(hacpo.Config(), lp2, b)[0]), (-1 - 0.3362) / 2, rtol=1e-5)
 
 
-def test_hacpo_naive_mode_turns_the_mechanisms_off():
+def test_naive_sharing_is_not_a_plan_mode():
+    # naive sharing is algo.options (the three switches off), never the shared plan's mode
+    assert "naive" not in MODES
+    with pytest.raises(JmarlError, match="algo.options.capability_baseline/discrepancy/stepwise_clip: false"):
+        SharedOptions(mode="naive")
+
+
+def test_hacpo_reads_the_shared_plans_success_rates_only():
     cfg = hacpo.Config()
-    naive = hacpo.METHOD.configure(cfg, types.SimpleNamespace(mode="naive"))
-    assert (naive.capability_baseline, naive.discrepancy, naive.stepwise_clip) == (False, False, False)
-    assert hacpo.METHOD.configure(cfg, types.SimpleNamespace(mode="hacpo")) == cfg
+    state = hacpo.METHOD.init_state(cfg, MethodContext(num_policies=2, group_size=4))
+    state, metrics = hacpo.METHOD.after_plan(cfg, state, shared_result((0.5, 0.25)), 0)
+    assert metrics["hacpo/success_0"] == 0.5 and metrics["hacpo/success_1"] == 0.25
+    with pytest.raises(JmarlError, match="SharedStats.*workflow.plan: shared"):
+        hacpo.METHOD.after_plan(cfg, state, PlanResult((), (), PlanStats(num_generated=0)), 1)
 
 
 def test_capability_window_is_immutable_and_keeps_the_last_k_steps():

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from jmarl import JmarlError
+from jmarl.workflows import NodeWiseStats, PlanResult
 from jmarl.workflows.memory import (
     Memory,
     MemoryEntry,
@@ -152,14 +153,21 @@ def group(agent, query, rewards, memory_ids=()):
                            memory_ids=tuple(memory_ids))
 
 
+def node_wise_result(groups):
+    """An empty `node_wise` plan result that reports `groups` as its node groups."""
+    stats = NodeWiseStats(num_generated=0, num_base=0, num_alternatives=0, num_reruns=0,
+                          num_groups=len(groups), num_selected=0, node_groups=tuple(groups))
+    return PlanResult((), (), stats)
+
+
 def test_update_memory_admits_evicts_and_counts_uses():
     mem = Memory(banks=(("x", (entry(0, "old"), entry(1, "older"))),), next_id=2)
-    result = SimpleNamespace(stats={"node_groups": (
+    result = node_wise_result((
         group("x", "q1", [0, 0, 0, 0, 0, 1], memory_ids=(0,)),  # z = 2.04 > 1.96: admit s5
         group("x", "q2", [1, 1, 1, 1, 1, 0], memory_ids=(1,)),  # z = -2.04: evict entry 1
         group("m", "q3", [0.5] * 6, memory_ids=()),  # sigma 0: nothing
         group("m", "q4", [0, 0, 0, 0, 1], memory_ids=()),  # G = 5: z = 1.79, nothing (ddof 1)
-    )})
+    ))
     new = update_memory(mem, result, step=7)
     assert new.entries("x") == (
         MemoryEntry(0, "old", "s0", 1.0, 0.0, 0, 1),

@@ -254,7 +254,7 @@ def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
     assert float(metrics["cross_ratio_mean"]) == pytest.approx(0.827, rel=1e-5)
 
 
-@pytest.mark.parametrize("mode, rows, generated", [("hacpo", 16, 16), ("naive", 16, 16), ("gspo", 8, 16), ("gspo_2x", 16, 32)])
+@pytest.mark.parametrize("mode, rows, generated", [("hacpo", 16, 16), ("gspo", 8, 16), ("gspo_2x", 16, 32)])
 def test_hacpo_modes_in_the_trainer(tmp_path, monkeypatch, mode, rows, generated):
     monkeypatch.chdir(REPO)
     config = load_config(
@@ -263,8 +263,8 @@ def test_hacpo_modes_in_the_trainer(tmp_path, monkeypatch, mode, rows, generated
     )
     trainer = trainer_mod.Trainer(config)
     cfg = trainer.algo_cfg
-    # naive switches every mechanism off; elsewhere only the ablation set in algo.options is off
-    assert cfg.capability_baseline == cfg.stepwise_clip == (mode != "naive") and not cfg.discrepancy
+    # the plan's mode leaves the mechanisms alone: only the ablation set in algo.options is off
+    assert cfg.capability_baseline and cfg.stepwise_clip and not cfg.discrepancy
     # rows per learner per step: 2 tasks x 2 policies x G (sharing) or its own G / 2G only;
     # rollouts generated per step: 2 tasks x 2 policies x G (2G for gspo_2x)
     assert trainer.rows_bound() == rows

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 from typing import Mapping
 
 import jax
@@ -30,7 +29,11 @@ from jmarl.workflows import (
     Memory,
     MemoryEntry,
     NodeWiseOptions,
+    NodeWiseStats,
+    PlanResult,
+    PlanStats,
     build_rollouts,
+    plan_metrics,
     run_plan,
     sample_node_wise,
     update_memory,
@@ -142,7 +145,7 @@ def test_node_wise_hand_worked():
     sampler = HierSampler()
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), sampler, KEY,
                            NodeWiseOptions(group_size=3))
-    groups = out.stats["node_groups"]
+    groups = out.stats.node_groups
     # base: m routes to x (-0.1), x answers 7, y is inactive, m writes F7 (team 1): total 0.9
     (ep,) = out.episodes
     assert ep.success and ep.team_reward == 1.0 and ep.num_turns == 2
@@ -176,9 +179,14 @@ def test_node_wise_hand_worked():
     assert [r.info["reruns"] for r in out.records] == [0, 2, 0, 0, 0, 1]
     assert [r.completion.text for r in out.records] == ["x", "y", "F7", "F7", "F7", "x"]
     # count: B = 3 base + G * B = 9 alternatives + 4 re-runs
-    assert (out.stats["num_base"], out.stats["num_alternatives"], out.stats["num_reruns"]) == (
+    assert (out.stats.num_base, out.stats.num_alternatives, out.stats.num_reruns) == (
         3, 9, 4)
-    assert out.stats["num_generated"] == 16 == sampler.num_completions
+    assert out.stats.num_generated == 16 == sampler.num_completions
+    # typed stats; the trainer logs their numbers as plan/<name> (not the node groups)
+    assert isinstance(out.stats, NodeWiseStats) and out.stats.num_groups == 3 and out.stats.num_selected == 2
+    assert plan_metrics(out.stats) == {
+        "plan/num_generated": 16.0, "plan/num_base": 3.0, "plan/num_alternatives": 9.0, "plan/num_reruns": 4.0,
+        "plan/num_groups": 3.0, "plan/num_selected": 2.0}
     # the re-run requests are exactly the changed prompts
     reruns = [p for req, n in sampler.calls[4:] for _, p in req]
     assert sorted(reruns) == sorted(["y|q7|mem=", "m|t1|y:5|mem=", "m|t1|x:3|mem=", "x|q7|mem="])
@@ -193,7 +201,7 @@ def test_sub_agent_count_does_not_change_cost():
     env = HierEnv(agents=("m", "x", "y", "z", "w", "v"))
     big = sample_node_wise(env, [7], (0, 1, 2, 3, 4, 5), HierSampler(), KEY,
                            NodeWiseOptions(group_size=3))
-    assert big.stats["num_generated"] == small.stats["num_generated"] == 16
+    assert big.stats.num_generated == small.stats.num_generated == 16
     assert [r.reward for r in big.records] == pytest.approx([r.reward for r in small.records])
 
 
@@ -259,11 +267,11 @@ def test_sample_count_formula(num_agents, g, turns):
     b = num_agents * turns  # base nodes per task
     reruns = g * b * (b - 1) // 2  # every later node of every alternative is re-run
     per_task = b + g * b + reruns
-    assert out.stats["num_reruns"] == len(seeds) * reruns
-    assert out.stats["num_generated"] == len(seeds) * per_task == sampler.num_completions
+    assert out.stats.num_reruns == len(seeds) * reruns
+    assert out.stats.num_generated == len(seeds) * per_task == sampler.num_completions
     assert len(out.records) == len(seeds) * min(2, b) * g
     # reward of alternative j at node i: its own value j + 1, later re-runs "0", earlier base "0"
-    for grp in out.stats["node_groups"]:
+    for grp in out.stats.node_groups:
         assert grp.rewards == tuple(float(j + 1) for j in range(g))
         assert all(kind == "rerun" for d in grp.downstream for *_, kind in d)
 
@@ -273,11 +281,11 @@ def test_top_k_scope_batch_base_sampler_and_registry():
     # (the tie between the tasks goes to the earlier task)
     out = sample_node_wise(HierEnv(), [7, 7], (0, 1, 2), HierSampler(), KEY,
                            NodeWiseOptions(group_size=3, top_k=2, top_k_scope="batch"))
-    chosen = [(g.task, g.node) for g in out.stats["node_groups"] if g.selected]
+    chosen = [(g.task, g.node) for g in out.stats.node_groups if g.selected]
     assert chosen == [(0, 2), (1, 2)]
     per_task = sample_node_wise(HierEnv(), [7, 7], (0, 1, 2), HierSampler(), KEY,
                                 NodeWiseOptions(group_size=3, top_k=1))
-    assert [(g.task, g.node) for g in per_task.stats["node_groups"] if g.selected] == [
+    assert [(g.task, g.node) for g in per_task.stats.node_groups if g.selected] == [
         (0, 2), (1, 2)]
     assert [r.group for r in per_task.records] == [0, 0, 0, 1, 1, 1]
     # the base trajectory and re-runs come from base_sampler; the alternatives from the sampler
@@ -285,13 +293,13 @@ def test_top_k_scope_batch_base_sampler_and_registry():
     plan = HierSampler()
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), plan, KEY,
                            NodeWiseOptions(group_size=3, base_sampler=base))
-    assert out.stats["num_base"] == 1 and plan.calls == [([(0, "m|t0||mem=")], 3)]
-    (only,) = out.stats["node_groups"]
+    assert out.stats.num_base == 1 and plan.calls == [([(0, "m|t0||mem=")], 3)]
+    (only,) = out.stats.node_groups
     # "x" re-runs x ("7") and m at turn 1 ("F7"); "y" re-runs y ("5") and m ("F5")
     assert only.downstream == (((0, "x", "rerun"), (1, "m", "rerun")),
                                ((0, "y", "rerun"), (1, "m", "rerun")), ())
     assert only.rewards == pytest.approx((0.9, -0.1, 1.0))
-    assert base.num_completions == 1 + 4 == 1 + out.stats["num_reruns"]
+    assert base.num_completions == 1 + 4 == 1 + out.stats.num_reruns
     by_name = run_plan("node_wise", HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
                        group_size=3)
     direct = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(), KEY,
@@ -308,7 +316,7 @@ def test_memory_is_retrieved_into_prompts_and_updated():
     sampler = HierSampler()
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), sampler, KEY,
                            NodeWiseOptions(group_size=3, memory=memory))
-    groups = out.stats["node_groups"]
+    groups = out.stats.node_groups
     shown = "x|q7|mem=query: x|q7|mem= | strategy: answer the seed"
     assert groups[1].prompt == shown and groups[1].memory_ids == (4,)
     assert groups[1].query == "x|q7|mem="  # the query is the prompt without memory
@@ -320,7 +328,7 @@ def test_memory_is_retrieved_into_prompts_and_updated():
     assert [e.uses for e in after.entries("x")] == [1, 0]
     assert after.entries("m") == ()
     with pytest.raises(JmarlError, match="node groups"):
-        update_memory(memory, SimpleNamespace(stats={}), step=1)
+        update_memory(memory, PlanResult((), (), PlanStats(num_generated=0)), step=1)
 
 
 def test_node_wise_errors():
@@ -340,7 +348,7 @@ def test_memory_admission_and_eviction_from_node_groups():
     alts = {**ALTS, ("x", None): ["7", "3", "3", "3", "3", "3"]}
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(alts), KEY,
                            NodeWiseOptions(group_size=6, memory=Memory()))
-    x_group = out.stats["node_groups"][1]
+    x_group = out.stats.node_groups[1]
     assert x_group.rewards == pytest.approx((0.9,) + (-0.1,) * 5)
     memory = update_memory(Memory(), out, step=3)
     (admitted,) = memory.entries("x")
@@ -351,7 +359,7 @@ def test_memory_admission_and_eviction_from_node_groups():
     alts = {**ALTS, ("x", None): ["3", "7", "7", "7", "7", "7"]}
     out = sample_node_wise(HierEnv(), [7], (0, 1, 2), HierSampler(alts), KEY,
                            NodeWiseOptions(group_size=6, memory=memory))
-    x_group = out.stats["node_groups"][1]
+    x_group = out.stats.node_groups[1]
     assert x_group.memory_ids == (admitted.id,)
     assert x_group.prompt == "x|q7|mem=query: x|q7|mem= | strategy: 7"
     assert x_group.rewards == pytest.approx((-0.1,) + (0.9,) * 5)

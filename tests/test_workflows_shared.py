@@ -11,24 +11,30 @@ tokenizer p: prompt tokens = encode(template(prompt)), completion tokens = encod
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from jmarl import JmarlError
+from jmarl.config import load_config
 from jmarl.envs.base import StepResult
 from jmarl.algos.hacpo import CapabilityWindow, capabilities, update_capabilities
 from jmarl.workflows import (
+    MODES,
     Completion,
     SharedOptions,
+    SharedStats,
     TextTokenizer,
     PLANS,
     PlanContext,
     build_rollouts,
     get_plan,
     input_fields,
+    plan_metrics,
     run_plan,
     sample_shared,
 )
@@ -36,6 +42,7 @@ from jmarl import workflows
 from jmarl.workflows.shared import retokenize, seq_logprob
 
 KEY = jax.random.key(0)
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -196,8 +203,11 @@ def test_hacpo_self_and_cross_samples():
             n_source = len(source.encode(c.text)) + 1
             hand = np.mean(-0.1 * (np.arange(n_source) + 1) - r.source_policy / 2)
             assert r.source_seq_logprob == pytest.approx(hand)
-    assert out.stats["num_generated"] == 12 and out.stats["num_records"] == 24
-    assert out.stats["success_rate"] == pytest.approx((2 / 3, 1 / 3))
+    assert isinstance(out.stats, SharedStats)
+    assert out.stats.num_generated == 12 and out.stats.num_records == 24
+    assert out.stats.success_rate == pytest.approx((2 / 3, 1 / 3))
+    # the trainer logs the numbers (not the mode or the per-policy tuples) as plan/<name>
+    assert plan_metrics(out.stats) == {"plan/num_generated": 12.0, "plan/num_records": 24.0, "plan/num_lossy": 0.0}
     assert len(out.episodes) == 12 and sum(e.success for e in out.episodes) == 6
 
 
@@ -240,26 +250,26 @@ def test_cross_tokens_truncation_same_tokenizer_and_lossy_text():
 
     dropped, _ = run("hacpo", seeds=(4,), fn=fn, truncated=("0",))
     # policy 0's "é5" cannot be written by PairTok: dropped from learner 1's group only
-    assert dropped.stats["num_lossy"] == 1 and len(dropped.records) == 11
+    assert dropped.stats.num_lossy == 1 and len(dropped.records) == 11
     learner1 = [r for r in dropped.records if r.policy == 1]
     assert [r.completion.text for r in learner1] == ["5", "5", "5", "0", "0"]
     # truncated completions ("0" has no eos) stay without eos after re-tokenisation
     zero_cross = [r for r in dropped.records if r.policy == 0 and r.completion.text == "0"]
     assert [r.completion.completion_tokens.tolist() for r in zero_cross] == [[ord("0") + 3]] * 2
     kept, _ = run("hacpo", seeds=(4,), fn=fn, lossy="keep")
-    assert len(kept.records) == 12 and kept.stats["num_lossy"] == 1
+    assert len(kept.records) == 12 and kept.stats.num_lossy == 1
     lossy = [r for r in kept.records if not r.info["lossless"]]
     assert len(lossy) == 1 and lossy[0].policy == 1 and lossy[0].completion.text == "é5"
 
 
 @pytest.mark.parametrize(
     "mode, generated, records, n_call",
-    [("hacpo", 12, 24, 3), ("naive", 12, 24, 3), ("gspo", 12, 12, 3), ("gspo_2x", 24, 24, 6)],
+    [("hacpo", 12, 24, 3), ("gspo", 12, 12, 3), ("gspo_2x", 24, 24, 6)],
 )
 def test_modes_rollout_counts(mode, generated, records, n_call):
     out, sampler = run(mode)
-    assert out.stats["mode"] == mode
-    assert out.stats["num_generated"] == generated == sum(len(r) * n for r, n in sampler.calls)
+    assert out.stats.mode == mode
+    assert out.stats.num_generated == generated == sum(len(r) * n for r, n in sampler.calls)
     assert len(out.records) == records and sampler.calls[0][1] == n_call
     groups = {}
     for r in out.records:
@@ -269,14 +279,16 @@ def test_modes_rollout_counts(mode, generated, records, n_call):
         assert all(r.policy == r.source_policy for r in out.records)
 
 
-def test_naive_output_equals_hacpo():
-    hacpo, _ = run("hacpo")
-    naive, _ = run("naive")
-    fields = lambda r: (r.prompt, r.completion.text, r.reward, r.group, r.policy,  # noqa: E731
-                        r.source_policy, r.source_seq_logprob,
-                        r.completion.completion_tokens.tolist())
-    assert [fields(r) for r in hacpo.records] == [fields(r) for r in naive.records]
-    # the loss switches per mode are the algorithm's (jmarl.algos.hacpo), not the plan's
+def test_naive_is_refused_with_the_algo_options_that_replace_it():
+    # naive sharing sampled exactly as hacpo: it is HACPO's three switches, not a plan mode
+    assert "naive" not in MODES
+    hint = "algo.options.capability_baseline/discrepancy/stepwise_clip: false"
+    with pytest.raises(JmarlError, match=re.escape(hint)):
+        SharedOptions(mode="naive")
+    # through the config, where the hint names the setting's path
+    with pytest.raises(JmarlError, match="workflow.options: .*" + re.escape(hint)):
+        load_config(REPO / "configs/hacpo/math_tiny.yaml", ["workflow.options.mode=naive"])
+    # the loss switches are the algorithm's (jmarl.algos.hacpo), not the plan's
     assert not hasattr(workflows, "mode_switches")
 
 
@@ -314,7 +326,7 @@ def test_shared_plan_value_binds_run_inputs_and_bounds_rows():
     direct, _ = run("hacpo")
     assert [r.reward for r in by_plan.records] == [r.reward for r in direct.records]
     # rows per learner: tasks x sources x samples per policy (an upper bound when lossy drops)
-    for mode, rows in (("hacpo", 5 * 2 * 3), ("naive", 5 * 2 * 3), ("gspo", 5 * 3), ("gspo_2x", 5 * 6)):
+    for mode, rows in (("hacpo", 5 * 2 * 3), ("gspo", 5 * 3), ("gspo_2x", 5 * 6)):
         opts = plan.bind(SharedOptions(group_size=3, mode=mode), PlanContext(tokenizers=TOKS))
         assert plan.rows_per_policy(opts, 5) == rows
     # with 2 tasks the hacpo plan gives each learner 2 x 2 x 3 = 12 records (nothing lossy here)
@@ -341,7 +353,7 @@ def test_capability_window_three_steps_hand_computed():
     # the plan's success rates feed the window directly
     out, _ = run("hacpo")
     np.testing.assert_allclose(
-        capabilities(update_capabilities(CapabilityWindow(), out.stats["success_rate"])),
+        capabilities(update_capabilities(CapabilityWindow(), out.stats.success_rate)),
         (2 / 3, 1 / 3), rtol=1e-6)
 
 

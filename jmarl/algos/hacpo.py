@@ -17,11 +17,11 @@ Loss: self samples GSPO min(s*A, clip(s, 1-3e-4, 1+4e-4)*A); cross samples s~ * 
 `seq_mean_token_mean`; optional k3 KL on self samples (the authors' code uses 0.001; off here).
 The paper's table lists delta = 0.8 for most pairs; the default is the code's 0.2.
 Ablation switches: `capability_baseline`, `discrepancy`, `stepwise_clip` (all False = naive
-sharing: plain mean baseline, weight 1, cross samples treated like self GSPO samples).
+sharing: plain mean baseline, weight 1, cross samples treated like self GSPO samples). Naive
+sharing samples exactly as HACPO, so it is these settings (`algo.options`), not a plan mode.
 """
 
 import json
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -42,6 +42,8 @@ from jmarl.algos.losses import (
     masked_token_mean,
 )
 from jmarl.errors import JmarlError
+from jmarl.workflows.base import PlanResult
+from jmarl.workflows.shared import SharedStats
 
 sg = jax.lax.stop_gradient
 
@@ -51,8 +53,8 @@ class HACPOConfig(LossConfig):
     """HACPO defaults (authors' code): K=5, alpha 1, delta 0.2, delta_step 0.025, GSPO clip 3e-4/4e-4.
 
     The group size G is workflow.group_size (8 by default for HACPO); the sharing mode
-    (hacpo, naive, gspo, gspo_2x) is the `shared` plan's workflow.options.mode, and `naive`
-    turns the three mechanism switches below off (`configure`).
+    (hacpo, gspo, gspo_2x) is the `shared` plan's workflow.options.mode. Naive sharing (the
+    paper's ablation) is mode hacpo with the three mechanism switches below set to False.
     """
 
     capability_window: int = 5
@@ -413,17 +415,6 @@ def learner_loss(cfg: HACPOConfig, logprobs: jax.Array, batch: LearnerBatch) -> 
     )
 
 
-SHARING_MODES_WITHOUT_MECHANISMS = ("naive",)
-
-
-def configure(cfg: HACPOConfig, plan_options: Any) -> HACPOConfig:
-    """`cfg` as the `shared` plan's mode leaves it: naive sharing turns the three mechanisms
-    off (plain mean baseline, weight 1, no stepwise clip); the other modes keep the options."""
-    if getattr(plan_options, "mode", None) not in SHARING_MODES_WITHOUT_MECHANISMS:
-        return cfg
-    return dataclasses.replace(cfg, capability_baseline=False, discrepancy=False, stepwise_clip=False)
-
-
 @dataclass(frozen=True)
 class HACPOState:
     """HACPO's state across steps: the capability window of `num_policies` policies."""
@@ -449,10 +440,21 @@ def init_window(cfg: HACPOConfig, context: MethodContext) -> HACPOState:
     return HACPOState(CapabilityWindow(size=cfg.capability_window), context.num_policies)
 
 
-def push_success(cfg: HACPOConfig, state: HACPOState, result: Any, step: int) -> tuple[HACPOState, dict[str, float]]:
-    """The window with this step's per-policy success rates (the plan's stats["success_rate"])
+def shared_success(result: PlanResult) -> tuple[float, ...]:
+    """The step's per-policy success rates (`SharedStats.success_rate`) of a `shared` plan
+    result; raises a `JmarlError` for another plan's result."""
+    if not isinstance(result.stats, SharedStats):
+        raise JmarlError(
+            f"HACPO reads the shared plan's per-policy success rates (SharedStats), but the plan "
+            f"reported {type(result.stats).__name__}; use workflow.plan: shared"
+        )
+    return result.stats.success_rate
+
+
+def push_success(cfg: HACPOConfig, state: HACPOState, result: PlanResult, step: int) -> tuple[HACPOState, dict[str, float]]:
+    """The window with this step's per-policy success rates (the plan's `stats.success_rate`)
     pushed, before any advantage of the step; metrics hacpo/capability_<p>, hacpo/success_<p>."""
-    success = result.stats["success_rate"]
+    success = shared_success(result)
     window = update_capabilities(state.window, success)
     metrics = {f"hacpo/capability_{p}": float(v) for p, v in enumerate(capabilities(window))}
     metrics.update({f"hacpo/success_{p}": float(v) for p, v in enumerate(success)})
@@ -461,7 +463,7 @@ def push_success(cfg: HACPOConfig, state: HACPOState, result: Any, step: int) ->
 
 def window_capabilities(cfg: HACPOConfig, state: HACPOState) -> jax.Array:
     """P f32[n], what `learner_advantages` reads; equal capabilities (ones) while the window is
-    empty (never during training, where the step's rates are pushed first; `jmarl.plan`
+    empty (never during training, where the step's rates are pushed first; `jmarl.memory_check`
     compiles with it)."""
     if not state.window.history:
         return jnp.ones((state.num_policies,), jnp.float32)
@@ -470,7 +472,7 @@ def window_capabilities(cfg: HACPOConfig, state: HACPOState) -> jax.Array:
 
 METHOD = Method(
     name="hacpo", config=HACPOConfig, advantages=learner_advantages, loss=learner_loss,
-    default_plan="shared", default_group_size=8, plans=("shared",), configure=configure,
+    default_plan="shared", default_group_size=8, plans=("shared",),
     init_state=init_window, after_plan=push_success, device_state=window_capabilities,
     state_to_json=HACPOState.to_json, state_from_json=lambda cfg, data: HACPOState.from_json(data),
 )

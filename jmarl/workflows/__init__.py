@@ -2,8 +2,9 @@
 
 Plans (`independent`, `tree` for AT-GRPO, `joint` for MAGRPO, `node_wise` for JoyAgents-R1,
 `shared` for HACPO) drive an env through a `Sampler` and return host-side `SampleRecord`s plus
-`EpisodeStats` (and plan stats); `build_rollouts` turns the records into the `Rollouts` batch
-the algorithms consume. `PLANS` maps each name to its `Plan` (function, options dataclass and
+`EpisodeStats` and typed plan stats (`PlanStats`, extended per plan: `SharedStats`,
+`NodeWiseStats`); `build_rollouts` turns the records into `Rollouts`, which the learner
+packs into the batches a method reads. `PLANS` maps each name to its `Plan` (function, options dataclass and
 what the learner needs to know about it); every options dataclass names its group size
 `group_size`. `memory` holds JoyAgents-R1's per-agent memory (its threshold math included);
 `expert_demonstrations` plays expert episodes with the plans' episode loop.
@@ -13,9 +14,11 @@ from jmarl.workflows.base import (
     Completion,
     EpisodeStats,
     PlanResult,
+    PlanStats,
     SampleRecord,
     Sampler,
     input_fields,
+    plan_metrics,
     summarize,
 )
 from jmarl.workflows.build import build_rollouts
@@ -31,9 +34,9 @@ from jmarl.workflows.memory import (
     min_group_size_for_memory,
     update_memory,
 )
-from jmarl.workflows.node_wise import NodeGroup, NodeWiseOptions, sample_node_wise
+from jmarl.workflows.node_wise import NodeGroup, NodeWiseOptions, NodeWiseStats, sample_node_wise
 from jmarl.workflows.plans import PLANS, Plan, PlanContext, get_plan, make_options, run_plan
-from jmarl.workflows.shared import MODES, SharedOptions, TextTokenizer, sample_shared
+from jmarl.workflows.shared import MODES, SharedOptions, SharedStats, TextTokenizer, sample_shared
 from jmarl.workflows.tree import TreeOptions, sample_tree
 
 __all__ = [
@@ -49,12 +52,15 @@ __all__ = [
     "MemoryOptions",
     "NodeGroup",
     "NodeWiseOptions",
+    "NodeWiseStats",
     "Plan",
     "PlanContext",
     "PlanResult",
+    "PlanStats",
     "SampleRecord",
     "Sampler",
     "SharedOptions",
+    "SharedStats",
     "TextTokenizer",
     "TreeOptions",
     "build_rollouts",
@@ -65,6 +71,7 @@ __all__ = [
     "joint_sample_bound",
     "make_options",
     "min_group_size_for_memory",
+    "plan_metrics",
     "run_plan",
     "sample_independent",
     "sample_joint",

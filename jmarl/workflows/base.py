@@ -4,8 +4,8 @@ A sampling plan decides which prompts are sampled how many times, which env stat
 completion is applied to, and which reward and group every sample gets. It is host-side code:
 it talks to the model only through a `Sampler` and to the task only through the env protocol
 (`jmarl.envs.base.Env`, immutable states). Its output is a `PlanResult`: a list of
-`SampleRecord`s (one per completion) and one `EpisodeStats` per finished episode;
-`jmarl.workflows.build.build_rollouts` turns the records into a `Rollouts` batch.
+`SampleRecord`s (one per completion), one `EpisodeStats` per finished episode and the step's
+`PlanStats`; `jmarl.workflows.build.build_rollouts` turns the records into a `Rollouts` batch.
 
 Sampler calls. A plan batches every request it can into one `Sampler.sample` call: all agents
 of a turn of every live episode when the env is `parallel`, and all live episodes for each
@@ -108,23 +108,49 @@ class EpisodeStats:
     num_turns: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanStats:
+    """What every sampling plan reports about one step.
+
+    num_generated: the completions sampled from the model this step. It is `len(records)`
+    where every completion becomes one record (`independent`, `tree`, `joint`) and differs
+    where it does not (`shared` routes each completion to every learner and drops lossy cross
+    samples; `node_wise` keeps only the top-K node groups).
+
+    A plan with more to report extends it with typed fields (`shared.SharedStats`,
+    `node_wise.NodeWiseStats`); the trainer logs every number field as `plan/<name>`
+    (`plan_metrics`).
+    """
+
+    num_generated: int
+
+
 @dataclass(frozen=True)
 class PlanResult:
     """What a sampling plan returns: the sample records, the per-episode stats and plan stats.
 
-    stats: plan-specific numbers and values (e.g. `num_generated`, the completions sampled
-    from the model this step; `shared`'s per-policy success rates; `node_wise`'s node groups,
-    the dropped ones included); empty for plans that report none.
+    stats: the plan's `PlanStats` (or its own subclass of it) for this step.
     """
 
     records: tuple[SampleRecord, ...]
     episodes: tuple[EpisodeStats, ...]
-    stats: Mapping[str, Any] = field(default_factory=dict)
+    stats: PlanStats
 
     @property
     def num_groups(self) -> int:
         """Number of distinct group ids among the records."""
         return len({r.group for r in self.records})
+
+
+def plan_metrics(stats: PlanStats) -> dict[str, float]:
+    """`plan/<field>` -> value for every int or float field of `stats` (bools, strings and
+    tuples, e.g. `shared`'s mode or per-policy rates, are not logged)."""
+    out = {}
+    for f in dataclasses.fields(stats):
+        value = getattr(stats, f.name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"plan/{f.name}"] = float(value)
+    return out
 
 
 def summarize(episodes: Sequence[EpisodeStats]) -> dict[str, float]:

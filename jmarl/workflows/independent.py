@@ -40,12 +40,14 @@ from jmarl.workflows.base import (
     EpisodeStats,
     GroupIds,
     PlanResult,
+    PlanStats,
     SampleRecord,
     Sampler,
     check_agent_policy,
     check_choice,
     resolve_max_turns,
 )
+from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.episodes import EpisodeTrace, choose_first, run_episodes
 
 
@@ -70,6 +72,14 @@ class IndependentOptions:
         if self.max_turns is not None and self.max_turns < 1:
             raise JmarlError(f"independent: max_turns must be >= 1 or None, got {self.max_turns}")
         check_choice("independent.group_by", self.group_by, ("task_agent", "task_turn_agent"))
+
+
+def independent_bounds(options: IndependentOptions, ctx: BoundsContext) -> PlanBounds:
+    """Rows E x G x T x a per policy, every row its own prompt (later turns' prompts differ);
+    one call per acting agent of E x G rows (a parallel env: E x G x a)."""
+    e, g = ctx.num_tasks, options.group_size
+    return PlanBounds(rows=e * g * ctx.turns * ctx.max_agents, share=1, aligned=True,
+                      calls=ctx.per_agent_calls(e * g, 1))
 
 
 def sample_independent(
@@ -124,7 +134,9 @@ def sample_independent(
                           "env_info": numeric_info(res.info)},
                 )
             )
-    return PlanResult(records=tuple(records), episodes=tuple(episodes))
+    # one record per sampled completion
+    return PlanResult(records=tuple(records), episodes=tuple(episodes),
+                      stats=PlanStats(num_generated=len(records)))
 
 
 def numeric_info(info: Any) -> dict[str, float]:

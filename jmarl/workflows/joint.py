@@ -46,6 +46,7 @@ from jmarl.workflows.base import (
     EpisodeStats,
     GroupIds,
     PlanResult,
+    PlanStats,
     SampleRecord,
     Sampler,
     assert_identical_prompts,
@@ -55,6 +56,7 @@ from jmarl.workflows.base import (
     resolve_max_turns,
     split_key,
 )
+from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.stepping import step_all
 
 
@@ -121,6 +123,17 @@ def joint_sample_bound(
     return num_tasks * num_agents * group_size * nodes_per_task
 
 
+def joint_bounds(options: JointOptions, ctx: BoundsContext) -> PlanBounds:
+    """Rows E x G x a x (1 + B + .. + B^(T-1)) per policy (B = G aligned, G^n cross), G per
+    prompt; the largest call is the last turn's frontier, E x B^(T-1) x a x G."""
+    e, g, turns = ctx.num_tasks, options.group_size, ctx.turns
+    branching = g if options.joint_mode == "aligned" else g**ctx.num_agents
+    nodes = sum(branching**t for t in range(turns))
+    frontier = e * branching ** (turns - 1)
+    calls = ((tuple(frontier * ctx.agents_of(p) * g for p in ctx.policy_ids), g),)
+    return PlanBounds(rows=e * g * ctx.max_agents * nodes, share=g, aligned=True, calls=calls)
+
+
 def sample_joint(
     env: Any,
     seeds: Sequence[int],
@@ -174,7 +187,9 @@ def sample_joint(
     _fill_returns(nodes, options.gamma)
     records = _records(nodes, acting, agent_policy, options)
     assert_identical_prompts(records)
-    return PlanResult(records=tuple(records), episodes=tuple(_leaf_stats(env, nodes)))
+    # every sampled node's G completions per agent are records: one per sampled completion
+    return PlanResult(records=tuple(records), episodes=tuple(_leaf_stats(env, nodes)),
+                      stats=PlanStats(num_generated=len(records)))
 
 
 def _sample_frontier(

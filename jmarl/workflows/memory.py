@@ -53,6 +53,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from jmarl.errors import JmarlError
+from jmarl.workflows.base import PlanResult
 
 _FORMAT = "jmarl.memory"
 _VERSION = 1
@@ -443,17 +444,19 @@ def _outliers(groups: Sequence[Any], z: float, ddof: int) -> tuple[np.ndarray, n
     return up, down
 
 
-def update_memory(memory: Memory, plan_result: Any, step: int) -> Memory:
+def update_memory(memory: Memory, plan_result: PlanResult, step: int) -> Memory:
     """The memory after one `node_wise` step: uses, eviction, then admission (module docstring).
 
-    Reads `plan_result.stats["node_groups"]` (every `NodeGroup` of the step: agent_name,
-    query, texts, rewards f[G], memory_ids of the entries retrieved into its prompt).
+    Reads `plan_result.stats.node_groups` (a `node_wise.NodeWiseStats`: every `NodeGroup` of
+    the step: agent_name, query, texts, rewards f[G], memory_ids of the entries retrieved into
+    its prompt).
     """
-    groups = plan_result.stats.get("node_groups")
+    # read by field name: node_wise imports this module, so its NodeWiseStats cannot be imported here
+    groups = getattr(plan_result.stats, "node_groups", None)
     if groups is None:
         raise JmarlError(
             "update_memory needs the node groups of a node_wise plan result "
-            "(stats['node_groups']); this result has none"
+            f"(NodeWiseStats.node_groups); this result's stats are {type(plan_result.stats).__name__}"
         )
     opts = memory.options
     for g in groups:

@@ -24,7 +24,7 @@ Groups and selection. Each base node's G alternatives form one group. Groups are
 the variance of their rewards (population variance; all groups have G members, so any ddof
 ranks the same) and only the top `top_k` (default 2; ties: the earlier node) produce records:
 per task (`top_k_scope="task"`, default) or over the whole batch ("batch"). Every group,
-dropped ones included, is reported in `stats["node_groups"]` (`NodeGroup`: rewards, variance,
+dropped ones included, is reported in `stats.node_groups` (`NodeGroup`: rewards, variance,
 selected, which downstream nodes were reused or re-run, retrieved memory ids).
 
 Memory. With `options.memory` (a `jmarl.workflows.memory.Memory`) every decision point's
@@ -38,7 +38,7 @@ Sample count. Per task with B base nodes: generated = B (base) + G * B (alternat
 B - 1 - i later nodes; more only if it lengthens the episode). Training records: at most
 K * G per task. For a master -> routed sub-agent -> master hierarchy B = 3 whatever the number
 of sub-agents, so the cost grows linearly, not exponentially, with the agents on the path
-(`stats`: num_base, num_alternatives, num_reruns, num_generated).
+(`NodeWiseStats`: num_base, num_alternatives, num_reruns, num_generated).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from jmarl.workflows.base import (
     EpisodeStats,
     GroupIds,
     PlanResult,
+    PlanStats,
     SampleRecord,
     Sampler,
     assert_identical_prompts,
@@ -66,6 +67,7 @@ from jmarl.workflows.base import (
     resolve_max_turns,
     split_key,
 )
+from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.stepping import step_all
 from jmarl.workflows.memory import Memory, format_entry, retrieve, with_memory_context
 
@@ -136,6 +138,25 @@ class NodeGroup:
     group: int | None
 
 
+@dataclass(frozen=True, kw_only=True)
+class NodeWiseStats(PlanStats):
+    """The `node_wise` plan's step report (`PlanStats` plus the fields below).
+
+    num_generated: num_base + num_alternatives + num_reruns; num_base: completions of the base
+    trajectories (one per active node); num_alternatives: G per base node; num_reruns:
+    downstream nodes re-run because an alternative changed their prompt; num_groups: node
+    groups (one per base node); num_selected: those among the top-K that produce records;
+    node_groups: every `NodeGroup`, dropped ones included (what `memory.update_memory` reads).
+    """
+
+    num_base: int
+    num_alternatives: int
+    num_reruns: int
+    num_groups: int
+    num_selected: int
+    node_groups: tuple[NodeGroup, ...]
+
+
 @dataclass(frozen=True)
 class _Decision:
     """A decision point: the agent about to act, the state it acts on (memory injected), its
@@ -180,6 +201,17 @@ class _Branch:
     base: dict[tuple[int, int], _Played] | None = None
     nodes: list[_Played] = field(default_factory=list)
     done: bool = False
+
+
+def node_wise_bounds(options: NodeWiseOptions, ctx: BoundsContext) -> PlanBounds:
+    """Rows top_k x G per policy (x E with top_k_scope task), G per prompt; calls: the G
+    alternatives of every node (E x T x a x G) and one policy's re-runs (E x T x n x G, one
+    prompt each)."""
+    e, g, turns, ids = ctx.num_tasks, options.group_size, ctx.turns, ctx.policy_ids
+    rows = (e if options.top_k_scope == "task" else 1) * options.top_k * g
+    calls = ((tuple(e * turns * ctx.agents_of(p) * g for p in ids), g),)
+    calls += tuple((tuple(e * turns * ctx.num_agents * g if q == p else 0 for q in ids), 1) for p in ids)
+    return PlanBounds(rows=rows, share=g, aligned=True, calls=calls)
 
 
 def sample_node_wise(
@@ -233,15 +265,15 @@ def sample_node_wise(
     groups, records = _records(groups, selected, branches, agent_policy, g)
     assert_identical_prompts(records)
     num_alternatives = g * len(nodes)
-    stats = {
-        "num_base": num_base,
-        "num_alternatives": num_alternatives,
-        "num_reruns": num_reruns,
-        "num_generated": num_base + num_alternatives + num_reruns,
-        "num_groups": len(groups),
-        "num_selected": len(selected),
-        "node_groups": tuple(groups),
-    }
+    stats = NodeWiseStats(
+        num_base=num_base,
+        num_alternatives=num_alternatives,
+        num_reruns=num_reruns,
+        num_generated=num_base + num_alternatives + num_reruns,
+        num_groups=len(groups),
+        num_selected=len(selected),
+        node_groups=tuple(groups),
+    )
     episodes = tuple(_episode_stats(env, b) for b in bases)
     return PlanResult(records=tuple(records), episodes=episodes, stats=stats)
 

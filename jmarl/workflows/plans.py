@@ -5,7 +5,8 @@ Plans: independent, tree (AT-GRPO), joint (MAGRPO), node_wise (JoyAgents-R1), sh
 A plan is one value, a `Plan`: its name, its function, its options dataclass and what the
 learner side needs to know about it (whether samples are routed to the policy of their agent,
 how to fill the options' run inputs from a `PlanContext`, a bound on one learner's samples per
-step). Every options dataclass names its group size `group_size` and marks its run inputs
+step, the step's shape bounds for the memory check). `get_plan` also loads your own `Plan`
+given as `package.module:NAME`. Every options dataclass names its group size `group_size` and marks its run inputs
 (fields the run fills in, not user settings) with the field metadata `{"input": True}`
 (`jmarl.workflows.base.input_fields`).
 """
@@ -13,6 +14,7 @@ step). Every options dataclass names its group size `group_size` and marks its r
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -20,11 +22,12 @@ import jax
 
 from jmarl.errors import JmarlError
 from jmarl.workflows.base import PlanResult, Sampler
-from jmarl.workflows.independent import IndependentOptions, sample_independent
-from jmarl.workflows.joint import JointOptions, sample_joint
-from jmarl.workflows.node_wise import NodeWiseOptions, sample_node_wise
-from jmarl.workflows.shared import SharedOptions, sample_shared
-from jmarl.workflows.tree import TreeOptions, sample_tree
+from jmarl.workflows.bounds import BoundsContext, PlanBounds
+from jmarl.workflows.independent import IndependentOptions, independent_bounds, sample_independent
+from jmarl.workflows.joint import JointOptions, joint_bounds, sample_joint
+from jmarl.workflows.node_wise import NodeWiseOptions, node_wise_bounds, sample_node_wise
+from jmarl.workflows.shared import SharedOptions, sample_shared, shared_bounds, shared_rows
+from jmarl.workflows.tree import TreeOptions, sample_tree, tree_bounds
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,15 @@ def _keep(options: Any, context: PlanContext) -> Any:
 class Plan:
     """One sampling plan.
 
-    name: its registry key; run: `(env, seeds, agent_policy, sampler, rng, options) ->
-    PlanResult`; options: its options dataclass; routes_by_agent: whether a sample goes to the
-    policy of the agent that produced it (False for `shared`: every policy answers every
-    prompt of the one agent); bind: `(options, context) -> options` with the run inputs filled
-    in from the `PlanContext`; rows_per_policy: `(options, num_tasks) -> int`, a bound on one
-    learner's samples per step, or None where the plan fixes none.
+    name: its registry key (or the `package.module:NAME` it was loaded as); run: `(env, seeds,
+    agent_policy, sampler, rng, options) -> PlanResult`; options: its options dataclass;
+    routes_by_agent: whether a sample goes to the policy of the agent that produced it (False
+    for `shared`: every policy answers every prompt of the one agent); bind: `(options,
+    context) -> options` with the run inputs filled in from the `PlanContext`;
+    rows_per_policy: `(options, num_tasks) -> int`, a bound on one learner's samples per step
+    the learner pads to, or None where the plan fixes none; bounds: `(options, BoundsContext)
+    -> PlanBounds`, the step's shape bounds the memory check compiles for
+    (`jmarl.workflows.bounds`), or None: the plan runs, its memory cannot be checked.
     """
 
     name: str
@@ -59,6 +65,7 @@ class Plan:
     routes_by_agent: bool = True
     bind: Callable[[Any, PlanContext], Any] = _keep
     rows_per_policy: Callable[[Any, int], int] | None = None
+    bounds: Callable[[Any, BoundsContext], PlanBounds] | None = None
 
 
 def _bind_shared(options: SharedOptions, context: PlanContext) -> SharedOptions:
@@ -67,37 +74,47 @@ def _bind_shared(options: SharedOptions, context: PlanContext) -> SharedOptions:
     return dataclasses.replace(options, num_policies=len(tokenizers), tokenizers=tokenizers)
 
 
-def _shared_rows(options: SharedOptions, num_tasks: int) -> int:
-    """tasks x policies x G when sharing (hacpo, naive; dropped lossy cross samples make it an
-    upper bound), tasks x G (gspo) or tasks x 2G (gspo_2x) otherwise."""
-    sources = options.num_policies if options.shares else 1
-    return num_tasks * sources * options.samples_per_policy
-
-
 PLANS: dict[str, Plan] = {
     plan.name: plan
     for plan in (
-        Plan("independent", sample_independent, IndependentOptions),
-        Plan("tree", sample_tree, TreeOptions),
-        Plan("joint", sample_joint, JointOptions),
-        Plan("node_wise", sample_node_wise, NodeWiseOptions),
+        Plan("independent", sample_independent, IndependentOptions, bounds=independent_bounds),
+        Plan("tree", sample_tree, TreeOptions, bounds=tree_bounds),
+        Plan("joint", sample_joint, JointOptions, bounds=joint_bounds),
+        Plan("node_wise", sample_node_wise, NodeWiseOptions, bounds=node_wise_bounds),
         Plan(
             "shared",
             sample_shared,
             SharedOptions,
             routes_by_agent=False,
             bind=_bind_shared,
-            rows_per_policy=_shared_rows,
+            rows_per_policy=shared_rows,
+            bounds=shared_bounds,
         ),
     )
 }
 
 
 def get_plan(name: str) -> Plan:
-    """The plan registered as `name`; a `JmarlError` naming the known plans otherwise."""
-    if name not in PLANS:
-        raise JmarlError(f"unknown sampling plan {name!r}; known plans: {', '.join(sorted(PLANS))}")
-    return PLANS[name]
+    """The plan `name`: a key of `PLANS`, or `package.module:NAME` naming a `Plan` value (your
+    own plan, as `algo.name` takes your own method); a `JmarlError` naming the choices otherwise."""
+    if name in PLANS:
+        return PLANS[name]
+    if ":" not in name:
+        raise JmarlError(
+            f"unknown sampling plan {name!r}; known plans: {', '.join(sorted(PLANS))} "
+            "(or give your own Plan as 'package.module:NAME')"
+        )
+    module_name, attr = name.split(":", 1)
+    try:
+        value = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise JmarlError(f"workflow.plan {name!r} cannot be imported ({e}); check the module path and name") from None
+    if not isinstance(value, Plan):
+        raise JmarlError(
+            f"workflow.plan {name!r} is a {type(value).__name__}, not a jmarl.workflows.Plan; build one with "
+            "jmarl.workflows.Plan(name=..., run=..., options=...)"
+        )
+    return value
 
 
 def make_options(name: str, **options: Any) -> Any:

@@ -19,19 +19,20 @@ Routing. Every completion goes to every learner k:
   by `policy != source_policy` (and `info["cross"]`); the trainer scores the learner's
   log-probs. Where `tokenizers[k] is tokenizers[j]` the source tokens are reused verbatim.
   Re-tokenisation must round-trip (`decode(encode(text)) == text`); a cross sample whose
-  text does not is dropped (`lossy="drop"`, default, counted in `stats["num_lossy"]`) or kept.
+  text does not is dropped (`lossy="drop"`, default, counted in `stats.num_lossy`) or kept.
 
 Groups. One group per (task, learner): the mixed group of all n*G responses to the task's
 prompt for learner k (`policy = k`). Records are ordered task, learner, source, sample.
 
 Modes (baselines of the paper): `hacpo` shares (every learner gets n*G samples per task);
-`naive` shares identically (the plan output equals hacpo's; the HACPO algorithm turns its
-mechanisms off for it); `gspo` shares nothing (G self samples per learner); `gspo_2x`
-shares nothing and samples 2G per policy. Rollouts generated per step (`stats
-["num_generated"]`): E * n * G (hacpo, naive, gspo) or E * n * 2G (gspo_2x), for E tasks;
-training records: E * n * n * G (hacpo, naive), E * n * G (gspo), E * n * 2G (gspo_2x).
+`gspo` shares nothing (G self samples per learner); `gspo_2x` shares nothing and samples 2G
+per policy. Rollouts generated per step (`stats.num_generated`): E * n * G (hacpo, gspo) or
+E * n * 2G (gspo_2x), for E tasks; training records: E * n * n * G (hacpo), E * n * G (gspo),
+E * n * 2G (gspo_2x). Naive sharing (the paper's ablation) samples exactly as `hacpo`: it is
+the HACPO method's setting (`algo.options.capability_baseline/discrepancy/stepwise_clip:
+false`), not a mode of this plan.
 
-Capability (HACPO step 1). `stats["success_rate"]` holds, per policy, the fraction of its own
+Capability (HACPO step 1). `stats.success_rate` holds, per policy, the fraction of its own
 generations this step with reward > 0. The learner pushes it into HACPO's capability window
 (the algorithm's state, not the plan's) before computing advantages; this plan only reports
 the rates.
@@ -54,6 +55,7 @@ from jmarl.workflows.base import (
     EpisodeStats,
     GroupIds,
     PlanResult,
+    PlanStats,
     SampleRecord,
     Sampler,
     assert_identical_prompts,
@@ -62,11 +64,28 @@ from jmarl.workflows.base import (
     check_choice,
     input_field,
 )
+from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.stepping import step_all
 
-__all__ = ["MODES", "SharedOptions", "TextTokenizer", "retokenize", "sample_shared", "seq_logprob"]
+__all__ = [
+    "MODES", "SharedOptions", "SharedStats", "TextTokenizer", "check_mode", "retokenize", "sample_shared",
+    "seq_logprob",
+]
 
-MODES = ("hacpo", "naive", "gspo", "gspo_2x")
+MODES = ("hacpo", "gspo", "gspo_2x")
+# a mode no longer offered -> where its setting lives now
+REMOVED_MODES = {
+    "naive": "naive sharing samples exactly as mode hacpo and is HACPO's ablation: set mode: hacpo "
+    "and algo.options.capability_baseline/discrepancy/stepwise_clip: false instead",
+}
+
+
+def check_mode(mode: str) -> None:
+    """Raises a `JmarlError` unless `mode` is one of `MODES`, naming the replacement of a
+    removed mode (`REMOVED_MODES`)."""
+    if mode in REMOVED_MODES:
+        raise JmarlError(f"option shared.mode={mode!r} is no longer a mode: {REMOVED_MODES[mode]}")
+    check_choice("shared.mode", mode, MODES)
 
 
 @runtime_checkable
@@ -92,8 +111,8 @@ class TextTokenizer(Protocol):
 class SharedOptions:
     """Options of the `shared` plan (see the module docstring).
 
-    group_size: G >= 1 completions per policy per task; mode: "hacpo" | "naive" | "gspo" |
-    "gspo_2x"; team_weight/local_weight: reward weights; lossy: "drop" | "keep" for cross
+    group_size: G >= 1 completions per policy per task; mode: "hacpo" | "gspo" | "gspo_2x";
+    team_weight/local_weight: reward weights; lossy: "drop" | "keep" for cross
     samples whose text does not round-trip through the learner's tokenizer. Run inputs
     (metadata `{"input": True}`): num_policies: n >= 1 (policy ids 0..n-1, which is how HACPO's
     capability vector P is indexed); tokenizers: policy id -> `TextTokenizer`, needed by the
@@ -113,18 +132,52 @@ class SharedOptions:
             raise JmarlError(f"shared: group_size must be >= 1, got {self.group_size}")
         if self.num_policies < 1:
             raise JmarlError(f"shared: num_policies must be >= 1, got {self.num_policies}")
-        check_choice("shared.mode", self.mode, MODES)
+        check_mode(self.mode)
         check_choice("shared.lossy", self.lossy, ("drop", "keep"))
 
     @property
     def shares(self) -> bool:
-        """Whether learners receive each other's samples (hacpo, naive)."""
-        return self.mode in ("hacpo", "naive")
+        """Whether learners receive each other's samples (hacpo)."""
+        return self.mode == "hacpo"
 
     @property
     def samples_per_policy(self) -> int:
         """Completions each policy generates per task: 2G for gspo_2x, else G."""
         return 2 * self.group_size if self.mode == "gspo_2x" else self.group_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedStats(PlanStats):
+    """The `shared` plan's step report (`PlanStats` plus the fields below).
+
+    num_generated: E * n * G (E * n * 2G for gspo_2x), every policy's own completions;
+    mode: the plan's mode; num_records: the training records routed to all learners (lossy
+    cross samples dropped); num_lossy: cross samples whose text did not round-trip through the
+    learner's tokenizer (dropped or kept, per `lossy`); success_rate: per policy (indexed by
+    policy id), the fraction of its own completions with reward > 0 (what HACPO's capability
+    window takes); reward_mean: per policy, the mean reward of its own completions.
+    """
+
+    mode: str
+    num_records: int
+    num_lossy: int
+    success_rate: tuple[float, ...]
+    reward_mean: tuple[float, ...]
+
+
+def shared_rows(options: SharedOptions, num_tasks: int) -> int:
+    """One learner's samples per step: tasks x policies x G when sharing (hacpo; dropped lossy
+    cross samples make it an upper bound), tasks x G (gspo) or tasks x 2G (gspo_2x) otherwise."""
+    sources = options.num_policies if options.shares else 1
+    return num_tasks * sources * options.samples_per_policy
+
+
+def shared_bounds(options: SharedOptions, ctx: BoundsContext) -> PlanBounds:
+    """Rows `shared_rows` per policy, G per prompt (groups may be cut by lossy drops); one call
+    of E x G rows per policy."""
+    g = options.samples_per_policy
+    return PlanBounds(rows=shared_rows(options, ctx.num_tasks), share=g, aligned=False,
+                      calls=((tuple(ctx.num_tasks * g for _ in ctx.policy_ids), g),))
 
 
 def sample_shared(
@@ -230,14 +283,14 @@ def sample_shared(
                     )
     assert_identical_prompts(records)
     success = tuple(float(np.mean(rewards[:, j] > 0)) if seeds else 0.0 for j in range(n))
-    stats = {
-        "mode": options.mode,
-        "num_generated": len(seeds) * n * g,
-        "num_records": len(records),
-        "num_lossy": num_lossy,
-        "success_rate": success,
-        "reward_mean": tuple(float(rewards[:, j].mean()) if seeds else 0.0 for j in range(n)),
-    }
+    stats = SharedStats(
+        num_generated=len(seeds) * n * g,
+        mode=options.mode,
+        num_records=len(records),
+        num_lossy=num_lossy,
+        success_rate=success,
+        reward_mean=tuple(float(rewards[:, j].mean()) if seeds else 0.0 for j in range(n)),
+    )
     return PlanResult(records=tuple(records), episodes=tuple(episodes), stats=stats)
 
 

@@ -35,6 +35,7 @@ from jmarl.errors import JmarlError
 from jmarl.workflows.base import (
     GroupIds,
     PlanResult,
+    PlanStats,
     SampleRecord,
     Sampler,
     assert_identical_prompts,
@@ -42,6 +43,7 @@ from jmarl.workflows.base import (
     check_choice,
     resolve_max_turns,
 )
+from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.episodes import (
     EpisodeTrace,
     choose_best,
@@ -81,6 +83,14 @@ class TreeOptions:
         check_choice("tree.select", self.select, ("best", "sampled", "first"))
         check_choice("tree.reward_mode", self.reward_mode, ("immediate", "return_to_go"))
         check_choice("tree.return_scope", self.return_scope, ("path", "agent"))
+
+
+def tree_bounds(options: TreeOptions, ctx: BoundsContext) -> PlanBounds:
+    """Rows E x T x K x a per policy, K per node (a node's candidates); one call per acting agent
+    of E x K rows (a parallel env: E x a x K)."""
+    e, k = ctx.num_tasks, options.group_size
+    return PlanBounds(rows=e * ctx.turns * k * ctx.max_agents, share=k, aligned=True,
+                      calls=ctx.per_agent_calls(e * k, k))
 
 
 def sample_tree(
@@ -137,7 +147,8 @@ def sample_tree(
                 )
     assert_identical_prompts(records)
     episodes = tuple(episode_stats(env, trace) for trace in traces)
-    return PlanResult(records=tuple(records), episodes=episodes)
+    # every candidate of every node is a record: one record per sampled completion
+    return PlanResult(records=tuple(records), episodes=episodes, stats=PlanStats(num_generated=len(records)))
 
 
 def _future_returns(trace: EpisodeTrace, options: TreeOptions) -> list[float]:

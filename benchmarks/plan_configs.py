@@ -1,9 +1,9 @@
 """Per-device memory of the paper-scale configs and of the presets at 1, 8 and 64 devices, by
-`python -m jmarl.plan` (XLA's compiled memory analysis on simulated CPU devices).
+`python -m jmarl.memory_check` (XLA's compiled memory analysis on simulated CPU devices).
 
     python -m benchmarks.plan_configs [--out benchmarks/results/plan] [--only NAME ...]
 
-Each row runs `python -m jmarl.plan --config X --devices N --device-memory 80GiB --json ...` in
+Each row runs `python -m jmarl.memory_check --config X --devices N --device-memory 80GiB --json ...` in
 its own process (the device count is fixed when JAX starts) and records its JSON, with the
 command, the UTC date it started and the git commit; the table gives each run's largest peak per
 device (program and figure), the headroom left of 80 GiB, and whether it fits with the plan's 10%
@@ -67,7 +67,7 @@ def plan(config: str, devices: int, overrides: tuple[str, ...], out: Path, commi
     code, the command, the UTC date it started and the code it planned with."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "jmarl.plan", "--config", config, *overrides,
+    cmd = [sys.executable, "-m", "jmarl.memory_check", "--config", config, *overrides,
            "--devices", str(devices), "--device-memory", DEVICE_MEMORY, "--json", str(out)]
     started = utc_now()
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +85,7 @@ def plan(config: str, devices: int, overrides: tuple[str, ...], out: Path, commi
         raise SystemExit(f"{' '.join(cmd)} wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     record = json.loads(out.read_text())
     record["exit_code"] = proc.returncode
-    record["command"] = "python -m jmarl.plan " + " ".join(cmd[3:-2])
+    record["command"] = "python -m jmarl.memory_check " + " ".join(cmd[3:-2])
     record["date"] = started
     record["git"] = code
     out.write_text(json.dumps(record, indent=2))

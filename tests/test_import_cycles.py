@@ -1,15 +1,11 @@
 """Dependencies inside `jmarl/` point one way: no import cycle between its modules, read from
-the AST (every `import`, at module level or inside a function, counts).
-
-One cycle is known and tracked (the memory planner builds the trainer, the trainer's memory
-check calls the planner back): it is the only one allowed until the planner becomes a leaf."""
+the AST (every `import`, at module level or inside a function, counts)."""
 
 import ast
 import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jmarl"
-KNOWN_CYCLES = [{"jmarl.plan", "jmarl.train.trainer"}]
 
 
 def _modules() -> dict[str, Path]:
@@ -83,10 +79,8 @@ def import_cycles() -> list[set[str]]:
     return cycles
 
 
-def test_no_import_cycle_but_the_tracked_one():
-    cycles = import_cycles()
-    assert [c for c in cycles if c not in KNOWN_CYCLES] == [], "new import cycle(s) inside jmarl/"
-    assert cycles == KNOWN_CYCLES or cycles == [], "a tracked cycle is gone: remove it from KNOWN_CYCLES"
+def test_no_import_cycle():
+    assert import_cycles() == [], "import cycle(s) inside jmarl/"
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
@@ -99,3 +93,33 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
     (package / "c.py").write_text("import jmarl.a\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
     assert import_cycles() == [{"jmarl.a", "jmarl.sub.b"}]  # c imports a, sub imports b: neither is in it
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def imports_into(source: str, target: str) -> dict[str, set[str]]:
+    """Module of package `source` (dotted) -> the modules of package `target` it imports (only
+    those that import any), read like `import_cycles` (imports inside functions count)."""
+    modules = _modules()
+    found = {name: {m for m in _imported(name, path, modules) if _inside(m, target)}
+             for name, path in modules.items() if _inside(name, source)}
+    return {name: targets for name, targets in found.items() if targets}
+
+
+def test_sharding_does_not_import_the_models():
+    """models -> sharding, one way: the specs take the axis trees the model declares as arguments."""
+    assert imports_into("jmarl.sharding", "jmarl.models") == {}, "jmarl/sharding imports jmarl.models"
+
+
+def test_the_checker_sees_sharding_import_a_model(tmp_path, monkeypatch):
+    package = tmp_path / "jmarl"
+    for sub in ("models", "sharding"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "models" / "model.py").write_text("from jmarl.sharding import specs\n")  # the allowed way
+    (package / "sharding" / "specs.py").write_text("def f():\n    from ..models.model import g\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    assert imports_into("jmarl.sharding", "jmarl.models") == {"jmarl.sharding.specs": {"jmarl.models.model"}}

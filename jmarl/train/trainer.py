@@ -28,11 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl import algos, envs, models, workflows
+from jmarl import memory_check
 from jmarl import sharding as sharding_lib
 from jmarl.algos.method import MethodContext
-from jmarl.config import Config, algo_options, dump_yaml, plan_options
-from jmarl.envs.sandbox import run_summary as sandbox_summary
+from jmarl.config import Config, algo_options, dump_yaml, parse_bytes, plan_options
 from jmarl.errors import JmarlError
+from jmarl.memory_check import Program, ProgramMemory
+from jmarl.sandbox import run_summary as sandbox_summary
 from jmarl.sharding import shard_trainer, to_host
 from jmarl.train.build import build_policies, init_state
 from jmarl.train.checkpoint import Checkpointer
@@ -52,23 +54,13 @@ from jmarl.train.metrics import (
 )
 from jmarl.train.optim import make_optimizer
 from jmarl.train.packing import token_utilization
+from jmarl.train.programs import trainer_programs
 from jmarl.train.progress import ProgressBar, say
-from jmarl.train.sampling import ModelSampler, SamplingSettings, encode_prompt
-from jmarl.workflows import build_rollouts, summarize
+from jmarl.train.sampling import ModelSampler, encode_prompt
+from jmarl.workflows import build_rollouts, plan_metrics, summarize
 from jmarl.workflows.plans import PlanContext, get_plan
 
 log = logging.getLogger(__name__)
-
-
-def check_pairing(method: algos.Method, plan: workflows.Plan) -> None:
-    """JmarlError unless `method` can learn from `plan`'s samples (its `plans`, or by default
-    any plan that routes prompts by agent)."""
-    if method.plans is None and plan.routes_by_agent:
-        return
-    if method.plans is not None and plan.name in method.plans:
-        return
-    fits = sorted(method.plans) if method.plans is not None else "a plan that routes by agent"
-    raise JmarlError(f"workflow.plan {plan.name!r} cannot train algo.name {method.name!r}: it takes {fits}")
 
 
 class Trainer:
@@ -76,7 +68,7 @@ class Trainer:
 
     def __init__(self, config: Config, *, abstract: bool = False):
         """abstract: build the run's device functions over `jax.ShapeDtypeStruct` states (sharded
-        like the real ones) and write nothing: what `jmarl.plan` compiles; it cannot train."""
+        like the real ones) and write nothing: what `jmarl.memory_check` compiles; it cannot train."""
         self.config, self.abstract = config, abstract
         self.out = Path(config.output_dir)
         if not abstract:
@@ -84,7 +76,7 @@ class Trainer:
         self.env = envs.make(config.env.name, **dict(config.env.options))
         self.method = algos.get_method(config.algo.name)
         self.plan = get_plan(config.workflow.plan)
-        check_pairing(self.method, self.plan)
+        self.method.check_plan(self.plan)
         self.key = jax.random.key(config.seed)
         o = config.optim
         self.optimizer = make_optimizer(
@@ -102,15 +94,15 @@ class Trainer:
         names = self.policies.policy_names
         tokenizers = {p: self.policies.group_of(p).tokenizer for p in range(len(names))}
         self.plan_opts = self.plan.bind(plan_options(config), PlanContext(tokenizers=tokenizers))
-        self.algo_cfg = self.method.configure(algo_cfg, self.plan_opts)
+        self.algo_cfg = algo_cfg
         context = MethodContext(num_policies=len(names), group_size=config.workflow.group_size, plan_options=self.plan_opts)
         self.method_state = self.method.init_state(self.algo_cfg, context)
         self.rollouts_generated = 0
         s = config.sampling
         self.temperature = s.temperature if s.temperature > 0 else 1.0
-        self.sampler = ModelSampler(self.policies, SamplingSettings.from_config(s))
         self.parts = o.minibatches * o.grad_accum
         run_mesh = sharding_lib.mesh_from_config(config.mesh)
+        self.sampler = ModelSampler(self.policies, s, mesh=run_mesh)  # rows and KV cache sharded over the mesh
         self.fns = [
             build_group_fns(
                 g, self.method, self.algo_cfg, self.optimizer, self.sft_optimizer, temperature=self.temperature,
@@ -118,8 +110,7 @@ class Trainer:
             )
             for g in self.policies.groups
         ]
-        self.mesh = shard_trainer(self)  # config.mesh: shard states, run updates with in/out shardings
-        self.sampler.mesh = self.mesh  # generation rows and KV cache sharded over the same mesh
+        self.mesh = shard_trainer(self, models.param_axes)  # config.mesh: shard states, run updates with in/out shardings
         self.checkpointer = None if abstract else Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False
@@ -236,9 +227,9 @@ class Trainer:
         # the method's state learns from the plan before any advantage (HACPO's window, the memory)
         self.method_state, method_metrics = self.method.after_plan(self.algo_cfg, self.method_state, result, self.step)
         metrics.update(method_metrics)
-        generated = int(result.stats.get("num_generated", len(result.records)))
+        generated = result.stats.num_generated
         self.rollouts_generated += generated
-        metrics.update({f"plan/{k}": float(v) for k, v in result.stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        metrics.update(plan_metrics(result.stats))  # plan/<name> for each number the plan reports
         metrics.update({"rollout/generated": float(generated), "rollout/generated_total": float(self.rollouts_generated),
                         "rollout/samples": float(len(result.records)), **timings,
                         "rollout/new_tokens_per_s": self.sampler.new_tokens / max(timings["time/generate"], 1e-9)})
@@ -319,22 +310,28 @@ class Trainer:
 
     # ---- the loop
 
-    def check_memory(self) -> list[Any]:
-        """Before step 0: when train.memory_check is "on", or "auto" on an accelerator, compiles
-        the run's programs for the real devices (`jmarl.plan`) and raises JmarlError, naming the
-        program and the settings to change, when one would not fit in train.device_memory (else
-        the device's own) less train.memory_headroom. Returns the per-program figures ([] when off)."""
-        mode = self.config.train.memory_check
-        if mode == "off" or (mode == "auto" and jax.default_backend() == "cpu"):
-            return []
-        from jmarl import plan
+    def programs(self) -> list[Program]:
+        """Every program a step (and the warm start) runs, per policy group, with abstract
+        arguments and the shapes they are compiled for (`jmarl.train.programs`); what the memory
+        check compiles. Nothing is compiled or allocated here."""
+        return trainer_programs(self)
 
-        return plan.check_trainer(self)
+    def check_memory(self) -> list[ProgramMemory]:
+        """Before step 0: when train.memory_check is "on", or "auto" on an accelerator, compiles
+        the run's programs for the real devices (`jmarl.memory_check`) and raises JmarlError,
+        naming the program and the settings to change, when one would not fit in
+        train.device_memory (else the device's own) less train.memory_headroom. Returns the
+        per-program figures ([] when off)."""
+        t = self.config.train
+        if t.memory_check == "off" or (t.memory_check == "auto" and jax.default_backend() == "cpu"):
+            return []
+        limit = None if t.device_memory is None else parse_bytes(t.device_memory)
+        return memory_check.check(self.programs(), limit, t.memory_headroom)
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
         if self.abstract:
-            raise JmarlError("this Trainer was built with abstract=True (for jmarl.plan); build Trainer(config) to train")
+            raise JmarlError("this Trainer was built with abstract=True (for jmarl.memory_check); build Trainer(config) to train")
         t_start = time.perf_counter()
         self.check_memory()
         (self.out / "config.yaml").write_text(dump_yaml(cfg))

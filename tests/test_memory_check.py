@@ -1,4 +1,4 @@
-"""`python -m jmarl.plan` and the trainer's memory check before step 0, on a tiny model over
+"""`python -m jmarl.memory_check` and the trainer's memory check before step 0, on a tiny model over
 the 8 simulated CPU devices (data=2, fsdp=2): the planned programs are the trainer's own."""
 
 import dataclasses
@@ -14,14 +14,19 @@ import numpy as np
 import pytest
 import yaml
 
-from jmarl import plan
+from _tiny_models import TINY_PRESET
+from jmarl import memory_check
 from jmarl.config import load_config
 from jmarl.errors import JmarlError
+from jmarl.memory_check import cli
 from jmarl.models import sampler as sampler_lib
 from jmarl.rollouts import make_rollouts
 from jmarl.sharding import device_bytes, mesh_context, mesh_of
+from jmarl.train import programs as programs_lib
 from jmarl.train.learner import learner_batch, score_batch
 from jmarl.train.trainer import Trainer
+from jmarl.workflows.bounds import BoundsContext
+from jmarl.workflows.plans import PLANS
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -30,14 +35,13 @@ RUN = {
     "seed": 0,
     "env": {"name": "_toy_env:Letters"},  # two sequential agents, one turn
     "algo": {"name": "at_grpo"},
-    "model": {"preset": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                         "num_heads": 2, "num_kv_heads": 1}},
+    "model": {"preset": TINY_PRESET},
     "tokenizer": "char",
     "workflow": {"plan": "tree", "group_size": 4, "num_tasks": 2},
     "policies": {"mode": "per_agent"},  # one stacked group of two policies
     "sampling": {"max_new_tokens": 8, "max_prompt_len": 48},
     "optim": {"minibatches": 2},
-    "train": {"steps": 1, "kl_beta": 0.01, "warm_start": {"steps": 1, "demos": 2}},
+    "train": {"steps": 1, "kl_coef": 0.01, "warm_start": {"steps": 1, "demos": 2}},
     "logging": {"progress": False, "tensorboard": False, "plots": False},
     "mesh": {"data": 2, "fsdp": 2},
 }
@@ -55,17 +59,48 @@ def run_yaml(tmp_path_factory):
 @pytest.fixture(scope="module")
 def planned(run_yaml):
     """(abstract trainer, its programs, their figures)."""
-    config, notes = plan.load_plan_config(str(run_yaml), [f"output_dir={run_yaml.parent / 'abstract'}"])
+    config, notes = cli.load_config_for_check(str(run_yaml), [f"output_dir={run_yaml.parent / 'abstract'}"])
     assert notes == []
     trainer = Trainer(config, abstract=True)
     assert not trainer.out.exists() and trainer.checkpointer is None  # an abstract trainer writes nothing
-    programs = plan.trainer_programs(trainer)
-    return trainer, programs, [plan.analyse(p) for p in programs]
+    programs = trainer.programs()
+    return trainer, programs, [memory_check.analyse(p) for p in programs]
 
 
 @pytest.fixture(scope="module")
 def real(run_yaml):
     return Trainer(load_config(run_yaml))
+
+
+def test_plans_declare_their_bounds():
+    # two sequential agents with a policy each, E = 2 tasks, T = 1 turn, K = G = 4
+    ctx = BoundsContext(num_tasks=2, turns=1, order=(0, 1), agent_policy=(0, 1), policy_ids=(0, 1), parallel=False)
+    tree = PLANS["tree"].bounds(PLANS["tree"].options(group_size=4), ctx)
+    assert (tree.rows, tree.share, tree.aligned) == (2 * 1 * 4 * 1, 4, True)
+    assert tree.calls == (((8, 0), 4), ((0, 8), 4))  # one call per acting agent, E x K rows
+    both = BoundsContext(num_tasks=2, turns=1, order=(0, 1), agent_policy=(0, 1), policy_ids=(0, 1), parallel=True)
+    assert PLANS["tree"].bounds(PLANS["tree"].options(group_size=4), both).calls == (((8, 8), 4),)
+    joint = PLANS["joint"].bounds(PLANS["joint"].options(group_size=3, joint_mode="cross"), ctx)
+    assert (joint.rows, joint.share) == (2 * 3 * 1 * 1, 3) and joint.calls == (((6, 6), 3),)
+
+
+def test_a_plan_of_your_own_is_checked_through_its_bounds(run_yaml, planned, tmp_path, monkeypatch):
+    """workflow.plan: package.module:NAME works as algo.name does, memory check included: the
+    run's programs come from the plan's own bounds; a plan without bounds says what to do."""
+    trainer, programs, _ = planned
+    (tmp_path / "my_plans.py").write_text(
+        "import dataclasses\nfrom jmarl.workflows.plans import PLANS\n"
+        "MY_TREE = dataclasses.replace(PLANS['tree'], name='my_tree')\n"
+        "NO_BOUNDS = dataclasses.replace(PLANS['tree'], name='no_bounds', bounds=None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = f"output_dir={tmp_path / 'abstract'}"
+    config, _ = cli.load_config_for_check(str(run_yaml), [out, "workflow.plan=my_plans:MY_TREE"])
+    mine = Trainer(config, abstract=True)
+    assert mine.plan.name == "my_tree"
+    assert [(p.program, p.shapes) for p in mine.programs()] == [(p.program, p.shapes) for p in programs]
+    config, _ = cli.load_config_for_check(str(run_yaml), [out, "workflow.plan=my_plans:NO_BOUNDS"])
+    with pytest.raises(JmarlError, match="'no_bounds' declares no step bounds .*set train.memory_check=off$"):
+        Trainer(config, abstract=True).programs()
 
 
 def _figures(m):
@@ -77,12 +112,12 @@ def test_plan_figures_equal_the_real_trainers_programs_compiled_directly(planned
     trainer, _, figures = planned
     assert [f.program for f in figures] == PROGRAMS
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainer.policies.groups[0].state))
-    real_programs = plan.trainer_programs(real)  # real arrays: abstract args from their own shardings
+    real_programs = real.programs()  # real arrays: abstract args from their own shardings
     assert real_programs[-1].jitted is real.fns[0].update.jitted  # the trainer's own update
     for want, p in zip(figures, real_programs):
         with mesh_context(mesh_of(p.args)):  # as the run calls it (ShardedFn enters its mesh)
             lowered = p.jitted.lower(*p.args)
-        stats = lowered.compile(compiler_options=plan.CPU_FAST_COMPILE).memory_analysis()
+        stats = lowered.compile(compiler_options=memory_check.CPU_FAST_COMPILE).memory_analysis()
         got = (stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.output_size_in_bytes,
                stats.alias_size_in_bytes, p.resident)
         assert got == _figures(want), p.program
@@ -160,7 +195,7 @@ def test_fast_cpu_compile_options_leave_the_memory_figures_unchanged():
         return jax.tree.map(lambda x, g: x - 0.1 * g, (q, k, v), grads)
 
     jitted = jax.jit(step, donate_argnums=(0, 1, 2))
-    fast = plan.analyse(plan.Program("step", "g", jitted, (q, kv, kv, lengths), resident=0, shapes={}))
+    fast = memory_check.analyse(memory_check.Program("step", "g", jitted, (q, kv, kv, lengths), resident=0, shapes={}))
     stats = jitted.lower(q, kv, kv, lengths).compile().memory_analysis()  # default options
     default = (stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.output_size_in_bytes,
                stats.alias_size_in_bytes, 0)
@@ -175,8 +210,8 @@ def test_packed_bounds_hold_for_the_worst_layout(rows, share, parts, aligned, pa
     completions (4) take the longest lengths, wherever the groups start."""
     from jmarl.train.packing import pack
 
-    u = plan.prefixes_per_part(rows // parts, share, aligned)
-    bound_rows, width, preds = plan.packed_bounds(rows // parts, u, share, 6, 4, packed_rows)
+    u = programs_lib.prefixes_per_part(rows // parts, share, aligned)
+    bound_rows, width, preds = programs_lib.packed_bounds(rows // parts, u, share, 6, 4, packed_rows)
     for offset in range(share):  # where the first group starts: groups may straddle micro-batches
         ids = (np.arange(rows) + offset) // share
         tokens = np.stack([np.full(6, 1 + i, np.int32) for i in ids])
@@ -222,7 +257,7 @@ def test_generation_program_is_the_samplers_call(real, monkeypatch):
 @pytest.mark.slow
 def test_cli_fits_and_writes_json(run_yaml, tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert plan.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1GiB", "--json", str(out)]) == 0
+    assert cli.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1GiB", "--json", str(out)]) == 0
     text = capsys.readouterr()
     assert "update [per_agent]" in text.out and "fits" in text.out and text.err == ""
     doc = json.loads(out.read_text())
@@ -237,7 +272,7 @@ def test_cli_fits_and_writes_json(run_yaml, tmp_path, capsys):
 @pytest.mark.slow
 def test_cli_does_not_fit_one_line(run_yaml, capsys):
     # without a warm start the update is the largest program (their sizes are close at this scale)
-    assert plan.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1MiB", "train.warm_start.steps=0"]) == 2
+    assert cli.main(["--config", str(run_yaml), "--devices", "8", "--device-memory", "1MiB", "train.warm_start.steps=0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "update of group 'per_agent' needs" in err[0] and "over 921.6 KiB (1 MiB less 10% headroom)" in err[0]
@@ -251,7 +286,7 @@ def test_cli_does_not_fit_one_line(run_yaml, capsys):
     (["model.preset=null", "model.path=/nowhere/my-model"], "matches no preset"),
 ])
 def test_cli_bad_input_one_line(run_yaml, capsys, overrides, words):
-    assert plan.main(["--config", str(run_yaml), "--devices", "8", *overrides]) == 2
+    assert cli.main(["--config", str(run_yaml), "--devices", "8", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0]
 
@@ -260,7 +295,7 @@ def test_cli_in_a_fresh_process_simulates_devices(run_yaml, tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}")
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
-        [sys.executable, "-m", "jmarl.plan", "--config", str(run_yaml), "--devices", "4", "mesh.data=1", "mesh.fsdp=8"],
+        [sys.executable, "-m", "jmarl.memory_check", "--config", str(run_yaml), "--devices", "4", "mesh.data=1", "mesh.fsdp=8"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
     )
     assert done.returncode == 2
@@ -271,11 +306,11 @@ def test_cli_in_a_fresh_process_simulates_devices(run_yaml, tmp_path):
 
 
 def test_missing_checkpoint_plans_with_the_matching_preset():
-    data, notes = plan.resolve_models({"model": {"path": "checkpoints/Qwen3-1.7B"}, "tokenizer": None})
+    data, notes = cli.resolve_models({"model": {"path": "checkpoints/Qwen3-1.7B"}, "tokenizer": None})
     assert data["model"] == {"path": None, "preset": "qwen3-1.7b"} and data["tokenizer"] == "char"
     assert notes == ["model.path checkpoints/Qwen3-1.7B not found: planning with preset qwen3-1.7b's shapes"]
     with pytest.raises(JmarlError, match="matches no preset"):
-        plan.resolve_models({"model": {"path": "checkpoints/gpt-5"}})
+        cli.resolve_models({"model": {"path": "checkpoints/gpt-5"}})
 
 
 @pytest.mark.slow
@@ -292,10 +327,10 @@ def test_trainer_checks_memory_before_step_0(run_yaml, real):
 def test_continuous_engine_plans_its_prefill_and_decode_programs(run_yaml):
     from jmarl.models import engine
 
-    config, _ = plan.load_plan_config(str(run_yaml), [f"output_dir={run_yaml.parent / 'engine'}",
+    config, _ = cli.load_config_for_check(str(run_yaml), [f"output_dir={run_yaml.parent / 'engine'}",
                                                       "sampling.engine=continuous", "sampling.kv_budget_bytes=64KiB"])
     trainer = Trainer(config, abstract=True)
-    programs = [p for p in plan.trainer_programs(trainer) if p.program.startswith(("engine", "generate"))]
+    programs = [p for p in trainer.programs() if p.program.startswith(("engine", "generate"))]
     assert [p.program for p in programs] == ["engine_prefill", "engine_decode"]
     decode = programs[1]
     slots = decode.shapes["slots"]
@@ -309,7 +344,7 @@ def test_continuous_engine_plans_its_prefill_and_decode_programs(run_yaml):
     assert state.pool.cache.keys[0].shape[0] == entries and state.pool.cache.values[0].shape[2] == decode.shapes["P"]
     for buf in (state.cache.keys[0], state.pool.cache.keys[0]):  # slots and entries over data x fsdp
         assert buf.sharding.shard_shape(buf.shape)[0] == buf.shape[0] // 4
-    figures = [plan.analyse(p) for p in programs]
+    figures = [memory_check.analyse(p) for p in programs]
     kv_per_device = (slots * engine.slot_bytes(model, decode.shapes["G"] + 1)
                      + entries * engine.entry_bytes(model, decode.shapes["P"])) // 4
     for f in figures:

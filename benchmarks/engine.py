@@ -94,8 +94,9 @@ def run_engine(config, params, prompts, lengths, rng):
     from jmarl.models import engine
 
     start = time.perf_counter()
-    res = engine.run(config, params, prompts, 1, rng, max_new_tokens=int(lengths.max()), temperature=1.0,
-                     num_slots=SLOTS, chunk_steps=CHUNK_STEPS, limits=lengths.tolist())
+    spec = engine.EngineSpec(max_new_tokens=int(lengths.max()), temperature=1.0, num_slots=SLOTS,
+                             chunk_steps=CHUNK_STEPS)
+    res = engine.run(config, params, prompts, 1, rng, spec, limits=lengths.tolist())
     seconds = time.perf_counter() - start
     made = sum(len(c[0][0]) for c in res.completions)
     assert made == int(lengths.sum()), (made, int(lengths.sum()))
@@ -119,7 +120,9 @@ def quickstart(steps: int = 2, repeats: int = 3) -> dict:
     the same policies (one untimed warm-up pass each, then `repeats` timed passes A B A B).
     Greedy agreement of the two is checked on the recorded requests too."""
     from jmarl.config import load_config
-    from jmarl.train.sampling import ModelSampler, SamplingSettings
+    import dataclasses
+
+    from jmarl.train.sampling import ModelSampler
     from jmarl.train.trainer import Trainer
 
     config = load_config("configs/quickstart.yaml", ["train.warm_start.steps=0", "output_dir=/tmp/jmarl-engine-bench",
@@ -137,8 +140,8 @@ def quickstart(steps: int = 2, repeats: int = 3) -> dict:
     for _ in range(steps):
         trainer.rl_step()
         trainer.step += 1
-    base = SamplingSettings.from_config(config.sampling)
-    samplers = {name: ModelSampler(trainer.policies, SamplingSettings(**{**base.__dict__, "engine": name}))
+    base = config.sampling
+    samplers = {name: ModelSampler(trainer.policies, dataclasses.replace(base, engine=name))
                 for name in ("static", "continuous")}
 
     def replay(sampler) -> float:
@@ -163,8 +166,7 @@ def quickstart(steps: int = 2, repeats: int = 3) -> dict:
                      **{k: v for k, v in stats.items() if k.startswith("rollout/")}}
         out[name]["median_seconds"] = med
     out["ratio"] = out["static"]["median_seconds"] / out["continuous"]["median_seconds"]
-    greedy = {name: ModelSampler(trainer.policies, SamplingSettings(**{**base.__dict__, "engine": name,
-                                                                      "temperature": 0.0}))
+    greedy = {name: ModelSampler(trainer.policies, dataclasses.replace(base, engine=name, temperature=0.0))
               for name in samplers}
     requests, n, rng = calls[0]
     a, b = (greedy[name].sample(requests, n, rng) for name in ("static", "continuous"))

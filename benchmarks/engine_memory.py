@@ -67,9 +67,9 @@ def program_memory(config, slots: int, entries: int, prompt_len: int, new_tokens
     params = jax.eval_shape(lambda: models.init(config, jax.random.key(0)))
     out = {"slots": slots, "entries": entries, "max_prefill": max_prefill,
            "state_bytes": engine.engine_bytes(config, slots, entries, prompt_len, new_tokens)}
-    for name, fn, args in engine.planned_programs(config, params, slots=slots, entries=entries,
-                                                  prompt_len=prompt_len, max_new_tokens=new_tokens,
-                                                  max_prefill=max_prefill):
+    spec = engine.EngineSpec(max_new_tokens=new_tokens, max_prefill=max_prefill)
+    for name, fn, args in engine.planned_programs(config, params, spec, slots=slots, entries=entries,
+                                                  prompt_len=prompt_len):
         t0 = time.perf_counter()
         analysis = fn.lower(*args).compile().memory_analysis()
         out[name] = {"argument_bytes": int(analysis.argument_size_in_bytes),

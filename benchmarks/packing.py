@@ -24,7 +24,6 @@ Writes benchmarks/results/packing.json.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from typing import Any
 

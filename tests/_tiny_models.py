@@ -1,5 +1,7 @@
-"""Builders of tiny random HF checkpoints (Llama with llama3 RoPE scaling, Qwen2, Qwen3) for
-tests; each directory also holds the CharTokenizer, saved in HF format."""
+"""Tiny models for tests, written once: builders of tiny random HF checkpoints (Llama with
+llama3 RoPE scaling, Qwen2, Qwen3; each directory also holds the CharTokenizer, saved in HF
+format), the one-layer `model.preset` the run-level tests train (`TINY_PRESET`) and the
+two-layer qwen3-style `ModelConfig` of the device-level tests (`tiny_qwen3`)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,20 @@ TOKENIZER_CORPUS = [
 ]
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+
+# model.preset of the run-level tests (trainer, CLI, memory check, a user's method): one layer
+TINY_PRESET: dict[str, Any] = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                               "num_heads": 2, "num_kv_heads": 1}
+
+
+def tiny_qwen3(vocab_size: int = 64, **changes: Any):
+    """The two-layer qwen3-style `jmarl.models.ModelConfig` of the device-level tests (q/k norms,
+    an o_proj bias); vocab_size 99 is the CharTokenizer's."""
+    from jmarl.models import ModelConfig
+
+    fields = dict(model_type="qwen3", vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True)
+    return ModelConfig(**{**fields, **changes})
 
 
 def hf_config(family: str, **overrides: Any):

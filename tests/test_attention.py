@@ -14,7 +14,8 @@ from jmarl.errors import JmarlError
 from jmarl.models import attention as attn
 from jmarl.models import load_hf, prefix_token_logprobs, sampler, token_logprobs
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import empty_cache, init
+from jmarl.models.kv_cache import empty_cache
+from jmarl.models.model import init
 
 LONG = 1024  # tokens per row: two blocks of the blockwise form
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _tiny_models import TINY_PRESET
+
 pytestmark = pytest.mark.slow  # a whole training run through the CLI, in a subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +58,7 @@ def test_a_users_method_trains_through_the_cli(tmp_path):
         "seed": 0, "output_dir": str(out),
         "env": {"name": "_toy_env:Letters"},
         "algo": {"name": "my_method:REINFORCE", "options": {"scale": 2.0}},
-        "model": {"preset": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                             "num_heads": 2, "num_kv_heads": 1}},
+        "model": {"preset": TINY_PRESET},
         "tokenizer": "char",
         "workflow": {"plan": "independent", "group_size": 4, "num_tasks": 2},
         "sampling": {"max_new_tokens": 8, "max_prompt_len": 64},

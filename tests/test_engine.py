@@ -3,23 +3,23 @@ sampled log-probs equal to re-scoring, reproducible across slot counts, refills,
 prompts prefilled once, the KV budget, the ModelSampler integration and its stats, and the engine on
 a mesh of 8 simulated devices (slots split over data x fsdp, equal to one device; its planned programs)."""
 
+import dataclasses
 import types
 
 import jax
 import numpy as np
 import pytest
 
+from _tiny_models import tiny_qwen3
 from jmarl import models
 from jmarl.errors import JmarlError
 from jmarl.rollouts import bucket_length
 from jmarl.models import engine
 from jmarl.train.policies import PolicyGroup, PolicySet, stack
-from jmarl.train.sampling import ModelSampler, SamplingSettings, left_pad
+from jmarl.config import SamplingConfig
+from jmarl.train.sampling import ModelSampler, left_pad
 
-TINY = models.ModelConfig(
-    model_type="qwen3", vocab_size=99, hidden_size=32, intermediate_size=64, num_layers=2,  # vocab: CharTokenizer's
-    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True,
-)
+TINY = tiny_qwen3(vocab_size=99)  # the CharTokenizer's vocabulary
 PARAMS = jax.jit(models.init, static_argnums=0)(TINY, jax.random.key(0))
 N_NEW = 10
 
@@ -63,8 +63,8 @@ def _count_shrinks(monkeypatch) -> list[int]:
 def test_greedy_equals_static_sampler_with_refills_and_stops():
     prompts = _prompts(6)
     stop = _stop_token()
-    res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), max_new_tokens=N_NEW, temperature=0.0,
-                     stop_tokens=(stop,), num_slots=4, chunk_steps=4)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), num_slots=4, chunk_steps=4)
+    res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), spec)
     assert res.stats.prefills > 1 and res.stats.rows == 6
     lengths = []
     for r, prompt in enumerate(prompts):
@@ -86,8 +86,8 @@ def _rescored(prompt, completion, temperature):
 
 def test_sampled_logprobs_equal_rescoring_under_truncation():
     prompts = _prompts(3, seed=1)
-    res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(2), max_new_tokens=N_NEW, temperature=0.7,
-                     top_k=5, top_p=0.9, num_slots=4, chunk_steps=4)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.7, top_k=5, top_p=0.9, num_slots=4, chunk_steps=4)
+    res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(2), spec)
     for r, prompt in enumerate(prompts):
         for tokens, logprobs in res.completions[r]:
             assert len(tokens) == N_NEW
@@ -102,8 +102,9 @@ def test_same_seed_same_outputs_whatever_the_slots(monkeypatch):
     shrinks = _count_shrinks(monkeypatch)
 
     def sample(slots, chunk, shrink=True):
-        return engine.run(TINY, PARAMS, prompts, 3, jax.random.key(7), max_new_tokens=N_NEW, temperature=1.0,
-                          num_slots=slots, chunk_steps=chunk, limits=limits, shrink=shrink)
+        spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=slots, chunk_steps=chunk,
+                                 shrink=shrink)
+        return engine.run(TINY, PARAMS, prompts, 3, jax.random.key(7), spec, limits=limits)
 
     runs = [sample(4, 2)]
     assert shrinks and all(s < 4 for s in shrinks)  # the tail moved to fewer than the 4 slots
@@ -115,16 +116,16 @@ def test_same_seed_same_outputs_whatever_the_slots(monkeypatch):
                 np.testing.assert_allclose(la, lb, atol=1e-5)
     # the completions of one request differ (their draws are their own)
     assert any(not np.array_equal(runs[0].completions[0][0][0], c[0]) for c in runs[0].completions[0][1:])
-    different = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(8), max_new_tokens=N_NEW, num_slots=4,
-                           chunk_steps=4, limits=limits)
+    different = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(8),
+                           engine.EngineSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4), limits=limits)
     assert any(not np.array_equal(a[0][0], b[0][0]) for a, b in zip(runs[0].completions, different.completions))
 
 
 def test_more_requests_than_slots_all_served_with_per_request_limits():
     prompts = _prompts(9, seed=3)
     limits = [1 + (3 * r) % N_NEW for r in range(9)]
-    res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(3), max_new_tokens=N_NEW, num_slots=4,
-                     chunk_steps=4, limits=limits)
+    res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(3),
+                     engine.EngineSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4), limits=limits)
     st = res.stats
     assert st.rows == 18 and st.slots == 4 and st.prefills >= 3
     for r in range(9):
@@ -140,11 +141,12 @@ def test_with_the_queue_empty_one_drain_runs_until_the_state_can_shrink(monkeypa
     the run. The completions are the same either way (draws depend on the seed only)."""
     prompts = _prompts(8, seed=4)
     limits = [1, 2, 2, 3, 3, 4, N_NEW, N_NEW]  # two long rows: the tail
-    kw = dict(max_new_tokens=N_NEW, num_slots=8, chunk_steps=2, limits=limits)
-    whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(5), shrink=False, **kw)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, num_slots=8, chunk_steps=2)
+    whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(5), dataclasses.replace(spec, shrink=False),
+                       limits=limits)
     assert whole.stats.chunks == 1
     shrinks = _count_shrinks(monkeypatch)
-    tail = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(5), **kw)
+    tail = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(5), spec, limits=limits)
     assert tail.stats.chunks == 2 and shrinks == [2]
     assert tail.stats.slot_steps < whole.stats.slot_steps
     for a, b in zip(whole.completions, tail.completions):
@@ -154,7 +156,8 @@ def test_with_the_queue_empty_one_drain_runs_until_the_state_can_shrink(monkeypa
 
 def test_shared_prompt_prefilled_once():
     prompt = _prompts(1, seed=4)
-    res = engine.run(TINY, PARAMS, prompt, 4, jax.random.key(4), max_new_tokens=N_NEW, num_slots=4, chunk_steps=4)
+    res = engine.run(TINY, PARAMS, prompt, 4, jax.random.key(4),
+                     engine.EngineSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4))
     assert res.stats.prefills == 1 and res.stats.prompts_prefilled == 1
     assert len(res.completions[0]) == 4
 
@@ -173,13 +176,13 @@ def test_budget_caps_slots_and_entries_and_refuses_a_request_that_cannot_fit():
     assert engine.slots_for_budget(TINY, p, N_NEW, 64 * fits4, rows=3, share=4) == (4, 2)  # no more than the rows
     # the same budget holds more slots when prompts are shared than when they are not
     assert engine.slots_for_budget(TINY, p, N_NEW, fits4, rows=100, share=1)[0] < 4
-    res = engine.run(TINY, PARAMS, _prompts(3), 4, jax.random.key(0), max_new_tokens=N_NEW, kv_budget_bytes=fits4,
-                     chunk_steps=4)
+    res = engine.run(TINY, PARAMS, _prompts(3), 4, jax.random.key(0),
+                     engine.EngineSpec(max_new_tokens=N_NEW, kv_budget_bytes=fits4, chunk_steps=4))
     assert (res.stats.slots, res.stats.entries, res.stats.rows) == (4, 2, 12)
     assert res.stats.prompts_prefilled == 3  # one entry per request
     with pytest.raises(JmarlError, match="sampling.kv_budget_bytes"):
-        engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0), max_new_tokens=N_NEW,
-                   kv_budget_bytes=per_slot + per_entry - 1)
+        engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0),
+                   engine.EngineSpec(max_new_tokens=N_NEW, kv_budget_bytes=per_slot + per_entry - 1))
     assert engine.default_kv_budget() > 0
 
 
@@ -187,9 +190,9 @@ def test_a_refill_prefills_at_most_max_prefill_prompts_per_call():
     """More new prompts than one prefill call may hold: several calls, the same tokens; the
     default cap keeps a call's prompts' keys/values within a quarter of the budget."""
     prompts = _prompts(7, seed=11)
-    kw = dict(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
-    whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), **kw)
-    split = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), max_prefill=2, **kw)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
+    whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), spec)
+    split = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), dataclasses.replace(spec, max_prefill=2))
     assert whole.stats.prefills == 1 and split.stats.prefills == 4  # 7 prompts: 2 + 2 + 2 + 1
     assert split.stats.prompts_prefilled == whole.stats.prompts_prefilled == 7
     for a, b in zip(whole.completions, split.completions):
@@ -206,9 +209,11 @@ def test_completions_share_their_prompt_entry_and_wait_for_a_free_one():
     the queue waits for one to be given back, and the tokens are those of a roomy pool."""
     prompts = _prompts(6, seed=9)
     limits = [2, N_NEW, 3, 1, N_NEW, 5]
-    kw = dict(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=2, limits=limits, num_slots=4)
-    roomy = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), num_entries=4, **kw)
-    tight = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), num_entries=1, **kw)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=2, num_slots=4)
+    roomy = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), dataclasses.replace(spec, num_entries=4),
+                       limits=limits)
+    tight = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), dataclasses.replace(spec, num_entries=1),
+                       limits=limits)
     assert (roomy.stats.entries, tight.stats.entries) == (4, 1)
     assert tight.stats.entry_waits > 0 and tight.stats.prompts_prefilled == 6  # each prompt prefilled once
     for a, b in zip(roomy.completions, tight.completions):
@@ -233,9 +238,9 @@ def _policy_set():
 def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_rows():
     policies = _policy_set()
     requests = [(0, "hi"), (1, "hello there"), (1, "abc")]
-    static = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0))
-    cont = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0, engine="continuous",
-                                                   kv_budget_bytes=1 << 20, engine_chunk_steps=4))
+    static = ModelSampler(policies, SamplingConfig(max_new_tokens=6, temperature=0.0))
+    cont = ModelSampler(policies, SamplingConfig(max_new_tokens=6, temperature=0.0, engine="continuous",
+                                                 kv_budget_bytes=1 << 20, engine_chunk_steps=4))
     a = static.sample(requests, 2, jax.random.key(0))
     b = cont.sample(requests, 2, jax.random.key(0))
     for ca, cb in zip(a, b):
@@ -259,7 +264,7 @@ def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_ro
 def test_static_calls_pad_rows_to_a_quarter_at_most():
     """A static call of 5 requests x 2 rows decodes 10 rows (a power of two would decode 16)."""
     policies = _policy_set()
-    sampler = ModelSampler(policies, SamplingSettings(max_new_tokens=4, temperature=0.0))
+    sampler = ModelSampler(policies, SamplingConfig(max_new_tokens=4, temperature=0.0))
     got = sampler.sample([(1, t) for t in ("a", "bb", "ccc", "dd", "e")], 2, jax.random.key(0))
     assert [len(c) for c in got] == [2] * 5
     assert sampler.take_stats()["rollout/row_utilization"] == 1.0
@@ -272,8 +277,8 @@ def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
     requests = [(1, "hi"), (1, "hello there"), (1, "abc"), (1, "x")]
     settings = dict(max_new_tokens=6, temperature=1.0, engine="continuous", kv_budget_bytes=1 << 20,
                     engine_chunk_steps=4)
-    free = ModelSampler(policies, SamplingSettings(**settings))
-    capped = ModelSampler(policies, SamplingSettings(**settings, max_rows_per_call=3))
+    free = ModelSampler(policies, SamplingConfig(**settings))
+    capped = ModelSampler(policies, SamplingConfig(**settings, max_rows_per_call=3))
     a = free.sample(requests, 2, jax.random.key(3))
     b = capped.sample(requests, 2, jax.random.key(3))
     assert free.engine_stats.slots == 8 and capped.engine_stats.slots == 2  # 3 rounds down to a power of two
@@ -281,7 +286,8 @@ def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
     for ca, cb in zip(a, b):  # sampling keys follow (request, completion): the same tokens with fewer slots
         for x, y in zip(ca, cb):
             np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
-    assert engine.planned_slots(TINY, 64, 6, 8, 2, 1 << 20, None, 3) == (2, 2)
+    assert engine.planned_slots(TINY, 64, 8, 2, engine.EngineSpec(max_new_tokens=6, kv_budget_bytes=1 << 20,
+                                                                  max_slots=3)) == (2, 2)
 
 
 def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
@@ -300,14 +306,14 @@ def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
     monkeypatch.setattr(sampling_mod.models, "generate", generate)
     monkeypatch.setattr(sampling_mod._Call, "wait", lambda self: (events.append(("wait",)), real_wait(self))[1])
     monkeypatch.setattr(sampling_mod._Call, "finish", lambda self: (events.append(("finish",)), real_finish(self))[1])
-    chunked = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0, max_rows_per_call=4))
+    chunked = ModelSampler(policies, SamplingConfig(max_new_tokens=6, temperature=0.0, max_rows_per_call=4))
     got = chunked.sample(requests, 2, jax.random.key(0))  # 2 requests x 2 rows per call: 3 calls
     # call k+1 is dispatched after call k finished on the device, and call k's completions are
     # built while call k+1 decodes
     assert events == [("dispatch", 0), ("wait",), ("dispatch", 1), ("finish",), ("wait",), ("dispatch", 2),
                       ("finish",), ("finish",)]
     monkeypatch.setattr(sampling_mod.models, "generate", real_generate)
-    whole = ModelSampler(policies, SamplingSettings(max_new_tokens=6, temperature=0.0)).sample(requests, 2, jax.random.key(0))
+    whole = ModelSampler(policies, SamplingConfig(max_new_tokens=6, temperature=0.0)).sample(requests, 2, jax.random.key(0))
     for ca, cb in zip(got, whole):  # greedy: the same tokens whatever the calls
         assert [c.text for c in ca] == [c.text for c in cb]
         for x, y in zip(ca, cb):
@@ -316,11 +322,8 @@ def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
 
 
 def test_sampling_config_fields():
-    from jmarl.config import SamplingConfig
-
     cfg = SamplingConfig(engine="continuous", kv_budget_bytes="2MiB")
-    settings = SamplingSettings.from_config(cfg)
-    assert settings.engine == "continuous" and settings.kv_budget_bytes == 2 << 20
+    assert cfg.engine == "continuous" and cfg.kv_budget() == 2 << 20
     assert SamplingConfig().engine == "static" and SamplingConfig().kv_budget() is None
 
 
@@ -345,11 +348,11 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
 
     prompts = _prompts(12, seed=5)
     stop = _stop_token()
-    kw = dict(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), chunk_steps=4)
-    want = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(1), num_slots=8, **kw)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), chunk_steps=4, num_slots=8)
+    want = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(1), spec)
     mesh = sharding.make_mesh(**axes)
-    params = sharding.shard_params(TINY, PARAMS, mesh)  # weights as the trainer places them (fsdp, tensor)
-    got = engine.run(TINY, params, prompts, 2, jax.random.key(1), num_slots=8, mesh=mesh, **kw)
+    params = sharding.shard_params(models.param_axes(TINY), PARAMS, mesh)  # as the trainer places them (fsdp, tensor)
+    got = engine.run(TINY, params, prompts, 2, jax.random.key(1), dataclasses.replace(spec, mesh=mesh))
     for a, b in zip(want.completions, got.completions):
         for (ta, la), (tb, lb) in zip(a, b):
             assert len(ta) > 3
@@ -393,12 +396,12 @@ def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
     from jmarl.train.policies import stack
 
     prompts = _prompts(12, seed=7)
-    kw = dict(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8, policy=1)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
     stacked = stack([PARAMS, models.init(TINY, jax.random.key(1))])
-    want = engine.run(TINY, stacked, prompts, 2, jax.random.key(2), **kw)
+    want = engine.run(TINY, stacked, prompts, 2, jax.random.key(2), spec, policy=1)
     mesh = sharding.make_mesh(policy=2, data=2, fsdp=2)
-    placed = sharding.shard_params(TINY, stacked, mesh)  # each policy's weights on its half of the devices
-    got = engine.run(TINY, placed, prompts, 2, jax.random.key(2), mesh=mesh, **kw)
+    placed = sharding.shard_params(models.param_axes(TINY), stacked, mesh)  # each policy's on half of the devices
+    got = engine.run(TINY, placed, prompts, 2, jax.random.key(2), dataclasses.replace(spec, mesh=mesh), policy=1)
     for a, b in zip(want.completions, got.completions):
         for (ta, la), (tb, lb) in zip(a, b):
             np.testing.assert_array_equal(tb, ta)
@@ -414,8 +417,9 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
     prompts = _prompts(10, seed=6)
     per_row = engine.engine_bytes(TINY, 1, 1, bucket_length(8), N_NEW)
     # budget per device: one slot and one entry each -> 8 slots on 8 devices (one device: 1 slot)
-    res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), max_new_tokens=N_NEW, temperature=0.0,
-                     kv_budget_bytes=per_row, chunk_steps=4, mesh=mesh)
+    res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1),
+                     engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, kv_budget_bytes=per_row, chunk_steps=4,
+                                       mesh=mesh))
     assert res.stats.slots == 8 and res.stats.slots_per_device == 1 and res.stats.entries == 8
     for r, prompt in enumerate(prompts):
         tokens, logprobs = _static(prompt, max_new_tokens=N_NEW, temperature=0.0)
@@ -425,11 +429,10 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
     # ModelSampler passes the run's mesh (stacked policies: one policy's slice, slots on data)
     policies = _policy_set()
     requests = [(0, "hi"), (1, "hello there"), (1, "abc")]
-    settings = SamplingSettings(max_new_tokens=6, temperature=0.0, engine="continuous", kv_budget_bytes=1 << 20,
-                                engine_chunk_steps=4)
+    settings = SamplingConfig(max_new_tokens=6, temperature=0.0, engine="continuous", kv_budget_bytes=1 << 20,
+                              engine_chunk_steps=4)
     plain = ModelSampler(policies, settings).sample(requests, 2, jax.random.key(0))
-    sharded = ModelSampler(policies, settings)
-    sharded.mesh = mesh
+    sharded = ModelSampler(policies, settings, mesh=mesh)
     got = sharded.sample(requests, 2, jax.random.key(0))
     for ca, cb in zip(plain, got):
         for x, y in zip(ca, cb):
@@ -439,12 +442,12 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
 
 
 def test_planned_programs_are_the_ones_run_calls(monkeypatch):
-    """`engine.planned_programs` (what `jmarl.plan` compiles) gives the programs `run` calls, with
+    """`engine.planned_programs` (what `jmarl.memory_check` compiles) gives the programs `run` calls, with
     arguments of the same shapes, dtypes and shardings."""
     from jmarl import sharding
 
     mesh = sharding.make_mesh(data=2, fsdp=4)
-    params = sharding.shard_params(TINY, PARAMS, mesh)
+    params = sharding.shard_params(models.param_axes(TINY), PARAMS, mesh)
     calls = {}
 
     def recording(name, real):
@@ -461,15 +464,16 @@ def test_planned_programs_are_the_ones_run_calls(monkeypatch):
 
     monkeypatch.setattr(engine, "_prefill_program", recording("engine_prefill", engine._prefill_program))
     monkeypatch.setattr(engine, "_chunk_program", recording("engine_decode", engine._chunk_program))
-    engine.run(TINY, params, _prompts(8, seed=7, low=8, high=9), 1, jax.random.key(0), max_new_tokens=N_NEW,
-               temperature=0.0, num_slots=8, chunk_steps=4, mesh=mesh)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=8, chunk_steps=4, mesh=mesh)
+    engine.run(TINY, params, _prompts(8, seed=7, low=8, high=9), 1, jax.random.key(0), spec)
     monkeypatch.undo()
     p = bucket_length(8)  # the prompts' bucket
     per_row = engine.engine_bytes(TINY, 1, 1, p, N_NEW)
     # one slot and one entry per device's budget
-    assert engine.planned_slots(TINY, p, N_NEW, 8, 1, per_row, mesh) == (8, 8)
-    planned = engine.planned_programs(TINY, params, slots=8, entries=8, prompt_len=p, max_new_tokens=N_NEW,
-                                      chunk_steps=4, temperature=0.0, mesh=mesh)
+    budgeted = dataclasses.replace(spec, num_slots=None, kv_budget_bytes=per_row)
+    assert engine.planned_slots(TINY, p, 8, 1, budgeted) == (8, 8)
+    assert engine.planned_slots(TINY, p, 8, 1, spec) == (8, 8)  # num_slots given: as run takes it
+    planned = engine.planned_programs(TINY, params, spec, slots=8, entries=8, prompt_len=p)
     assert [name for name, _, _ in planned] == ["engine_prefill", "engine_decode"]
     for name, fn, args in planned:
         real_fn, real_args = calls[name]
@@ -503,9 +507,9 @@ def test_every_plan_gets_the_same_samples_from_the_engine(plan, env_name, env_op
     env = envs.make(env_name, **env_options)
     seeds = [envs.train_seed(i) for i in range(2)]
     common = dict(max_new_tokens=6, temperature=0.0, max_prompt_len=96)
-    static = ModelSampler(policies, SamplingSettings(**common))
-    cont = ModelSampler(policies, SamplingSettings(**common, engine="continuous", kv_budget_bytes=1 << 20,
-                                                   engine_chunk_steps=4))
+    static = ModelSampler(policies, SamplingConfig(**common))
+    cont = ModelSampler(policies, SamplingConfig(**common, engine="continuous", kv_budget_bytes=1 << 20,
+                                                 engine_chunk_steps=4))
     a = run_plan(plan, env, seeds, agent_policy, static, jax.random.key(0), **options)
     b = run_plan(plan, env, seeds, agent_policy, cont, jax.random.key(0), **options)
     assert len(a.records) == len(b.records) > 0

@@ -137,6 +137,8 @@ def test_fmt_cell_and_replace_block():
     assert evidence.fmt_cell({"mean": 96.0, "std": 0.0}, 2) == "96 ± 0"
     assert evidence.fmt_cell(None, 2) == "n/a"
     assert evidence.fmt_cell({"mean": 0.0, "std": 0.0}, 2) == "0.00 ± 0.00"
+    assert evidence.fmt_cell({"mean": 0.0938, "std": 0.0, "n": 1}, 3) == "0.094 (1 seed)"  # no spread from one run
+    assert evidence.fmt_cell({"mean": 120.0, "std": 0.0, "n": 1}, 2) == "120 (1 seed)"
     text = "a\n<!-- evidence:t:start -->\nold\n<!-- evidence:t:end -->\nb\n"
     assert evidence.replace_block(text, "t", "new\n") == "a\n<!-- evidence:t:start -->\nnew\n<!-- evidence:t:end -->\nb\n"
     with pytest.raises(SystemExit):
@@ -568,7 +570,7 @@ def test_runner_writes_json_and_readme_table(tmp_path, monkeypatch):
     assert "old" not in text
     row = next(line for line in text.splitlines() if line.startswith("| ratio |"))
     before, after = summary["before_eval_info/ratio"], summary["eval_info/ratio"]
-    assert row == f"| ratio | {evidence.fmt_cell({'mean': before, 'std': 0.0}, 2)} | {evidence.fmt_cell({'mean': after, 'std': 0.0}, 2)} |"
+    assert row == f"| ratio | {before:.2f} (1 seed) | {after:.2f} (1 seed) |"
     assert "python scripts/evidence.py tiny --seeds 0 --steps 1" in text
     assert statistics.fmean([run["wall_seconds"]]) <= result["total_wall_seconds"]
     # --render rebuilds the same block from the JSON without running anything

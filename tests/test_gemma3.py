@@ -208,8 +208,8 @@ def test_grouped_prompts_and_continuous_engine_match_transformers(tiny):
     out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref[rows])
     prompts = [row[m].tolist() for row, m in zip(distinct, distinct_mask)]
-    res = engine.run(config, params, prompts, 1, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0,
-                     num_slots=1, chunk_steps=4)
+    res = engine.run(config, params, prompts, 1, jax.random.key(0),
+                     engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=1, chunk_steps=4))
     np.testing.assert_array_equal(np.stack([c[0][0] for c in res.completions]), ref)
 
 

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from _tiny_models import tiny_qwen3
 from jmarl import models, sharding
+from jmarl.models import kv_cache as kv_cache_lib
 from jmarl.models import model as model_lib
 from jmarl.models import sampler as sampler_lib
 from jmarl.models.model import LoraKernel
@@ -23,10 +25,7 @@ from jmarl.train.policies import PolicyGroup
 from jmarl.batch import MODEL_INPUTS
 from jmarl.train.packing import pack, packed_logprobs
 
-TINY = models.ModelConfig(
-    model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True,
-)
+TINY = tiny_qwen3()
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 RANK, ALPHA = 4, 8.0
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -225,7 +224,7 @@ def test_sharding_of_attached_adapters_and_sharded_generation():
     the adapters'. Stacked generation on a (policy, data, tensor) mesh equals the unsharded one."""
     stacked = _stack(AD, _adapters(BASE, 2))
     attached = _attached(BASE, stacked)
-    specs = sharding.param_specs(TINY, attached, {"policy": 2, "fsdp": 2, "tensor": 2})
+    specs = sharding.param_specs(models.param_axes(TINY), attached, {"policy": 2, "fsdp": 2, "tensor": 2})
     assert specs["layers"]["attn"]["q_proj"]["kernel"] == LoraKernel(
         P(None, "fsdp", "tensor"), P("policy", None, "fsdp"), P("policy", None, None, "tensor"), ALPHA / RANK)
     assert specs["layers"]["mlp"]["down_proj"]["kernel"].w == P(None, "tensor", "fsdp")
@@ -237,7 +236,7 @@ def test_sharding_of_attached_adapters_and_sharded_generation():
     kw = dict(max_new_tokens=5, temperature=0.0)
     want = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), **kw)
     mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
-    placed = sharding.shard_params(TINY, attached, mesh)
+    placed = sharding.shard_params(models.param_axes(TINY), attached, mesh)
     got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     _close(got.logprobs, want.logprobs)
@@ -288,7 +287,7 @@ def _generation_bytes(params, policies: int) -> int:
     """Argument + temporary bytes (less the KV cache) of the stacked sampler program over
     `policies` policies run with `params`."""
     program = sampler_lib._program(WIDE, True, 3, True, 0, False, (1,), 0)
-    cache = jax.eval_shape(lambda: model_lib.empty_cache(WIDE, (policies, 2), 6))
+    cache = jax.eval_shape(lambda: kv_cache_lib.empty_cache(WIDE, (policies, 2), 6))
     s = jax.ShapeDtypeStruct
     stats = _stats(program, params, cache, s((policies, 2, 4), jnp.int32), s((policies, 2, 4), jnp.bool_), None,
                    jax.eval_shape(lambda: jax.random.key(0)), s((), jnp.float32), s((), jnp.float32))

@@ -8,11 +8,13 @@ import jax
 import numpy as np
 import pytest
 
+from _tiny_models import tiny_qwen3
 from jmarl import models
 from jmarl.rollouts import make_rollouts, pad_to
 from jmarl.train.metrics import figure_of, rollout_length_metrics
 from jmarl.train.policies import PolicyGroup, PolicySet, stack
-from jmarl.train.sampling import ModelSampler, SamplingSettings
+from jmarl.config import SamplingConfig
+from jmarl.train.sampling import ModelSampler
 
 PROMPT = [2, 40, 41]  # every sample's prompt (3 tokens)
 
@@ -98,10 +100,7 @@ def test_a_policy_without_generations_gets_no_keys_and_none_at_all_gives_empty()
 
 # ---- rollout/decode_utilization from the sampler's own counters ------------------------------------
 
-TINY = models.ModelConfig(
-    model_type="qwen3", vocab_size=99, hidden_size=32, intermediate_size=64, num_layers=2,  # CharTokenizer's vocab
-    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True,
-)
+TINY = tiny_qwen3(vocab_size=99)  # the CharTokenizer's vocabulary
 N_NEW = 8
 
 
@@ -121,15 +120,15 @@ def test_decode_utilization_counts_token_positions_of_both_engines():
     N_NEW positions. The engine's row_utilization stays 1.0."""
     prompts = ["hi", "hello there"]
     settings = dict(max_new_tokens=N_NEW, temperature=0.0)
-    free = ModelSampler(_policies(eos_id=0), SamplingSettings(**settings))  # pad: never sampled greedily here
+    free = ModelSampler(_policies(eos_id=0), SamplingConfig(**settings))  # pad: never sampled greedily here
     long_a, long_b = (c[0].completion_tokens for c in free.sample([(0, p) for p in prompts], 1, jax.random.key(0)))
     assert len(long_a) == len(long_b) == N_NEW
     # a stop token that ends the first completion early but never occurs in the second
     stop = next(int(t) for t in long_a[1:N_NEW - 1] if int(t) not in long_b.tolist())
     policies = _policies(eos_id=stop)
-    static = ModelSampler(policies, SamplingSettings(**settings))
-    cont = ModelSampler(policies, SamplingSettings(**settings, engine="continuous", kv_budget_bytes=1 << 20,
-                                                   engine_chunk_steps=3))
+    static = ModelSampler(policies, SamplingConfig(**settings))
+    cont = ModelSampler(policies, SamplingConfig(**settings, engine="continuous", kv_budget_bytes=1 << 20,
+                                                 engine_chunk_steps=3))
     lengths = []
     for sampler in (static, cont):
         got = sampler.sample([(0, p) for p in prompts], 1, jax.random.key(0))
@@ -148,6 +147,6 @@ def test_decode_utilization_counts_token_positions_of_both_engines():
     # ignore_eos: the same EOS no longer ends the first completion, in either engine
     for engine in ("static", "continuous"):
         extra = dict(kv_budget_bytes=1 << 20, engine_chunk_steps=3) if engine == "continuous" else {}
-        sampler = ModelSampler(policies, SamplingSettings(**settings, engine=engine, ignore_eos=True, **extra))
+        sampler = ModelSampler(policies, SamplingConfig(**settings, engine=engine, ignore_eos=True, **extra))
         got = sampler.sample([(0, p) for p in prompts], 1, jax.random.key(0))
         assert [c[0].completion_tokens.tolist() for c in got] == [long_a.tolist(), long_b.tolist()]

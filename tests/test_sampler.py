@@ -106,8 +106,8 @@ def test_continuous_engine_greedy_matches_transformers(tiny):
     tokens, mask = _prompts([9, 4, 7, 1], 9)
     ref = _hf_greedy(model, tokens, mask, N_NEW)
     prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
-    res = engine.run(config, params, prompts, 1, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0,
-                     num_slots=2, chunk_steps=4)
+    res = engine.run(config, params, prompts, 1, jax.random.key(0),
+                     engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=2, chunk_steps=4))
     assert res.stats.prefills > 1
     np.testing.assert_array_equal(np.stack([c[0][0] for c in res.completions]), ref)
 
@@ -496,7 +496,7 @@ def test_prefixed_cached_attention_equals_one_softmax_over_prompt_and_own_keys(u
     """Both implementations (matrix products; CPU multiply-sum) equal a NumPy softmax over the
     concatenated [prompt keys, own keys] of each row, with masked slots in both blocks and one
     row whose own cache is entirely masked."""
-    from jmarl.models.model import prefixed_cached_attention
+    from jmarl.models.cached_attention import prefixed_cached_attention
 
     rng = np.random.default_rng(0)
     u, g, h, kv, hd, s, c = 3, 2, 4, 2, 8, 5, 6

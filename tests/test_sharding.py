@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from _tiny_models import TINY_PRESET, tiny_qwen3
 from jmarl import algos, models
 from jmarl.config import DistributedConfig, MeshConfig
 from jmarl.errors import JmarlError
@@ -16,10 +17,8 @@ from jmarl.train.lora import attach_lora, init_lora
 from jmarl.train.optim import make_optimizer
 from jmarl.train.step import init_train_state, make_update
 
-TINY = models.ModelConfig(
-    model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True,
-)
+TINY = tiny_qwen3()
+TINY_AXES = models.param_axes(TINY)  # its declared logical axes: what the spec functions take
 N, T = 16, 12  # batch rows, tokens per row
 
 
@@ -78,7 +77,7 @@ EXPECTED = {
 def test_param_specs_every_family(family):
     config = TINY.replace(**{"o_bias": False, **family})
     shapes = models.param_shapes(config)
-    specs = sharding.param_specs(config, shapes, {"fsdp": 4, "tensor": 2})
+    specs = sharding.param_specs(models.param_axes(config), shapes, {"fsdp": 4, "tensor": 2})
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
     got = {_names(path): spec for path, spec in flat}
     assert got == {k: v for k, v in EXPECTED.items() if k in got}
@@ -96,7 +95,7 @@ def test_specs_lora_stacked_optimizer_state_and_indivisible_axes():
         return jax.vmap(lambda a: init_train_state(a, OPT))(stacked)
 
     state = jax.eval_shape(stacked_lora_state)
-    specs = sharding.tree_specs(TINY, state, {"policy": 2, "fsdp": 4, "tensor": 2})
+    specs = sharding.tree_specs(TINY_AXES, state, {"policy": 2, "fsdp": 4, "tensor": 2})
     q, down = specs.params["layers"]["attn"]["q_proj"]["kernel"], specs.params["layers"]["mlp"]["down_proj"]["kernel"]
     assert q == {"a": P("policy", None, "fsdp"), "b": P("policy", None, None, "tensor")}
     assert down == {"a": P("policy", None, "tensor"), "b": P("policy", None, None, "fsdp")}
@@ -104,7 +103,7 @@ def test_specs_lora_stacked_optimizer_state_and_indivisible_axes():
     assert adam.mu["layers"]["attn"]["q_proj"]["kernel"] == q and adam.nu["layers"]["mlp"]["down_proj"]["kernel"] == down
     assert adam.count == P("policy") and specs.step == P("policy")
     # an axis that does not divide a dimension is dropped: vocab 64 on tensor=8 fits, hidden 32 on fsdp=64 not
-    odd = sharding.param_specs(TINY, params, {"fsdp": 64, "tensor": 8})
+    odd = sharding.param_specs(TINY_AXES, params, {"fsdp": 64, "tensor": 8})
     assert odd["embed"]["embedding"] == P("tensor") and odd["layers"]["mlp"]["up_proj"]["kernel"] == P(None, None, "tensor")
 
 
@@ -159,9 +158,7 @@ def _stacked(table):
     "config", [QWEN3_STYLE, LLAMA_STYLE, TINY, TINY.replace(qkv_bias=True, tie_word_embeddings=True)]
 )
 def test_declared_logical_axes_cover_every_parameter(config):
-    from jmarl.models.model import is_axes, param_axes
-
-    shapes, axes = models.param_shapes(config), param_axes(config)
+    shapes, axes, is_axes = models.param_shapes(config), models.param_axes(config), sharding.is_axes
     assert jax.tree.structure(axes, is_leaf=is_axes) == jax.tree.structure(shapes)
     for shape, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=is_axes)):
         assert len(names) == len(shape.shape)
@@ -185,16 +182,17 @@ def test_rules_give_the_layout_of_every_tree_form(config):
                     attached=attach_lora(params, stacked_adapters, rank=4, alpha=8.0))
 
     t = jax.eval_shape(trees)
+    axes = models.param_axes(config)
 
     def specs(tree, **kw):
-        return _flat_specs(sharding.tree_specs(config, tree, SIZES, **kw))
+        return _flat_specs(sharding.tree_specs(axes, tree, SIZES, **kw))
 
     assert specs(t["params"]) == plain_want
     assert specs(t["stacked"]) == specs(t["stacked"], stacked=True) == _stacked(plain_want)
     assert specs(t["adapters"]) == LORA and specs(t["stacked_adapters"]) == _stacked(LORA)
     for key, stacked, want in (("state", False, plain_want), ("stacked_state", True, _stacked(plain_want))):
-        state = sharding.tree_specs(config, t[key], SIZES, stacked=stacked)
-        assert state == sharding.tree_specs(config, t[key], SIZES)  # the fallback that reads counters' shapes
+        state = sharding.tree_specs(axes, t[key], SIZES, stacked=stacked)
+        assert state == sharding.tree_specs(axes, t[key], SIZES)  # the fallback that reads counters' shapes
         adam = state.opt_state[1][0]  # chain(clip, adamw) -> adam's ScaleByAdamState
         assert _flat_specs(state.params) == _flat_specs(adam.mu) == _flat_specs(adam.nu) == want
         assert adam.count == state.step == state.skipped == (P("policy") if stacked else P())
@@ -215,8 +213,8 @@ def test_custom_rules_change_only_their_axes():
     reaches batch and cache specs too, and an undeclared logical axis is refused."""
     params = models.param_shapes(QWEN3_STYLE)
     rules = sharding.ShardingRules(mlp=())
-    default = _flat_specs(sharding.param_specs(QWEN3_STYLE, params, SIZES))
-    custom = _flat_specs(sharding.param_specs(QWEN3_STYLE, params, SIZES, rules=rules))
+    default = _flat_specs(sharding.param_specs(models.param_axes(QWEN3_STYLE), params, SIZES))
+    custom = _flat_specs(sharding.param_specs(models.param_axes(QWEN3_STYLE), params, SIZES, rules=rules))
     changed = {k for k in default if default[k] != custom[k]}
     assert changed == {"layers/mlp/gate_proj/kernel", "layers/mlp/up_proj/kernel", "layers/mlp/down_proj/kernel"}
     assert custom["layers/mlp/gate_proj/kernel"] == P(None, "fsdp")
@@ -228,12 +226,15 @@ def test_custom_rules_change_only_their_axes():
     assert sharding.batch_spec((16, 4), sizes) == P(("data", "fsdp", "policy"))
     assert sharding.batch_spec((2, 16, 4), sizes, stacked=True) == P("policy", ("data", "fsdp"))
     assert sharding.batch_spec((16, 4), sizes, rules=sharding.ShardingRules(batch="data", policy_spare=())) == P("data")
-    cache = jax.eval_shape(lambda: models.model.empty_cache(QWEN3_STYLE, (8,), 16))
-    assert sharding.cache_specs(cache, {"data": 2, "tensor": 2}).keys[0] == P("data", "tensor")
-    no_heads = sharding.cache_specs(cache, {"data": 2, "tensor": 2}, rules=sharding.ShardingRules(kv_heads=()))
+    cache = jax.eval_shape(lambda: models.kv_cache.empty_cache(QWEN3_STYLE, (8,), 16))
+    cache_axes, rows_heads = models.model.cache_axes(cache), {"data": 2, "tensor": 2}
+    assert sharding.cache_specs(cache_axes, cache, rows_heads).keys[0] == P("data", "tensor")
+    no_heads = sharding.cache_specs(cache_axes, cache, rows_heads, rules=sharding.ShardingRules(kv_heads=()))
     assert no_heads.values[1] == P("data")
     with pytest.raises(JmarlError, match="unknown logical axis 'heads'"):
         sharding.DEFAULT_RULES.spec(("batch", "heads"), (8, 4), sizes)
+    with pytest.raises(TypeError, match="tree of logical-axis tuples"):  # a config where its declared axes go
+        sharding.param_specs(QWEN3_STYLE, params, SIZES)
 
 
 # ---------------------------------------------------------------------------------- sharded update
@@ -302,12 +303,12 @@ def test_sharded_update_equals_single_device(axes, reference):
     params, batch, ref_grads, ref_state, ref_metrics = reference[stacked]
     mesh = sharding.make_mesh(**axes)
     # a copy: placing may reuse the reference's buffers, and the update donates its state
-    sharded_params = sharding.shard_params(TINY, jax.tree.map(jnp.copy, params), mesh)
-    state = sharding.shard_train_state(TINY, _init_state(sharded_params, stacked), mesh, stacked=stacked)
-    state_sh = sharding.train_state_shardings(TINY, state, mesh, stacked=stacked)
+    sharded_params = sharding.shard_params(TINY_AXES, jax.tree.map(jnp.copy, params), mesh)
+    state = sharding.shard_train_state(TINY_AXES, _init_state(sharded_params, stacked), mesh, stacked=stacked)
+    state_sh = sharding.train_state_shardings(TINY_AXES, state, mesh, stacked=stacked)
     step = sharding.sharded_update(UPDATE, mesh, state_sh, stacked=stacked, vmap_policies=stacked, compiler_options=FAST)
     sharded_batch = sharding.shard_batch(batch, mesh, stacked=stacked)
-    param_sh = sharding.shardings(mesh, sharding.param_specs(TINY, params, mesh))
+    param_sh = sharding.shardings(mesh, sharding.param_specs(TINY_AXES, params, mesh))
     grads = jax.jit(_grad_fn(stacked), out_shardings=param_sh, compiler_options=FAST)(sharded_params, sharded_batch)
     new_state, metrics = step(state, None, batch)
 
@@ -349,10 +350,11 @@ def test_sharded_lora_update_with_frozen_base():
     ref_state, _ = jax.jit(update, compiler_options=FAST)(init_train_state(adapters, OPT), base, batch)
 
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
-    base_sh = sharding.shardings(mesh, sharding.param_specs(TINY, base, mesh))
-    state = sharding.shard_train_state(TINY, init_train_state(adapters, OPT), mesh)
+    base_sh = sharding.shardings(mesh, sharding.param_specs(TINY_AXES, base, mesh))
+    state = sharding.shard_train_state(TINY_AXES, init_train_state(adapters, OPT), mesh)
     step = sharding.sharded_update(
-        update, mesh, sharding.train_state_shardings(TINY, state, mesh), frozen_shardings=base_sh, compiler_options=FAST
+        update, mesh, sharding.train_state_shardings(TINY_AXES, state, mesh), frozen_shardings=base_sh,
+        compiler_options=FAST,
     )
     new_state, _ = step(state, base, batch)
     _close(new_state.params, ref_state.params)
@@ -372,19 +374,19 @@ def test_sharded_greedy_sampling_matches_unsharded():
 
     # two policies on (policy, data, tensor): parameters, prompt rows and the KV cache sharded
     mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
-    placed = sharding.shard_params(TINY, stacked, mesh)
+    placed = sharding.shard_params(TINY_AXES, stacked, mesh)
     got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
     assert tuple(got.tokens.sharding.spec)[:2] == ("policy", "data")
-    cache = jax.eval_shape(lambda: models.model.empty_cache(TINY, (2, 8), 16))
-    specs = sharding.cache_specs(cache, mesh, stacked=True)
+    cache = jax.eval_shape(lambda: models.kv_cache.empty_cache(TINY, (2, 8), 16))
+    specs = sharding.cache_specs(models.model.cache_axes(cache, stacked=True), cache, mesh)
     assert specs.keys[0] == P("policy", "data", "tensor") and specs.values[1] == P("policy", "data", "tensor")
 
     # one policy (greedy ignores the key) with rows on data and heads on tensor
     first = jax.tree.map(lambda x: x[0], stacked)
     mesh = sharding.make_mesh(data=4, tensor=2)
-    got = models.generate(TINY, sharding.shard_params(TINY, first, mesh), prompts[0], mask[0], jax.random.key(0),
+    got = models.generate(TINY, sharding.shard_params(TINY_AXES, first, mesh), prompts[0], mask[0], jax.random.key(0),
                           mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens[0]))
     assert got.tokens.sharding.spec[0] == "data"
@@ -395,11 +397,11 @@ def test_sharded_greedy_sampling_matches_unsharded():
 def test_checkpoint_restores_into_target_shardings(tmp_path):
     params = models.init(TINY, jax.random.key(7))
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
-    state = sharding.shard_train_state(TINY, init_train_state(params, OPT), mesh)
+    state = sharding.shard_train_state(TINY_AXES, init_train_state(params, OPT), mesh)
     with Checkpointer(tmp_path / "ckpt", keep=2) as ckpt:
         ckpt.save(1, state, {"note": "sharded"})
         other = sharding.make_mesh(data=2, fsdp=2, tensor=2)  # restore onto a different layout
-        target = sharding.shard_train_state(TINY, jax.tree.map(jnp.zeros_like, state), other)
+        target = sharding.shard_train_state(TINY_AXES, jax.tree.map(jnp.zeros_like, state), other)
         restored = ckpt.restore(target)
     _close(restored.state, state, atol=0)
     for got, tgt in zip(jax.tree.leaves(restored.state), jax.tree.leaves(target)):
@@ -414,13 +416,13 @@ def test_device_bytes_matches_real_shards_and_abstract_states():
     state = init_train_state(params, OPT)
     for axes in (dict(fsdp=8), dict(fsdp=4, tensor=2), dict(data=2, tensor=4)):
         mesh = sharding.make_mesh(**axes)
-        placed = sharding.shard_train_state(TINY, state, mesh)
+        placed = sharding.shard_train_state(TINY_AXES, state, mesh)
         device0 = jax.devices()[0]
         real = sum(
             s.data.nbytes for leaf in jax.tree.leaves(placed) for s in leaf.addressable_shards if s.device == device0
         )
         assert sharding.device_bytes(placed) == real
-        abstract = sharding.shard_train_state(TINY, jax.eval_shape(lambda: state), mesh)  # shardings attached
+        abstract = sharding.shard_train_state(TINY_AXES, jax.eval_shape(lambda: state), mesh)  # shardings attached
         assert all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None for x in jax.tree.leaves(abstract))
         assert sharding.device_bytes(abstract) == real
     assert sharding.device_bytes(state) == sum(x.nbytes for x in jax.tree.leaves(state))  # one device: all of it
@@ -437,7 +439,7 @@ def test_distributed_config_off_by_default(monkeypatch):
     assert jax.process_count() == 1
     monkeypatch.setenv("SLURM_JOB_ID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "4")
-    assert sharding._cluster_in_environment() == "SLURM"
+    assert sharding.distributed._cluster_in_environment() == "SLURM"
 
 
 # ---------------------------------------------------------------------------------- trainer
@@ -450,8 +452,7 @@ def test_trainer_runs_sharded_from_config(tmp_path):
 
     run = {
         "seed": 0, "output_dir": str(tmp_path / "run"), "env": {"name": "_toy_env:Letters"}, "algo": {"name": "grpo"},
-        "model": {"preset": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                             "num_heads": 2, "num_kv_heads": 1}},
+        "model": {"preset": TINY_PRESET},
         "tokenizer": "char", "workflow": {"plan": "independent", "group_size": 4, "num_tasks": 2},
         "policies": {"mode": "per_agent"}, "sampling": {"max_new_tokens": 8, "max_prompt_len": 64},
         "train": {"steps": 1}, "logging": {"progress": False, "tensorboard": False, "plots": False},

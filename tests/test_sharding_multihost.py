@@ -55,9 +55,10 @@ WORKER = textwrap.dedent(
     from jmarl.train.checkpoint import Checkpointer
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)  # spans both processes
-    params = sharding.shard_params(CONFIG, models.init(CONFIG, jax.random.key(0)), mesh)
-    state = sharding.shard_train_state(CONFIG, init_train_state(params, OPT), mesh)
-    shardings = sharding.train_state_shardings(CONFIG, state, mesh)
+    axes = models.param_axes(CONFIG)  # the model's declared axes: sharding does not import the model
+    params = sharding.shard_params(axes, models.init(CONFIG, jax.random.key(0)), mesh)
+    state = sharding.shard_train_state(axes, init_train_state(params, OPT), mesh)
+    shardings = sharding.train_state_shardings(axes, state, mesh)
     step = sharding.sharded_update(make_update(loss_fn, OPT, num_minibatches=2), mesh, shardings, compiler_options=FAST)
     state, metrics = step(state, None, make_batch())
     kernel = state.params["layers"]["mlp"]["gate_proj"]["kernel"]

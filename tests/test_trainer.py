@@ -17,6 +17,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from _tensorboard import tensorboard_points
+from _tiny_models import TINY_PRESET
 from jmarl import models
 from jmarl.config import load_config
 from jmarl.train import trainer as trainer_mod
@@ -33,7 +34,7 @@ BASE = {
     "seed": 0,
     "env": {"name": "_toy_env:Letters"},
     "algo": {"name": "grpo"},
-    "model": {"preset": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}},
+    "model": {"preset": TINY_PRESET},
     "tokenizer": "char",
     "workflow": {"plan": "independent", "group_size": 4, "num_tasks": 2},
     "policies": {"mode": "per_agent"},
@@ -209,7 +210,7 @@ def test_resume_restores_the_kl_reference_the_warm_start_set(tmp_path):
     """With a KL term and a warm start, a full-parameter policy's reference is the warm-started
     policy; a resumed run must get that reference back from the checkpoint, not the initial
     weights it builds."""
-    cfg = load_config(_config(tmp_path, "kl"), ["train.kl_beta=0.1", "train.warm_start.steps=2", "train.warm_start.demos=2",
+    cfg = load_config(_config(tmp_path, "kl"), ["train.kl_coef=0.1", "train.warm_start.steps=2", "train.warm_start.demos=2",
                                                 "train.steps=1", "eval.num_episodes=1", "logging.plots=false"])
     first = trainer_mod.Trainer(cfg)
     first.run()

@@ -5,17 +5,15 @@ from jmarl.models.config import ModelConfig
 from jmarl.models.fetch import resolve as resolve_model
 from jmarl.models.gguf import gguf_chat_template, load_gguf, load_gguf_config, load_gguf_tokenizer
 from jmarl.models.hf import load_hf, save_hf
+from jmarl.models.decode import decode_step, prefill
+from jmarl.models.kv_cache import KVCache, init_cache
 from jmarl.models.model import (
-    KVCache,
     Params,
     apply,
-    decode_step,
     init,
-    init_cache,
     param_axes,
     param_shapes,
     positions_from_mask,
-    prefill,
     packed_token_logprobs,
     prefix_token_logprobs,
     token_logprobs,

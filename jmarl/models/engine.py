@@ -15,7 +15,7 @@ Device part (pure, jitted, static shapes):
   started by the start program alone (a request admitted over several refills is prefilled once);
 - `decode_chunk` runs up to K decode steps for all S slots (a `lax.while_loop` that also stops
   as soon as every slot is done). Each layer's attention reads the slot's pool entry (gathered
-  one layer at a time, `jmarl.models.model.take_rows`) followed by the slot's own cache.
+  one layer at a time, `jmarl.models.kv_cache.take_rows`) followed by the slot's own cache.
 
 Host part (`run`): between chunks the finished slots are harvested and refilled from the queue;
 a pool entry is taken when a request's first completion is admitted and given back when its last
@@ -35,7 +35,7 @@ the requests the slots can serve at once. The engine runs S = the largest power 
 slots and entries fit `kv_budget_bytes` (no more than the rows asked for, rounded up to a
 power of two). A call whose single slot and entry do not fit is refused.
 
-On a mesh (`run(..., mesh=...)`): the slot axis of the slots' cache and of every per-slot field,
+On a mesh (`EngineSpec.mesh`): the slot axis of the slots' cache and of every per-slot field,
 and the entry axis of the pool, are sharded like activation rows (the mesh axes of an unstacked
 "batch" in `jmarl.sharding.ShardingRules`, default data, fsdp and policy; S and Q multiples of
 their product D, the budget being per device), the caches' key/value heads like "kv_heads"
@@ -66,8 +66,9 @@ from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import (CACHE_KEY_AXES, KVCache, Params, decode_step, empty_cache, prefill,
-                                take_rows)
+from jmarl.models.decode import decode_step, prefill
+from jmarl.models.kv_cache import KVCache, empty_cache, take_rows
+from jmarl.models.model import CACHE_KEY_AXES, Params
 from jmarl.models.sampler import generation_params, sample_token, select_policy
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
@@ -530,6 +531,79 @@ class EngineResult:
     stats: EngineStats = field(default_factory=EngineStats)
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """How the engine decodes: the settings of `run` (and of `planned_slots` /
+    `planned_programs`, which size the programs a run compiles) that stay the same from call to
+    call. The per-call data (prompts, completions per prompt, key, per-request limits, policy)
+    are `run`'s arguments.
+
+    Sampling:
+      max_new_tokens   N, the most tokens a completion generates (>= 1; a request's `limits`
+                       entry may lower it); also the slots' cache capacity G = max(N - 1, 1).
+      temperature      softmax temperature (>= 0; 0: greedy argmax, log-probs under
+                       temperature 1). Default 1.0.
+      top_p            nucleus mass kept before sampling, in (0, 1] (1: off). Default 1.0.
+      top_k            the most likely tokens kept before sampling (0: off). Default 0.
+      stop_tokens      token ids that end a completion (the stop token is kept). Default ().
+      pad_id           token id of the prompts' left padding and of the decode program's unused
+                       output positions. Default 0.
+    Capacity:
+      kv_budget_bytes  bytes per device for the slots' and the pool's KV caches
+                       (`slots_for_budget`; None: `default_kv_budget`, a quarter of the device's
+                       memory limit, 1 GiB on CPU). Also caps a prefill call (`prefill_prompts`).
+      num_slots        S, slots in all (over the mesh's row devices); None: the most the budget
+                       holds (`plan_slots`).
+      num_entries      Q, prompt-pool entries in all; None: `entries_for` the slots.
+      max_slots        the most slots, rounded down to a power of two (`sampling.max_rows_per_call`:
+                       rows in flight; the queue is not split). None: no cap.
+      max_prefill      the most prompts one prefill call runs (None: `prefill_prompts` of the
+                       budget; a larger refill runs several calls).
+      chunk_steps      K, decode steps per program call between two refills of the slots.
+                       Default `DEFAULT_CHUNK_STEPS`.
+      buckets          prompt-length buckets (tokens): the prompts are left-padded to the
+                       bucket of the longest one (`jmarl.rollouts.bucket_length`).
+      shrink           once the queue is empty and at most a quarter of the slots are busy,
+                       move the busy rows to a state of fewer slots (per device: next_pow2 of
+                       its busiest part), so a run's long tail decodes only a few rows per step.
+    Placement:
+      mesh             a `jax.sharding.Mesh` (None: one device): slots and pool entries are
+                       sharded over its batch axes, cache heads over tensor, and the budget is
+                       per device (module docstring). Parameters are used as the caller placed
+                       them.
+
+    stop_tokens and buckets are kept as tuples of ints (the spec is hashable)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_tokens: Sequence[int] = ()
+    pad_id: int = 0
+    kv_budget_bytes: int | None = None
+    num_slots: int | None = None
+    num_entries: int | None = None
+    max_slots: int | None = None
+    max_prefill: int | None = None
+    chunk_steps: int = DEFAULT_CHUNK_STEPS
+    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS
+    shrink: bool = True
+    mesh: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        object.__setattr__(self, "buckets", tuple(int(b) for b in self.buckets))
+
+    @property
+    def greedy(self) -> bool:
+        return float(self.temperature) == 0.0
+
+    def program_sampling(self) -> tuple[bool, int, bool, tuple[int, ...]]:
+        """(greedy, top_k, use_top_p, stop_tokens): the sampling settings the programs are
+        compiled for (temperature and top_p themselves are traced arguments)."""
+        return bool(self.greedy), int(self.top_k), float(self.top_p) < 1.0, self.stop_tokens
+
+
 def _pad(a: np.ndarray, size: int, fill: Any) -> np.ndarray:
     out = np.full((size,) + a.shape[1:], fill, a.dtype)
     out[: len(a)] = a
@@ -545,6 +619,14 @@ def prefill_prompts(config: ModelConfig, prompt_len: int, kv_budget_bytes: int |
     budget = default_kv_budget() if kv_budget_bytes is None else int(kv_budget_bytes)
     fit = budget // (PREFILL_BUDGET_SHARE * kv_bytes(config, prompt_len))
     return 1 << (max(int(fit), 1).bit_length() - 1)
+
+
+def planned_prefill(config: ModelConfig, prompt_len: int, spec: EngineSpec) -> int:
+    """The most prompts one prefill call of `run` runs: `spec.max_prefill` (at least 1), else
+    `prefill_prompts` of the spec's budget."""
+    if spec.max_prefill is not None:
+        return max(int(spec.max_prefill), 1)
+    return prefill_prompts(config, prompt_len, spec.kv_budget_bytes)
 
 
 def plan_slots(config: ModelConfig, prompt_len: int, max_new_tokens: int, rows: int, share: int, row_devices: int,
@@ -571,38 +653,21 @@ def run(
     prompts: Sequence[Sequence[int]],
     n: int | Sequence[int],
     rng: jax.Array,
+    spec: EngineSpec,
     *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_tokens: Sequence[int] = (),
-    pad_id: int = 0,
-    kv_budget_bytes: int | None = None,
-    num_slots: int | None = None,
-    num_entries: int | None = None,
-    max_slots: int | None = None,
-    max_prefill: int | None = None,
-    chunk_steps: int = DEFAULT_CHUNK_STEPS,
     limits: Sequence[int] | None = None,
-    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
     policy: int | None = None,
-    shrink: bool = True,
-    mesh: Any = None,
 ) -> EngineResult:
     """n[r] completions (an int: the same for every request) of each prompt (token ids) with
-    continuous batching. `params` stacked [P, ...] with `policy` given: that policy's parameters.
-    `limits[r]`: at most that many new tokens for request r (<= max_new_tokens; default
-    max_new_tokens). Slots and pool entries: see `plan_slots` (`max_slots` is
-    `sampling.max_rows_per_call`: rows in flight, the queue is not split; `num_entries` fixes Q).
-    `max_prefill`: the most prompts one prefill call runs (default `prefill_prompts` of the budget).
-    `shrink`: once the queue is empty and at most a quarter of the slots are busy, the busy rows
-    move to a state of fewer slots (per device: next_pow2 of its busiest part), so the long tail
-    of a run decodes only a few rows per step. `mesh` (a `jax.sharding.Mesh`): slots and entries
-    are sharded over its batch axes, cache heads over tensor; `params` are used as placed (see
-    the module docstring). The budget is then per device."""
+    continuous batching, decoded as `spec` says (`EngineSpec`: sampling, slots and budget,
+    mesh). `params` stacked [P, ...] with `policy` given: that policy's parameters.
+    `limits[r]`: at most that many new tokens for request r (<= spec.max_new_tokens; default
+    spec.max_new_tokens). Slots and pool entries: see `plan_slots`; on a mesh `params` are used
+    as placed (see the module docstring)."""
     from jmarl.models.sampler import _check_options, left_align
 
+    max_new_tokens, temperature, top_p, top_k = spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k
+    pad_id, chunk_steps, shrink, mesh = spec.pad_id, spec.chunk_steps, spec.shrink, spec.mesh
     _check_options(max_new_tokens, temperature, top_p, top_k)
     counts = [int(n)] * len(prompts) if isinstance(n, (int, np.integer)) else [int(c) for c in n]
     if len(counts) != len(prompts):
@@ -620,14 +685,14 @@ def run(
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:
         raise JmarlError("every prompt needs at least one token")
-    p_len = bucket_length(max(lengths), buckets)
+    p_len = bucket_length(max(lengths), spec.buckets)
     layout = make_layout(config, mesh)
     devices = _groups(layout)
     share = min(c for c in counts if c > 0)
-    s, q = plan_slots(config, p_len, big_n, len(units), share, devices, kv_budget_bytes, num_slots, num_entries,
-                      max_slots)
+    s, q = plan_slots(config, p_len, big_n, len(units), share, devices, spec.kv_budget_bytes, spec.num_slots,
+                      spec.num_entries, spec.max_slots)
     stats.slots, stats.entries = s, q
-    max_prefill = prefill_prompts(config, p_len, kv_budget_bytes) if max_prefill is None else max(int(max_prefill), 1)
+    max_prefill = planned_prefill(config, p_len, spec)
     width = max(lengths)
     raw = np.full((len(prompts), width), pad_id, np.int32)
     raw_mask = np.arange(width)[None, :] >= (width - np.asarray(lengths))[:, None]
@@ -637,8 +702,7 @@ def run(
     if tokens_all.min() < 0 or tokens_all.max() >= config.vocab_size:
         raise JmarlError(f"prompt token ids must be in [0, {config.vocab_size}), the model's vocabulary")
 
-    greedy = float(temperature) == 0.0
-    stops = tuple(int(t) for t in stop_tokens)
+    greedy = spec.greedy
     from jmarl.sharding import mesh_context
 
     prepare = _prepare_program(config, policy is not None)
@@ -650,7 +714,7 @@ def run(
             lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == layout.mesh
             else jax.device_put(x, replicated), gen_params)
         layout = make_layout(config, layout.mesh, gen_params)
-    sampling = (bool(greedy), int(top_k), float(top_p) < 1.0, stops)
+    sampling = spec.program_sampling()
     prefill_fn = _prefill_program(config, *sampling, layout)
     start_fn = _start_program(config, *sampling, layout)
     chunk_fn = _chunk_program(config, int(chunk_steps), *sampling, int(pad_id), layout)
@@ -813,43 +877,34 @@ def cap_slots(slots: int, max_slots: int | None) -> int:
     return slots if max_slots is None else min(slots, 1 << (max(int(max_slots), 1).bit_length() - 1))
 
 
-def planned_slots(config: ModelConfig, prompt_len: int, max_new_tokens: int, rows: int, share: int,
-                  kv_budget_bytes: int | None, mesh: Any = None, max_slots: int | None = None) -> tuple[int, int]:
-    """(S, Q) as `run` picks them for a run of `rows` completions, `share` per request, on `mesh`."""
-    layout = make_layout(config, mesh)
-    return plan_slots(config, prompt_len, max_new_tokens, rows, share, _groups(layout), kv_budget_bytes,
-                      max_slots=max_slots)
+def planned_slots(config: ModelConfig, prompt_len: int, rows: int, share: int, spec: EngineSpec) -> tuple[int, int]:
+    """(S, Q) as `run` with `spec` picks them for a run of `rows` completions, `share` per
+    request, of prompts of `prompt_len` tokens (their bucket)."""
+    layout = make_layout(config, spec.mesh)
+    return plan_slots(config, prompt_len, spec.max_new_tokens, rows, share, _groups(layout), spec.kv_budget_bytes,
+                      spec.num_slots, spec.num_entries, spec.max_slots)
 
 
 def planned_programs(
     config: ModelConfig,
     params: Any,
+    spec: EngineSpec,
     *,
     slots: int,
     entries: int,
     prompt_len: int,
-    max_new_tokens: int,
-    chunk_steps: int = DEFAULT_CHUNK_STEPS,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_tokens: Sequence[int] = (),
-    pad_id: int = 0,
     select: bool = False,
-    mesh: Any = None,
-    max_prefill: int | None = None,
 ) -> list[tuple[str, Any, tuple]]:
     """[(name, jitted program, abstract arguments)] of the engine's prefill (its largest call:
-    U = next_pow2(min(entries, slots)) prompts, at most `max_prefill`, every slot started) and decode
+    U = next_pow2(min(entries, slots)) prompts, at most `planned_prefill`, every slot started) and decode
     programs (the drain's, whose output buffers hold max_new_tokens steps, not chunk_steps: the larger of
-    the two) for `slots` slots and `entries` pool entries, as `run` builds them on `mesh` (the start-only
-    program is the prefill's second half). `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with
+    the two) for `slots` slots and `entries` pool entries, as `run` with `spec` builds them on its mesh
+    (the start-only program is the prefill's second half). `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with
     `select` (one policy's slice generated). Nothing is allocated; the parameter preparation
     (cast to the compute dtype) is compiled to learn its output shardings."""
     from jmarl.sharding import mesh_context
 
-    greedy = float(temperature) == 0.0
-    stops = tuple(int(t) for t in stop_tokens)
+    mesh, max_new_tokens = spec.mesh, spec.max_new_tokens
     prepare = _prepare_program(config, select)
     abstract = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
@@ -871,13 +926,13 @@ def planned_programs(
     key = jax.eval_shape(lambda: jax.random.key(0))
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    u = next_pow2(min(entries, slots, max_prefill or entries))
+    u = next_pow2(min(entries, slots, planned_prefill(config, prompt_len, spec)))
     prefill_args = (gen, state, i32(u, prompt_len), jax.ShapeDtypeStruct((u, prompt_len), bool), i32(u)) + (
         i32(slots),) * 5 + (key, f32, f32)
     decode_args = (gen, state, key, f32, f32, i32())
-    sampling = (bool(greedy), int(top_k), float(top_p) < 1.0, stops)
+    sampling = spec.program_sampling()
     return [
         ("engine_prefill", _prefill_program(config, *sampling, layout), prefill_args),
-        ("engine_decode", _chunk_program(config, max(int(chunk_steps), int(max_new_tokens)), *sampling, int(pad_id),
-                                         layout), decode_args),
+        ("engine_decode", _chunk_program(config, max(int(spec.chunk_steps), int(max_new_tokens)), *sampling,
+                                         int(spec.pad_id), layout), decode_args),
     ]

@@ -1,9 +1,11 @@
 """One decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3) in Flax NNX, behind a pure API.
 
 The NNX modules below define the network; the public functions (`init`, `apply`,
-`token_logprobs`, and the KV-cache pair `prefill` / `decode_step`) take the parameters as a
-plain nested dict of arrays and rebuild the modules inside the trace with `nnx.merge`, so every
-function is pure and `jax.jit` / `jax.vmap` / `jax.grad`-able over the parameters.
+`token_logprobs`, and the KV-cache pair `prefill` / `decode_step` of `jmarl.models.decode`) take
+the parameters as a plain nested dict of arrays and rebuild the modules inside the trace with
+`nnx.merge`, so every function is pure and `jax.jit` / `jax.vmap` / `jax.grad`-able over the
+parameters. The KV cache's layout is `jmarl.models.kv_cache` (its logical axes are declared here,
+`cache_axes`); the attention over it, `jmarl.models.cached_attention`.
 
 Parameter paths (stable; LoRA keys on them) and, in `param_axes`, each parameter's logical axis
 names (which `jmarl.sharding.ShardingRules` maps to mesh axes). L = layers, D = hidden, V = vocab,
@@ -37,13 +39,14 @@ post-feed-forward), a GeGLU MLP (tanh GELU), q/k norms, scores scaled by
 query_pre_attn_scalar ** -0.5 (a factor on the queries when it is not head_dim). Sliding-window
 layers: the layer scan carries a per-layer flag beside each layer's parameters (`_layer_kind`),
 which picks that layer's window (W, or `attention.NO_WINDOW`) and RoPE tables (local theta, or
-the global one); the decode step's Python loop over layers picks them statically.
+the global one); the decode step's Python loop over layers (`jmarl.models.decode`) picks them
+statically.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +56,10 @@ from flax import nnx, struct
 from jmarl.errors import JmarlError
 from jmarl.models import attention as attention_lib
 from jmarl.models.config import ModelConfig
-from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
+from jmarl.models.kv_cache import KVCache
+from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules, is_axes
 
 Params = dict[str, Any]
-# Large negative score for masked keys: a fully masked row becomes uniform instead of NaN.
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Models with at most this many layers run them as straight-line code (`scan(unroll=True)`):
 # no stacked per-layer residual buffers to zero-fill and copy (~10% of a CPU train step at
 # 4 layers). Deeper models keep the rolled scan, so their compile time stays flat in depth.
@@ -645,7 +647,7 @@ _scan_full_remat.defvjp(_scan_full_remat_fwd, _scan_full_remat_bwd)
 def batch_sharded(x: jax.Array, rules: ShardingRules = DEFAULT_RULES) -> jax.Array:
     """x [B, ...] constrained to rows over the mesh axes of the logical axis "activation_batch"
     (default rules: data, fsdp) when a program is traced under a mesh (`jax.set_mesh`, as the
-    trainer, the sampler and `jmarl.plan` do); unchanged otherwise. Applied to each layer's input
+    trainer, the sampler and `jmarl.memory_check` do); unchanged otherwise. Applied to each layer's input
     in training, scoring and prefill (not in the one-token decode step): keeps XLA's partitioner
     from gathering a whole batch's activations onto every device under FSDP (it then gathers each
     layer's weights instead)."""
@@ -746,11 +748,13 @@ def param_shapes(config: ModelConfig) -> Params:
 
 
 # ---------------------------------------------------------------------------------- logical axes
-# Logical axis names of every array the model defines, declared here once; `jmarl.sharding.ShardingRules`
-# maps them to mesh axes. Parameters: `param_axes` (LoRA factors: `lora_axes`). A stacked policy
-# axis [P, ...] in front of any of them is "policy".
+# Logical axis names of every array the model defines, declared here once; callers hand them to
+# `jmarl.sharding` (`param_specs(param_axes(config), ...)`, `cache_specs(cache_axes(cache), ...)`),
+# whose `ShardingRules` map them to mesh axes (the dependency runs one way: models -> sharding).
+# Parameters: `param_axes` (LoRA factors: `jmarl.sharding.specs.lora_axes` derives them from the
+# kernel's). A stacked policy axis [P, ...] in front of any of them is "policy". Batch rows are the
+# sharding layer's convention (`jmarl.sharding.rules.BATCH_AXES`), not declared here.
 ACTIVATION_AXES = ("activation_batch",)  # a layer's input x [B, ...]: rows named, the other axes left to XLA
-BATCH_AXES = ("batch",)  # a batch / prompt array [N, ...]: rows named, the other axes replicated
 CACHE_KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_len")  # KVCache.keys[i] [B, KV, hd, C]
 CACHE_VALUE_AXES = ("batch", "kv_heads", "cache_len", "head_dim")  # KVCache.values[i] [B, KV, C, hd]
 
@@ -797,19 +801,6 @@ def param_axes(config: ModelConfig) -> dict[str, Any]:
     if not c.tie_word_embeddings:
         tree["lm_head"] = _linear_axes("embed", "vocab", None)
     return tree
-
-
-def is_axes(x: Any) -> bool:
-    """Whether `x` is a tuple of logical axis names (an `is_leaf` for trees of them)."""
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
-
-
-def lora_axes(kernel_axes: tuple[str, ...], factor: str) -> tuple[str, ...]:
-    """The axes of a LoRA factor of a kernel with `kernel_axes` [..., in, out]: "a" [..., in, r]
-    keeps the kernel's `in` axis, "b" [..., r, out] its `out` axis; r is "lora_rank"."""
-    if factor == "a":
-        return kernel_axes[:-1] + ("lora_rank",)
-    return kernel_axes[:-2] + ("lora_rank", kernel_axes[-1])
 
 
 def cache_axes(cache: KVCache, *, stacked: bool = False) -> KVCache:
@@ -960,311 +951,3 @@ def chunked_logprobs(
 
     lp = jax.lax.map(lambda xs: chunk_logprobs(*xs), (h_chunks, target_chunks))
     return lp.swapaxes(0, 1).reshape(b, -1)[:, :n]
-
-
-# ---------------------------------------------------------------------------------- KV cache
-@struct.dataclass
-class KVCache:
-    """Per-layer buffers in the compute dtype (C = capacity): keys [B, KV, head_dim, C] (stored
-    transposed, so the query-key product reads them in their natural layout), values
-    [B, KV, C, head_dim]."""
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-
-    @property
-    def capacity(self) -> int:
-        """C, the number of token slots."""
-        return int(self.values[0].shape[2])
-
-
-def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
-    """Zeroed KV cache for `batch_size` rows of up to `capacity` tokens."""
-    return empty_cache(config, (batch_size,), capacity)
-
-
-def empty_cache(config: ModelConfig, leading: tuple[int, ...], capacity: int) -> KVCache:
-    """Zeroed KV cache whose buffers have the batch shape `leading` (e.g. (P, B) when stacked)."""
-    kv, hd, dtype = config.num_kv_heads, config.head_dim, jnp.dtype(config.compute_dtype)
-    layers = range(config.num_layers)
-    return KVCache(
-        keys=tuple(jnp.zeros(leading + (kv, hd, capacity), dtype) for _ in layers),
-        values=tuple(jnp.zeros(leading + (kv, capacity, hd), dtype) for _ in layers),
-    )
-
-
-def prefill(
-    config: ModelConfig,
-    params: Params,
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    cache: KVCache,
-    rows: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
-    """Runs the prompt tokens [U,S] through the model; writes their keys/values to cache slots
-    [0, S) and returns (float32 logits of the last slot [B,V], cache). Prompts should be
-    left-padded so every row's last real token sits in slot S-1. Without `rows`, U = B; with
-    rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once)."""
-    model = bind(config, params)
-    h, (keys, values) = model.hidden(tokens, attention_mask, return_kv=True, last_only=True)
-    h = h[:, -1]
-    if rows is not None:
-        keys, values, h = keys[:, rows], values[:, rows], h[rows]
-    dtype = jnp.dtype(config.compute_dtype)
-
-    def write(buffers: tuple[jax.Array, ...], new: jax.Array) -> tuple[jax.Array, ...]:
-        new = new.astype(dtype)
-        return tuple(jax.lax.dynamic_update_slice(buf, new[i], (0, 0, 0, 0)) for i, buf in enumerate(buffers))
-
-    keys = keys.transpose(0, 1, 3, 4, 2)  # [L, B, S, KV, hd] -> [L, B, KV, hd, S]
-    values = values.swapaxes(2, 3)  # -> [L, B, KV, S, hd]
-    cache = KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
-    return model.logits(h), cache
-
-
-def decode_step(
-    config: ModelConfig,
-    params: Params,
-    cache: KVCache,
-    token: jax.Array,
-    position: jax.Array,
-    slot: jax.Array,
-    key_mask: jax.Array,
-    layers: Sequence[Params] | None = None,
-    prefix: KVCache | None = None,
-    prefix_mask: jax.Array | None = None,
-    earlier: KVCache | None = None,
-    earlier_rows: jax.Array | None = None,
-    earlier_groups: int = 1,
-) -> tuple[jax.Array, KVCache]:
-    """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
-    (a scalar shared by all rows, or int[B]: one slot per row); attends to the cache slots where
-    key_mask bool[B,C] is True (the slot itself included). Returns (float32 logits [B,V], updated cache).
-
-    `earlier`: a read-only cache whose C0 slots come before `cache`'s (key_mask is then
-    bool[B, C0 + C]): the first phase's block of a decode loop in two phases (`jmarl.models.sampler`).
-    With `earlier_rows` int[B], `earlier` holds Q rows (a pool of prompt caches) and row b reads
-    its row earlier_rows[b] in place (`pooled_cached_attention`; `earlier_groups`: the pool's
-    groups, e.g. one per device: the continuous engine's prompts shared by their completions).
-
-    With `prefix` (a [U, ...] KV cache of U shared prompts, U dividing B, and prefix_mask
-    bool[U,S]) rows b = u*G .. u*G+G-1 (G = B/U) also attend to prompt u's keys/values, which are
-    stored once per group instead of once per row (a GRPO group reads its prompt's cache once).
-
-    Layers run as an unrolled Python loop over per-layer cache buffers, so each buffer is updated
-    in place and read directly by the attention (no per-step copy of the cache).
-
-    Sliding-window layers (Gemma 3) attend to the slots of key_mask (and prefix_mask) within the
-    window of `position`, the keys' positions counted along the mask's slots (`window_masks`),
-    and rotate by the local RoPE tables; the cache keeps every slot."""
-    model = bind(config, params)
-    cos, sin = rope_tables(config, position[:, None])
-    sliding = config.sliding_layers()
-    if any(sliding):
-        cos_l, sin_l = rope_tables(config, position[:, None], local=True)
-        key_mask_l, prefix_mask_l = window_masks(config, position, key_mask, prefix_mask)
-    x = model.embed_tokens(token[:, None])
-    layer_def, layer_state = nnx.split(model.layers)
-    keys, values = list(cache.keys), list(cache.values)
-    for i in range(config.num_layers):
-        if sliding[i]:
-            cos_i, sin_i, key_mask_i, prefix_mask_i = cos_l, sin_l, key_mask_l, prefix_mask_l
-        else:
-            cos_i, sin_i, key_mask_i, prefix_mask_i = cos, sin, key_mask, prefix_mask
-        if layers is None:
-            state_i = jax.tree.map(lambda a: a[i], layer_state)
-        else:
-            state_i = jax.tree.map(lambda a: a, layer_state)
-            nnx.replace_by_pure_dict(state_i, layers[i])
-        layer = nnx.merge(layer_def, state_i)
-
-        def attend(q, k, v, i=i, key_mask=key_mask_i, prefix_mask=prefix_mask_i):
-            k = k.transpose(0, 2, 3, 1).astype(keys[i].dtype)  # [B, KV, hd, 1]
-            v = v.swapaxes(1, 2).astype(values[i].dtype)  # [B, KV, 1, hd]
-            if jnp.ndim(slot) == 0:
-                k_buf = jax.lax.dynamic_update_slice(keys[i], k, (0, 0, 0, slot))
-                v_buf = jax.lax.dynamic_update_slice(values[i], v, (0, 0, slot, 0))
-            else:  # a write index per row (the continuous-batching engine's slots)
-                k_buf = _write_rows(keys[i], k, slot, axis=3)
-                v_buf = _write_rows(values[i], v, slot, axis=2)
-            if earlier is None:
-                k_all, v_all = (k_buf,), (v_buf,)
-            elif earlier_rows is None:
-                k_all, v_all = (earlier.keys[i], k_buf), (earlier.values[i], v_buf)
-            else:  # rows of a pool: read where they lie (`pooled_cached_attention`)
-                pooled = pooled_cached_attention(q, earlier.keys[i], earlier.values[i], earlier_rows, earlier_groups,
-                                                  k_buf, v_buf, key_mask)
-                return pooled, (k_buf, v_buf)
-            if prefix is None:
-                return cached_attention(q, k_all, v_all, key_mask), (k_buf, v_buf)
-            out = prefixed_cached_attention(
-                q, prefix.keys[i], prefix.values[i], prefix_mask, k_all, v_all, key_mask
-            )
-            return out, (k_buf, v_buf)
-
-        x, (keys[i], values[i]) = layer(x, cos_i, sin_i, attend)
-    h = model.final_norm(x[:, 0])
-    return model.logits(h), KVCache(keys=tuple(keys), values=tuple(values))
-
-
-def window_masks(
-    config: ModelConfig, position: jax.Array, key_mask: jax.Array, prefix_mask: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array | None]:
-    """(key_mask, prefix_mask) of a sliding-window layer in `decode_step`: the slots of key_mask
-    bool[B,C] (and prefix_mask bool[U,S]) whose keys lie less than `sliding_window` positions
-    before the query's, position int[B]. A key's position is the count of valid slots before it
-    along the mask (the prefix's first, with one): the cache layout of the sampler and the engine,
-    whose slots are in the order of their tokens and whose RoPE positions count the real tokens.
-    With a prefix, the rows of a group (B/U consecutive rows) decode at the same position (the
-    sampler's groups share their prompt and step), so the prefix's window is the group's."""
-    w = jnp.int32(config.sliding_window)
-    key_mask = key_mask.astype(bool)
-    before = 0
-    local_prefix = None
-    if prefix_mask is not None:
-        prefix_mask = prefix_mask.astype(bool)
-        u = prefix_mask.shape[0]
-        prefix_pos = jnp.cumsum(prefix_mask.astype(jnp.int32), axis=-1) - 1  # [U, S]
-        group_position = position.reshape(u, -1)[:, 0]
-        local_prefix = prefix_mask & (group_position[:, None] - prefix_pos < w)
-        before = jnp.repeat(prefix_pos[:, -1] + 1, key_mask.shape[0] // u)[:, None]  # each row's prefix length
-    key_pos = before + jnp.cumsum(key_mask.astype(jnp.int32), axis=-1) - 1
-    return key_mask & (position[:, None] - key_pos < w), local_prefix
-
-
-def take_rows(buffer: jax.Array, rows: jax.Array, groups: int = 1) -> jax.Array:
-    """buffer [Q, ...], rows int[B] -> [B, ...]: row b is buffer[g * Q/G + rows[b]] where g is the
-    group of b (b // (B/G), G = `groups`); rows are indices within the group's Q/G rows. Taken
-    as one batched gather over the groups, so with Q and B split over G devices in order each
-    device gathers only from its own part of the buffer."""
-    q, b = buffer.shape[0], rows.shape[0]
-    parts = buffer.reshape((groups, q // groups) + buffer.shape[1:])
-    taken = jax.vmap(lambda part, idx: part[idx])(parts, rows.reshape(groups, b // groups))
-    return taken.reshape((b,) + buffer.shape[1:])
-
-
-def _write_rows(buffer: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
-    """buffer [B, ...] with new [B, ...] (size 1 along `axis`) written at index slot[b] of `axis`
-    in row b (a scatter, updated in place inside a loop)."""
-    update = lambda buf, x, s: jax.lax.dynamic_update_index_in_dim(buf, x, s, axis - 1)  # noqa: E731
-    return jax.vmap(update)(buffer, new, slot)
-
-
-Blocks = jax.Array | Sequence[jax.Array]
-
-
-def _blocks(x: Blocks) -> list[jax.Array]:
-    """A cache buffer, or consecutive blocks of one along the slot axis, as a list of blocks."""
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _split_slots(probs: jax.Array, values: list[jax.Array]) -> list[jax.Array]:
-    """probs [..., C1 + C2 + ...] cut into the slots of each values block [B,KV,Ci,hd]."""
-    edges = [sum(v.shape[2] for v in values[:i + 1]) for i in range(len(values) - 1)]
-    return jnp.split(probs, edges, axis=-1) if edges else [probs]
-
-
-def cached_attention(q: jax.Array, keys: Blocks, values: Blocks, key_mask: jax.Array) -> jax.Array:
-    """One query per row over the cache. q [B,1,H,hd], keys [B,KV,hd,C], values [B,KV,C,hd],
-    key_mask bool[B,C] -> [B,1,H,hd]. keys/values may be consecutive blocks along the slot axis
-    (C = C1 + C2 + ...), each read where it lies."""
-    keys, values = _blocks(keys), _blocks(values)
-    b, _, h, hd = q.shape
-    kv = keys[0].shape[1]
-    q = q.reshape(b, kv, h // kv, hd).astype(keys[0].dtype)
-    scores = jnp.concatenate(
-        [jnp.einsum("bkgd,bkdc->bkgc", q, k, preferred_element_type=jnp.float32) for k in keys], axis=-1)
-    scores = jnp.where(key_mask[:, None, None, :], scores * hd**-0.5, _MASKED)
-    probs = _split_slots(jax.nn.softmax(scores, axis=-1).astype(values[0].dtype), values)
-    out = functools.reduce(jnp.add, [jnp.einsum("bkgc,bkcd->bkgd", p, v) for p, v in zip(probs, values)])
-    return out.reshape(b, 1, h, hd)
-
-
-def pooled_cached_attention(q: jax.Array, pool_keys: jax.Array, pool_values: jax.Array, rows: jax.Array, groups: int,
-                            keys: jax.Array, values: jax.Array, key_mask: jax.Array) -> jax.Array:
-    """One query per row over a pooled prompt cache and the row's own cache. q [B,1,H,hd];
-    pool_keys [Q,KV,hd,P], pool_values [Q,KV,P,hd] (G = `groups` equal groups of rows: row b,
-    of group b // (B/G), reads pool row g Q/G + rows[b]; `take_rows`); keys [B,KV,hd,C],
-    values [B,KV,C,hd]; key_mask bool[B, P + C] -> [B,1,H,hd]. One softmax over the P + C keys
-    (`cached_attention` over the two blocks).
-
-    The rows' prompt keys/values are gathered for this call only: inside a decode step's layer
-    loop, one layer's [B, ..., P] rows at a time. The rows are made to depend on the query (a
-    row whose query is NaN, whose output is NaN anyway, reads row 0), so that XLA neither hoists
-    the gathers of every layer out of a decode loop (the rows do not change from step to step)
-    nor schedules them all ahead of the layers; `optimization_barrier` does not survive
-    XLA:CPU's pipeline for this. A broadcast multiply-sum over the pool (which could fuse the
-    gather) measured larger on XLA:CPU: its products are materialised."""
-    rows = jnp.where(jnp.isnan(q[:, 0, 0, 0]), 0, rows)
-    pool_k = take_rows(pool_keys, rows, groups)
-    pool_v = take_rows(pool_values, rows, groups)
-    return cached_attention(q, (pool_k, keys), (pool_v, values), key_mask)
-
-
-def prefixed_cached_attention(
-    q: jax.Array,
-    prefix_keys: jax.Array,
-    prefix_values: jax.Array,
-    prefix_mask: jax.Array,
-    keys: Blocks,
-    values: Blocks,
-    key_mask: jax.Array,
-    *,
-    use_dot: bool | None = None,
-) -> jax.Array:
-    """One query per row over its group's shared prompt cache and its own cache. q [B,1,H,hd];
-    prefix_keys [U,KV,hd,S], prefix_values [U,KV,S,hd], prefix_mask bool[U,S] (rows u*G ..
-    u*G+G-1 share prompt u, G = B/U); keys [B,KV,hd,C], values [B,KV,C,hd], key_mask bool[B,C]
-    -> [B,1,H,hd]. One softmax over the S + C keys of each row, taken over the two blocks of
-    scores as they are (no concatenated copy). keys/values may be consecutive blocks along the
-    slot axis (C = C1 + C2 + ...), each read where it lies.
-
-    use_dot: the query-key and probability-value products as matrix products (the default off
-    CPU, picked when the program is lowered) or as a broadcast multiply and sum (the CPU default: each batch element has only H/KV
-    query rows, and XLA's CPU batched matrix products cost more than the fused multiply-sum).
-    Both accumulate in float32."""
-    if use_dot is None:  # chosen when the program is lowered, for the platform it is lowered for
-        args = (q, prefix_keys, prefix_values, prefix_mask, keys, values, key_mask)
-        form = functools.partial(prefixed_cached_attention)
-        return jax.lax.platform_dependent(
-            *args, cpu=functools.partial(form, use_dot=False), default=functools.partial(form, use_dot=True))
-    keys, values = _blocks(keys), _blocks(values)
-    b, _, h, hd = q.shape
-    u, kv, _, s = prefix_keys.shape
-    g, r = b // u, h // kv
-    f32 = jnp.float32
-    q = q.reshape(b, kv, r, hd).astype(keys[0].dtype)
-    if use_dot:
-        q_groups = q.reshape(u, g, kv, r, hd)
-        from_prefix = jnp.einsum("ugkhd,ukds->ugkhs", q_groups, prefix_keys, preferred_element_type=f32) * hd**-0.5
-        own = jnp.concatenate(
-            [jnp.einsum("bkgd,bkdc->bkgc", q, k, preferred_element_type=f32) for k in keys], axis=-1) * hd**-0.5
-    else:  # the scale goes on the H x hd queries rather than on the H x (S + C) scores
-        scaled = q.astype(f32) * hd**-0.5
-        q_groups = scaled.reshape(u, g, kv, r, hd)
-        from_prefix = jnp.sum(q_groups[..., None] * prefix_keys.astype(f32)[:, None, :, None], axis=-2)
-        # Block i > 0 takes the unscaled queries and scales its scores: were every block's
-        # multiply-sum to broadcast the same queries, XLA would merge the broadcasts of
-        # equal-length blocks into one materialised buffer that each block then reads (measured
-        # 2x slower generation), instead of fusing the broadcast into each multiply-sum.
-        own = jnp.concatenate(
-            [jnp.sum(scaled[..., None] * keys[0].astype(f32)[:, :, None], axis=3)]
-            + [jnp.sum(q.astype(f32)[..., None] * k.astype(f32)[:, :, None], axis=3) * hd**-0.5 for k in keys[1:]],
-            axis=-1)
-    from_prefix = jnp.where(prefix_mask[:, None, None, None, :], from_prefix, _MASKED)  # [U,G,KV,r,S]
-    own = jnp.where(key_mask[:, None, None, :], own, _MASKED)  # [B,KV,r,C]
-    top = jnp.maximum(from_prefix.max(axis=-1).reshape(b, kv, r), own.max(axis=-1))[..., None]  # [B,KV,r,1]
-    e_prefix = jnp.exp(from_prefix - top.reshape(u, g, kv, r, 1))
-    e_own = jnp.exp(own - top)
-    total = e_prefix.sum(axis=-1).reshape(b, kv, r, 1) + e_own.sum(axis=-1, keepdims=True)
-    dtype = values[0].dtype
-    p_prefix = (e_prefix / total.reshape(u, g, kv, r, 1)).astype(dtype)
-    p_own = _split_slots((e_own / total).astype(dtype), values)
-    if use_dot:
-        out = jnp.einsum("ugkhs,uksd->ugkhd", p_prefix, prefix_values, preferred_element_type=f32).reshape(b, kv, r, hd)
-        parts = [jnp.einsum("bkgc,bkcd->bkgd", p, v, preferred_element_type=f32) for p, v in zip(p_own, values)]
-    else:
-        out = jnp.sum(p_prefix.astype(f32)[..., None] * prefix_values.astype(f32)[:, None, :, None], axis=-2)
-        out = out.reshape(b, kv, r, hd)
-        parts = [jnp.sum(p.astype(f32)[..., None] * v.astype(f32)[:, :, None], axis=3) for p, v in zip(p_own, values)]
-    return functools.reduce(jnp.add, parts, out).astype(dtype).reshape(b, 1, h, hd)

@@ -1,7 +1,7 @@
 """Published model shapes by name (`model.preset: qwen3-1.7b`), randomly initialised.
 
 A preset is the architecture of a released checkpoint (its HF `config.json` fields) without the
-weights: any config can be planned (`python -m jmarl.plan`) and smoke-run at its real size on a
+weights: any config can be planned (`python -m jmarl.memory_check`) and smoke-run at its real size on a
 machine that has no checkpoint. Token ids are the instruct checkpoints'.
 """
 

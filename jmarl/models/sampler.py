@@ -49,7 +49,9 @@ from flax import struct
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import KVCache, Params, decode_step, empty_cache, is_lora, param_shapes, prefill
+from jmarl.models.decode import decode_step, prefill
+from jmarl.models.kv_cache import KVCache, empty_cache
+from jmarl.models.model import Params, cache_axes, is_lora, param_shapes
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
 
 _TRACES = {"count": 0}
@@ -565,7 +567,7 @@ def generation_shardings(config: ModelConfig, mesh: Any, stacked: bool, batch_sh
     from jmarl import sharding
 
     abstract = jax.eval_shape(lambda: empty_cache(config, batch_shape, capacity))
-    cache_sh = sharding.shardings(mesh, sharding.cache_specs(abstract, mesh, stacked=stacked))
+    cache_sh = sharding.shardings(mesh, sharding.cache_specs(cache_axes(abstract, stacked=stacked), abstract, mesh))
     prompt_sh = tuple(
         None if x is None else jax.sharding.NamedSharding(mesh, sharding.batch_spec(np.shape(x), mesh, stacked=stacked))
         for x in prompts)

@@ -16,12 +16,14 @@ Mesh axes (device-grid order, `tensor` innermost so it lands on the fastest link
 Sharding is declared once. The model names the axes of every array it defines
 (`jmarl.models.model.param_axes`: embedding ("vocab", "embed"), q/k/v kernels ("embed",
 "q_heads"/"kv_heads"), o_proj ("q_heads", "embed"), gate/up ("embed", "mlp"), down ("mlp",
-"embed"), lm_head ("embed", "vocab"), norms ("norm",), the stacked layer axis "layers"; LoRA
-factors with "lora_rank"; batches "batch", the KV cache ("batch", "kv_heads", "head_dim",
-"cache_len"), a layer's input rows "activation_batch", a stacked policy axis "policy"). One
-`ShardingRules` maps logical axes to mesh axes; the defaults (`DEFAULT_RULES`, table in
-`jmarl.sharding.rules`) give the layout below, and every function that makes specs takes
-`rules=` for a user's own:
+"embed"), lm_head ("embed", "vocab"), norms ("norm",), the stacked layer axis "layers";
+`cache_axes`: the KV cache ("batch", "kv_heads", "head_dim", "cache_len"); a layer's input rows
+"activation_batch"); the callers pass these axis trees in (`param_specs(param_axes(config),
+params, mesh)`), so this package never imports `jmarl.models` (the dependency runs one way:
+models -> sharding). Its own conventions: batch rows "batch" (`rules.BATCH_AXES`), LoRA factors
+with "lora_rank" (`specs.lora_axes`), a stacked policy axis "policy". One `ShardingRules` maps
+logical axes to mesh axes; the defaults (`DEFAULT_RULES`, table in `jmarl.sharding.rules`) give
+the layout below, and every function that makes specs takes `rules=` for a user's own:
 
     embed/embedding [V, D]               (tensor, fsdp)
     attn/{q,k,v}_proj/kernel [D, H]      (fsdp, tensor)     bias [H] (tensor)
@@ -42,7 +44,7 @@ leaves are matched to parameters by the trailing dict-key path (optax states mir
 parameter tree), so `adam.mu['layers']['attn']['q_proj']['kernel']` is sharded like the kernel.
 
     mesh = make_mesh(fsdp=4, tensor=2)
-    params = shard_params(config, params, mesh)        # a notebook shards a model in two lines
+    params = shard_params(models.param_axes(config), params, mesh)   # a notebook: two lines
 
 Modules, one per concern: `mesh` (meshes), `rules` (`ShardingRules`: logical axes -> specs),
 `specs` (specs of parameter / state / batch / cache trees), `placement` (put, shard_*,
@@ -51,12 +53,12 @@ device_bytes, to_host), `calls` (`ShardedFn`, `sharded_jit`, `sharded_update`, `
 `jmarl.models.generate(..., mesh=mesh)` shards the KV cache and prompt rows; place the
 parameters with `shard_params` first.
 
-Memory: `python -m jmarl.plan --config X.yaml --devices 8 --device-memory 80GiB` compiles the run's
-own programs for a mesh and reports XLA's per-device figures (`jmarl.plan`).
+Memory: `python -m jmarl.memory_check --config X.yaml --devices 8 --device-memory 80GiB` compiles the run's
+own programs for a mesh and reports XLA's per-device figures (`jmarl.memory_check`).
 """
 
 from jmarl.sharding.calls import ShardedFn, mesh_context, mesh_of, shard_trainer, sharded_jit, sharded_update
-from jmarl.sharding.distributed import _cluster_in_environment, maybe_initialize_distributed
+from jmarl.sharding.distributed import maybe_initialize_distributed
 from jmarl.sharding.mesh import MESH_AXES, axis_sizes, format_mesh, make_mesh, mesh_from_config, parse_mesh
 from jmarl.sharding.placement import (
     batch_shardings,
@@ -69,7 +71,7 @@ from jmarl.sharding.placement import (
     to_host,
     train_state_shardings,
 )
-from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
+from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules, is_axes
 from jmarl.sharding.specs import (batch_spec, cache_specs, microbatch_rows, param_specs, policy_axis, row_axes,
                                   tree_specs)
 
@@ -84,6 +86,7 @@ __all__ = [
     "cache_specs",
     "device_bytes",
     "format_mesh",
+    "is_axes",
     "make_mesh",
     "maybe_initialize_distributed",
     "mesh_context",

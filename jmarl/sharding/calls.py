@@ -42,7 +42,7 @@ class ShardedFn:
 
     `arg_shardings(*args)` gives, per argument, a sharding tree (or None: keep the argument's
     own placement); `__call__` places the arguments with them (a no-op for arrays already
-    there, so host numpy batches work) and calls `jitted`. `jmarl.plan` lowers `jitted` with
+    there, so host numpy batches work) and calls `jitted`. `jmarl.memory_check` lowers `jitted` with
     abstract arguments that carry these same shardings, so the planned program is the one the
     run executes.
     """
@@ -136,37 +136,39 @@ def sharded_update(
     )
 
 
-def shard_trainer(trainer: Any, rules: ShardingRules = DEFAULT_RULES) -> Mesh:
+def shard_trainer(trainer: Any, param_axes: Callable[[Any], Any], *, rules: ShardingRules = DEFAULT_RULES) -> Mesh:
     """Puts a `jmarl.train.trainer.Trainer` on the mesh of its config: every policy group's
-    train state, LoRA base and reference parameters are sharded by `rules`, and its device
-    functions run through `ShardedFn`s: the RL and warm-start updates (`sharded_update`, state
-    donated) and the scoring passes, with batch rows placed by the rules (default data/fsdp). A
-    one-device mesh (the default config) changes nothing. An abstract trainer (`Trainer(config,
-    abstract=True)`, `jax.ShapeDtypeStruct` states) gets the shardings attached instead. Returns
-    the mesh."""
+    train state, LoRA base and reference parameters are sharded by `rules` from their declared
+    axes, `param_axes(group.model_config)` (the caller passes the model's declaration,
+    `jmarl.models.param_axes`), and its device functions run through `ShardedFn`s: the RL and
+    warm-start updates (`sharded_update`, state donated) and the scoring passes, with batch rows
+    placed by the rules (default data/fsdp). A one-device mesh (the default config) changes
+    nothing. An abstract trainer (`Trainer(config, abstract=True)`, `jax.ShapeDtypeStruct`
+    states) gets the shardings attached instead. Returns the mesh."""
     mesh = mesh_from_config(trainer.config.mesh)
     if mesh.size == 1:
         return mesh
     for group, fns in zip(trainer.policies.groups, trainer.fns):
-        _shard_group(group, fns, mesh, rules)
+        _shard_group(group, fns, mesh, param_axes(group.model_config), rules)
     log.info("sharded the policies over the mesh %s", format_mesh(axis_sizes(mesh)))
     return mesh
 
 
-def _shard_group(group: Any, fns: Any, mesh: Mesh, rules: ShardingRules) -> None:
-    """One policy group's state, LoRA base and reference placed on `mesh`, its device functions
-    (`GroupFns`) replaced by sharded ones. The group says whether its policies are stacked."""
-    config, stacked = group.model_config, group.stacked
+def _shard_group(group: Any, fns: Any, mesh: Mesh, axes: Any, rules: ShardingRules) -> None:
+    """One policy group's state, LoRA base and reference placed on `mesh` (`axes`: its model's
+    declared parameter axes), its device functions (`GroupFns`) replaced by sharded ones. The
+    group says whether its policies are stacked."""
+    stacked = group.stacked
     ref_is_base = group.ref is not None and group.ref is group.base  # LoRA: the base is the reference
-    state_sh = train_state_shardings(config, group.state, mesh, stacked=stacked, rules=rules)
+    state_sh = train_state_shardings(axes, group.state, mesh, stacked=stacked, rules=rules)
     group.state = put(group.state, state_sh)
     frozen_sh = None
     if group.base is not None:
-        frozen_sh = shardings(mesh, param_specs(config, group.base, mesh, rules=rules))
+        frozen_sh = shardings(mesh, param_specs(axes, group.base, mesh, rules=rules))
         group.base = put(group.base, frozen_sh)
     ref_sh = None
     if group.ref is not None:
-        ref_sh = shardings(mesh, param_specs(config, group.ref, mesh, rules=rules))
+        ref_sh = shardings(mesh, param_specs(axes, group.ref, mesh, rules=rules))
         group.ref = group.base if ref_is_base else put(group.ref, ref_sh)
     batch = dict(stacked=stacked, rules=rules)
     fns.update = sharded_update(fns.update, mesh, state_sh, frozen_shardings=frozen_sh, **batch)

@@ -26,7 +26,7 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 def put(tree: Any, sharding_tree: Any) -> Any:
     """Places every leaf with its sharding. In a multi-host run a host (numpy or local) value
     must be the same on every process; each process then fills its own shards from it. A
-    `jax.ShapeDtypeStruct` leaf (an abstract state, as `jmarl.plan` builds) gets the sharding
+    `jax.ShapeDtypeStruct` leaf (an abstract state, as `jmarl.memory_check` builds) gets the sharding
     attached instead: nothing is allocated."""
 
     def place(x, sharding):
@@ -56,24 +56,26 @@ def device_bytes(tree: Any) -> int:
     return total
 
 
-def shard_params(config: Any, params: Params, mesh: Mesh, *, rules: ShardingRules = DEFAULT_RULES) -> Params:
-    """`params` (or LoRA adapters, stacked or not) placed on `mesh` by `rules` (`param_specs`)."""
-    return put(params, shardings(mesh, param_specs(config, params, mesh, rules=rules)))
+def shard_params(axes: Any, params: Params, mesh: Mesh, *, rules: ShardingRules = DEFAULT_RULES) -> Params:
+    """`params` (or LoRA adapters, stacked or not) placed on `mesh` by `rules` (`param_specs`;
+    `axes`: the model's declared parameter axes, `jmarl.models.param_axes(config)`)."""
+    return put(params, shardings(mesh, param_specs(axes, params, mesh, rules=rules)))
 
 
 def train_state_shardings(
-    config: Any, state: Any, mesh: Mesh, *, stacked: bool | None = None, rules: ShardingRules = DEFAULT_RULES
+    axes: Any, state: Any, mesh: Mesh, *, stacked: bool | None = None, rules: ShardingRules = DEFAULT_RULES
 ) -> Any:
-    """NamedShardings of a `TrainState` (optimizer state sharded like its parameters; `stacked`:
-    whether its counters carry a policy axis, None: read from the parameters; see `tree_specs`)."""
-    return shardings(mesh, tree_specs(config, state, mesh, stacked=stacked, rules=rules))
+    """NamedShardings of a `TrainState` (optimizer state sharded like its parameters, whose
+    declared axes are `axes`; `stacked`: whether its counters carry a policy axis, None: read
+    from the parameters; see `tree_specs`)."""
+    return shardings(mesh, tree_specs(axes, state, mesh, stacked=stacked, rules=rules))
 
 
 def shard_train_state(
-    config: Any, state: Any, mesh: Mesh, *, stacked: bool | None = None, rules: ShardingRules = DEFAULT_RULES
+    axes: Any, state: Any, mesh: Mesh, *, stacked: bool | None = None, rules: ShardingRules = DEFAULT_RULES
 ) -> Any:
     """A `TrainState` placed on `mesh`: params, optimizer moments, counters."""
-    return put(state, train_state_shardings(config, state, mesh, stacked=stacked, rules=rules))
+    return put(state, train_state_shardings(axes, state, mesh, stacked=stacked, rules=rules))
 
 
 def batch_shardings(batch: Any, mesh: Mesh, *, stacked: bool = False, rules: ShardingRules = DEFAULT_RULES) -> Any:

@@ -1,8 +1,11 @@
 """One rules object: logical axis names -> mesh axes -> a `PartitionSpec` for an array's shape.
 
-The model declares the logical axes of its arrays once (`jmarl.models.model.param_axes`,
-`lora_axes`, `cache_axes`, `BATCH_AXES`, `ACTIVATION_AXES`); `ShardingRules` says which mesh
-axes shard each of them. The defaults (`DEFAULT_RULES`):
+Logical axes are tuples of names, one per array axis (`is_axes`). The model declares those of
+its own arrays (`jmarl.models.model.param_axes`, `cache_axes`, `ACTIVATION_AXES`) and callers
+pass them in (`param_specs(param_axes(config), params, mesh)`); batch rows follow a convention
+of this module (`BATCH_AXES`), LoRA factors one of `jmarl.sharding.specs` (`lora_axes`). No
+module of `jmarl.sharding` imports the model.
+`ShardingRules` says which mesh axes shard each logical axis. The defaults (`DEFAULT_RULES`):
 
     logical axis        mesh axes         what it names
     batch               (data, fsdp)      rows of a batch, prompt or KV-cache array, the rollout engine's
@@ -26,13 +29,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 
 MeshAxes = tuple[str, ...]
+# A batch / prompt array [N, ...] (rollouts, prompts, the learner's micro-batches): rows named,
+# the other axes replicated. A convention of this layer (`batch_spec`, `microbatch_rows`,
+# `row_axes`), not a model declaration: the model declares its parameters, KV cache and
+# activations; batches are its callers' (trainer, sampler, rollout engine).
+BATCH_AXES = ("batch",)
+
+
+def is_axes(x: Any) -> bool:
+    """Whether `x` is a tuple of logical axis names (an `is_leaf` for trees of them)."""
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
 @dataclasses.dataclass(frozen=True)

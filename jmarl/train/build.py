@@ -27,8 +27,8 @@ def build_policies(
 
     abstract: every device array (parameters, optimizer states, references) is a
     `jax.ShapeDtypeStruct`, built by `jax.eval_shape` over the same code: nothing is allocated
-    (what `jmarl.plan` compiles against). A model loaded from model.path would still be read
-    from disk; the planner swaps checkpoints for their architecture first (`jmarl.plan`)."""
+    (what `jmarl.memory_check` compiles against). A model loaded from model.path would still be read
+    from disk; the planner swaps checkpoints for their architecture first (`jmarl.memory_check`)."""
     if not abstract:
         return _build_policies(config, agents, rng, optimizer, need_ref=need_ref, routes_by_agent=routes_by_agent)
     built: dict[str, PolicySet] = {}

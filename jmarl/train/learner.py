@@ -263,7 +263,7 @@ def score_batch(
     Old log-probs are the sampler's behaviour log-probs, or with `recompute` the current
     policy's scores; with `cross` (the batch holds samples another policy generated, whose
     behaviour log-probs under the learner are unknown) those samples take the scores. Works on
-    abstract batches too (`jmarl.plan`)."""
+    abstract batches too (`jmarl.memory_check`)."""
     inputs = batch.model_inputs()
     old = jnp.asarray(batch.behavior_logprobs)
     if recompute or cross:

@@ -1,6 +1,6 @@
 """The model-backed `Sampler`: prompts -> chat template -> tokens -> jitted KV-cache sampler.
 
-Two engines (`SamplingSettings.engine`):
+Two engines (`jmarl.config.SamplingConfig.engine`, the run's `sampling` section):
 - static: requests of all policies in one `PolicyGroup` (one architecture) go to the device in
   one call: a stacked group generates [P, B, S] prompts with `generate_stacked`, so a whole
   multi-agent turn is one program. Batch sizes are rounded up to a power of two and prompt
@@ -15,7 +15,6 @@ Two engines (`SamplingSettings.engine`):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,41 +22,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl import models
+from jmarl.config import SamplingConfig
 from jmarl.models import engine as engine_lib
-from jmarl.models import model as model_lib
+from jmarl.models import kv_cache
 from jmarl.models import sampler as sampler_lib
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
 from jmarl.train.policies import PolicyGroup, PolicySet
 from jmarl.workflows.base import Completion
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Generation settings; temperature 0 is greedy."""
+def stop_tokens(sampling: SamplingConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's EOS, none under `sampling.ignore_eos`."""
+    return () if sampling.ignore_eos else (int(tokenizer.eos_id),)
 
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_prompt_len: int = 512
-    max_rows_per_call: int | None = None  # None: one device call per policy group
-    engine: str = "static"  # "static" | "continuous" (jmarl.models.engine)
-    kv_budget_bytes: int | None = None  # the continuous engine's KV bytes per device; None: device default
-    engine_chunk_steps: int = 8  # decode steps between refills (continuous)
-    ignore_eos: bool = False  # True: every completion runs to max_new_tokens
 
-    def stop_tokens(self, tokenizer: Any) -> tuple[int, ...]:
-        """The ids that end a completion: the tokenizer's EOS, none under ignore_eos."""
-        return () if self.ignore_eos else (int(tokenizer.eos_id),)
-
-    @classmethod
-    def from_config(cls, config: Any) -> "SamplingSettings":
-        """From a `jmarl.config.SamplingConfig`."""
-        return cls(
-            config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.max_prompt_len,
-            config.max_rows_per_call, config.engine, config.kv_budget(), config.engine_chunk_steps,
-            config.ignore_eos,
-        )
+def engine_spec(sampling: SamplingConfig, tokenizer: Any, mesh: Any = None,
+                buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> engine_lib.EngineSpec:
+    """The continuous engine's settings for a run's `sampling` section (`sampling.engine:
+    continuous`): its sampling options, `stop_tokens` and the tokenizer's pad id, the KV budget
+    (`kv_budget()`), `engine_chunk_steps` and `max_rows_per_call` (the most slots), on `mesh`
+    with the sampler's prompt-length `buckets`; slots, entries and prefill calls as the budget allows."""
+    return engine_lib.EngineSpec(
+        max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, stop_tokens=stop_tokens(sampling, tokenizer), pad_id=tokenizer.pad_id,
+        kv_budget_bytes=sampling.kv_budget(), max_slots=sampling.max_rows_per_call,
+        chunk_steps=sampling.engine_chunk_steps, buckets=buckets, mesh=mesh,
+    )
 
 
 def _chat_text(tokenizer, prompt: str) -> str:
@@ -112,12 +102,15 @@ class _Call:
 class ModelSampler:
     """Implements `jmarl.workflows.Sampler` over a `PolicySet` with the jitted sampler."""
 
-    def __init__(self, policies: PolicySet, settings: SamplingSettings, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS):
+    def __init__(self, policies: PolicySet, settings: SamplingConfig, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+                 mesh: Any = None):
+        """mesh: the run's `jax.sharding.Mesh`: generation rows and KV cache sharded over it
+        (None: one device)."""
         self.policies = policies
         self.settings = settings
         self.buckets = tuple(buckets)
         self.new_tokens = 0
-        self.mesh = None  # the run's mesh (set by the trainer): generation rows sharded over it
+        self.mesh = mesh
         self.engine_stats = engine_lib.EngineStats()  # the continuous engine's counters, all calls
         self._reset_stats()
 
@@ -215,7 +208,7 @@ class ModelSampler:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            stop_tokens=s.stop_tokens(tok),
+            stop_tokens=stop_tokens(s, tok),
             pad_id=tok.pad_id,
             mesh=self.mesh,
         )
@@ -281,7 +274,7 @@ class ModelSampler:
         """The continuous engine: one run per asked policy of the group (stacked groups: with
         that policy's parameters and the key fold_in(rng, its index)), decoding only real rows."""
         tok = group.tokenizer
-        s = self.settings
+        spec = engine_spec(self.settings, tok, self.mesh, self.buckets)
         if group.stacked:
             by_policy: dict[int, list[int]] = {}
             for r, (p, _) in enumerate(requests):
@@ -291,13 +284,8 @@ class ModelSampler:
             runs = [(None, rng, list(range(len(requests))))]
         out: list[list[Completion]] = [[] for _ in requests]
         for policy, key, idx in runs:
-            result = engine_lib.run(
-                group.model_config, group.full_params(), [prompts[r] for r in idx], n, key,
-                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                stop_tokens=s.stop_tokens(tok), pad_id=tok.pad_id, kv_budget_bytes=s.kv_budget_bytes,
-                chunk_steps=s.engine_chunk_steps, buckets=self.buckets, policy=policy, mesh=self.mesh,
-                max_slots=s.max_rows_per_call,
-            )
+            result = engine_lib.run(group.model_config, group.full_params(), [prompts[r] for r in idx], n, key, spec,
+                                    policy=policy)
             st = result.stats
             self.engine_stats.add(st)
             self._stats["rows"] += st.rows
@@ -365,12 +353,12 @@ class ModelSampler:
         greedy = float(s.temperature) == 0.0
         program = sampler_lib._program(
             group.model_config, stacked, int(s.max_new_tokens), greedy, int(s.top_k), float(s.top_p) < 1.0,
-            s.stop_tokens(tok), int(tok.pad_id), size,
+            stop_tokens(s, tok), int(tok.pad_id), size,
             sampler_lib.first_phase_slots(capacity - (0 if size > 1 else length)), only is not None,
         )
         if params is None:
             params = full_params_shapes(group)
-        cache = jax.eval_shape(lambda: model_lib.empty_cache(group.model_config, batch_shape, capacity))
+        cache = jax.eval_shape(lambda: kv_cache.empty_cache(group.model_config, batch_shape, capacity))
         prompt_sh: tuple = (None, None, None)
         if self.mesh is not None and self.mesh.size > 1:  # as `jmarl.models.sampler._run` places them
             cache_sh, prompt_sh = sampler_lib.generation_shardings(

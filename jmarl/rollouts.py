@@ -1,7 +1,9 @@
 """The `Rollouts` pytree: the one structure that crosses from the host layer to the device layer.
 
 N samples, each one (prompt, completion) pair that one agent produced at one node of one
-episode. Algorithms are functions of `Rollouts` (plus log-probs); they never parse text.
+episode. The learner lays each policy group's rows out as packed `LearnerBatch`es
+(`jmarl.train.learner`), which is what a method's advantages and loss read; nothing past this
+point parses text.
 """
 
 from __future__ import annotations

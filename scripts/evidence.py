@@ -2,7 +2,7 @@
 
     python scripts/evidence.py quickstart              # the quickstart task: single agent, shared, per-agent, independent
     python scripts/evidence.py writing                 # MAGRPO on Writing: components before/after, aligned vs cross
-    python scripts/evidence.py hacpo                   # HACPO vs GSPO / GSPO 2x / naive sharing, two tiny models
+    python scripts/evidence.py hacpo                   # HACPO vs GSPO / GSPO 2x, two tiny models
     python scripts/evidence.py joyagents               # JoyAgents-R1 on Router: memory on/off, top-K vs all
     python scripts/evidence.py hacpo --seeds 0 --steps 2 --no-readme   # a smoke run
     python scripts/evidence.py hacpo --render          # the table again from results/evidence_hacpo.json
@@ -1051,13 +1051,16 @@ def _result(table: Table, seeds: Sequence[int], steps: int | None, runs: dict[st
 
 
 def fmt_cell(stats: dict[str, float] | None, digits: int) -> str:
-    """'mean ± std' (counts >= 10 without decimals), or 'n/a' when no run produced the value."""
+    """'mean ± std' (counts >= 10 without decimals), 'mean (1 seed)' when one run produced the
+    value (a spread needs two), or 'n/a' when none did."""
     if stats is None:
         return "n/a"
     m, s = stats["mean"], stats["std"]
-    if float(m).is_integer() and float(s).is_integer() and abs(m) >= 10:
-        return f"{m:,.0f} ± {s:,.0f}"
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+    whole = float(m).is_integer() and float(s).is_integer() and abs(m) >= 10
+    mean = f"{m:,.0f}" if whole else f"{m:.{digits}f}"
+    if stats.get("n") == 1:
+        return f"{mean} (1 seed)"
+    return f"{mean} ± {s:,.0f}" if whole else f"{mean} ± {s:.{digits}f}"
 
 
 def paired_values(result: dict[str, Any], comparison: Comparison) -> list[tuple[int, float, float]]:

@@ -22,8 +22,8 @@ compiler fuses differently and picks its own attention kernels, so its figures d
 trainer's own check before step 0 compiles for the real devices, see below).
 
 The run's own programs. `Trainer(config, abstract=True)` builds the run exactly as training
-does (policies, optimizer, jitted device functions, their shardings on the config's mesh:
-`jmarl.sharding.shard_trainer`) with every array a `jax.ShapeDtypeStruct` (`jax.eval_shape`
+does (policies, optimizer, device functions built with their shardings on the config's mesh:
+`jmarl.sharding.group_shardings`) with every array a `jax.ShapeDtypeStruct` (`jax.eval_shape`
 over the initialisers: an 8B model is checked on a laptop), and `Trainer.programs()` lists, per
 policy group, those very jitted objects with abstract arguments carrying the run's shardings
 and the shapes they are compiled for (`jmarl.train.programs`):

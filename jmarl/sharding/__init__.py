@@ -48,8 +48,8 @@ parameter tree), so `adam.mu['layers']['attn']['q_proj']['kernel']` is sharded l
 
 Modules, one per concern: `mesh` (meshes), `rules` (`ShardingRules`: logical axes -> specs),
 `specs` (specs of parameter / state / batch / cache trees), `placement` (put, shard_*,
-device_bytes, to_host), `calls` (`ShardedFn`, `sharded_jit`, `sharded_update`, `shard_trainer`,
-`mesh_context`), `distributed` (multi-host start-up). Sampling on a mesh is the sampler's own:
+device_bytes, to_host), `calls` (`ShardedFn`, `sharded_jit`, `sharded_update`, a policy group's
+`GroupShardings` with `group_shardings` / `place_group`, `mesh_context`), `distributed` (multi-host start-up). Sampling on a mesh is the sampler's own:
 `jmarl.models.generate(..., mesh=mesh)` shards the KV cache and prompt rows; place the
 parameters with `shard_params` first.
 
@@ -57,7 +57,16 @@ Memory: `python -m jmarl.memory_check --config X.yaml --devices 8 --device-memor
 own programs for a mesh and reports XLA's per-device figures (`jmarl.memory_check`).
 """
 
-from jmarl.sharding.calls import ShardedFn, mesh_context, mesh_of, shard_trainer, sharded_jit, sharded_update
+from jmarl.sharding.calls import (
+    GroupShardings,
+    ShardedFn,
+    group_shardings,
+    mesh_context,
+    mesh_of,
+    place_group,
+    sharded_jit,
+    sharded_update,
+)
 from jmarl.sharding.distributed import maybe_initialize_distributed
 from jmarl.sharding.mesh import MESH_AXES, axis_sizes, format_mesh, make_mesh, mesh_from_config, parse_mesh
 from jmarl.sharding.placement import (
@@ -77,6 +86,7 @@ from jmarl.sharding.specs import (batch_spec, cache_specs, microbatch_rows, para
 
 __all__ = [
     "DEFAULT_RULES",
+    "GroupShardings",
     "MESH_AXES",
     "ShardedFn",
     "ShardingRules",
@@ -86,6 +96,7 @@ __all__ = [
     "cache_specs",
     "device_bytes",
     "format_mesh",
+    "group_shardings",
     "is_axes",
     "make_mesh",
     "maybe_initialize_distributed",
@@ -95,13 +106,13 @@ __all__ = [
     "microbatch_rows",
     "param_specs",
     "parse_mesh",
+    "place_group",
     "policy_axis",
-    "row_axes",
     "put",
+    "row_axes",
     "shard_batch",
     "shard_params",
     "shard_train_state",
-    "shard_trainer",
     "sharded_jit",
     "sharded_update",
     "shardings",

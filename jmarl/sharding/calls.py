@@ -1,23 +1,21 @@
 """Sharded calls: jitted functions whose arguments are placed on the mesh before each call
 (`ShardedFn`, `sharded_jit`, `sharded_update`), the mesh context programs are traced under, and
-`shard_trainer`, which puts a trainer's states and device functions on its config's mesh."""
+a policy group's shardings (`GroupShardings`: where its state, LoRA base and reference live,
+`group_shardings`, `place_group`), from which the learner builds its device functions sharded."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmarl.sharding.mesh import axis_sizes, format_mesh, mesh_from_config
 from jmarl.sharding.placement import batch_shardings, put, shardings, train_state_shardings
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 from jmarl.sharding.specs import param_specs
-
-log = logging.getLogger(__name__)
 
 
 def mesh_of(tree: Any) -> Mesh | None:
@@ -136,42 +134,45 @@ def sharded_update(
     )
 
 
-def shard_trainer(trainer: Any, param_axes: Callable[[Any], Any], *, rules: ShardingRules = DEFAULT_RULES) -> Mesh:
-    """Puts a `jmarl.train.trainer.Trainer` on the mesh of its config: every policy group's
-    train state, LoRA base and reference parameters are sharded by `rules` from their declared
-    axes, `param_axes(group.model_config)` (the caller passes the model's declaration,
-    `jmarl.models.param_axes`), and its device functions run through `ShardedFn`s: the RL and
-    warm-start updates (`sharded_update`, state donated) and the scoring passes, with batch rows
-    placed by the rules (default data/fsdp). A one-device mesh (the default config) changes
-    nothing. An abstract trainer (`Trainer(config, abstract=True)`, `jax.ShapeDtypeStruct`
-    states) gets the shardings attached instead. Returns the mesh."""
-    mesh = mesh_from_config(trainer.config.mesh)
-    if mesh.size == 1:
-        return mesh
-    for group, fns in zip(trainer.policies.groups, trainer.fns):
-        _shard_group(group, fns, mesh, param_axes(group.model_config), rules)
-    log.info("sharded the policies over the mesh %s", format_mesh(axis_sizes(mesh)))
-    return mesh
+@dataclass(frozen=True)
+class GroupShardings:
+    """Where one policy group's arrays live on `mesh`: its train state (`state`), its LoRA base
+    (`frozen`, None without one) and its reference parameters (`ref`, None without; the base
+    itself when a LoRA policy's reference is its base); `stacked`: whether its arrays carry a
+    leading policy axis; `rules` place its batches."""
+
+    mesh: Mesh
+    state: Any
+    frozen: Any
+    ref: Any
+    stacked: bool
+    rules: ShardingRules = DEFAULT_RULES
 
 
-def _shard_group(group: Any, fns: Any, mesh: Mesh, axes: Any, rules: ShardingRules) -> None:
-    """One policy group's state, LoRA base and reference placed on `mesh` (`axes`: its model's
-    declared parameter axes), its device functions (`GroupFns`) replaced by sharded ones. The
-    group says whether its policies are stacked."""
-    stacked = group.stacked
-    ref_is_base = group.ref is not None and group.ref is group.base  # LoRA: the base is the reference
-    state_sh = train_state_shardings(axes, group.state, mesh, stacked=stacked, rules=rules)
-    group.state = put(group.state, state_sh)
-    frozen_sh = None
-    if group.base is not None:
-        frozen_sh = shardings(mesh, param_specs(axes, group.base, mesh, rules=rules))
-        group.base = put(group.base, frozen_sh)
-    ref_sh = None
-    if group.ref is not None:
-        ref_sh = shardings(mesh, param_specs(axes, group.ref, mesh, rules=rules))
-        group.ref = group.base if ref_is_base else put(group.ref, ref_sh)
-    batch = dict(stacked=stacked, rules=rules)
-    fns.update = sharded_update(fns.update, mesh, state_sh, frozen_shardings=frozen_sh, **batch)
-    fns.sft_update = sharded_update(fns.sft_update, mesh, state_sh, frozen_shardings=frozen_sh, **batch)
-    fns.score = sharded_jit(fns.score, mesh, (state_sh.params, frozen_sh, None), batch_argnums=(2,), **batch)
-    fns.score_ref = sharded_jit(fns.score_ref, mesh, (ref_sh, None), batch_argnums=(1,), **batch)
+def group_shardings(axes: Any, state: Any, base: Any, ref: Any, mesh: Mesh, *, stacked: bool,
+                    rules: ShardingRules = DEFAULT_RULES) -> GroupShardings:
+    """The shardings of one policy group's train state, LoRA base and reference from `axes`, the
+    declared parameter axes of its model (`jmarl.models.param_axes(config)`); arrays or
+    ShapeDtypeStructs."""
+    state_sh = train_state_shardings(axes, state, mesh, stacked=stacked, rules=rules)
+    frozen_sh = None if base is None else shardings(mesh, param_specs(axes, base, mesh, rules=rules))
+    if ref is None:
+        ref_sh = None
+    elif ref is base:  # LoRA: the base is the reference
+        ref_sh = frozen_sh
+    else:
+        ref_sh = shardings(mesh, param_specs(axes, ref, mesh, rules=rules))
+    return GroupShardings(mesh=mesh, state=state_sh, frozen=frozen_sh, ref=ref_sh, stacked=stacked, rules=rules)
+
+
+def place_group(sh: GroupShardings, state: Any, base: Any, ref: Any) -> tuple[Any, Any, Any]:
+    """(state, base, ref) placed with `sh` (a LoRA policy's reference stays its base, placed
+    once); an abstract group's ShapeDtypeStructs get the shardings attached."""
+    placed_base = None if base is None else put(base, sh.frozen)
+    if ref is None:
+        placed_ref = None
+    elif ref is base:
+        placed_ref = placed_base
+    else:
+        placed_ref = put(ref, sh.ref)
+    return put(state, sh.state), placed_base, placed_ref

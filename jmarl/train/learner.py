@@ -27,7 +27,7 @@ from jmarl.rollouts import Rollouts, bucket_length, next_pow2, select
 from jmarl.train.lora import attach_lora
 from jmarl.train.policies import PolicyGroup
 from jmarl.train.packing import pack, packed_logprobs
-from jmarl.train.step import jit_update, make_update, split_minibatches
+from jmarl.train.step import jit_update, make_update, split_minibatches, vmap_update
 
 # the fields of a warm-start batch before the shared-prefix layout
 SFT_FIELDS: tuple[str, ...] = ("tokens", "attention_mask", "loss_mask")
@@ -147,11 +147,14 @@ def model_params(group: PolicyGroup):
 def build_group_fns(
     group: PolicyGroup, method: Method, cfg: Any, optimizer, sft_optimizer, *, temperature: float,
     minibatches: int, grad_accum: int, epochs: int = 1, mesh=None,
+    shardings: sharding_lib.GroupShardings | None = None,
 ) -> GroupFns:
     """Update, scoring, advantage and warm-start functions for `group`, jitted (vmapped over
     stacked policies). Scoring runs the step's batch one micro-batch at a time (the update's
     split), so its memory is a micro-batch's. With a mesh of several devices every
-    micro-batch's rows are spread over the batch axes (`jmarl.sharding.microbatch_rows`)."""
+    micro-batch's rows are spread over the batch axes (`jmarl.sharding.microbatch_rows`), and
+    with the group's `shardings` the updates and scoring passes are built sharded
+    (`ShardedFn`s: in/out shardings on its mesh, the state donated, batches placed by its rules)."""
     mcfg = group.model_config
     params_of = model_params(group)
 
@@ -170,8 +173,15 @@ def build_group_fns(
     spread = None if mesh is None or mesh.size == 1 else sharding_lib.microbatch_rows(mesh, stacked=group.stacked)
     axis = sharding_lib.policy_axis(mesh)
     jit = dict(stacked=group.stacked, frozen_stacked=False, policy_axis=axis)  # the LoRA base is shared
-    update = jit_update(make_update(rl_loss, optimizer, num_minibatches=minibatches, grad_accum=grad_accum, epochs=epochs, constrain=spread), **jit)
-    sft_update = jit_update(make_update(sft_loss, sft_optimizer), **jit)
+    rl_update = make_update(rl_loss, optimizer, num_minibatches=minibatches, grad_accum=grad_accum, epochs=epochs, constrain=spread)
+    sft_step = make_update(sft_loss, sft_optimizer)
+    if shardings is None:
+        update, sft_update = jit_update(rl_update, **jit), jit_update(sft_step, **jit)
+    else:
+        sh = shardings
+        on_mesh = dict(frozen_shardings=sh.frozen, stacked=sh.stacked, rules=sh.rules)
+        update = sharding_lib.sharded_update(vmap_update(rl_update, **jit), sh.mesh, sh.state, **on_mesh)
+        sft_update = sharding_lib.sharded_update(vmap_update(sft_step, **jit), sh.mesh, sh.state, **on_mesh)
     parts = minibatches * grad_accum
 
     def per_microbatch(fn):
@@ -184,19 +194,29 @@ def build_group_fns(
         return scored
 
     def vmapped(fn, in_axes):
-        return jax.jit(jax.vmap(fn, in_axes=in_axes, spmd_axis_name=axis) if group.stacked else fn)
+        return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=axis) if group.stacked else fn
+
+    def scoring(fn, fixed):
+        """`fn` jitted, or sharded on the group's mesh: arguments placed by `fixed`, the last
+        one (the batch) by the rules."""
+        if shardings is None:
+            return jax.jit(fn)
+        return sharding_lib.sharded_jit(fn, shardings.mesh, fixed, batch_argnums=(len(fixed) - 1,),
+                                        stacked=shardings.stacked, rules=shardings.rules)
 
     score_one = per_microbatch(lambda tf, batch: logprobs_of(tf[0], tf[1], batch))
-    score = vmapped(lambda t, f, b: score_one((t, f), b), (0, None, 0))
+    score = scoring(vmapped(lambda t, f, b: score_one((t, f), b), (0, None, 0)),
+                    (None, None, None) if shardings is None else (shardings.state.params, shardings.frozen, None))
     ref_logprobs = per_microbatch(lambda params, batch: packed_logprobs(mcfg, params, batch, temperature))
-    score_ref = vmapped(ref_logprobs, (None if group.lora_rank is not None else 0, 0))
+    score_ref = scoring(vmapped(ref_logprobs, (None if group.lora_rank is not None else 0, 0)),
+                        (None, None) if shardings is None else (shardings.ref, None))
 
     def prepare_one(batch: LearnerBatch, state: Any) -> LearnerBatch:
         advantages = finite_advantages(method.advantages(cfg, batch, state), batch.reward)
         keep = method.keep_mask(cfg, batch)
         return batch.replace(advantages=advantages, loss_mask=batch.loss_mask & keep[..., None])
 
-    prepare = vmapped(prepare_one, (0, None))
+    prepare = jax.jit(vmapped(prepare_one, (0, None)))
     return GroupFns(update=update, score=score, score_ref=score_ref, sft_update=sft_update, prepare=prepare)
 
 

@@ -176,13 +176,16 @@ def make_update(
     return update
 
 
-def jit_update(update, *, stacked: bool = False, frozen_stacked: bool = False, policy_axis: str | None = None):
-    """Jits `update` with the state donated; with `stacked`, vmaps it over a leading policy axis.
+def vmap_update(update, *, stacked: bool = False, frozen_stacked: bool = False, policy_axis: str | None = None):
+    """`update` itself, or with `stacked` vmapped over a leading policy axis: `frozen_stacked`
+    says whether the frozen tree (LoRA base) is per policy too or shared; `policy_axis`: the mesh
+    axis the stacked policy axis is sharded on (vmap's spmd_axis_name)."""
+    if not stacked:
+        return update
+    return jax.vmap(update, in_axes=(0, 0 if frozen_stacked else None, 0), spmd_axis_name=policy_axis)
 
-    `frozen_stacked` says whether the frozen tree (LoRA base) is per policy too or shared;
-    `policy_axis`: the mesh axis the stacked policy axis is sharded on (vmap's spmd_axis_name).
-    """
-    fn = update
-    if stacked:
-        fn = jax.vmap(update, in_axes=(0, 0 if frozen_stacked else None, 0), spmd_axis_name=policy_axis)
+
+def jit_update(update, *, stacked: bool = False, frozen_stacked: bool = False, policy_axis: str | None = None):
+    """`vmap_update(update, ...)` jitted with the state donated."""
+    fn = vmap_update(update, stacked=stacked, frozen_stacked=frozen_stacked, policy_axis=policy_axis)
     return jax.jit(fn, donate_argnums=(0,))

@@ -35,7 +35,7 @@ from jmarl.config import Config, algo_options, dump_yaml, parse_bytes, plan_opti
 from jmarl.errors import JmarlError
 from jmarl.memory_check import Program, ProgramMemory
 from jmarl.sandbox import run_summary as sandbox_summary
-from jmarl.sharding import shard_trainer, to_host
+from jmarl.sharding import to_host
 from jmarl.train.build import build_policies, init_state
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.evaluate import evaluate
@@ -101,16 +101,11 @@ class Trainer:
         s = config.sampling
         self.temperature = s.temperature if s.temperature > 0 else 1.0
         self.parts = o.minibatches * o.grad_accum
-        run_mesh = sharding_lib.mesh_from_config(config.mesh)
-        self.sampler = ModelSampler(self.policies, s, mesh=run_mesh)  # rows and KV cache sharded over the mesh
-        self.fns = [
-            build_group_fns(
-                g, self.method, self.algo_cfg, self.optimizer, self.sft_optimizer, temperature=self.temperature,
-                minibatches=o.minibatches, grad_accum=o.grad_accum, epochs=o.epochs, mesh=run_mesh,
-            )
-            for g in self.policies.groups
-        ]
-        self.mesh = shard_trainer(self, models.param_axes)  # config.mesh: shard states, run updates with in/out shardings
+        self.mesh = sharding_lib.mesh_from_config(config.mesh)
+        self.sampler = ModelSampler(self.policies, s, mesh=self.mesh)  # rows and KV cache sharded over the mesh
+        self.fns = [self._group_fns(g) for g in self.policies.groups]
+        if self.mesh.size > 1:
+            log.info("sharded the policies over the mesh %s", sharding_lib.format_mesh(sharding_lib.axis_sizes(self.mesh)))
         self.checkpointer = None if abstract else Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False
@@ -118,6 +113,21 @@ class Trainer:
         # metrics.jsonl records up to the last step logged: what a checkpoint stores, so that a
         # resume rewinds the file to it (`jmarl.train.metrics.rewind_metrics`); None: unknown
         self.metrics_records: int | None = None
+
+    def _group_fns(self, group: Any) -> Any:
+        """`group`'s device functions, built sharded on a mesh of several devices: its state,
+        LoRA base and reference placed first (`jmarl.sharding.group_shardings` from its model's
+        declared axes), then the updates and scoring passes built with those shardings."""
+        o, mesh = self.config.optim, self.mesh
+        shardings = None
+        if mesh.size > 1:
+            shardings = sharding_lib.group_shardings(models.param_axes(group.model_config), group.state, group.base,
+                                                     group.ref, mesh, stacked=group.stacked)
+            group.state, group.base, group.ref = sharding_lib.place_group(shardings, group.state, group.base, group.ref)
+        return build_group_fns(
+            group, self.method, self.algo_cfg, self.optimizer, self.sft_optimizer, temperature=self.temperature,
+            minibatches=o.minibatches, grad_accum=o.grad_accum, epochs=o.epochs, mesh=mesh, shardings=shardings,
+        )
 
     # ---- what the plan and the learner read each step
 

@@ -226,6 +226,24 @@ def test_packed_bounds_hold_for_the_worst_layout(rows, share, parts, aligned, pa
             break
 
 
+def test_packed_rows_are_bounded_by_the_segments():
+    """Segments as long as a row (a 1024-token prompt and two 512-token continuations, L =
+    2048): each row holds one, so 4 distinct prompts take 4 rows, the bound min(2T/L + 1, U)
+    says 4 where 2T/L + 1 alone says 9, and the packed batch fits it."""
+    from jmarl.train.packing import pack
+
+    rows, share, prompt_len, new_tokens = 8, 2, 1024, 512
+    bound_rows, width, preds = programs_lib.packed_bounds(rows, rows // share, share, prompt_len, new_tokens, 1)
+    assert (bound_rows, width) == (4, 2048) and preds == 4 * 2048
+    ids = np.arange(rows) // share
+    tokens = np.concatenate([np.stack([np.full(prompt_len, 1 + i, np.int32) for i in ids]),
+                             np.full((rows, new_tokens), 99, np.int32)], axis=1)
+    loss = np.zeros(tokens.shape, bool)
+    loss[:, prompt_len:] = True
+    (out,) = pack([{"tokens": tokens, "attention_mask": np.ones(tokens.shape, bool), "loss_mask": loss}])
+    assert out["packed_tokens"].shape == (4, 2048) and out["pred_source"].shape[0] <= preds
+
+
 def test_generation_program_is_the_samplers_call(real, monkeypatch):
     statics, calls = [], []
     real_program = sampler_lib._program

@@ -29,7 +29,8 @@ turn order that map to one policy (the most over a group's policies), n = all of
     (N / parts) x max_new_tokens and r = the devices that split the rows (`packed_bounds`):
         L     max(ROW_TOKENS, token_budget(one segment)), a segment being a prompt and its s
               continuations
-        rows  2 x tokens / L + 1, rounded up to a multiple of r; M = rows x L
+        rows  min(2 x tokens / L + 1, U) (a row holds at least one segment), rounded up to a
+              multiple of r; M = rows x L
 
 The update's batch is what `learner.score_batch` makes of that learner batch (traced by
 `jax.eval_shape`: old/ref log-probs, advantages, masks). The warm start's batch: demos x the
@@ -123,10 +124,13 @@ def packed_bounds(rows: int, prompts: int, share: int, prompt_len: int, new_toke
     of `rows` samples with at most `prompts` distinct prompts of <= prompt_len tokens and
     continuations of <= new_tokens (`jmarl.train.packing.pack`): L = ROW_TOKENS or the budget
     of the longest segment (a prompt and `share` continuations); first-fit leaves at most one
-    row half empty or less, so T tokens take at most 2T / L + 1 rows; M = R x L."""
+    row half empty or less, so T tokens take at most 2T / L + 1 rows, and a row holds at least
+    one segment (a distinct prompt with its continuations), so there are at most `prompts`
+    rows: R = min(2T / L + 1, prompts), rounded up to a multiple of `rows_per_part`; M = R x L."""
     total = prompts * prompt_len + rows * new_tokens
     width = max(ROW_TOKENS, token_budget(prompt_len + max(share, 1) * new_tokens))
-    packed_rows = -(-(2 * total // width + 1) // rows_per_part) * rows_per_part
+    needed = min(2 * total // width + 1, max(prompts, 1))
+    packed_rows = -(-needed // rows_per_part) * rows_per_part
     return packed_rows, width, packed_rows * width
 
 

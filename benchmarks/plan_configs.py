@@ -67,8 +67,6 @@ def plan(config: str, devices: int, overrides: tuple[str, ...], out: Path, commi
     code, the command, the UTC date it started and the code it planned with."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "jmarl.memory_check", "--config", config, *overrides,
-           "--devices", str(devices), "--device-memory", DEVICE_MEMORY, "--json", str(out)]
     started = utc_now()
     with tempfile.TemporaryDirectory() as tmp:
         if commit is None:
@@ -79,13 +77,17 @@ def plan(config: str, devices: int, overrides: tuple[str, ...], out: Path, commi
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             os.makedirs(os.path.join(tmp, os.path.dirname(config)), exist_ok=True)
             shutil.copy(os.path.join(REPO_ROOT, config), os.path.join(tmp, config))
+        # the memory check's command: jmarl.memory_check, jmarl.plan on commits before it was named so
+        module = "jmarl.memory_check" if os.path.isdir(os.path.join(where, "jmarl", "memory_check")) else "jmarl.plan"
+        cmd = [sys.executable, "-m", module, "--config", config, *overrides,
+               "--devices", str(devices), "--device-memory", DEVICE_MEMORY, "--json", str(out)]
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=where)
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=where)
     if not out.exists():
         raise SystemExit(f"{' '.join(cmd)} wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     record = json.loads(out.read_text())
     record["exit_code"] = proc.returncode
-    record["command"] = "python -m jmarl.memory_check " + " ".join(cmd[3:-2])
+    record["command"] = f"python -m {module} " + " ".join(cmd[3:-2])
     record["date"] = started
     record["git"] = code
     out.write_text(json.dumps(record, indent=2))

@@ -10,7 +10,7 @@ warm is faster). A record (results/quickstart_output.json) holds the exact comma
 dirty flag for uncommitted changes to the library, configs or pyproject.toml), the UTC date and load average when it
 started, the machine, the package versions, the wall seconds and every line the command printed
 to stdout. The README quotes the lines from "held-out success on" to the end verbatim; `--check`
-(and tests/test_readme_figures.py) refuse a README whose quoted block differs from the record.
+(and tests/scripts/test_readme_figures.py) refuse a README whose quoted block differs from the record.
 """
 
 from __future__ import annotations

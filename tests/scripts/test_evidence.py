@@ -24,7 +24,7 @@ from jmarl.workflows.base import Completion
 from jmarl.workflows import memory as memory_store
 from jmarl.workflows.independent import IndependentOptions, numeric_info, sample_independent
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_evidence():

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 RECORD = json.loads((ROOT / "results" / "quickstart_output.json").read_text())
 EVIDENCE = json.loads((ROOT / "results" / "evidence_quickstart.json").read_text())

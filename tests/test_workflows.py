@@ -620,7 +620,7 @@ def test_plans_are_values_with_one_group_size_name():
     assert {n: input_fields(p.options) for n, p in PLANS.items()} == {
         "independent": (), "tree": (), "joint": (), "node_wise": ("base_sampler", "memory", "query_fn"),
         "shared": ("num_policies", "tokenizers")}
-    with pytest.raises(JmarlError, match="unknown sampling plan 'beam'; known plans: independent, joint"):
+    with pytest.raises(JmarlError, match="unknown sampling plan 'beam'; choose one of independent, joint"):
         get_plan("beam")
 
 

@@ -23,7 +23,6 @@ continuation rule, turns) live with the sampling plan (`workflow.options`).
 
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -35,6 +34,7 @@ from jmarl.algos.advantages import BASELINES, NORMALIZERS, filter_groups, group_
 from jmarl.algos.losses import AGGREGATIONS, KL_KINDS, RATIOS, policy_loss
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
+from jmarl.registry import lookup
 
 EPS_MODES = ("add", "floor")
 VARIANCE_RANKS = ("std", "range_normalised")
@@ -238,24 +238,8 @@ def group_policy_method(name: str, config: type, **hooks: Any) -> Method:
 
 def load_method(name: str, registry: Mapping[str, Method]) -> Method:
     """The method `name`: a key of `registry`, or `package.module:NAME` naming a `Method` value."""
-    if name in registry:
-        return registry[name]
-    if ":" not in name:
-        raise JmarlError(
-            f"unknown algorithm {name!r}; choose one of {', '.join(sorted(registry))} "
-            "(or give your own Method as 'package.module:NAME')"
-        )
-    module_name, attr = name.split(":", 1)
-    try:
-        value = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise JmarlError(f"algo.name {name!r} cannot be imported ({e}); check the module path and name") from None
-    if not isinstance(value, Method):
-        raise JmarlError(
-            f"algo.name {name!r} is a {type(value).__name__}, not a jmarl.algos.Method; build one with "
-            "jmarl.algos.Method(name=..., config=..., advantages=..., loss=...)"
-        )
-    return value
+    return lookup(name, registry, Method, public="jmarl.algos.Method", setting="algo.name",
+                  unknown="unknown algorithm", build="jmarl.algos.Method(name=..., config=..., advantages=..., loss=...)")
 
 
 def finite_advantages(advantages: jax.Array, reward: jax.Array) -> jax.Array:

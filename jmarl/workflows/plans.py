@@ -14,13 +14,13 @@ given as `package.module:NAME`. Every options dataclass names its group size `gr
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
 from jmarl.errors import JmarlError
+from jmarl.registry import lookup
 from jmarl.workflows.base import PlanResult, Sampler
 from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.independent import IndependentOptions, independent_bounds, sample_independent
@@ -97,24 +97,8 @@ PLANS: dict[str, Plan] = {
 def get_plan(name: str) -> Plan:
     """The plan `name`: a key of `PLANS`, or `package.module:NAME` naming a `Plan` value (your
     own plan, as `algo.name` takes your own method); a `JmarlError` naming the choices otherwise."""
-    if name in PLANS:
-        return PLANS[name]
-    if ":" not in name:
-        raise JmarlError(
-            f"unknown sampling plan {name!r}; known plans: {', '.join(sorted(PLANS))} "
-            "(or give your own Plan as 'package.module:NAME')"
-        )
-    module_name, attr = name.split(":", 1)
-    try:
-        value = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise JmarlError(f"workflow.plan {name!r} cannot be imported ({e}); check the module path and name") from None
-    if not isinstance(value, Plan):
-        raise JmarlError(
-            f"workflow.plan {name!r} is a {type(value).__name__}, not a jmarl.workflows.Plan; build one with "
-            "jmarl.workflows.Plan(name=..., run=..., options=...)"
-        )
-    return value
+    return lookup(name, PLANS, Plan, public="jmarl.workflows.Plan", setting="workflow.plan",
+                  unknown="unknown sampling plan", build="jmarl.workflows.Plan(name=..., run=..., options=...)")
 
 
 def make_options(name: str, **options: Any) -> Any:

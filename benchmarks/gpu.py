@@ -4,11 +4,12 @@ Run by `python -m benchmarks.run --suite gpu`. It needs a JAX GPU/TPU backend an
 CPU-only machine (`--allow-cpu` runs the `tiny` shape on the CPU instead, to check the code
 path). Rows:
 
-- `train_step_mfu` (per shape): jmarl's GRPO train step (`make_update` + AdamW, bf16 params and
+- `train_step_mfu` (per shape): jmarl's GRPO train step (`make_update` + AdamW, float32 masters and bf16
   matmuls, layer remat from 1.5B up) on `GPU_BATCH` x `GPU_SEQ` tokens; model FLOP/s =
   tokens/s x `train_flops_per_token`, MFU against the measured bf16 matmul peak (a large XLA
   matmul in the same run) and, where the device is known, against its nominal dense peak.
-- `train_step_vs_torch_eager` when a CUDA build of PyTorch sees a GPU: the same step in PyTorch.
+  `--attention auto,xla` adds a row per attention form; a shape whose full-parameter state does
+  not fit device 0 is skipped with the reason (`train_state_fits`).
 - `generation_vs_hf_generate`-style jmarl-only figure `generation_new_tokens_per_s` (batch 64,
   prompt 64, 64 new tokens) and, with CUDA PyTorch, HF `generate` beside it.
 
@@ -71,9 +72,28 @@ def jmarl_config(shape: str, dtype: str):
     return config.replace(remat=config.num_params() > 1.2e9)
 
 
+TRAIN_BYTES_PER_PARAM = 16  # float32 master + gradient + AdamW's two moments
+
+
+def train_state_fits(shape: str, dtype: str = "bfloat16") -> str | None:
+    """None when a full-parameter update's state (TRAIN_BYTES_PER_PARAM bytes a parameter, before
+    activations) fits device 0's memory, else why not (the row is then skipped, not run into an
+    out-of-memory error that would hold the device's memory for the rows after it)."""
+    import jax
+
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    need = jmarl_config(shape, dtype).num_params() * TRAIN_BYTES_PER_PARAM
+    if limit is None or need <= limit:
+        return None
+    return (f"a full-parameter update holds {need / 2**30:.0f} GiB of float32 masters, gradients and AdamW "
+            f"moments; device 0 has {limit / 2**30:.0f} GiB (shard it over devices, or train LoRA adapters)")
+
+
 def bench_train_mfu(shape: str, repeats: int, peak: float, *, batch: int = GPU_BATCH, seq: int = GPU_SEQ,
-                    dtype: str = "bfloat16") -> dict[str, Any]:
-    """The `train_step_mfu` row: jmarl's jitted GRPO update on random weights."""
+                    dtype: str = "bfloat16", attention: str = "auto") -> dict[str, Any]:
+    """The `train_step_mfu` row: jmarl's jitted GRPO update on random weights, attention in the
+    given form (`ModelConfig.attention`: auto = the packed blockwise kernel at these sizes, xla =
+    dense masked scores)."""
     import jax
     import jax.numpy as jnp
 
@@ -82,7 +102,7 @@ def bench_train_mfu(shape: str, repeats: int, peak: float, *, batch: int = GPU_B
     from jmarl.train.optim import make_optimizer
     from jmarl.train.step import init_train_state, jit_update, make_update
 
-    config = jmarl_config(shape, dtype).replace(param_dtype="float32")  # fp32 masters, bf16 compute (what training runs)
+    config = jmarl_config(shape, dtype).replace(param_dtype="float32", attention=attention)  # fp32 masters, bf16 compute
     optimizer = make_optimizer(LR, total_steps=10**6, weight_decay=0.01, grad_clip=1.0)
     state = jax.jit(lambda k: init_train_state(models.init(config, k), optimizer))(jax.random.key(0))
     update = jit_update(make_update(jmarl_loss_fn(config), optimizer))
@@ -106,14 +126,14 @@ def bench_train_mfu(shape: str, repeats: int, peak: float, *, batch: int = GPU_B
         "name": "train_step_mfu", "metric": "train_tokens_per_s", "size": shape, "jmarl": med, "baseline": None,
         "ratio": None, "jmarl_min": min(tps), "jmarl_max": max(tps), "repeats": repeats,
         "jmarl_compile_s": max(first - warm, 0.0), "jmarl_seconds": times, "batch": batch, "seq_len": seq,
-        "dtype": dtype, "remat": config.remat, "params": config.num_params(), "flops_per_token": fpt,
+        "dtype": dtype, "attention": attention, "remat": config.remat, "params": config.num_params(), "flops_per_token": fpt,
         "jmarl_flops": med * fpt, "matmul_peak_flops": peak, "mfu": med * fpt / peak,
     }
     nominal = nominal_peak()
     if nominal:
         row["nominal_peak_flops"] = nominal
         row["mfu_vs_nominal"] = med * fpt / nominal
-    print(f"[train step {shape}] {med:,.0f} tok/s, {med * fpt / 1e12:.1f} TFLOP/s, MFU {100 * row['mfu']:.0f}% "
+    print(f"[train step {shape}, attention {attention}] {med:,.0f} tok/s, {med * fpt / 1e12:.1f} TFLOP/s, MFU {100 * row['mfu']:.0f}% "
           f"(compile {row['jmarl_compile_s']:.0f}s)", flush=True)
     return row
 

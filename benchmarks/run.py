@@ -24,6 +24,7 @@ A benchmark that raises (or whose process dies) is recorded under `errors` too a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -161,9 +162,16 @@ def run_gpu(args, results: dict[str, Any]) -> None:
     results["parity"] = {"tiny": parity}
     peak = results["matmul_peak"]["matmul_peak_flops"]
     for shape in args.shapes:
-        row = _attempt(errors, "train_step_mfu", shape, lambda: gpu.bench_train_mfu(
-            shape, args.repeats, peak, batch=settings["batch"], seq=settings["seq"], dtype=settings["dtype"]))
-        rows.extend([row] if row else [])
+        skip = None if on_cpu else gpu.train_state_fits(shape)
+        if skip:
+            results.setdefault("skipped", []).append({"name": "train_step_mfu", "size": shape, "why": skip})
+            print(f"[train step {shape}] skipped: {skip}", flush=True)
+        for form in () if skip or "train_step" not in args.only else args.attention:
+            row = _attempt(errors, "train_step_mfu", shape, lambda: gpu.bench_train_mfu(
+                shape, args.repeats, peak, batch=settings["batch"], seq=settings["seq"], dtype=settings["dtype"],
+                attention=form))
+            rows.extend([row] if row else [])
+            gc.collect()  # a failed attempt's traceback may still hold its device buffers
         if "generation" in args.only:
             row = _attempt(errors, "generation", shape, lambda: gpu.bench_generation(
                 shape, args.repeats, batch=8 if on_cpu else 64, dtype=settings["dtype"]))
@@ -193,6 +201,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--readme", default=README, help="markdown file whose table is rewritten after a full run (default docs/benchmarks.md)")
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("--allow-cpu", action="store_true", help="gpu suite: run the tiny shape on the CPU")
+    parser.add_argument("--attention", default="auto",
+                        help="gpu suite: comma-separated attention forms of the train-step rows "
+                             "(ModelConfig.attention: auto = packed blockwise, xla = dense masked)")
     parser.add_argument("--baseline-host-memory", choices=["default", "jmarl"], default="default",
                         help="cpu suite: the PyTorch side's allocator: glibc's defaults, as its users run it "
                              "(default), or jmarl's host memory policy (jmarl.host_memory)")
@@ -202,6 +213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peak-flops", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.only = tuple(p for p in args.only.split(",") if p)
+    args.attention = tuple(a for a in args.attention.split(",") if a)
     unknown = set(args.only) - set(CPU_PARTS)
     if unknown:
         parser.error(f"--only: unknown parts {sorted(unknown)}; choose from {CPU_PARTS}")

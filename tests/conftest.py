@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] != "cpu":  # GPUs default float32 matmuls to TF32; the parity bounds are float32's
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()

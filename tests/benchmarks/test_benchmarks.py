@@ -224,6 +224,28 @@ def test_gpu_suite_refuses_without_an_accelerator(capsys):
     assert "no GPU/TPU backend" in capsys.readouterr().err
 
 
+def test_gpu_train_row_is_skipped_with_its_reason_when_the_state_cannot_fit(monkeypatch):
+    """16 bytes a parameter (float32 master, gradient, two AdamW moments) against device 0's
+    memory: the 8B shape does not fit 80 GiB, the 0.5B shape does, and no limit means run it."""
+    import jax
+
+    from benchmarks import gpu
+
+    class Device:
+        def __init__(self, limit):
+            self.limit = limit
+
+        def memory_stats(self):
+            return None if self.limit is None else {"bytes_limit": self.limit}
+
+    for limit, shape, fits in ((80 << 30, "gpu-8b", False), (80 << 30, "gpu-0.5b", True), (None, "gpu-8b", True)):
+        monkeypatch.setattr(jax, "devices", lambda limit=limit: [Device(limit)])
+        why = gpu.train_state_fits(shape)
+        assert (why is None) == fits, (shape, limit, why)
+    monkeypatch.setattr(jax, "devices", lambda: [Device(80 << 30)])
+    assert "GiB of float32 masters" in gpu.train_state_fits("gpu-8b") and "80 GiB" in gpu.train_state_fits("gpu-8b")
+
+
 @pytest.mark.slow
 def test_gpu_suite_code_path_runs_on_the_cpu_with_allow_cpu(tmp_path):
     """`--allow-cpu` runs the accelerator suite's code path (parity gate, train-step MFU,

@@ -89,11 +89,37 @@ def test_segments_go_whole_into_the_first_row_with_room():
 def test_rows_are_full_but_the_last_and_a_long_segment_widens_them():
     rows = [([1 + i] * 50, [2] * 30) for i in range(60)]  # 60 segments of 80 tokens: 4800 in all
     (out,) = pack([_plain(rows, t=80)])
-    assert out["packed_tokens"].shape == (5, ROW_TOKENS)  # 12 segments (960 tokens) per row of 1024
+    # rows of 1024 would hold 12 segments (960 tokens) each: 5 x 1024 = 5120 slots; rows of 320
+    # hold 4 (320 tokens) each, every slot real: 15 x 320 = 4800
+    assert out["packed_tokens"].shape == (15, 320)
+    assert [int(np.count_nonzero(r)) for r in out["packed_segment"]] == [320] * 15
+    (out,) = pack([_plain(rows, t=80)], known={(5, ROW_TOKENS)})  # a compiled shape within the slack
+    assert out["packed_tokens"].shape == (5, ROW_TOKENS)
     assert [int(np.count_nonzero(r)) for r in out["packed_segment"]] == [960] * 5
     long = [([7] * 600, [8] * 500)] * 2  # a segment of 1600 tokens
     (out,) = pack([_plain(rows[:3] + long, t=1100)])
     assert out["packed_tokens"].shape == (2, token_budget(1600))  # 1600 | 3 x 80
+
+
+def test_row_shape_takes_the_fewest_slots_never_more_than_full_width_rows():
+    """(R, L) over the candidate widths: fewest slots, ties to the wider; a known shape only when
+    it holds the segments, costs within the slack and no more than the full-width baseline;
+    widths stay above the dense-attention threshold."""
+    from jmarl.models.attention import PACKED_DENSE_MAX
+    from jmarl.train.packing import KNOWN_SHAPE_SLACK, row_shape
+
+    sizes = [[100] * 25]  # 2500 tokens; full-width rows: 10 + 10 + 5 segments, 3 x 1024 = 3072 slots
+    best = row_shape(sizes, ROW_TOKENS)
+    assert best == (5, 512)  # 5 segments a row: 2560 slots (320-wide: 9 x 320 = 2880; 448: 7 x 448 = 3136)
+    assert row_shape(sizes, ROW_TOKENS, known={(4, 704)}) == (4, 704)  # 7 a row; 2816 <= 1.1 x 2560
+    assert row_shape(sizes, ROW_TOKENS, known={(3, 896)}) == best  # holds 24 segments, not 25
+    assert row_shape(sizes, ROW_TOKENS, known={(3, 1024)}) == best  # 3072 > 1.1 x 2560
+    assert row_shape([[100] * 30], ROW_TOKENS) == (3, 1024)  # 3000 tokens: no narrower width has fewer slots
+    assert row_shape([[100] * 30], ROW_TOKENS, known={(4, 1024)}) == (3, 1024)  # more slots than the baseline
+    assert all(w > PACKED_DENSE_MAX for _, w in (best, row_shape([[120] * 40], ROW_TOKENS)))
+    assert row_shape(sizes, ROW_TOKENS, rows_per_part=4)[0] % 4 == 0
+    assert row_shape([[300] * 2], ROW_TOKENS) == (1, 640)  # one row, narrowed to its fullest bucket
+    assert KNOWN_SHAPE_SLACK >= 1.0
 
 
 def test_prompt_is_everything_before_the_first_loss_token():

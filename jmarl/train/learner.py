@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,25 +61,28 @@ def _stacked(group: PolicyGroup, parts: list[dict[str, np.ndarray]]) -> LearnerB
 
 
 def learner_batch(
-    group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0, rows_per_part: int = 1
+    group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0, rows_per_part: int = 1,
+    known: Collection[tuple[int, int]] = (),
 ) -> tuple[LearnerBatch, list[int]]:
     """The group's `LearnerBatch` (host arrays) and each policy's sample count. N is a power of
     two times `parts` (`batch_rows`); `min_rows`, a bound on any policy's samples per step
-    known from the plan (0: none), fixes N across steps; each micro-batch packs into rows of
-    `packing.ROW_TOKENS` slots, a multiple of `rows_per_part` (one per data shard) of them, so
-    the update compiles once per row count and length bucket (`packing.pack`)."""
+    known from the plan (0: none), fixes N across steps; each micro-batch packs into R rows of L
+    slots, R a multiple of `rows_per_part` (one per data shard), (R, L) the fewest slots of a
+    few widths or a shape of `known` (the group's earlier steps) that costs little more, so the
+    update compiles for a few shapes (`packing.pack`, `packing.row_shape`)."""
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
     size = batch_rows(counts, parts, min_rows)
     rows = [policy_rows(rollouts, p, size) for p in group.policy_ids]
-    return _stacked(group, pack(rows, parts, rows_per_part)), counts
+    return _stacked(group, pack(rows, parts, rows_per_part, known=known)), counts
 
 
 def sft_batch(
-    group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]], rows_per_part: int = 1
+    group: PolicyGroup, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]], rows_per_part: int = 1,
+    known: Collection[tuple[int, int]] = (),
 ) -> LearnerBatch | None:
     """A warm-start batch from (policy id, prompt token ids, completion token ids) rows (the
     completion trained on), padded per policy to a power of two and packed into a multiple of
-    `rows_per_part` rows; None without rows."""
+    `rows_per_part` rows (a shape of `known` where it costs little more); None without rows."""
     if not rows:
         return None
     t = bucket_length(max(len(p) + len(c) for _, p, c in rows))
@@ -96,7 +99,7 @@ def sft_batch(
             loss[j, len(p) : len(p) + len(c)] = True
         return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
 
-    return _stacked(group, pack([arrays(x) for x in per], rows_per_part=rows_per_part))
+    return _stacked(group, pack([arrays(x) for x in per], rows_per_part=rows_per_part, known=known))
 
 
 def abstract_learner_batch(

@@ -39,7 +39,7 @@ few compiled programs (mostly one per row count). [N] fields pass through.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ import numpy as np
 
 from jmarl.batch import PACKED_FIELDS
 from jmarl.errors import JmarlError
+from jmarl.models.attention import PACKED_DENSE_MAX
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, packed_token_logprobs
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
@@ -106,6 +107,53 @@ def _first_fit(sizes: Sequence[int], width: int) -> list[int]:
     return where
 
 
+# a known shape is taken over the cheapest one when it costs at most this much more
+KNOWN_SHAPE_SLACK = 1.1
+
+
+def _rows_at(sizes: Sequence[Sequence[int]], width: int, rows_per_part: int) -> int:
+    """Rows of `width` slots the fullest micro-batch of segment `sizes` needs (first-fit
+    decreasing), rounded up to a multiple of rows_per_part."""
+    rows = max([1] + [max(_first_fit(s, width), default=-1) + 1 for s in sizes])
+    return -(-rows // rows_per_part) * rows_per_part
+
+
+def _widths(low: int, high: int) -> list[int]:
+    """The candidate row widths in [low, high]: `row_bucket` values (four per doubling) above
+    the widths where packed attention switches to dense scores (so a narrower row never changes
+    attention's form, and the memory plan of ROW_TOKENS-wide rows still bounds it), and `high`."""
+    out, w = {high}, max(low, PACKED_DENSE_MAX + 1)
+    while w < high:
+        out.add(row_bucket(w))
+        w = row_bucket(w) + 1
+    return sorted(out)
+
+
+def row_shape(sizes: Sequence[Sequence[int]], width: int, rows_per_part: int = 1,
+              known: Collection[tuple[int, int]] = ()) -> tuple[int, int]:
+    """(R, L) for micro-batches of segments of `sizes` tokens each (one list per micro-batch,
+    of every batch that is stacked with it; each <= width).
+
+    The baseline is `width`-wide rows narrowed to the fullest row's `row_bucket`. Narrower
+    widths (`_widths`, each >= the longest segment) need more rows; the shape with the fewest
+    slots R x L wins (ties: the wider). A shape of `known` (those compiled before) that holds
+    the segments is taken instead when its slots are within KNOWN_SHAPE_SLACK of the best and
+    no more than the baseline's, so shapes repeat across steps. No choice exceeds the
+    baseline's slots: the memory plan, made for `width`-wide rows, bounds every one."""
+    rows = _rows_at(sizes, width, 1)
+    where = [(_first_fit(s, width), s) for s in sizes]
+    fullest = max([1] + [sum(n for n, r in zip(s, w) if r == row) for w, s in where for row in set(w)])
+    base_width = min(width, max(MIN_BUDGET, row_bucket(fullest)))
+    base = (-(-rows // rows_per_part) * rows_per_part, base_width)
+    longest = max([1] + [max(s, default=1) for s in sizes])
+    options = [base] + [(_rows_at(sizes, w, rows_per_part), w) for w in _widths(longest, width) if w < base_width]
+    best = min(options, key=lambda o: (o[0] * o[1], -o[1]))
+    cap = base[0] * base[1]
+    holds = [k for k in known if k[0] * k[1] <= min(cap, KNOWN_SHAPE_SLACK * best[0] * best[1])
+             and k[1] >= longest and _rows_at(sizes, k[1], rows_per_part) <= k[0]]
+    return min(holds, key=lambda k: (k[0] * k[1], -k[1])) if holds else best
+
+
 class PackShape(NamedTuple):
     """The static shape of a packed batch: R rows and M predictions per micro-batch, rows of L
     slots, continuations of C tokens."""
@@ -127,23 +175,20 @@ def shape_of(batch: Any, parts: int = 1) -> PackShape:
 
 def pack(
     batches: Sequence[dict[str, np.ndarray]], parts: int = 1, rows_per_part: int = 1, width: int = ROW_TOKENS,
-    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, known: Collection[tuple[int, int]] = (),
 ) -> list[dict[str, np.ndarray]]:
     """Plain batches (tokens/attention_mask/loss_mask [N, T], N a multiple of `parts`) -> the
     packed layout of the module docstring, with R, L, M and C common to all of them (so the
     results stack, e.g. one per policy of a stacked group).
 
-    L = `width`, or the `token_budget` of the longest segment when one is longer. R = the rows
-    the fullest micro-batch needs when its segments go whole, longest first, into the first
-    row with room (first-fit decreasing), rounded up to a multiple of `rows_per_part` (one per
-    data shard); then L is narrowed to the fullest row's `row_bucket` (four widths per
-    doubling) when that is less. M = R x L (a micro-batch never predicts more tokens than its
-    rows hold).
+    L starts at `width`, or the `token_budget` of the longest segment when one is longer; R and
+    L are then chosen by `row_shape` (the fewest slots R x L over a few narrower widths, a
+    shape in `known` when it costs little more), R a multiple of `rows_per_part` (one per data
+    shard). M = R x L (a micro-batch never predicts more tokens than its rows hold).
 
-    So the shapes a run compiles for change only with the number of rows (a few values over a
-    run) rather than with every change of length, and rows are full but for the last one:
-    attention skips the tiles outside a segment, so a wide row costs little more than its
-    segments, and several rows per micro-batch keep attention's tiles batched."""
+    So a run compiles for a few shapes rather than one per change of length, and rows are full
+    but for the last one: attention skips the tiles outside a segment, so a row costs about
+    what its segments hold, and several rows per micro-batch keep attention's tiles batched."""
     plans = []  # per batch: (samples, per micro-batch: (segments, their sizes))
     longest_rest, longest_segment = 1, 1
     for b in batches:
@@ -162,13 +207,7 @@ def pack(
         longest_rest = max([longest_rest] + [rest.size for _, rest in samples])
         plans.append((samples, micro))
     width = max(width, token_budget(longest_segment))
-    fits = [(_first_fit(sizes, width), sizes) for _, micro in plans for _, sizes in micro]
-    rows = max([1] + [max(where, default=-1) + 1 for where, _ in fits])
-    # rows no wider than the fullest needs (four widths per doubling): a small batch, or a
-    # stacked policy's, does not fill a row of ROW_TOKENS
-    fullest = max([1] + [sum(s for s, w in zip(sizes, where) if w == r) for where, sizes in fits for r in set(where)])
-    width = min(width, max(MIN_BUDGET, row_bucket(fullest)))
-    rows = -(-rows // rows_per_part) * rows_per_part
+    rows, width = row_shape([sizes for _, micro in plans for _, sizes in micro], width, rows_per_part, known)
     for _, micro in plans:
         for i, (segments, sizes) in enumerate(micro):
             micro[i] = (segments, _first_fit(sizes, width))
@@ -250,3 +289,11 @@ def token_utilization(batch: Any) -> tuple[int, int]:
     """(real tokens, token slots) of a packed batch's rows (host arrays; any leading axes)."""
     segment = np.asarray(batch["packed_segment"] if isinstance(batch, Mapping) else batch.packed_segment)
     return int(np.count_nonzero(segment)), int(segment.size)
+
+
+def policy_token_utilization(batch: Any, stacked: bool) -> list[tuple[int, int]]:
+    """(real tokens, token slots) of each policy of a packed batch: one entry per index of a
+    stacked batch's policy axis, else one for the whole batch."""
+    segment = np.asarray(batch["packed_segment"] if isinstance(batch, Mapping) else batch.packed_segment)
+    per = segment if stacked else segment[None]
+    return [(int(np.count_nonzero(s)), int(s.size)) for s in per]

@@ -53,7 +53,7 @@ from jmarl.train.metrics import (
     write_summary,
 )
 from jmarl.train.optim import make_optimizer
-from jmarl.train.packing import token_utilization
+from jmarl.train.packing import policy_token_utilization, shape_of, token_utilization
 from jmarl.train.programs import trainer_programs
 from jmarl.train.progress import ProgressBar, say
 from jmarl.train.sampling import ModelSampler, encode_prompt
@@ -109,6 +109,10 @@ class Trainer:
         self.checkpointer = None if abstract else Checkpointer(self.out / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.warm_started = False
+        # per policy group, the packed (rows, width) shapes its updates compiled for: a later step
+        # takes one when it costs little more (`packing.row_shape`); checkpointed, so a resumed
+        # run packs as the uninterrupted one did
+        self.packed_shapes: list[set[tuple[int, int]]] = [set() for _ in self.policies.groups]
         self.resumed_step: int | None = None  # the checkpoint step `maybe_resume` restored
         # metrics.jsonl records up to the last step logged: what a checkpoint stores, so that a
         # resume rewinds the file to it (`jmarl.train.metrics.rewind_metrics`); None: unknown
@@ -167,6 +171,7 @@ class Trainer:
         meta = {
             "step": self.step, "warm_started": self.warm_started, "config": json.loads(json.dumps(_plain(self.config))),
             "method_state": self.method.state_to_json(self.method_state), "rollouts_generated": self.rollouts_generated,
+            "packed_shapes": [sorted(map(list, shapes)) for shapes in self.packed_shapes],
             "metrics_records": self.metrics_records,
         }
         self.checkpointer.save(self.step, self.state_tree(), meta)
@@ -188,6 +193,8 @@ class Trainer:
         if meta.get("method_state") is not None:
             self.method_state = self.method.state_from_json(self.algo_cfg, meta["method_state"])
         self.rollouts_generated = int(meta.get("rollouts_generated", 0))
+        for shapes, saved in zip(self.packed_shapes, meta.get("packed_shapes", [])):
+            shapes.update((int(r), int(w)) for r, w in saved)
         log.info("resumed from step %d", self.step)
         return True
 
@@ -207,14 +214,17 @@ class Trainer:
         if ws.steps <= 0 or self.warm_started:
             return
         bar = ProgressBar(ws.steps, desc="warm start", enabled=self.config.logging.progress)
+        known: list[set[tuple[int, int]]] = [set() for _ in self.policies.groups]  # as `packed_shapes`
         for i in range(ws.steps):
             demos = self.demonstrations([envs.train_seed(10**8 + i * ws.demos + j) for j in range(ws.demos)])
-            for group, fns in zip(self.policies.groups, self.fns):
+            for group, fns, shapes in zip(self.policies.groups, self.fns, known):
                 tok = group.tokenizer
                 rows = [(pid, encode_prompt(tok, prompt, s.max_prompt_len), tok.encode(text)[: s.max_new_tokens - 1] + [tok.eos_id])
                         for pid, prompt, text in demos if pid in group.policy_ids]
-                batch = sft_batch(group, rows, self.rows_per_part(group))
+                batch = sft_batch(group, rows, self.rows_per_part(group), known=shapes)
                 if batch is not None:
+                    packed = shape_of(batch)
+                    shapes.add((packed.rows, packed.width))
                     group.state, metrics = fns.sft_update(group.state, group.base, batch)
             bar.update({"nll": float(np.mean(jax.device_get(metrics["sft_nll"])))})
         bar.close()
@@ -257,15 +267,21 @@ class Trainer:
             eos_ids=[self.policies.group_of(p).tokenizer.eos_id for p in range(len(names))]))
         t_score = t_update = 0.0
         real_tokens = token_slots = 0
-        for group, fns in zip(self.policies.groups, self.fns):
-            batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound(), self.rows_per_part(group))
+        for group, fns, shapes in zip(self.policies.groups, self.fns, self.packed_shapes):
+            batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound(), self.rows_per_part(group),
+                                          known=shapes)
             if not any(counts):
                 continue
+            packed = shape_of(batch, self.parts)
+            shapes.add((packed.rows, packed.width))
             t1 = time.perf_counter()
             active = active_policies(counts, group.stacked, policy_axis_size(self.mesh))
             view, batch = (group, batch) if active is None else restrict(group, batch, active)
             real, slots = token_utilization(batch)
             real_tokens, token_slots = real_tokens + real, token_slots + slots
+            if len(self.policies.policy_names) > 1:
+                for pid, (p_real, p_slots) in zip(view.policy_ids, policy_token_utilization(batch, view.stacked)):
+                    metrics[f"learner/{self.policies.policy_names[pid]}/token_utilization"] = p_real / max(p_slots, 1)
             cross = bool(np.any(batch.source_policy != batch.learner))
             batch = score_batch(view, fns, batch, self.method_device_state(), recompute=cfg.train.recompute_old_logprobs, cross=cross)
             batch = jax.block_until_ready(batch)

@@ -1,4 +1,4 @@
-"""`ModelConfig`: the static description of a decoder-only LM (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3).
+"""`ModelConfig`: the static description of a decoder-only LM (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3).
 
 One frozen, hashable dataclass, so it can be a static argument of `jax.jit` and a cache key.
 `ModelConfig.from_hf` reads a Hugging Face `config.json` in both styles: `rope_theta` +
@@ -17,8 +17,8 @@ import numpy as np
 
 from jmarl.errors import JmarlError
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3_text")
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 _DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # How attention is computed (`jmarl.models.attention`): auto picks per platform when the program
 # is lowered (cuDNN flash on GPU, Pallas splash on TPU, blockwise elsewhere; dense for short
@@ -36,6 +36,7 @@ _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 # Gemma 3's per-layer attention kinds (HF `layer_types`): a sliding layer attends to the
@@ -49,8 +50,11 @@ class ModelConfig:
 
     Family switches: `qkv_bias` (Qwen2: biases on q/k/v), `o_bias` (Llama/Qwen3
     `attention_bias=True`: biases on q/k/v/o), `qk_norm` (Qwen3: RMSNorm over each head of q and
-    k before RoPE). `rope_type` is "default", "linear" or "llama3" (with `rope_factor`,
-    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_position`).
+    k before RoPE). `rope_type` is "default", "linear", "llama3" (with `rope_factor`,
+    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_position`) or "yarn"
+    (`rope_factor`, `rope_original_max_position`, `rope_beta_fast`, `rope_beta_slow`,
+    `rope_truncate`, and `rope_attention_factor`: the factor on cos/sin, None for transformers'
+    default 0.1 ln(factor) + 1; see `inv_frequencies` and `rope_attention_scaling`).
     `param_dtype` is how parameters are stored, `compute_dtype` how matmuls run; norms,
     softmax and log-probs always run in float32. `remat` is what each layer keeps for the
     backward pass: one of REMAT_POLICIES, True ("full"), False ("none") or "auto" (the default:
@@ -65,6 +69,15 @@ class ModelConfig:
     layer attends to all earlier tokens) with `layer_types` (one of SLIDING / FULL per layer): a
     sliding layer's query at position t sees keys at positions t - W < s <= t and rotates by
     RoPE of theta `rope_local_theta` (no scaling); full layers use `rope_theta` and `rope_type`.
+
+    Qwen3-MoE (`model_type="qwen3_moe"`: Qwen3's attention, q/k norms included): layer i is a
+    sparse mixture-of-experts layer iff i is not in `mlp_only_layers`, `num_experts` > 0 and
+    (i + 1) % `decoder_sparse_step` == 0 (transformers' rule; `sparse_layers`), else a dense
+    SwiGLU MLP of `intermediate_size`. A sparse layer routes each token to its
+    `num_experts_per_tok` most probable experts (SwiGLU MLPs of `moe_intermediate_size`; the
+    top-k probabilities renormalised to sum to 1 when `norm_topk_prob`; `jmarl.models.moe`).
+    `router_aux_loss_coef` is the weight transformers gives the load-balancing loss in training.
+    No shared expert (Qwen2-MoE style): refused by `from_hf`.
     """
 
     model_type: str
@@ -82,6 +95,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -98,6 +115,13 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -119,12 +143,33 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise JmarlError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        self._check_moe()
         object.__setattr__(self, "remat", resolve_remat(self.remat, self.num_params(), setting="ModelConfig.remat"))
         if self.attention not in ATTENTION_IMPLS:
             raise JmarlError(f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_sliding_window()
+
+    def _check_moe(self) -> None:
+        """Validates the mixture-of-experts fields (a list of mlp_only_layers becomes a tuple)."""
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers or ()))
+        if self.model_type != "qwen3_moe":
+            if self.num_experts:
+                raise JmarlError(f"ModelConfig.num_experts is for model_type qwen3_moe only, not {self.model_type!r}")
+            return
+        if self.num_experts < 0 or self.decoder_sparse_step < 1:
+            raise JmarlError(
+                f"ModelConfig: num_experts must be >= 0 and decoder_sparse_step >= 1, got {self.num_experts} "
+                f"and {self.decoder_sparse_step}"
+            )
+        if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise JmarlError(
+                f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.is_moe and self.moe_intermediate_size < 1:
+            raise JmarlError(f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
 
     def _check_sliding_window(self) -> None:
         """Validates sliding_window / layer_types (a list becomes a tuple, hashable)."""
@@ -159,6 +204,26 @@ class ModelConfig:
     def is_gemma3(self) -> bool:
         """Gemma 3 numerics: scaled embeddings, (1 + w) norms, sandwich norms, GeGLU MLP."""
         return self.model_type == "gemma3_text"
+
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it is a mixture-of-experts layer (transformers' Qwen3MoeDecoderLayer
+        rule: not in mlp_only_layers, num_experts > 0, (i + 1) % decoder_sparse_step == 0)."""
+        if self.model_type != "qwen3_moe" or self.num_experts <= 0:
+            return (False,) * self.num_layers
+        return tuple(i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                     for i in range(self.num_layers))
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer is a mixture-of-experts layer (`sparse_layers`)."""
+        return any(self.sparse_layers())
+
+    @property
+    def has_mixed_mlps(self) -> bool:
+        """Whether the layers mix dense MLPs and mixture-of-experts layers: each layer then holds
+        both, the one it does not use zeros (`jmarl.models.model.DecoderLayer.feed_forward`)."""
+        kinds = set(self.sparse_layers())
+        return len(kinds) == 2
 
     @property
     def has_sliding_window(self) -> bool:
@@ -195,15 +260,20 @@ class ModelConfig:
         return {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}.get(self.remat)
 
     def num_params(self) -> int:
-        """Total parameter count."""
+        """Total parameter count, as transformers counts it (a model with `has_mixed_mlps`
+        stores more: each layer holds a dense MLP and the experts, one of them unused)."""
         d, hd = self.hidden_size, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * (self.qkv_bias or self.o_bias) + d * self.o_bias
         attn += 2 * hd * self.qk_norm
-        layer = attn + 3 * d * self.intermediate_size + (4 if self.is_gemma3 else 2) * d
+        layer = attn + (4 if self.is_gemma3 else 2) * d
+        sparse = sum(self.sparse_layers())
+        dense_mlp = 3 * d * self.intermediate_size
+        sparse_mlp = d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts
+        mlps = (self.num_layers - sparse) * dense_mlp + sparse * sparse_mlp
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * layer + d + head
+        return self.vocab_size * d + self.num_layers * layer + mlps + d + head
 
     def inv_frequencies(self, local: bool = False) -> np.ndarray:
         """RoPE inverse frequencies float32[head_dim // 2], scaled as `rope_type` says. local: those
@@ -217,7 +287,19 @@ class ModelConfig:
             return (inv_freq / np.float32(self.rope_factor)).astype(np.float32)
         if self.rope_type == "llama3":
             return _llama3_scaled(inv_freq, self)
+        if self.rope_type == "yarn":
+            return _yarn_inv_freq(self)
         return inv_freq
+
+    def rope_attention_scaling(self, local: bool = False) -> float:
+        """The factor transformers puts on RoPE's cos and sin (its `attention_scaling`): YaRN's
+        attention factor (`rope_attention_factor`, by default 0.1 ln(factor) + 1 for factor > 1),
+        1.0 for every other type and for the sliding-window layers (local)."""
+        if local or self.rope_type != "yarn":
+            return 1.0
+        if self.rope_attention_factor is not None:
+            return float(self.rope_attention_factor)
+        return yarn_mscale(self.rope_factor)
 
     # ----------------------------------------------------------------------------- HF interop
     @classmethod
@@ -230,6 +312,12 @@ class ModelConfig:
         if hf.get("model_type") == "gemma3" and isinstance(hf.get("text_config"), Mapping):
             hf = dict(hf["text_config"], model_type="gemma3_text")  # the text part of a multimodal config
         model_type = hf.get("model_type")
+        if model_type == "qwen2_moe" or hf.get("shared_expert_intermediate_size"):
+            raise JmarlError(
+                f"HF config ({model_type}) has a shared expert (Qwen2-MoE style: shared_expert_intermediate_size="
+                f"{hf.get('shared_expert_intermediate_size')}), which jmarl does not implement; jmarl's mixture of "
+                "experts is qwen3_moe (routed experts only)"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise JmarlError(
                 f"unsupported model_type {model_type!r} in the HF config; jmarl supports "
@@ -259,7 +347,9 @@ class ModelConfig:
             return cls(**fields)
         fields["qkv_bias"] = model_type == "qwen2" or attention_bias
         fields["o_bias"] = model_type != "qwen2" and attention_bias
-        fields["qk_norm"] = model_type == "qwen3"
+        fields["qk_norm"] = model_type in ("qwen3", "qwen3_moe")
+        if model_type == "qwen3_moe":
+            fields.update(_moe_fields(hf))
         if hf.get("mlp_bias"):
             raise JmarlError("HF config sets mlp_bias=True, which jmarl does not support")
         if hf.get("hidden_act", "silu") != "silu":
@@ -282,16 +372,7 @@ class ModelConfig:
         """The HF `config.json` dict (transformers 4 and 5 both read it)."""
         if self.is_gemma3:
             return _gemma3_to_hf(self)
-        rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
-        if self.rope_type == "linear":
-            rope["factor"] = self.rope_factor
-        elif self.rope_type == "llama3":
-            rope.update(
-                factor=self.rope_factor,
-                low_freq_factor=self.rope_low_freq_factor,
-                high_freq_factor=self.rope_high_freq_factor,
-                original_max_position_embeddings=self.rope_original_max_position,
-            )
+        rope = _rope_to_hf(self)
         hf: dict[str, Any] = {
             "architectures": [_HF_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
@@ -318,9 +399,20 @@ class ModelConfig:
         if self.model_type == "llama":
             hf["attention_bias"] = self.o_bias
             hf["mlp_bias"] = False
-        elif self.model_type == "qwen3":
+        elif self.model_type in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.o_bias
             hf["use_sliding_window"] = False
+            if self.model_type == "qwen3_moe":
+                hf.update(
+                    num_experts=self.num_experts,
+                    num_experts_per_tok=self.num_experts_per_tok,
+                    moe_intermediate_size=self.moe_intermediate_size,
+                    norm_topk_prob=self.norm_topk_prob,
+                    decoder_sparse_step=self.decoder_sparse_step,
+                    mlp_only_layers=list(self.mlp_only_layers),
+                    router_aux_loss_coef=self.router_aux_loss_coef,
+                    output_router_logits=False,
+                )
         else:
             hf["use_sliding_window"] = False
         return hf
@@ -402,7 +494,8 @@ def _gemma3_fields(hf: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     if local_type != "default":
         raise JmarlError(f"HF config scales the sliding layers' RoPE ({local_type!r}); jmarl supports scaling on "
                          "the full-attention layers only")
-    fields = _rope_fields({"rope_parameters": full})
+    fields = _rope_fields({"rope_parameters": full,
+                           "max_position_embeddings": hf.get("max_position_embeddings", 131_072)})
     fields.update(
         qkv_bias=False, o_bias=False, qk_norm=True,
         sliding_window=None if window is None else int(window),
@@ -428,13 +521,7 @@ def _gemma3_to_hf(c: ModelConfig) -> dict[str, Any]:
     """The HF `Gemma3TextConfig` dict of a gemma3_text ModelConfig: RoPE both as transformers 5's
     per-layer-type `rope_parameters` and as the older rope_theta / rope_scaling /
     rope_local_base_freq keys."""
-    full: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
-    if c.rope_type == "linear":
-        full["factor"] = c.rope_factor
-    elif c.rope_type == "llama3":
-        full.update(factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
-                    high_freq_factor=c.rope_high_freq_factor,
-                    original_max_position_embeddings=c.rope_original_max_position)
+    full = _rope_to_hf(c)
     local_theta = c.rope_theta if c.rope_local_theta is None else c.rope_local_theta
     layer_types = list(c.layer_types) if c.layer_types is not None else [FULL] * c.num_layers
     qpas = c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim
@@ -472,6 +559,38 @@ def _gemma3_to_hf(c: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe config (transformers 5 writes num_experts as
+    num_local_experts). Defaults are transformers' Qwen3MoeConfig's."""
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    return dict(
+        num_experts=int(experts or 0),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """The HF `rope_parameters` dict of a config's (full-attention layers') RoPE."""
+    rope: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.rope_type == "linear":
+        rope["factor"] = c.rope_factor
+    elif c.rope_type == "llama3":
+        rope.update(factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+                    high_freq_factor=c.rope_high_freq_factor,
+                    original_max_position_embeddings=c.rope_original_max_position)
+    elif c.rope_type == "yarn":
+        rope.update(factor=c.rope_factor, original_max_position_embeddings=c.rope_original_max_position,
+                    beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow, truncate=c.rope_truncate)
+        if c.rope_attention_factor is not None:
+            rope["attention_factor"] = c.rope_attention_factor
+    return rope
+
+
 def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     """RoPE fields from either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
     params = hf.get("rope_parameters")
@@ -492,7 +611,67 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         fields["rope_original_max_position"] = int(
             scaling.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
         )
+    if rope_type == "yarn":
+        fields.update(_yarn_fields(hf, scaling))
     return fields
+
+
+def _yarn_fields(hf: Mapping[str, Any], scaling: Mapping[str, Any]) -> dict[str, Any]:
+    """The YaRN fields of a `rope_type: yarn` scaling dict, resolved as transformers'
+    `_compute_yarn_parameters` resolves them: original_max_position_embeddings (a top-level key
+    first, else the scaling's, else max_position_embeddings), factor (None: max positions /
+    original), beta_fast / beta_slow (missing or 0: 32 / 1), truncate (default True), and the
+    attention factor (given; else from DeepSeek's mscale / mscale_all_dim when both are set; else
+    None: 0.1 ln(factor) + 1 at use)."""
+    if float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise JmarlError("HF config sets partial_rotary_factor != 1, which jmarl's RoPE does not implement")
+    original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    original = int(original or hf.get("max_position_embeddings", 32768))
+    factor = scaling.get("factor")
+    factor = float(hf.get("max_position_embeddings", 32768)) / original if factor is None else float(factor)
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        attention = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return dict(
+        rope_factor=factor,
+        rope_original_max_position=original,
+        rope_beta_fast=float(scaling.get("beta_fast") or 32.0),
+        rope_beta_slow=float(scaling.get("beta_slow") or 1.0),
+        rope_truncate=bool(scaling.get("truncate", True)),
+        rope_attention_factor=None if attention is None else float(attention),
+    )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context `factor` (transformers' `get_mscale`):
+    0.1 * mscale * ln(factor) + 1, or 1 when factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(config: ModelConfig) -> np.ndarray:
+    """YaRN inverse frequencies float32[head_dim // 2], transformers' `_compute_yarn_parameters`
+    step by step in float32: the frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by factor), those that turn more than beta_fast
+    times are kept (extrapolated), and a linear ramp over the dimensions blends the two between."""
+    dim, base = config.head_dim, float(config.rope_theta)
+    original = config.rope_original_max_position
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(config.rope_factor) * pos_freqs)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)  # 1: extrapolated (kept), 0: interpolated
+    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
 
 
 def _llama3_scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:

@@ -87,7 +87,7 @@ def decode_step(
     and rotate by the local RoPE tables; the cache keeps every slot."""
     model = bind(config, params)
     cos, sin = rope_tables(config, position[:, None])
-    sliding = config.sliding_layers()
+    sliding, sparse = config.sliding_layers(), config.sparse_layers()
     if any(sliding):
         cos_l, sin_l = rope_tables(config, position[:, None], local=True)
         key_mask_l, prefix_mask_l = window_masks(config, position, key_mask, prefix_mask)
@@ -130,7 +130,7 @@ def decode_step(
             )
             return out, (k_buf, v_buf)
 
-        x, (keys[i], values[i]) = layer(x, cos_i, sin_i, attend)
+        x, (keys[i], values[i]) = layer(x, cos_i, sin_i, attend, sparse=sparse[i])
     h = model.final_norm(x[:, 0])
     return model.logits(h), KVCache(keys=tuple(keys), values=tuple(values))
 

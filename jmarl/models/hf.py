@@ -6,6 +6,12 @@ from the mapped file into its slot of the stacked jmarl parameter, then handed t
 safetensors format is read and written here directly (8-byte header length, JSON header, raw
 little-endian data), so bfloat16 works through `ml_dtypes` although NumPy has no bfloat16.
 HF stores linear weights as [out, in]; jmarl kernels are [in, out] (transposed on the way).
+
+Qwen3-MoE: a sparse layer's router is `mlp.gate.weight` [E, D] and expert e's projections are
+`mlp.experts.{e}.{gate,up,down}_proj.weight` (the released checkpoints' layout, which
+transformers 5 also writes: it fuses them only in memory); jmarl stacks them [E, D, Fe] /
+[E, Fe, D]. A checkpoint with transformers 5's fused in-memory names (`mlp.experts.gate_up_proj`
+[E, 2 Fe, D], `mlp.experts.down_proj` [E, D, Fe]) loads too.
 """
 
 from __future__ import annotations
@@ -51,9 +57,19 @@ _LAYER_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
     (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
     (("mlp_norm", "scale"), "post_attention_layernorm.weight", False),
+)
+# the dense MLP of a layer (every layer but the sparse ones of a Qwen3-MoE model)
+_MLP_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
     (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", True),
     (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", True),
     (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", True),
+)
+# a Qwen3-MoE sparse layer: the router, then expert e's projections (HF name "mlp.experts.{e}." + name)
+_ROUTER_TENSOR: tuple[tuple[str, ...], str, bool] = (("moe", "router", "kernel"), "mlp.gate.weight", True)
+_EXPERT_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
+    (("moe", "experts", "gate_proj"), "gate_proj.weight", True),
+    (("moe", "experts", "up_proj"), "up_proj.weight", True),
+    (("moe", "experts", "down_proj"), "down_proj.weight", True),
 )
 # Gemma 3: post_attention_layernorm normalises the attention's output; the MLP's input norm is
 # pre_feedforward_layernorm and its output norm post_feedforward_layernorm.
@@ -144,8 +160,14 @@ def _checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
     )
 
 
-def _tensor_specs(config: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, bool, int | None]]:
-    """(jmarl path, HF name, transposed, layer index or None) for every parameter of `config`."""
+Index = int | tuple[int, int] | None
+
+
+def _tensor_specs(config: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, bool, Index]]:
+    """(jmarl path, HF name, transposed, index) for every checkpoint tensor of `config`; index is
+    where it sits in the jmarl array: None (all of it), a layer i (row i of a stacked [L, ...]
+    parameter) or (layer, expert) (an expert's slice of a stacked [L, E, ...] one). A layer's
+    dense MLP is listed for the layers that run it, its router and experts for the sparse ones."""
     shapes = param_shapes(config)
 
     def exists(path: tuple[str, ...]) -> bool:
@@ -163,17 +185,62 @@ def _tensor_specs(config: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, b
         if exists(("layers",) + path):
             for i in range(config.num_layers):
                 yield ("layers",) + path, f"model.layers.{i}.{name}", transposed, i
+    sparse = config.sparse_layers()
+    dense_layers = [i for i in range(config.num_layers) if not sparse[i]]
+    sparse_layers = [i for i in range(config.num_layers) if sparse[i]]
+    for path, name, transposed in _MLP_TENSORS:
+        for i in dense_layers:
+            yield ("layers",) + path, f"model.layers.{i}.{name}", transposed, i
+    path, name, transposed = _ROUTER_TENSOR
+    for i in sparse_layers:
+        yield ("layers",) + path, f"model.layers.{i}.{name}", transposed, i
+    for path, name, transposed in _EXPERT_TENSORS:
+        for i in sparse_layers:
+            for e in range(config.num_experts):
+                yield ("layers",) + path, f"model.layers.{i}.mlp.experts.{e}.{name}", transposed, (i, e)
 
 
-def place(host: dict, path: Any, value: np.ndarray, layer: int | None, full_shape: tuple[int, ...], dtype: Any) -> None:
-    """Puts one checkpoint tensor into the host parameter tree: a copy at `path`, or (`layer`
-    given) row `layer` of the stacked [L, ...] array there, allocated at layer 0."""
-    if layer is None:
+def _unfused_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`tensors` with transformers 5's fused in-memory expert tensors (`mlp.experts.gate_up_proj`
+    [E, 2 Fe, D]: gate rows first, `mlp.experts.down_proj` [E, D, Fe]) also under the released
+    per-expert names (views, no copy)."""
+    out = dict(tensors)
+    for name, value in tensors.items():
+        prefix, _, kind = name.rpartition(".mlp.experts.")
+        if kind == "gate_up_proj":
+            f = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out.setdefault(f"{prefix}.mlp.experts.{e}.gate_proj.weight", value[e, :f])
+                out.setdefault(f"{prefix}.mlp.experts.{e}.up_proj.weight", value[e, f:])
+        elif kind == "down_proj":
+            for e in range(value.shape[0]):
+                out.setdefault(f"{prefix}.mlp.experts.{e}.down_proj.weight", value[e])
+    return out
+
+
+def place(host: dict, path: Any, value: np.ndarray, index: Index, full_shape: tuple[int, ...], dtype: Any) -> None:
+    """Puts one checkpoint tensor into the host parameter tree: a copy at `path`, or (`index`
+    given: a layer, or (layer, expert)) that slice of the stacked array there, allocated (zeros:
+    slots no tensor fills, such as a mixed model's unused feed-forward, stay 0) at its first."""
+    if index is None:
         _set(host, path, np.array(value, dtype=dtype))  # a copy, not a view of a mapped file
         return
-    if layer == 0:
-        _set(host, path, np.empty(full_shape, dtype))
-    _get(host, path)[layer] = value
+    if not _has(host, path):
+        _set(host, path, np.zeros(full_shape, dtype))
+    _get(host, path)[index] = value
+
+
+def _index_depth(index: Index) -> int:
+    """How many leading axes of the stacked array `index` picks (0, 1 or 2)."""
+    return 0 if index is None else 1 if isinstance(index, int) else len(index)
+
+
+def _has(tree: Any, path: tuple[str, ...]) -> bool:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
 
 
 def _get(tree: Any, path: tuple[str, ...]) -> Any:
@@ -192,7 +259,7 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 def load_hf(
     path: str | os.PathLike, dtype: Any = None, *, compute_dtype: Any = None
 ) -> tuple[ModelConfig, Params]:
-    """Loads a HF Llama/Qwen2/Qwen3/Gemma 3 (text) checkpoint directory -> (config, params).
+    """Loads a HF Llama/Qwen2/Qwen3/Qwen3-MoE/Gemma 3 (text) checkpoint directory -> (config, params).
 
     `dtype` (e.g. "bfloat16") sets how the parameters are stored AND, unless `compute_dtype` is
     given, the dtype the matmuls run in; by default both are the dtype the checkpoint stores its
@@ -208,6 +275,8 @@ def load_hf(
         raise JmarlError(f"checkpoint directory not found: {path}")
     config = ModelConfig.from_hf(path)
     tensors = _checkpoint_tensors(path)
+    if config.is_moe:
+        tensors = _unfused_experts(tensors)
     if config.is_gemma3 and "model.embed_tokens.weight" not in tensors and any("language_model" in n for n in tensors):
         raise JmarlError(
             f"{path} is a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration); jmarl loads the "
@@ -222,9 +291,9 @@ def load_hf(
     shapes = param_shapes(config)
     target = np.dtype(dtype)
     host: dict = {}
-    for path_, name, transposed, layer in _tensor_specs(config):
+    for path_, name, transposed, index in _tensor_specs(config):
         full_shape = _get(shapes, path_).shape
-        shape = full_shape if layer is None else full_shape[1:]
+        shape = full_shape[_index_depth(index):]
         hf_shape = tuple(reversed(shape)) if transposed else tuple(shape)
         if name not in tensors:
             raise JmarlError(f"checkpoint {path} is missing tensor {name} (expected shape {list(hf_shape)})")
@@ -234,7 +303,7 @@ def load_hf(
                 f"tensor {name} in {path} has shape {list(src.shape)}, expected {list(hf_shape)} "
                 "for this config.json"
             )
-        place(host, path_, src.T if transposed else src, layer, full_shape, target)
+        place(host, path_, src.T if transposed else src, index, full_shape, target)
     params = jax.tree.map(jnp.asarray, host)
     return config, params
 
@@ -246,9 +315,9 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, params: Params) -> Non
     host = jax.tree.map(np.asarray, jax.device_get(params))
     tensors: dict[str, np.ndarray] = {}
     dtype = np.dtype(_get(host, ("embed", "embedding")).dtype)
-    for path_, name, transposed, layer in _tensor_specs(config):
+    for path_, name, transposed, index in _tensor_specs(config):
         value = _get(host, path_)
-        value = value if layer is None else value[layer]
+        value = value if index is None else value[index]
         tensors[name] = np.ascontiguousarray(value.T if transposed else value)
     hf = config.to_hf()
     hf["torch_dtype"] = hf["dtype"] = dtype.name

@@ -1,4 +1,4 @@
-"""One decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3) in Flax NNX, behind a pure API.
+"""One decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3) in Flax NNX, behind a pure API.
 
 The NNX modules below define the network; the public functions (`init`, `apply`,
 `token_logprobs`, and the KV-cache pair `prefill` / `decode_step` of `jmarl.models.decode`) take
@@ -21,8 +21,17 @@ Hq = num_heads * head_dim, Hkv = num_kv_heads * head_dim, F = intermediate size:
     layers/mlp_norm/scale           [L, D]
     layers/mlp/{gate,up}_proj/kernel [L, D, F];  layers/mlp/down_proj/kernel [L, F, D]
     layers/{attn,mlp}_post_norm/scale [L, D]       (Gemma 3 only: norms of the attention / MLP outputs)
+    layers/moe/router/kernel        [L, D, E]      (Qwen3-MoE sparse layers, E = num_experts)
+    layers/moe/experts/{gate,up}_proj [L, E, D, Fe]; layers/moe/experts/down_proj [L, E, Fe, D]
+                                                   (Fe = moe_intermediate_size)
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]         (absent when embeddings are tied)
+
+A layer has `mlp` (dense) or `moe` (mixture of experts, `SparseMLP`), as `config.sparse_layers()`
+says. A model that mixes the two kinds (`config.has_mixed_mlps`; no released Qwen3-MoE does) keeps
+one stacked layer structure, so each layer holds both, the unused one zeros: the layer scans
+carry a per-layer flag that runs only the used one (`jax.lax.cond`); a caller that does not pass
+the kind (the decode step) runs both and adds them (`DecoderLayer.feed_forward`).
 
 LoRA runs unmerged: an adapted kernel's slot may hold a `LoraKernel` (base W, adapter A, B and
 scale s; `jmarl.train.lora.attach_lora`), and every product with it is x W + s (x A) B, the
@@ -55,6 +64,7 @@ from flax import nnx, struct
 
 from jmarl.errors import JmarlError
 from jmarl.models import attention as attention_lib
+from jmarl.models import moe as moe_lib
 from jmarl.models.config import ModelConfig
 from jmarl.models.kv_cache import KVCache
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules, is_axes
@@ -273,31 +283,111 @@ class MLP(nnx.Module):
         return out.swapaxes(0, 1).reshape(b, n * size, -1)[:, :t]
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Gemma 3 adds a norm on each
-    branch's output: x + post(attn(norm(x))), then x + post(mlp(norm(x)))."""
+class Experts(nnx.Module):
+    """E SwiGLU experts, their weights stacked on a leading expert axis: gate_proj, up_proj
+    [E, D, Fe] and down_proj [E, Fe, D] (plain parameters, not `Linear`s: LoRA does not adapt
+    them). Called on the routed tokens (`moe.expert_ffn`)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        init, dtype = _normal(), jnp.dtype(c.param_dtype)
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, d, f), dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), dtype))
+        self.dtype = jnp.dtype(c.compute_dtype)
+
+    def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+        """x [N,D], experts int32[N,k], weights [N,k] -> [N,D] in the compute dtype."""
+        gate, up, down = (w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        return moe_lib.expert_ffn(x.astype(self.dtype), experts, weights, gate, up, down)
+
+
+class SparseMLP(nnx.Module):
+    """Qwen3-MoE's sparse feed-forward (transformers' Qwen3MoeSparseMoeBlock): a router [D, E]
+    picks each token's top-k experts (`moe.route`), whose SwiGLU outputs are summed with the
+    routing weights (`moe.expert_ffn`). No shared expert."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        self.router = _linear(c, c.hidden_size, c.num_experts, False, rngs)
+        self.experts = Experts(c, rngs)
+        self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
+
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, moe_lib.RouterStats | None]:
+        """x [..., D] -> (out [..., D], the layer's `RouterStats` over the tokens where valid
+        bool[...] is True, or None when valid is None)."""
+        rows = x.reshape(-1, x.shape[-1])
+        probs, weights, experts = moe_lib.route(self.router(rows), self.top_k, self.normalize)
+        out = self.experts(rows, experts, weights).reshape(x.shape)
+        return out, (None if valid is None else moe_lib.router_stats(probs, experts, valid))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Gemma 3 adds a norm on each
+    branch's output: x + post(attn(norm(x))), then x + post(mlp(norm(x))). Qwen3-MoE's sparse
+    layers run `SparseMLP` (`moe`) in place of the dense `mlp`; a model that mixes both kinds
+    holds both in every layer and is told which runs (`sparse`)."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        kinds = c.sparse_layers()
         self.attn_norm = _norm(c, c.hidden_size)
         self.attn = Attention(c, rngs)
         self.mlp_norm = _norm(c, c.hidden_size)
-        self.mlp = MLP(c, rngs)
+        self.mlp = None if all(kinds) else MLP(c, rngs)
+        self.moe = SparseMLP(c, rngs) if any(kinds) else None
+        self.num_experts = c.num_experts
         self.attn_post_norm = _norm(c, c.hidden_size) if c.is_gemma3 else None
         self.mlp_post_norm = _norm(c, c.hidden_size) if c.is_gemma3 else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
-                 pick: Callable[[jax.Array], jax.Array] | None = None):
+                 pick: Callable[[jax.Array], jax.Array] | None = None, *,
+                 sparse: bool | jax.Array | None = None):
         """x [B,T,D] -> (x [B,T',D], aux from `attend`). T' = T unless `attend` answers only some
         queries (a prefill's last layer): `pick` then selects the same slots of the residual
-        stream [B,T,D] -> [B,T',D], and the rest of the layer runs on those only."""
+        stream [B,T,D] -> [B,T',D], and the rest of the layer runs on those only. `sparse`: see
+        `feed_forward`."""
+        x, aux, _ = self.run(x, cos, sin, attend, pick, sparse=sparse)
+        return x, aux
+
+    def run(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
+            pick: Callable[[jax.Array], jax.Array] | None = None, *,
+            sparse: bool | jax.Array | None = None, valid: jax.Array | None = None):
+        """`__call__` that also returns the layer's `RouterStats` over the tokens where valid
+        bool[B,T] is True: (x, aux, stats); stats is None when valid is None or the model has
+        no experts, zeros for a dense layer of a mixed model."""
         h, aux = self.attn(self.attn_norm(x), cos, sin, attend)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = (x if pick is None else pick(x)) + h
-        m = self.mlp(self.mlp_norm(x))
+        m, stats = self.feed_forward(self.mlp_norm(x), sparse, valid)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
-        return x + m, aux
+        return x + m, aux, stats
+
+    def feed_forward(self, x: jax.Array, sparse: bool | jax.Array | None = None,
+                     valid: jax.Array | None = None) -> tuple[jax.Array, moe_lib.RouterStats | None]:
+        """x [B,T,D] -> (the dense MLP's or the experts' output [B,T,D], `RouterStats` or None).
+        A layer holding both (a mixed model) runs the experts where `sparse` is True: a Python
+        bool picks statically, a traced bool / int scalar (the layer scan's flag) through
+        `jax.lax.cond`. Without `sparse` (a caller that does not know the layer's kind, such as
+        the decode step's loop) it runs both and adds them: the unused one is zeros (`init`,
+        `load_hf` and training keep it so: it gets no gradient), whose output is exactly 0, so
+        the sum is the used one's output; router stats then need `sparse`."""
+        if self.moe is None:
+            return self.mlp(x), None
+        if self.mlp is None:
+            return self.moe(x, valid)
+        if sparse is None:
+            if valid is not None:
+                raise JmarlError("DecoderLayer.feed_forward: router stats of a model that mixes dense and "
+                                 "mixture-of-experts layers need the layer's kind (sparse=...)")
+            return self.mlp(x) + self.moe(x)[0], None
+
+        def dense(x: jax.Array) -> tuple[jax.Array, moe_lib.RouterStats | None]:
+            return self.mlp(x), (None if valid is None else moe_lib.RouterStats.zeros(self.num_experts))
+
+        if isinstance(sparse, (bool, np.bool_)):
+            return self.moe(x, valid) if sparse else dense(x)
+        return jax.lax.cond(jnp.asarray(sparse) > 0, lambda x: self.moe(x, valid), dense, x)
 
 
 class Transformer(nnx.Module):
@@ -340,11 +430,17 @@ class Transformer(nnx.Module):
         return rope_tables(self.config, positions, num_positions, local=True)
 
     def layer_xs(self, layer_state: Any) -> Any:
-        """What the layer scan runs over: the stacked layer state, paired with the int32[L] flags
-        of the sliding-window layers when there are any (`_layer_kind` unpacks one step's)."""
-        if not self.config.has_sliding_window:
-            return layer_state
-        return layer_state, jnp.asarray(np.array(self.config.sliding_layers(), np.int32))
+        """What the layer scan runs over: the stacked layer state, paired, when the layers differ,
+        with a dict of int32[L] per-layer flags: "sliding" (the sliding-window layers) and
+        "sparse" (the mixture-of-experts layers of a model that mixes them with dense ones).
+        `_split_xs` unpacks one step's."""
+        c = self.config
+        flags = {}
+        if c.has_sliding_window:
+            flags["sliding"] = jnp.asarray(np.array(c.sliding_layers(), np.int32))
+        if c.has_mixed_mlps:
+            flags["sparse"] = jnp.asarray(np.array(c.sparse_layers(), np.int32))
+        return (layer_state, flags) if flags else layer_state
 
     def head_master(self) -> jax.Array | LoraKernel:
         """The output projection [D, V] as stored (float32 masters; the embedding when tied; a
@@ -366,9 +462,12 @@ class Transformer(nnx.Module):
         return dense(h.astype(dtype), self.head_kernel(), preferred_element_type=jnp.float32)
 
     def hidden(
-        self, tokens: jax.Array, attention_mask: jax.Array, *, return_kv: bool = False, last_only: bool = False
+        self, tokens: jax.Array, attention_mask: jax.Array, *, return_kv: bool = False, last_only: bool = False,
+        router_stats: bool = False,
     ) -> tuple[jax.Array, Any]:
         """tokens/mask [B,T] -> (final-normed hidden [B,T,D], (keys, values) [L,B,T,KV,hd] or None).
+        router_stats (not with return_kv / last_only): the second item is the mixture-of-experts
+        layers' `moe.RouterStats` over the real tokens instead (E = 0 without experts).
 
         Any padding: each row's real tokens are moved to its front (`compaction`), the layers run
         on right-padded rows (the layout every attention form takes), and the hidden states and
@@ -401,15 +500,21 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(compact_rows(tokens, dest))
         xs = self.layer_xs(layer_state)
         if not last_only and not return_kv:  # the differentiated path: layers rematerialised as configured
-            step = functools.partial(_decoder_step, layer_def, c.attention, window=window)
+            stats = router_stats and c.is_moe
+            step = functools.partial(_decoder_step, layer_def, c.attention, window=window, stats=stats)
             consts = (cos, sin, lengths) if local is None else (cos, sin, lengths, local)
-            x = scan_layers(step, x, xs, consts, remat=c.remat, policy=c.remat_policy(), unroll=unroll)
-            return restore_rows(self.final_norm(x), dest), None
+            carry = (x, moe_lib.RouterStats.zeros(c.num_experts)) if stats else x
+            carry = scan_layers(step, carry, xs, consts, remat=c.remat, policy=c.remat_policy(), unroll=unroll)
+            x, aux = carry if stats else (carry, _empty_router_stats(router_stats))
+            return restore_rows(self.final_norm(x), dest), aux
+        if router_stats:
+            raise JmarlError("Transformer.hidden: router_stats is for the scoring path (no return_kv / last_only)")
 
-        def body(x, state):
-            state, cos_i, sin_i, window_i = _layer_kind(state, cos, sin, local, window)
+        def body(x, xs_i):
+            state, flags = _split_xs(xs_i)
+            cos_i, sin_i, window_i = _layer_kind(flags, cos, sin, local, window)
             attend_i = attend if window_i is None else functools.partial(attend, window=window_i)
-            return nnx.merge(layer_def, state)(batch_sharded(x), cos_i, sin_i, attend_i)
+            return nnx.merge(layer_def, state)(batch_sharded(x), cos_i, sin_i, attend_i, sparse=flags.get("sparse"))
 
         if not last_only or local is not None:
             # (with sliding windows, a prefill runs every layer on every token, then keeps the last)
@@ -419,23 +524,25 @@ class Transformer(nnx.Module):
                 return self.final_norm(pick_last(x)), kv
             return restore_rows(self.final_norm(x), dest), kv
         def body_at(x, i):  # layer i read from the stack in the loop: no copy of the first L-1 layers
-            return body(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_state))
+            return body(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))
 
         x, kv = jax.lax.scan(body_at, x, jnp.arange(c.num_layers - 1), unroll=unroll)
         last_layer = nnx.merge(layer_def, jax.tree.map(lambda a: a[-1], layer_state))
-        x, kv_last = last_layer(batch_sharded(x), cos, sin, attend_last, pick_last)
+        x, kv_last = last_layer(batch_sharded(x), cos, sin, attend_last, pick_last, sparse=c.sparse_layers()[-1])
         if return_kv:
             kv = jax.tree.map(lambda a, b: restore_rows(jnp.concatenate([a, b[None]]), dest, axis=2), kv, kv_last)
         return self.final_norm(x), kv
 
     def hidden_prefixed(
-        self, prefix_tokens: jax.Array, prefix_mask: jax.Array, rows: jax.Array, tokens: jax.Array, mask: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
+        self, prefix_tokens: jax.Array, prefix_mask: jax.Array, rows: jax.Array, tokens: jax.Array, mask: jax.Array,
+        *, router_stats: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """Shared prefixes [U,P] (any padding), rows int[N] into them, continuations [N,C] (any
         padding) -> (final-normed hidden of each prefix's last real token [U,D], final-normed
         hidden of the continuations [N,C,D]). Each layer runs the U prefixes, then the N
         continuations attending to their prefix's keys/values (read in place through `rows`,
-        never copied per row) and to themselves (causally)."""
+        never copied per row) and to themselves (causally). router_stats: a third item, the
+        `moe.RouterStats` over the real tokens (each prefix counted once)."""
         c = self.config
         p, t = prefix_tokens.shape[1], tokens.shape[1]
         if c.window_exceeded(p + t):
@@ -452,24 +559,34 @@ class Transformer(nnx.Module):
         s_cos, s_sin = rope_tables(c, s_positions, p + t)
 
         layer_def, layer_state = nnx.split(self.layers)
-        step = functools.partial(_prefixed_step, layer_def, c.attention)
+        stats = router_stats and c.is_moe
+        step = functools.partial(_prefixed_step, layer_def, c.attention, stats=stats)
         consts = (p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows.astype(jnp.int32))
         if c.has_sliding_window:  # no window to apply (checked above), only the local layers' RoPE
             consts = consts + (self.local_rope(p_positions, p) + self.local_rope(s_positions, p + t),)
         carry = (self.embed_tokens(compact_rows(prefix_tokens, p_dest)), self.embed_tokens(compact_rows(tokens, s_dest)))
+        if stats:
+            carry = carry + (moe_lib.RouterStats.zeros(c.num_experts),)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        xp, xs = scan_layers(step, carry, self.layer_xs(layer_state), consts, remat=c.remat, policy=c.remat_policy(),
-                             unroll=unroll)
+        carry = scan_layers(step, carry, self.layer_xs(layer_state), consts, remat=c.remat, policy=c.remat_policy(),
+                            unroll=unroll)
+        xp, xs = carry[:2]
         last = jnp.maximum(prefix_len - 1, 0)[:, None, None]
         xp_last = jnp.take_along_axis(xp, last, axis=1)[:, 0]
-        return self.final_norm(xp_last), restore_rows(self.final_norm(xs), s_dest)
+        out = (self.final_norm(xp_last), restore_rows(self.final_norm(xs), s_dest))
+        if not router_stats:
+            return out
+        return out + (carry[2] if stats else _empty_router_stats(True),)
 
 
-    def hidden_packed(self, tokens: jax.Array, positions: jax.Array, segment: jax.Array, branch: jax.Array) -> jax.Array:
+    def hidden_packed(self, tokens: jax.Array, positions: jax.Array, segment: jax.Array, branch: jax.Array, *,
+                      router_stats: bool = False) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
         """Packed rows -> final-normed hidden [R,T,D]. tokens, positions (each token's place in
         its own sequence, for RoPE), segment and branch int[R,T] as `attention.packed_attention`
         takes them: a prompt's tokens run once, and each of its continuations attends to them
-        and to itself, as if every continuation ran after its own copy of the prompt."""
+        and to itself, as if every continuation ran after its own copy of the prompt.
+        router_stats: (hidden, the `moe.RouterStats` over the slots of segment != 0, each prompt
+        counted once)."""
         c = self.config
         t = tokens.shape[1]
         positions = positions.astype(jnp.int32)
@@ -477,79 +594,119 @@ class Transformer(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
         local = self.local_rope(positions, t)
         window = c.sliding_window if local is not None else None
-        step = functools.partial(_packed_step, layer_def, c.attention, window=window)
+        stats = router_stats and c.is_moe
+        step = functools.partial(_packed_step, layer_def, c.attention, window=window, stats=stats)
         consts = (cos, sin, segment, branch) if local is None else (cos, sin, segment, branch, local, positions)
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
-        x = scan_layers(step, self.embed_tokens(tokens), self.layer_xs(layer_state), consts,
-                        remat=c.remat, policy=c.remat_policy(), unroll=unroll)
-        return self.final_norm(x)
+        x = self.embed_tokens(tokens)
+        carry = (x, moe_lib.RouterStats.zeros(c.num_experts)) if stats else x
+        carry = scan_layers(step, carry, self.layer_xs(layer_state), consts,
+                            remat=c.remat, policy=c.remat_policy(), unroll=unroll)
+        if not router_stats:
+            return self.final_norm(carry)
+        x, aux = carry if stats else (carry, _empty_router_stats(True))
+        return self.final_norm(x), aux
 
 
 # ---------------------------------------------------------------------------------- layer stack
-def _layer_kind(state: Any, cos: jax.Array, sin: jax.Array, local: tuple[jax.Array, jax.Array] | None,
-                window: int | None) -> tuple[Any, jax.Array, jax.Array, jax.Array | None]:
-    """One scanned layer's (state, cos, sin, window). Without sliding windows (local None) the
-    state and tables as given and no window. With them, state is (layer state, int32 flag) (see
-    `Transformer.layer_xs`) and local the sliding layers' (cos, sin): a flagged layer takes
-    those and `window`, the others the global tables and `attention.NO_WINDOW` (traced, so one
-    rolled scan serves both kinds)."""
+def _split_xs(xs: Any) -> tuple[Any, dict[str, jax.Array]]:
+    """One scan step's slice of `Transformer.layer_xs`: (layer state, per-layer flags; {} when
+    the layers do not differ)."""
+    return xs if isinstance(xs, tuple) else (xs, {})
+
+
+def _layer_kind(flags: dict[str, jax.Array], cos: jax.Array, sin: jax.Array,
+                local: tuple[jax.Array, jax.Array] | None, window: int | None
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """One scanned layer's (cos, sin, window). Without sliding windows (local None) the tables
+    as given and no window. With them, local is the sliding layers' (cos, sin) and
+    flags["sliding"] says whether this layer is one: a flagged layer takes those and `window`,
+    the others the global tables and `attention.NO_WINDOW` (traced, so one rolled scan serves
+    both kinds)."""
     if local is None:
-        return state, cos, sin, None
-    state, sliding = state
-    on = sliding > 0
+        return cos, sin, None
+    on = flags["sliding"] > 0
     window_i = jnp.where(on, jnp.int32(window), jnp.int32(attention_lib.NO_WINDOW))
-    return state, jnp.where(on, local[0], cos), jnp.where(on, local[1], sin), window_i
+    return jnp.where(on, local[0], cos), jnp.where(on, local[1], sin), window_i
 
 
-def _decoder_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple,
-                  window: int | None = None) -> jax.Array:
+def _empty_router_stats(wanted: bool) -> moe_lib.RouterStats | None:
+    """What a forward without experts answers for its router stats: empty ones (E = 0, a loss of
+    0) when they were asked for, else None."""
+    return moe_lib.RouterStats.zeros(0) if wanted else None
+
+
+def _run_layer(layer_def: Any, state: Any, flags: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
+               sin: jax.Array, attend: AttendFn, valid: jax.Array | None) -> tuple[jax.Array, Any, Any]:
+    """One decoder layer (`DecoderLayer.run`) on x [B,T,D]: -> (x, attend's aux, router stats or
+    None); `valid` bool[B,T] asks for the stats over those tokens."""
+    layer = nnx.merge(layer_def, state)
+    return layer.run(batch_sharded(x), cos, sin, attend, sparse=flags.get("sparse"), valid=valid)
+
+
+def _decoder_step(layer_def: Any, impl: str, carry: Any, xs: Any, consts: tuple,
+                  window: int | None = None, stats: bool = False) -> Any:
     """One decoder layer on right-padded rows: x [B,T,D] -> [B,T,D]; consts = (cos, sin, lengths)
-    (+ the sliding layers' (cos, sin) with sliding windows: `_layer_kind`)."""
+    (+ the sliding layers' (cos, sin) with sliding windows: `_layer_kind`). stats: the carry is
+    (x, `moe.RouterStats`), the layer's stats over the real tokens added."""
     cos, sin, lengths = consts[:3]
-    state, cos, sin, window_i = _layer_kind(state, cos, sin, consts[3] if len(consts) > 3 else None, window)
+    state, flags = _split_xs(xs)
+    cos, sin, window_i = _layer_kind(flags, cos, sin, consts[3] if len(consts) > 3 else None, window)
 
     def attend(q, k, v):
         return attention_lib.attention(q, k, v, lengths, causal=True, impl=impl, window=window_i), None
 
-    return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)[0]
+    x, acc = carry if stats else (carry, None)
+    valid = (jnp.arange(x.shape[1])[None] < lengths[:, None]) if stats else None
+    x, _, layer_stats = _run_layer(layer_def, state, flags, x, cos, sin, attend, valid)
+    return (x, acc.plus(layer_stats)) if stats else x
 
 
-def _prefixed_step(layer_def: Any, impl: str, carry: tuple, state: Any, consts: tuple) -> tuple:
+def _prefixed_step(layer_def: Any, impl: str, carry: tuple, xs: Any, consts: tuple, stats: bool = False) -> tuple:
     """One decoder layer of the shared-prefix layout: the U prefixes [U,P,D], then the N
-    continuations [N,C,D] attending to their prefix's keys/values and to themselves."""
+    continuations [N,C,D] attending to their prefix's keys/values and to themselves. stats: the
+    carry has a third item, the `moe.RouterStats` (prefixes and continuations added)."""
     p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows = consts[:7]
+    state, flags = _split_xs(xs)
     if len(consts) > 7:  # sliding-window layers: their own RoPE (no window: sequences within it)
         p_local, s_local = consts[7][:2], consts[7][2:]
-        _, s_cos, s_sin, _ = _layer_kind(state, s_cos, s_sin, s_local, 0)
-        state, p_cos, p_sin, _ = _layer_kind(state, p_cos, p_sin, p_local, 0)
-    xp, xs = batch_sharded(carry[0]), batch_sharded(carry[1])
-    layer = nnx.merge(layer_def, state)
+        s_cos, s_sin, _ = _layer_kind(flags, s_cos, s_sin, s_local, 0)
+        p_cos, p_sin, _ = _layer_kind(flags, p_cos, p_sin, p_local, 0)
+    xp, xs_ = carry[0], carry[1]
+    p_valid = (jnp.arange(xp.shape[1])[None] < prefix_len[:, None]) if stats else None
+    s_valid = (jnp.arange(xs_.shape[1])[None] < own_len[:, None]) if stats else None
 
     def attend_prefix(q, k, v):
         return attention_lib.attention(q, k, v, prefix_len, causal=True, impl=impl), (k, v)
 
-    xp, (kp, vp) = layer(xp, p_cos, p_sin, attend_prefix)
+    xp, (kp, vp), p_stats = _run_layer(layer_def, state, flags, xp, p_cos, p_sin, attend_prefix, p_valid)
 
     def attend_continuation(q, k, v):
         return attention_lib.prefixed_attention(q, k, v, own_len, kp, vp, prefix_len, rows, impl=impl), None
 
-    xs, _ = layer(xs, s_cos, s_sin, attend_continuation)
-    return xp, xs
+    xs_, _, s_stats = _run_layer(layer_def, state, flags, xs_, s_cos, s_sin, attend_continuation, s_valid)
+    if not stats:
+        return xp, xs_
+    return xp, xs_, carry[2].plus(p_stats).plus(s_stats)
 
 
-def _packed_step(layer_def: Any, impl: str, x: jax.Array, state: Any, consts: tuple,
-                 window: int | None = None) -> jax.Array:
+def _packed_step(layer_def: Any, impl: str, carry: Any, xs: Any, consts: tuple,
+                 window: int | None = None, stats: bool = False) -> Any:
     """One decoder layer on packed rows: x [R,T,D] -> [R,T,D]; consts = (cos, sin, segment, branch)
-    (+ the sliding layers' (cos, sin) and the positions int[R,T] with sliding windows)."""
+    (+ the sliding layers' (cos, sin) and the positions int[R,T] with sliding windows). stats:
+    the carry is (x, `moe.RouterStats`), the layer's stats over the slots of segment != 0 added."""
     cos, sin, segment, branch = consts[:4]
     local, positions = consts[4:] if len(consts) > 4 else (None, None)
-    state, cos, sin, window_i = _layer_kind(state, cos, sin, local, window)
+    state, flags = _split_xs(xs)
+    cos, sin, window_i = _layer_kind(flags, cos, sin, local, window)
 
     def attend(q, k, v):
         return attention_lib.packed_attention(q, k, v, segment, branch, impl=impl, window=window_i,
                                               positions=positions), None
 
-    return nnx.merge(layer_def, state)(batch_sharded(x), cos, sin, attend)[0]
+    x, acc = carry if stats else (carry, None)
+    x, _, layer_stats = _run_layer(layer_def, state, flags, x, cos, sin, attend, (segment != 0) if stats else None)
+    return (x, acc.plus(layer_stats)) if stats else x
 
 
 def scan_layers(step: Callable, carry: Any, layers: Any, consts: Any, *, remat: str, policy: Any, unroll: bool) -> Any:
@@ -704,19 +861,25 @@ def rope_tables(
     tables [num_positions, head_dim] within ROPE_TABLE_MAX_BYTES, cos and sin are computed once
     per position at trace time and gathered: computed in the program instead, XLA fuses them into
     every consumer and evaluates them again for each head of each layer (on CPU, cos and sin then
-    take most of the time of the fusions that apply the rotation)."""
+    take most of the time of the fusions that apply the rotation). Both are multiplied by
+    `config.rope_attention_scaling` (YaRN's attention factor; 1 otherwise), as transformers does."""
     inv_freq = config.inv_frequencies(local=True) if local else config.inv_frequencies()
+    scale = config.rope_attention_scaling(local)
     if num_positions is not None and 2 * num_positions * config.head_dim * 4 <= ROPE_TABLE_MAX_BYTES:
-        cos, sin = _cos_sin(np, np.arange(num_positions, dtype=np.float32), inv_freq)
+        cos, sin = _cos_sin(np, np.arange(num_positions, dtype=np.float32), inv_freq, scale)
         return jnp.take(cos, positions, axis=0, mode="clip"), jnp.take(sin, positions, axis=0, mode="clip")
-    return _cos_sin(jnp, positions.astype(jnp.float32), inv_freq)
+    return _cos_sin(jnp, positions.astype(jnp.float32), inv_freq, scale)
 
 
-def _cos_sin(xp: Any, positions: Any, inv_freq: np.ndarray) -> tuple[Any, Any]:
-    """float32 positions [...] -> (cos, sin) [..., head_dim], with `xp` NumPy or jax.numpy."""
+def _cos_sin(xp: Any, positions: Any, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[Any, Any]:
+    """float32 positions [...] -> (cos, sin) [..., head_dim] times `scale` (in float32), with
+    `xp` NumPy or jax.numpy."""
     angles = positions[..., None] * xp.asarray(inv_freq)
     angles = xp.concatenate([angles, angles], axis=-1)
-    return xp.cos(angles), xp.sin(angles)
+    if scale == 1.0:
+        return xp.cos(angles), xp.sin(angles)
+    factor = np.float32(scale)
+    return xp.cos(angles) * factor, xp.sin(angles) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -772,6 +935,8 @@ def param_axes(config: ModelConfig) -> dict[str, Any]:
         attn/{q,k,v}_proj/kernel [D, Hq|Hkv]  ("embed", "q_heads"|"kv_heads"); bias ("q_heads"|"kv_heads",)
         attn/o_proj/kernel [Hq, D]            ("q_heads", "embed");              bias ("embed_bias",)
         mlp/{gate,up}_proj/kernel [D, F]      ("embed", "mlp");  mlp/down_proj/kernel ("mlp", "embed")
+        moe/router/kernel [D, E]              ("embed", "expert")
+        moe/experts/{gate,up}_proj [E, D, Fe] ("expert", "embed", "mlp");  down_proj ("expert", "mlp", "embed")
         lm_head/kernel [D, V]                 ("embed", "vocab")
         */scale (RMSNorms, q/k norms)         ("norm",)
     """
@@ -785,12 +950,20 @@ def param_axes(config: ModelConfig) -> dict[str, Any]:
     }
     if c.qk_norm:
         attn.update(q_norm={"scale": ("norm",)}, k_norm={"scale": ("norm",)})
-    mlp = {
-        "gate_proj": _linear_axes("embed", "mlp", None),
-        "up_proj": _linear_axes("embed", "mlp", None),
-        "down_proj": _linear_axes("mlp", "embed", None),
-    }
-    layer = {"attn_norm": {"scale": ("norm",)}, "attn": attn, "mlp_norm": {"scale": ("norm",)}, "mlp": mlp}
+    layer: dict[str, Any] = {"attn_norm": {"scale": ("norm",)}, "attn": attn, "mlp_norm": {"scale": ("norm",)}}
+    kinds = c.sparse_layers()
+    if not all(kinds):
+        layer["mlp"] = {
+            "gate_proj": _linear_axes("embed", "mlp", None),
+            "up_proj": _linear_axes("embed", "mlp", None),
+            "down_proj": _linear_axes("mlp", "embed", None),
+        }
+    if any(kinds):
+        layer["moe"] = {
+            "router": _linear_axes("embed", "expert", None),
+            "experts": {"gate_proj": ("expert", "embed", "mlp"), "up_proj": ("expert", "embed", "mlp"),
+                        "down_proj": ("expert", "mlp", "embed")},
+        }
     if c.is_gemma3:
         layer.update(attn_post_norm={"scale": ("norm",)}, mlp_post_norm={"scale": ("norm",)})
     tree: dict[str, Any] = {
@@ -813,16 +986,37 @@ def cache_axes(cache: KVCache, *, stacked: bool = False) -> KVCache:
 
 # ---------------------------------------------------------------------------------- public API
 def init(config: ModelConfig, rng: jax.Array) -> Params:
-    """Random parameters (normal(0, 0.02) weights, unit norm scales, zero biases) as a dict."""
+    """Random parameters (normal(0, 0.02) weights, unit norm scales, zero biases) as a dict. A
+    model that mixes dense and mixture-of-experts layers gets zeros in each layer's unused
+    feed-forward (`unused_mlps_zeroed`)."""
     model = Transformer(config, nnx.Rngs(params=rng))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return unused_mlps_zeroed(config, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-def apply(config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
-    """Logits float32[B,T,V] for tokens int[B,T] with attention_mask bool[B,T] (any padding side)."""
+def unused_mlps_zeroed(config: ModelConfig, params: Params) -> Params:
+    """params with the feed-forward a layer does not run set to zeros: the experts of the dense
+    layers and the dense MLP of the sparse ones, when the model mixes both (`has_mixed_mlps`);
+    params unchanged otherwise. Those slots are never read (their gradient is zero)."""
+    if not config.has_mixed_mlps:
+        return params
+    sparse = np.array(config.sparse_layers())
+
+    def zeroed(tree: Any, keep: np.ndarray) -> Any:
+        return jax.tree.map(lambda a: a * jnp.asarray(keep, a.dtype).reshape((-1,) + (1,) * (a.ndim - 1)), tree)
+
+    layers = dict(params["layers"], mlp=zeroed(params["layers"]["mlp"], ~sparse),
+                  moe=zeroed(params["layers"]["moe"], sparse))
+    return {**params, "layers": layers}
+
+
+def apply(config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array, *,
+          with_router_stats: bool = False) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
+    """Logits float32[B,T,V] for tokens int[B,T] with attention_mask bool[B,T] (any padding side).
+    with_router_stats: (logits, `moe.RouterStats` of the mixture-of-experts layers over the real
+    tokens; `moe.load_balancing_loss` of it is transformers' aux_loss)."""
     model = bind(config, params)
-    h, _ = model.hidden(tokens, attention_mask)
-    return model.logits(h)
+    h, stats = model.hidden(tokens, attention_mask, router_stats=with_router_stats)
+    return (model.logits(h), stats) if with_router_stats else model.logits(h)
 
 
 def token_logprobs(
@@ -833,25 +1027,30 @@ def token_logprobs(
     temperature: float | jax.Array = 1.0,
     *,
     chunk_size: int | None = None,
-) -> jax.Array:
+    with_router_stats: bool = False,
+) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
     """float32[B,T]: out[:, t] = log p(tokens[:, t] | tokens[:, :t]) under softmax(logits / T).
 
     out[:, t] is 0 where token t is padding or has no real token before it (so out[:, 0] = 0).
     The full-vocabulary log-softmax is computed `chunk_size` positions at a time (by default as
     many as keep a [B, chunk, V] float32 block under 2**24 elements) and recomputed in the
     backward pass, so memory stays O(B * chunk * V) for the forward and the gradient.
+    with_router_stats: (out, `moe.RouterStats` over the real tokens), from the same forward pass,
+    differentiable: a loss adds `config.router_aux_loss_coef * moe.load_balancing_loss(stats)`.
     """
     model = bind(config, params)
-    h, _ = model.hidden(tokens, attention_mask)
+    h, stats = model.hidden(tokens, attention_mask, router_stats=with_router_stats)
     b, t = tokens.shape
     if t == 1:
-        return jnp.zeros((b, t), jnp.float32)
+        out = jnp.zeros((b, t), jnp.float32)
+        return (out, stats) if with_router_stats else out
     lp = chunked_logprobs(model.head_master(), h[:, :-1], tokens[:, 1:], temperature, chunk_size=chunk_size,
                           compute_dtype=config.compute_dtype)
     out = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp], axis=1)
     mask = attention_mask.astype(bool)
     has_context = mask & (positions_from_mask(attention_mask) > 0)
-    return jnp.where(has_context, out, 0.0)
+    out = jnp.where(has_context, out, 0.0)
+    return (out, stats) if with_router_stats else out
 
 
 def prefix_token_logprobs(
@@ -865,7 +1064,8 @@ def prefix_token_logprobs(
     temperature: float | jax.Array = 1.0,
     *,
     chunk_size: int | None = None,
-) -> jax.Array:
+    with_router_stats: bool = False,
+) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
     """float32[N,C]: out[n, j] = log p(tokens[n, j] | prefix rows[n], tokens[n, :j]) under
     softmax(logits / T), for U shared prefixes prefix_tokens/prefix_mask [U,P] (left-padded: each
     real prefix ends in slot P-1), rows int[N] in [0, U), and continuations tokens/mask [N,C]
@@ -876,17 +1076,20 @@ def prefix_token_logprobs(
     prompt, so its forward (and backward) pass runs once per group instead of G times. The
     continuation attends to its prefix's keys/values (gathered per row; their gradients sum
     over the rows that share them). out is 0 where mask is False or no real token precedes.
+    with_router_stats: (out, `moe.RouterStats` over the real tokens, each prefix counted once).
     """
     model = bind(config, params)
     rows = rows.astype(jnp.int32)
-    prefix_last, h = model.hidden_prefixed(prefix_tokens, prefix_mask, rows, tokens, mask)
+    prefix_last, h, *stats = model.hidden_prefixed(prefix_tokens, prefix_mask, rows, tokens, mask,
+                                                   router_stats=with_router_stats)
     h_in = jnp.concatenate([prefix_last[rows][:, None], h[:, :-1]], axis=1)  # [N, C, D]
     lp = chunked_logprobs(model.head_master(), h_in, tokens, temperature, chunk_size=chunk_size,
                           compute_dtype=config.compute_dtype)
     prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)[rows]
     mask = mask.astype(bool)
     has_context = mask & (prefix_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=-1) > 1)
-    return jnp.where(has_context, lp, 0.0)
+    out = jnp.where(has_context, lp, 0.0)
+    return (out, stats[0]) if with_router_stats else out
 
 
 def packed_token_logprobs(
@@ -901,18 +1104,22 @@ def packed_token_logprobs(
     temperature: float | jax.Array = 1.0,
     *,
     chunk_size: int | None = None,
-) -> jax.Array:
+    with_router_stats: bool = False,
+) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
     """float32[M]: out[m] = log p(target[m] | the sequence up to packed slot source[m]) under
     softmax(logits / T), for packed rows tokens/positions/segment/branch int[R,T]
     (`Transformer.hidden_packed`) and M predictions source int[M] (flat slots, r * T + t) and
     target int[M]. A prompt's last slot is the source of each of its continuations' first
-    token, so the LM head runs over the M predictions, not over padded [N, C] slots."""
+    token, so the LM head runs over the M predictions, not over padded [N, C] slots.
+    with_router_stats: (out, `moe.RouterStats` over the packed slots of segment != 0: a prompt
+    counted once, not once per continuation)."""
     model = bind(config, params)
-    h = model.hidden_packed(tokens, positions, segment, branch)
+    h = model.hidden_packed(tokens, positions, segment, branch, router_stats=with_router_stats)
+    h, stats = h if with_router_stats else (h, None)
     h = h.reshape(-1, h.shape[-1])[source.astype(jnp.int32)]
     lp = chunked_logprobs(model.head_master(), h[None], target.astype(jnp.int32)[None], temperature,
                           chunk_size=chunk_size, compute_dtype=config.compute_dtype)
-    return lp[0]
+    return (lp[0], stats) if with_router_stats else lp[0]
 
 
 def chunked_logprobs(

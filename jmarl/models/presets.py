@@ -17,6 +17,12 @@ _QWEN3 = dict(
     max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=(151645, 151643),
     pad_token_id=151643,
 )
+# Qwen3-MoE (Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B config.json): every layer sparse, 128 experts,
+# the top 8 per token with their probabilities renormalised, no shared expert, untied head.
+_QWEN3_MOE = dict(
+    _QWEN3, model_type="qwen3_moe", num_kv_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001, tie_word_embeddings=False,
+)
 _LLAMA32 = dict(
     model_type="llama", vocab_size=128256, num_kv_heads=8, rope_theta=500000.0, rope_type="llama3",
     rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192,
@@ -45,6 +51,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                      tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                      tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_layers=48, num_heads=32),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_layers=94, num_heads=64),
     "llama3.2-1b": dict(_LLAMA32, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                         head_dim=64),
     "llama3.2-3b": dict(_LLAMA32, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,

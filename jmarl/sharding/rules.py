@@ -16,7 +16,9 @@ module of `jmarl.sharding` imports the model.
     vocab               tensor            vocabulary (embedding rows, LM head columns)
     embed               fsdp              the hidden size D of a weight matrix (ZeRO-3 shards)
     q_heads, kv_heads   tensor            attention heads (x head_dim in kernels; KV heads in the cache)
-    mlp                 tensor            feed-forward units F
+    mlp                 tensor            feed-forward units F (an expert's Fe too)
+    expert              ()                the experts E of a mixture-of-experts layer (replicated for
+                                          now: expert parallelism would map it to a mesh axis)
     layers, norm, embed_bias, head_dim, lora_rank, cache_len      replicated
 
 An axis that does not divide a dimension is dropped for that dimension (the last one first; the
@@ -65,6 +67,7 @@ class ShardingRules:
     q_heads: MeshAxes = ("tensor",)
     kv_heads: MeshAxes = ("tensor",)
     mlp: MeshAxes = ("tensor",)
+    expert: MeshAxes = ()
     layers: MeshAxes = ()
     norm: MeshAxes = ()
     embed_bias: MeshAxes = ()

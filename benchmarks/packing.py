@@ -36,8 +36,9 @@ CONFIGS = {
 }
 
 
-def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple[Any, list[tuple[Any, Any, Any]]]:
-    """(trainer, [(group, group fns, Rollouts)]) for `steps` RL steps of the config at `path`."""
+def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple[Any, list[tuple[Any, Any, Any, Any]]]:
+    """(trainer, [(group, group fns, Rollouts, the packed LearnerBatch the trainer built)]) for
+    `steps` RL steps of the config at `path`."""
     import jmarl.train.trainer as trainer_mod
     from jmarl.config import load_config
 
@@ -46,13 +47,14 @@ def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple
     if warm_start is not None:
         overrides.append(f"train.warm_start.steps={warm_start}")
     trainer = trainer_mod.Trainer(load_config(path, overrides))
-    seen: list[tuple[Any, Any, Any]] = []
+    seen: list[tuple[Any, Any, Any, Any]] = []
     original = trainer_mod.learner_batch
 
     def recording(group, rollouts, *args, **kwargs):
         fns = trainer.fns[trainer.policies.groups.index(group)]
-        seen.append((group, fns, rollouts))
-        return original(group, rollouts, *args, **kwargs)
+        batch, counts = original(group, rollouts, *args, **kwargs)
+        seen.append((group, fns, rollouts, batch))
+        return batch, counts
 
     trainer_mod.learner_batch = recording
     try:
@@ -62,14 +64,15 @@ def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple
     return trainer, seen
 
 
-def layouts(trainer: Any, group: Any, rollouts: Any) -> tuple[Any, dict[str, Any], list[int]]:
-    """(packed LearnerBatch, shared-prefix arrays [policy-stacked when the group is], counts)."""
+def layouts(trainer: Any, group: Any, rollouts: Any, packed: Any) -> tuple[Any, dict[str, Any], list[int]]:
+    """(the trainer's packed LearnerBatch, the same samples as shared-prefix arrays
+    [policy-stacked when the group is], counts)."""
     import numpy as np
 
     from benchmarks.shared_prefix_layout import to_shared_prefix
-    from jmarl.train.learner import batch_rows, learner_batch, policy_rows
+    from jmarl.train.learner import batch_rows, policy_rows
 
-    packed, counts = learner_batch(group, rollouts, trainer.parts, trainer.rows_bound(), trainer.rows_per_part(group))
+    counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
     size = batch_rows(counts, trainer.parts, trainer.rows_bound())
     shared = to_shared_prefix([policy_rows(rollouts, p, size) for p in group.policy_ids], trainer.parts)
     keys = ("prefix_tokens", "prefix_mask", "prefix_rows", "tokens", "attention_mask")
@@ -129,8 +132,8 @@ def time_updates(trainer: Any, seen: list, repeats: int) -> dict[str, Any]:
         raise SystemExit("timing compares one update of a single micro-batch: use a config with 1 mini-batch, no accumulation")
     out = {"real_tokens": 0, "packed_s": 0.0, "shared_s": 0.0, "batches": 0}
     updates = {}
-    for group, fns, rollouts in seen:
-        packed, shared, counts = layouts(trainer, group, rollouts)
+    for group, fns, rollouts, batch in seen:
+        packed, shared, counts = layouts(trainer, group, rollouts, batch)
         if not any(counts):
             continue
         full = packed
@@ -185,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
         with tempfile.TemporaryDirectory() as out_dir:
             trainer, seen = record(CONFIGS[name], args.steps, args.warm_start, out_dir)
             totals = {"real": 0, "packed_slots": 0, "shared_slots": 0}
-            for group, _, rollouts in seen:
-                packed, shared, counts = layouts(trainer, group, rollouts)
+            for group, _, rollouts, batch in seen:
+                packed, shared, counts = layouts(trainer, group, rollouts, batch)
                 if any(counts):
                     for k, v in utilization(packed, shared, counts, group.stacked).items():
                         totals[k] += v

@@ -30,10 +30,12 @@ class ArchConfig:
 
     Field names follow `jmarl.models.ModelConfig` (and Hugging Face's config.json). None
     means: vocab_size from the tokenizer; head_dim = hidden_size // num_heads; qkv_bias and
-    qk_norm as the family has them (qwen2: q/k/v biases; qwen3: q/k norms).
+    qk_norm as the family has them (qwen2: q/k/v biases; qwen3 and qwen3_moe: q/k norms).
+    qwen3_moe: every `decoder_sparse_step`-th layer a mixture of `num_experts` SwiGLU experts of
+    `moe_intermediate_size`, `num_experts_per_tok` of them per token (see ModelConfig).
     """
 
-    model_type: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    model_type: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = "qwen3"
     vocab_size: int | None = _field(None, ge=2)
     hidden_size: int = _field(64, ge=1)
     intermediate_size: int = _field(128, ge=1)
@@ -47,8 +49,21 @@ class ArchConfig:
     tie_word_embeddings: bool = True
     qkv_bias: bool | None = None
     qk_norm: bool | None = None
+    num_experts: int = _field(0, ge=0)
+    num_experts_per_tok: int = _field(0, ge=0)
+    moe_intermediate_size: int = _field(0, ge=0)
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = _field(1, ge=1)
 
     def _validate(self, path: str) -> None:
+        moe = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size)
+        if self.model_type == "qwen3_moe" and not (self.num_experts >= 1 and 1 <= self.num_experts_per_tok
+                                                   <= self.num_experts and self.moe_intermediate_size >= 1):
+            raise JmarlError(f"{path}: a qwen3_moe architecture needs num_experts >= 1, 1 <= num_experts_per_tok "
+                             f"<= num_experts and moe_intermediate_size >= 1; got {moe}")
+        if self.model_type != "qwen3_moe" and any(moe):
+            raise JmarlError(f"{path}: num_experts, num_experts_per_tok and moe_intermediate_size are for "
+                             f"model_type qwen3_moe; got {self.model_type!r}")
         if self.num_heads % self.num_kv_heads:
             raise JmarlError(
                 f"{path}.num_heads ({self.num_heads}) must be a multiple of "
@@ -291,6 +306,10 @@ class TrainConfig:
     steps: int = _field(100, ge=1)
     kl_coef: float = _field(0.0, ge=0.0)
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    # Mixture-of-experts policies (Qwen3-MoE): weight of the router's load-balancing loss added
+    # to the RL and warm-start losses (transformers' router_aux_loss_coef, e.g. 0.001); 0 = off,
+    # as transformers' default output_router_logits=False.
+    router_aux_loss_coef: float = _field(0.0, ge=0.0)
     recompute_old_logprobs: bool = True  # score rollouts with the training forward pass
     warm_start: WarmStartConfig = _field(factory=WarmStartConfig)
     # Before step 0 the trainer compiles its programs and checks that they fit device memory:

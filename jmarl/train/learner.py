@@ -23,6 +23,7 @@ import numpy as np
 from jmarl import sharding as sharding_lib
 from jmarl.algos.method import Method, finite_advantages
 from jmarl.batch import PACKED_FIELDS, PRED_FIELDS, ROLLOUT_FIELDS, LearnerBatch, pad_rows
+from jmarl.models import moe as moe_lib
 from jmarl.rollouts import Rollouts, bucket_length, next_pow2, select
 from jmarl.train.lora import attach_lora
 from jmarl.train.policies import PolicyGroup
@@ -150,25 +151,42 @@ def model_params(group: PolicyGroup):
 def build_group_fns(
     group: PolicyGroup, method: Method, cfg: Any, optimizer, sft_optimizer, *, temperature: float,
     minibatches: int, grad_accum: int, epochs: int = 1, mesh=None,
-    shardings: sharding_lib.GroupShardings | None = None,
+    shardings: sharding_lib.GroupShardings | None = None, router_aux_loss_coef: float = 0.0,
 ) -> GroupFns:
     """Update, scoring, advantage and warm-start functions for `group`, jitted (vmapped over
     stacked policies). Scoring runs the step's batch one micro-batch at a time (the update's
     split), so its memory is a micro-batch's. With a mesh of several devices every
     micro-batch's rows are spread over the batch axes (`jmarl.sharding.microbatch_rows`), and
     with the group's `shardings` the updates and scoring passes are built sharded
-    (`ShardedFn`s: in/out shardings on its mesh, the state donated, batches placed by its rules)."""
+    (`ShardedFn`s: in/out shardings on its mesh, the state donated, batches placed by its rules).
+    router_aux_loss_coef > 0 (a mixture-of-experts model): both losses add that weight times the
+    router's load-balancing loss over the micro-batch's real tokens (`moe.load_balancing_loss`),
+    reported as `router_aux_loss`."""
     mcfg = group.model_config
     params_of = model_params(group)
+    aux_coef = router_aux_loss_coef if mcfg.is_moe else 0.0
 
     def logprobs_of(trainable, frozen, batch):
         return packed_logprobs(mcfg, params_of(trainable, frozen), batch, temperature)
 
-    def rl_loss(trainable, frozen, batch: LearnerBatch):
-        return method.loss(cfg, logprobs_of(trainable, frozen, batch), batch)
+    def with_router_aux(loss_of):
+        """loss_of(trainable, frozen, batch, log-probs) -> (loss, metrics), plus the router's
+        load-balancing term when aux_coef > 0."""
+        def loss(trainable, frozen, batch: LearnerBatch):
+            if not aux_coef:
+                return loss_of(trainable, frozen, batch, logprobs_of(trainable, frozen, batch))
+            lp, stats = packed_logprobs(mcfg, params_of(trainable, frozen), batch, temperature, with_router_stats=True)
+            value, metrics = loss_of(trainable, frozen, batch, lp)
+            aux = moe_lib.load_balancing_loss(stats)
+            return value + aux_coef * aux, {**metrics, "router_aux_loss": aux}
+        return loss
 
-    def sft_loss(trainable, frozen, batch: LearnerBatch):
-        lp = logprobs_of(trainable, frozen, batch)
+    @with_router_aux
+    def rl_loss(trainable, frozen, batch: LearnerBatch, lp):
+        return method.loss(cfg, lp, batch)
+
+    @with_router_aux
+    def sft_loss(trainable, frozen, batch: LearnerBatch, lp):
         mask = batch.loss_mask
         nll = -jnp.sum(lp * mask) / jnp.maximum(jnp.sum(mask), 1)
         return nll, {"sft_nll": nll}

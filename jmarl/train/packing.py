@@ -271,18 +271,22 @@ def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows
     return out
 
 
-def packed_logprobs(config: ModelConfig, params: Params, batch: Any, temperature: float | jax.Array = 1.0) -> jax.Array:
+def packed_logprobs(config: ModelConfig, params: Params, batch: Any, temperature: float | jax.Array = 1.0, *,
+                    with_router_stats: bool = False) -> jax.Array | tuple[jax.Array, Any]:
     """float32[N, C]: the continuation token log-probs of a packed (micro-)batch, a
     `LearnerBatch` or a dict (reads `jmarl.batch.MODEL_INPUTS`); 0 where a token has no
-    prediction."""
+    prediction. with_router_stats: (log-probs, the mixture-of-experts layers' `moe.RouterStats`
+    over the packed real tokens) from the same forward pass."""
     get = batch.__getitem__ if isinstance(batch, Mapping) else lambda name: getattr(batch, name)
     tokens = get("packed_tokens")
-    lp = packed_token_logprobs(
+    out = packed_token_logprobs(
         config, params, tokens, get("packed_positions"), get("packed_segment"), get("packed_branch"),
-        get("pred_source") % tokens.size, get("pred_target"), temperature,
+        get("pred_source") % tokens.size, get("pred_target"), temperature, with_router_stats=with_router_stats,
     )
+    lp, stats = out if with_router_stats else (out, None)
     slot = get("pred_slot")
-    return jnp.where(slot >= 0, lp[jnp.maximum(slot, 0) % lp.shape[0]], 0.0)
+    lp = jnp.where(slot >= 0, lp[jnp.maximum(slot, 0) % lp.shape[0]], 0.0)
+    return (lp, stats) if with_router_stats else lp
 
 
 def token_utilization(batch: Any) -> tuple[int, int]:

@@ -193,7 +193,12 @@ def arch_model_config(
         max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tie_word_embeddings,
         qkv_bias=arch.model_type == "qwen2" if arch.qkv_bias is None else arch.qkv_bias,
-        qk_norm=arch.model_type == "qwen3" if arch.qk_norm is None else arch.qk_norm,
+        qk_norm=arch.model_type in ("qwen3", "qwen3_moe") if arch.qk_norm is None else arch.qk_norm,
+        num_experts=arch.num_experts,
+        num_experts_per_tok=arch.num_experts_per_tok,
+        moe_intermediate_size=arch.moe_intermediate_size,
+        norm_topk_prob=arch.norm_topk_prob,
+        decoder_sparse_step=arch.decoder_sparse_step,
         **fields,
     )
 

@@ -103,6 +103,10 @@ class Trainer:
         self.parts = o.minibatches * o.grad_accum
         self.mesh = sharding_lib.mesh_from_config(config.mesh)
         self.sampler = ModelSampler(self.policies, s, mesh=self.mesh)  # rows and KV cache sharded over the mesh
+        if config.train.router_aux_loss_coef > 0 and not any(g.model_config.is_moe for g in self.policies.groups):
+            raise JmarlError(f"train.router_aux_loss_coef: {config.train.router_aux_loss_coef} weighs the router's "
+                             "load-balancing loss of mixture-of-experts models, and no policy's model has experts; "
+                             "set it to 0")
         self.fns = [self._group_fns(g) for g in self.policies.groups]
         if self.mesh.size > 1:
             log.info("sharded the policies over the mesh %s", sharding_lib.format_mesh(sharding_lib.axis_sizes(self.mesh)))
@@ -131,6 +135,7 @@ class Trainer:
         return build_group_fns(
             group, self.method, self.algo_cfg, self.optimizer, self.sft_optimizer, temperature=self.temperature,
             minibatches=o.minibatches, grad_accum=o.grad_accum, epochs=o.epochs, mesh=mesh, shardings=shardings,
+            router_aux_loss_coef=self.config.train.router_aux_loss_coef,
         )
 
     # ---- what the plan and the learner read each step

@@ -1,6 +1,6 @@
 """Continuous batching (`jmarl.models.engine`) vs the static sampler on a long-tail workload.
 
-    python -m benchmarks.engine [--quick] [--repeats 1]
+    python -m benchmarks.engine [--quick] [--repeats 1] [--quickstart-repeats 15]
 
 Workload: a random model (`ModelConfig` below, fp32), 512 requests (--quick: 128) of one
 completion each, distinct 16-token prompts, completion lengths drawn from a heavy-tailed law,
@@ -32,7 +32,12 @@ excluded). Also reported, from each side's own counters of its last timed pass:
 Writes `benchmarks/results/engine.json` (--quick: `engine_quick.json`).
 
 Quickstart replay (`quickstart`, skipped with --no-quickstart): the sampler calls of two RL
-steps of `configs/quickstart.yaml`, recorded and replayed through both engines.
+steps of `configs/quickstart.yaml`, recorded and replayed through both engines,
+`--quickstart-repeats` timed passes each (a pass is about 0.3 s on 2 cores, and a shared
+machine's load moves single passes by 10-30%, hence more passes than the long-tail side); with the
+continuous engine's counters over the timed passes (`quickstart.continuous.engine`: its runs,
+those served by one fused program, decode calls and those whose slots read their prompts in
+groups, prefill calls).
 """
 
 from __future__ import annotations
@@ -150,10 +155,13 @@ def quickstart(steps: int = 2, repeats: int = 3) -> dict:
             sampler.sample(requests, n, rng)
         return time.perf_counter() - start
 
+    from jmarl.models import engine
+
     for sampler in samplers.values():  # warm-up: compiles
         replay(sampler)
         sampler.take_stats()
         sampler.new_tokens = 0
+        sampler.engine_stats = engine.EngineStats()
     seconds = {name: [] for name in samplers}
     for _ in range(repeats):
         for name, sampler in samplers.items():
@@ -165,6 +173,9 @@ def quickstart(steps: int = 2, repeats: int = 3) -> dict:
         out[name] = {"seconds": seconds[name], "new_tokens_per_s": sampler.new_tokens / sum(seconds[name]),
                      **{k: v for k, v in stats.items() if k.startswith("rollout/")}}
         out[name]["median_seconds"] = med
+    st = samplers["continuous"].engine_stats
+    out["continuous"]["engine"] = {"sampler_calls": len(calls) * repeats, "fused_runs": st.fused, "chunks": st.chunks,
+                                   "grouped_chunks": st.grouped_chunks, "prefill_calls": st.prefills}
     out["ratio"] = out["static"]["median_seconds"] / out["continuous"]["median_seconds"]
     greedy = {name: ModelSampler(trainer.policies, dataclasses.replace(base, engine=name, temperature=0.0))
               for name in samplers}
@@ -181,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each side (medians reported)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-quickstart", action="store_true", help="skip the quickstart replay")
+    parser.add_argument("--quickstart-repeats", type=int, default=15,
+                        help="timed passes of each side of the quickstart replay (at least --repeats)")
     args = parser.parse_args(argv)
     header = results_header("benchmarks.engine", argv)  # date and load average at the start
 
@@ -232,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio": s / e,
     }
     if not args.no_quickstart:
-        result["quickstart"] = quickstart(repeats=max(args.repeats, 3))
+        result["quickstart"] = quickstart(repeats=max(args.repeats, args.quickstart_repeats))
     result.update(results_end())
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    "engine_quick.json" if args.quick else "engine.json")
@@ -248,7 +261,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"static {q['static']['median_seconds']:.2f} s, "
               f"continuous {q['continuous']['median_seconds']:.2f} s, ratio {q['ratio']:.2f}x, row utilization "
               f"static {q['static'].get('rollout/row_utilization')}, continuous "
-              f"{q['continuous'].get('rollout/row_utilization')}, greedy equal {q['greedy_equal']}")
+              f"{q['continuous'].get('rollout/row_utilization')}, decode utilization static "
+              f"{q['static'].get('rollout/decode_utilization', 0):.3f}, continuous "
+              f"{q['continuous'].get('rollout/decode_utilization', 0):.3f}, greedy equal {q['greedy_equal']}, "
+              f"engine {q['continuous']['engine']}")
     return result
 
 

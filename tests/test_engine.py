@@ -154,6 +154,138 @@ def test_with_the_queue_empty_one_drain_runs_until_the_state_can_shrink(monkeypa
         np.testing.assert_allclose(a[0][1], b[0][1], atol=1e-6)
 
 
+def _count_programs(monkeypatch) -> list[str]:
+    """From now on, every call of an engine program appends its name to the list."""
+    names: list[str] = []
+    for name in ("_prepare_program", "_init_program", "_prefill_program", "_start_program", "_chunk_program",
+                 "_fused_program", "_shrink_program"):
+        real = getattr(engine, name)
+
+        def build(*static, real=real, name=name):
+            fn = real(*static)
+
+            def call(*args):
+                names.append(name.strip("_").removesuffix("_program"))
+                return fn(*args)
+
+            return call
+
+        monkeypatch.setattr(engine, name, build)
+    return names
+
+
+def test_a_run_that_fits_the_slots_is_one_program(monkeypatch):
+    """Every completion fits the slots at once: state, prefill, start and drain run as one program
+    (no parameter cast of its own either), with the tokens of the general path's programs (here
+    taken because one prefill call may hold fewer prompts than the run has). Whatever the path, a
+    request's completions sit in consecutive slots and read their prompt in a group."""
+    prompts = _prompts(4, seed=12)
+    limits = [N_NEW, 3, N_NEW, 6]
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=8, chunk_steps=2, shrink=False)
+    names = _count_programs(monkeypatch)
+    fused = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(9), spec, limits=limits)
+    assert names == ["fused"]
+    st = fused.stats
+    assert (st.fused, st.prefills, st.chunks, st.grouped_chunks, st.rows) == (1, 1, 1, 1, 8)
+    names.clear()
+    general = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(9), dataclasses.replace(spec, max_prefill=2),
+                         limits=limits)
+    assert names == ["init", "prepare", "prefill", "prefill", "chunk"]
+    assert (general.stats.fused, general.stats.prefills, general.stats.grouped_chunks) == (0, 2, 1)
+    for a, b in zip(fused.completions, general.completions):  # one program or several: XLA may round apart
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-6)
+    assert [[len(t) for t, _ in c] for c in fused.completions] == [[limit] * 2 for limit in limits]
+    # its tail shrinks as the general path's does: the fused program stops at the shrink point, and
+    # the smaller state decodes on with the general path's programs
+    names.clear()
+    tail = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(9), dataclasses.replace(spec, shrink=True),
+                      limits=[1, 2, N_NEW, 2])
+    assert names[0] == "fused" and "shrink" in names and "init" not in names and "prefill" not in names
+    whole = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(9), spec, limits=[1, 2, N_NEW, 2])
+    for a, b in zip(tail.completions, whole.completions):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-6)
+
+
+def test_grouped_prompts_equal_a_gather_per_slot(monkeypatch):
+    """Slots read their request's prompt in groups (the static sampler's group attention) while a
+    request's completions lie in consecutive slots; refills that break that order fall back to a
+    gather per slot. The tokens are those of a gather per slot throughout, and greedy ones the
+    static sampler's."""
+    prompts = _prompts(6, seed=13)
+    # many stop tokens: a request's two completions end at different steps
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=4, chunk_steps=2,
+                             stop_tokens=tuple(range(3, 30)))
+    runs = {}
+    for name, layout in (("grouped", engine.group_size), ("gathered", lambda config, counts: 0)):
+        monkeypatch.setattr(engine, "group_size", layout)
+        runs[name] = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(0), spec)
+        runs[name + " greedy"] = engine.run(TINY, PARAMS, prompts[:3], 2, jax.random.key(0),
+                                            dataclasses.replace(spec, temperature=0.0, num_slots=8, stop_tokens=()))
+    st = runs["grouped"].stats
+    assert st.fused == 0 and 0 < st.grouped_chunks < st.chunks  # queued: refills mix the slots
+    assert runs["grouped greedy"].stats.grouped_chunks == runs["grouped greedy"].stats.fused == 1
+    assert runs["gathered"].stats.grouped_chunks == runs["gathered greedy"].stats.grouped_chunks == 0
+    for name in ("", " greedy"):
+        for a, b in zip(runs["grouped" + name].completions, runs["gathered" + name].completions):
+            for (ta, la), (tb, lb) in zip(a, b):
+                np.testing.assert_array_equal(ta, tb)
+                np.testing.assert_allclose(la, lb, atol=1e-5)
+    for r, prompt in enumerate(prompts[:3]):
+        want_tokens, want_lp = _static(prompt, max_new_tokens=N_NEW, temperature=0.0)
+        for tokens, logprobs in runs["grouped greedy"].completions[r]:
+            np.testing.assert_array_equal(tokens, want_tokens)
+            np.testing.assert_allclose(logprobs, want_lp, atol=1e-5)
+    monkeypatch.undo()
+    assert engine.group_size(TINY, [2, 2, 3]) == 0  # requests of unequal counts: a gather per slot
+    assert engine.group_size(TINY, [3, 3]) == 3
+
+
+def test_start_returns_at_the_first_dispatch():
+    """`start` returns once the first program is dispatched; `jax.block_until_ready` on the run does
+    the rest of its device work, `result()` gives what `run` gives. Argument errors come at `start`."""
+    prompts = _prompts(5, seed=14)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=4, chunk_steps=2)
+    pending = engine.start(TINY, PARAMS, prompts, 2, jax.random.key(3), spec)
+    assert isinstance(pending, engine.EngineRun)
+    assert jax.block_until_ready(pending) is pending
+    got, want = pending.result(), engine.run(TINY, PARAMS, prompts, 2, jax.random.key(3), spec)
+    assert got.stats == want.stats
+    for a, b in zip(got.completions, want.completions):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_array_equal(la, lb)
+    assert engine.start(TINY, PARAMS, [], 2, jax.random.key(3), spec).result().completions == []
+    with pytest.raises(JmarlError, match="limit"):
+        engine.start(TINY, PARAMS, prompts, 2, jax.random.key(3), spec, limits=[0] * 5)
+
+
+def test_fused_program_holds_no_more_than_the_planned_prefill():
+    """The memory planner plans the prefill and decode programs (`planned_programs`); a fused run
+    holds its state, the policy's cast weights and its temporaries, no more than the largest
+    planned prefill holds with its arguments (a stacked policy selected in the program)."""
+    import jax.numpy as jnp
+
+    stacked = stack([PARAMS, PARAMS])
+    s, q, p = 64, 16, 64
+    spec = engine.EngineSpec(max_new_tokens=32)
+    planned = dict((name, (fn, args)) for name, fn, args in
+                   engine.planned_programs(TINY, stacked, spec, slots=s, entries=q, prompt_len=p, select=True))
+    fn, args = planned["engine_prefill"]
+    prefill = fn.lower(*args).compile().memory_analysis()
+    u = args[2].shape[0]  # the planned prefill's prompts: the most one call holds
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    fused_args = (stacked, np.int32(1), i32(u, p), jax.ShapeDtypeStruct((u, p), bool), i32(u)) + (i32(s),) * 5 + (
+        jax.random.key(0), np.float32(1), np.float32(1), np.int32(0))
+    fused = engine._fused_program(TINY, s, q, p, 32, 32, *spec.program_sampling(), 0, None, 0, True).lower(
+        *fused_args).compile().memory_analysis()
+    assert fused.temp_size_in_bytes + fused.output_size_in_bytes <= (
+        prefill.argument_size_in_bytes + prefill.temp_size_in_bytes)
+
+
 def test_shared_prompt_prefilled_once():
     prompt = _prompts(1, seed=4)
     res = engine.run(TINY, PARAMS, prompt, 4, jax.random.key(4),
@@ -328,7 +460,24 @@ def test_sampling_config_fields():
 
 
 # ---------------------------------------------------------------------------------- on a mesh
-def _decode_compiled(mesh, params, slots):
+def _assert_loop_bodies_move_nothing(text):
+    """The compiled program (HLO text) has while loops, whose bodies hold no collective: each
+    device decodes its own slots from its own part of the pool, with weights gathered before."""
+    import re
+
+    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", text))
+    assert bodies
+    seen = 0
+    for comp in re.split(r"\n(?=\S)", text):
+        words = comp.split(" ", 2)
+        name = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
+        if name in bodies:
+            seen += 1
+            assert "all-gather" not in comp and "all-to-all" not in comp and "collective-permute" not in comp
+    assert seen == len(bodies)
+
+
+def _decode_compiled(mesh, params, slots, group_size=0):
     """The engine's compiled decode-chunk program on `mesh` for `slots` slots (as `run` builds it)."""
     import jax.numpy as jnp
 
@@ -336,7 +485,7 @@ def _decode_compiled(mesh, params, slots):
 
     gen = engine._prepare_program(TINY, False)(params)
     layout = engine.make_layout(TINY, mesh, gen)
-    fn = engine._chunk_program(TINY, 4, True, 0, False, (), 0, layout)
+    fn = engine._chunk_program(TINY, 4, True, 0, False, (), 0, layout, group_size)
     state = engine._init_program(TINY, slots, slots, 8, N_NEW, layout)()
     with mesh_context(mesh):
         return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.int32(0)).compile()
@@ -375,20 +524,11 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
         assert sh.shard_shape(shape)[1] == TINY.num_kv_heads // axes.get("tensor", 1)
     # FSDP weights are gathered once per chunk (before the decode loop), not inside the loop
     text = compiled.as_text()
-    import re
-
-    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", text))
-    assert bodies
-    seen = 0
-    for comp in re.split(r"\n(?=\S)", text):
-        words = comp.split(" ", 2)
-        name = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
-        if name in bodies:  # each device reads its own part of the pool: nothing moves between devices
-            seen += 1
-            assert "all-gather" not in comp and "all-to-all" not in comp and "collective-permute" not in comp
-    assert seen == len(bodies)
+    _assert_loop_bodies_move_nothing(text)
     if "fsdp" in axes:
         assert "all-gather" in text
+    # the same with the slots reading their prompts in groups (each device: its own entries)
+    _assert_loop_bodies_move_nothing(_decode_compiled(mesh, params, 8, group_size=1).as_text())
 
 
 def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
@@ -408,6 +548,26 @@ def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
             np.testing.assert_allclose(lb, la, atol=1e-5)
     # all 8 devices decode: 1 slot each (before, the policy axis held copies of the same 2 slots)
     assert got.stats.slots == 8 and got.stats.slots_per_device == 1
+    # a run that fits the slots at once is one program there too: the policy selected, cast and
+    # gathered inside it, once, before the decode loop (whose body moves nothing between devices)
+    few = _prompts(4, seed=8)
+    want = engine.run(TINY, stacked, few, 2, jax.random.key(2), spec, policy=1)
+    got = engine.run(TINY, placed, few, 2, jax.random.key(2), dataclasses.replace(spec, mesh=mesh), policy=1)
+    assert want.stats.fused == got.stats.fused == 1 and got.stats.slots_per_device == 1
+    for a, b in zip(want.completions, got.completions):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(tb, ta)
+            np.testing.assert_allclose(lb, la, atol=1e-5)
+    from jmarl.sharding import mesh_context
+
+    layout = engine.make_layout(TINY, mesh, placed, select=True)
+    fused = engine._fused_program(TINY, 8, 8, 16, N_NEW, N_NEW, False, 0, False, (), 0, layout, 0, True)
+    i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    with mesh_context(mesh):
+        text = fused.lower(placed, np.int32(1), i32(4, 16), np.ones((4, 16), bool), i32(4), *(i32(8),) * 5,
+                           jax.random.key(0), np.float32(1), np.float32(1), np.int32(0)).compile().as_text()
+    assert "all-gather" in text  # the FSDP-sharded weights, gathered
+    _assert_loop_bodies_move_nothing(text)
 
 
 def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mesh():
@@ -464,8 +624,12 @@ def test_planned_programs_are_the_ones_run_calls(monkeypatch):
 
     monkeypatch.setattr(engine, "_prefill_program", recording("engine_prefill", engine._prefill_program))
     monkeypatch.setattr(engine, "_chunk_program", recording("engine_decode", engine._chunk_program))
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=8, chunk_steps=4, mesh=mesh)
-    engine.run(TINY, params, _prompts(8, seed=7, low=8, high=9), 1, jax.random.key(0), spec)
+    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=8, chunk_steps=N_NEW, mesh=mesh)
+    # 8 requests x 2 completions in 8 slots (one per device): queued, so refills and drains run (a run
+    # that fits the slots at once is one fused program instead, `test_a_run_that_fits_the_slots_is_one_program`),
+    # and a request's two completions cannot share a one-slot device's prompts in a group
+    res = engine.run(TINY, params, _prompts(8, seed=7, low=8, high=9), 2, jax.random.key(0), spec)
+    assert res.stats.fused == 0 and res.stats.grouped_chunks == 0
     monkeypatch.undo()
     p = bucket_length(8)  # the prompts' bucket
     per_row = engine.engine_bytes(TINY, 1, 1, p, N_NEW)

@@ -15,18 +15,31 @@ Device part (pure, jitted, static shapes):
   started by the start program alone (a request admitted over several refills is prefilled once);
 - `decode_chunk` runs up to K decode steps for all S slots (a `lax.while_loop` that also stops
   as soon as every slot is done). Each layer's attention reads the slot's pool entry (gathered
-  one layer at a time, `jmarl.models.kv_cache.take_rows`) followed by the slot's own cache.
+  one layer at a time, `jmarl.models.kv_cache.take_rows`) followed by the slot's own cache; while
+  every request asks the same G completions and each request's busy slots are the G
+  consecutive slots i G .. i G + G - 1 reading entry i (counted per device), the slots read their
+  prompts in groups instead, in place, with the static sampler's group attention (no gather);
+- a run whose completions all fit the slots at once (nothing queued after the first admission,
+  its prompts within one prefill call) is one fused program: state, prefill, start and drain,
+  with the policy's parameters selected and cast inside it (no separate cast program). It
+  stops where the drain would (the run's end, or its tail's shrink point), and the general
+  programs decode what is left.
 
-Host part (`run`): between chunks the finished slots are harvested and refilled from the queue;
-a pool entry is taken when a request's first completion is admitted and given back when its last
-completion ends. With no entry free, the queue waits (`EngineStats.entry_waits`).
+Host part (`run`, or `start` then `EngineRun.result`): between chunks the finished slots are
+harvested (vectorised over the slots) and refilled from the queue; a pool entry is taken when a
+request's first completion is admitted and given back when its last completion ends. With no
+entry free, the queue waits (`EngineStats.entry_waits`). A refill's outputs are fetched together
+with the next chunk's (one host sync per chunk). `start` returns once the first program is
+dispatched, so a caller's host work overlaps it.
 
 Exactness and reproducibility: every sampled token's log-prob is under softmax(logits / T)
 before truncation (as the static sampler reports it, equal to re-scoring with
 `jmarl.models.token_logprobs`). The draw of token t of completion j of request r is entry t of
 uniform(fold_in(fold_in(rng, r), j), (N,)), made when the completion's slot is filled: the
 outputs depend on the seed only, not on which slot or chunk served a completion, so runs with
-different slot counts give the same completions.
+different slot counts give the same completions (up to the rounding of the attention's two
+forms, grouped and gathered, and of the fused and the separate programs: about 1e-6 in the
+log-probs, which can move a sampled token whose draw lies that close to a boundary of its CDF).
 
 The budget (bytes per device): a slot costs `slot_bytes` (layers x 2 x kv_heads x head_dim x G x
 dtype bytes), a pool entry `entry_bytes` (the same for P tokens, plus its float32 logits). With
@@ -69,7 +82,7 @@ from jmarl.models.config import ModelConfig
 from jmarl.models.decode import decode_step, prefill
 from jmarl.models.kv_cache import KVCache, empty_cache, take_rows
 from jmarl.models.model import CACHE_KEY_AXES, Params
-from jmarl.models.sampler import generation_params, sample_token, select_policy
+from jmarl.models.sampler import generation_params, policy_axes, sample_token, select_policy
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 from jmarl.sharding.specs import row_axes
@@ -237,13 +250,15 @@ def _without(spec: P, dropped: tuple[str, ...]) -> P:
 
 
 def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None,
-                rules: ShardingRules = DEFAULT_RULES) -> Layout | None:
+                rules: ShardingRules = DEFAULT_RULES, select: bool = False) -> Layout | None:
     """The engine's layout on `mesh` (None without a mesh of several devices) by `rules`: the
     slot axis on the mesh axes of an unstacked "batch" of size > 1 (default data, fsdp and the
     spare policy axis: a run decodes one policy, whose weights are gathered over the slot axes
     like FSDP shards; S is rounded up to their product, so none is dropped), the cache's heads on those of "kv_heads"
     that divide num_kv_heads (default tensor). `params` (the generation parameters, placed)
-    give the gathered shardings of the weights."""
+    give the gathered shardings of the weights; with `select`, params stacked over policies
+    whose one policy a program selects (`select_policy`): the gathered shardings are those of
+    the selected slices (a stacked leaf's spec without its policy entry)."""
     if mesh is None or mesh.size <= 1:
         return None
     sizes = dict(mesh.shape)
@@ -254,14 +269,17 @@ def make_layout(config: ModelConfig, mesh: Any, params: Params | None = None,
     if params is None:
         return Layout(mesh, rows, heads)
     leaves, treedef = jax.tree.flatten(params)
+    stacked = [False] * len(leaves)
+    if select:
+        stacked = [a == 0 for a in jax.tree.leaves(policy_axes(config, params), is_leaf=lambda a: a is None)]
 
-    def gathered(leaf):
+    def gathered(leaf, policy_axis: bool):
         sh = getattr(leaf, "sharding", None)
         if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
             return None
-        return NamedSharding(mesh, _without(sh.spec, rows))
+        return NamedSharding(mesh, _without(P(*sh.spec[1:]) if policy_axis else sh.spec, rows))
 
-    return Layout(mesh, rows, heads, treedef, tuple(gathered(leaf) for leaf in leaves))
+    return Layout(mesh, rows, heads, treedef, tuple(gathered(leaf, s) for leaf, s in zip(leaves, stacked)))
 
 
 def _gathered(layout: Layout | None, params: Params) -> Params:
@@ -321,21 +339,27 @@ def _groups(layout: Layout | None) -> int:
     return 1 if layout is None else layout.row_devices
 
 
+def _empty_state(config: ModelConfig, slots: int, entries: int, prompt_len: int, max_new_tokens: int) -> EngineState:
+    """An EngineState of `slots` free slots (done) and `entries` empty pool entries of
+    `prompt_len` tokens, the slots' caches of G = `generated_capacity`(max_new_tokens) tokens."""
+    zeros = jnp.zeros((slots,), jnp.int32)
+    pool = PromptPool(
+        cache=empty_cache(config, (entries,), prompt_len), mask=jnp.zeros((entries, prompt_len), bool),
+        length=jnp.zeros((entries,), jnp.int32), logits=jnp.zeros((entries, config.vocab_size), jnp.float32),
+    )
+    return EngineState(
+        cache=empty_cache(config, (slots,), generated_capacity(max_new_tokens)), entry=zeros, prompt_len=zeros,
+        token=zeros, count=zeros, limit=zeros, request=zeros, completion=zeros, done=jnp.ones((slots,), bool),
+        uniforms=jnp.zeros((slots, int(max_new_tokens)), jnp.float32), pool=pool,
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def _init_program(config: ModelConfig, slots: int, entries: int, prompt_len: int, max_new_tokens: int,
                   layout: Layout | None = None):
     def program():
         _TRACES["init"] += 1
-        zeros = jnp.zeros((slots,), jnp.int32)
-        pool = PromptPool(
-            cache=empty_cache(config, (entries,), prompt_len), mask=jnp.zeros((entries, prompt_len), bool),
-            length=jnp.zeros((entries,), jnp.int32), logits=jnp.zeros((entries, config.vocab_size), jnp.float32),
-        )
-        return EngineState(
-            cache=empty_cache(config, (slots,), generated_capacity(max_new_tokens)), entry=zeros, prompt_len=zeros,
-            token=zeros, count=zeros, limit=zeros, request=zeros, completion=zeros, done=jnp.ones((slots,), bool),
-            uniforms=jnp.zeros((slots, int(max_new_tokens)), jnp.float32), pool=pool,
-        )
+        return _empty_state(config, slots, entries, prompt_len, max_new_tokens)
 
     return _jit(program, layout, config.num_layers, None, 1, ())
 
@@ -389,6 +413,90 @@ def _start_slots(state: EngineState, entry, dest, request, completion, limit, rn
     return state, token, logprob, done
 
 
+def _leading_rows(buffer: jax.Array, groups: int, rows: int) -> jax.Array:
+    """buffer [Q, ...] in `groups` equal parts (one per device) -> [groups * rows, ...]: the
+    first `rows` rows of each part, in order (a slice of each device's own part)."""
+    q = buffer.shape[0]
+    parts = buffer.reshape((groups, q // groups) + buffer.shape[1:])[:, :rows]
+    return parts.reshape((groups * rows,) + buffer.shape[1:])
+
+
+def _decode(gen_config: ModelConfig, params: Params, state: EngineState, rng, temperature, top_p, floor, *,
+            steps: int, greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...], pad_id: int,
+            groups: int, group_size: int, aligned: bool = False) -> tuple[EngineState, jax.Array, jax.Array, jax.Array]:
+    """(state, tokens int32[S, K], logprobs float32[S, K], emitted bool[S, K]): up to K = `steps`
+    decode steps of every slot not done (params gathered, in the compute dtype). The loop ends
+    early once every slot is done or, when more than `floor` (int32) slots are busy at the start,
+    once at most `floor` are (after at least one step): the tail's shrink point. A slot attends to
+    its pool entry's prompt, then its own tokens; emitted[i] is True on a prefix of the K steps.
+
+    group_size G = 0: slot i reads pool entry state.entry[i], gathered one layer at a time
+    (`pooled_cached_attention`). G > 0 (the host checked it): slot i of device d reads the
+    device's entry i // G (counted within the device's S/D slots and Q/D entries), i.e. each G
+    consecutive slots share one prompt, read in place by the static sampler's group attention
+    (`prefixed_cached_attention`) without a per-slot gather.
+
+    aligned: every busy slot has generated exactly one token when the loop starts (a fused run's
+    drain), so step i writes cache slot i of every row (one slice; a done row's write lands past
+    its tokens) and reads draw i + 1, instead of a write and a read at each row's own count."""
+    s = state.token.shape[0]
+    gen_slots = state.cache.capacity
+    layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(gen_config.num_layers)]
+    stops = jnp.asarray(stop_tokens, jnp.int32)
+    pool = state.pool
+    busy0 = jnp.sum(~state.done)
+    floor = jnp.where(busy0 > floor, floor, 0)
+    if group_size:
+        per_device = s // groups // group_size  # the entries the device's slots read: its first ones
+        prefix = jax.tree.map(lambda a: _leading_rows(a, groups, per_device), pool.cache)
+        prefix_mask = _leading_rows(pool.mask, groups, per_device)
+    else:
+        prompt_mask = take_rows(pool.mask, state.entry, groups)  # [S, P]; entries do not change in a chunk
+    out_tokens = jnp.full((s, steps), pad_id, jnp.int32)
+    out_logprobs = jnp.zeros((s, steps), jnp.float32)
+    out_emitted = jnp.zeros((s, steps), bool)
+
+    def cond(carry):
+        i, st = carry[0], carry[1]
+        busy = jnp.sum(~st.done)
+        return (i < steps) & (busy > 0) & ((busy > floor) | (i == 0))
+
+    def body(carry):
+        i, st, out_tokens, out_logprobs, out_emitted = carry
+        active = ~st.done
+        count = st.count
+        generated = jnp.arange(gen_slots)[None, :] < count[:, None]
+        write = jnp.minimum(i, gen_slots - 1) if aligned else jnp.clip(count - 1, 0, gen_slots - 1)
+        position = st.prompt_len + count - 1
+        if group_size:
+            logits, cache = decode_step(gen_config, params, st.cache, st.token, position, write, generated, layers,
+                                        prefix=prefix, prefix_mask=prefix_mask)
+        else:
+            key_mask = jnp.concatenate([prompt_mask, generated], axis=1)
+            logits, cache = decode_step(gen_config, params, st.cache, st.token, position, write, key_mask, layers,
+                                        earlier=pool.cache, earlier_rows=st.entry, earlier_groups=groups)
+        last = st.uniforms.shape[1] - 1
+        if aligned:
+            uniform = jax.lax.dynamic_index_in_dim(st.uniforms, jnp.minimum(i + 1, last), axis=1, keepdims=False)
+        else:
+            uniform = jnp.take_along_axis(st.uniforms, jnp.minimum(count, last)[:, None], axis=1)[:, 0]
+        token, logprob = _choose(logits, rng, uniform, temperature, top_p,
+                                 greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+        token = jnp.where(active, token, pad_id)
+        logprob = jnp.where(active, logprob, 0.0)
+        count = count + active.astype(jnp.int32)
+        done = st.done | (active & (jnp.isin(token, stops) | (count >= st.limit)))
+        st = st.replace(cache=cache, token=jnp.where(active, token, st.token), count=count, done=done)
+        out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, i))
+        out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, logprob[:, None], (0, i))
+        out_emitted = jax.lax.dynamic_update_slice(out_emitted, active[:, None], (0, i))
+        return i + 1, st, out_tokens, out_logprobs, out_emitted
+
+    _, state, out_tokens, out_logprobs, out_emitted = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), state, out_tokens, out_logprobs, out_emitted))
+    return state, out_tokens, out_logprobs, out_emitted
+
+
 @functools.lru_cache(maxsize=None)
 def _prefill_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...],
                      layout: Layout | None = None):
@@ -426,60 +534,59 @@ def _start_program(config: ModelConfig, greedy: bool, top_k: int, use_top_p: boo
 
 @functools.lru_cache(maxsize=None)
 def _chunk_program(config: ModelConfig, steps: int, greedy: bool, top_k: int, use_top_p: bool,
-                   stop_tokens: tuple[int, ...], pad_id: int, layout: Layout | None = None):
+                   stop_tokens: tuple[int, ...], pad_id: int, layout: Layout | None = None, group_size: int = 0):
     """(params, state, rng, temperature, top_p, floor) -> (state, tokens int32[S, K], logprobs
-    float32[S, K], emitted bool[S, K]): up to K decode steps of every slot not done; the loop
-    ends early once at most `floor` (int32, traced) slots are busy, after at least one step. A
-    slot attends to its pool entry's prompt, then its own tokens."""
+    float32[S, K], emitted bool[S, K]): `_decode` of up to K = `steps` steps; `floor` (int32,
+    traced) the busy slots at which the loop stops early when more are busy at its start (0:
+    none), `group_size` its prompt layout (0: a gather per slot)."""
     gen_config = config.replace(param_dtype=config.compute_dtype)
-    groups = _groups(layout)
+    decode = functools.partial(_decode, gen_config, steps=steps, greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+                               stop_tokens=stop_tokens, pad_id=pad_id, groups=_groups(layout), group_size=group_size)
 
     def program(params, state, rng, temperature, top_p, floor):
         _TRACES["decode"] += 1
-        params = _gathered(layout, params)  # once per chunk: the loop below reads gathered weights
-        s = state.token.shape[0]
-        gen_slots = state.cache.capacity
-        layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
-        stops = jnp.asarray(stop_tokens, jnp.int32)
-        pool = state.pool
-        prompt_mask = take_rows(pool.mask, state.entry, groups)  # [S, P]; entries do not change in a chunk
-        out_tokens = jnp.full((s, steps), pad_id, jnp.int32)
-        out_logprobs = jnp.zeros((s, steps), jnp.float32)
-        out_emitted = jnp.zeros((s, steps), bool)
-
-        def cond(carry):
-            i, st = carry[0], carry[1]
-            busy = jnp.sum(~st.done)
-            return (i < steps) & (busy > 0) & ((busy > floor) | (i == 0))
-
-        def body(carry):
-            i, st, out_tokens, out_logprobs, out_emitted = carry
-            active = ~st.done
-            count = st.count
-            generated = jnp.arange(gen_slots)[None, :] < count[:, None]
-            key_mask = jnp.concatenate([prompt_mask, generated], axis=1)
-            write = jnp.clip(count - 1, 0, gen_slots - 1)
-            logits, cache = decode_step(gen_config, params, st.cache, st.token, st.prompt_len + count - 1, write,
-                                        key_mask, layers, earlier=pool.cache, earlier_rows=st.entry,
-                                        earlier_groups=groups)
-            uniform = jnp.take_along_axis(st.uniforms, jnp.minimum(count, st.uniforms.shape[1] - 1)[:, None], axis=1)
-            token, logprob = _choose(logits, rng, uniform[:, 0], temperature, top_p,
-                                     greedy=greedy, top_k=top_k, use_top_p=use_top_p)
-            token = jnp.where(active, token, pad_id)
-            logprob = jnp.where(active, logprob, 0.0)
-            count = count + active.astype(jnp.int32)
-            done = st.done | (active & (jnp.isin(token, stops) | (count >= st.limit)))
-            st = st.replace(cache=cache, token=jnp.where(active, token, st.token), count=count, done=done)
-            out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, i))
-            out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, logprob[:, None], (0, i))
-            out_emitted = jax.lax.dynamic_update_slice(out_emitted, active[:, None], (0, i))
-            return i + 1, st, out_tokens, out_logprobs, out_emitted
-
-        _, state, out_tokens, out_logprobs, out_emitted = jax.lax.while_loop(
-            cond, body, (jnp.int32(0), state, out_tokens, out_logprobs, out_emitted))
-        return state, out_tokens, out_logprobs, out_emitted
+        # gathered once per chunk: the loop reads gathered weights
+        return decode(_gathered(layout, params), state, rng, temperature, top_p, floor)
 
     return _jit(program, layout, config.num_layers, 1, 4, (1,))
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_program(config: ModelConfig, slots: int, entries: int, prompt_len: int, max_new_tokens: int, steps: int,
+                   greedy: bool, top_k: int, use_top_p: bool, stop_tokens: tuple[int, ...], pad_id: int,
+                   layout: Layout | None = None, group_size: int = 0, select: bool = False):
+    """(params, policy, tokens [U,P], mask [U,P], fill [U], entry [S], dest [S], request [S],
+    completion [S], limit [S], rng, temperature, top_p, floor) -> (state, token [S], logprob [S],
+    done [S], tokens int32[S, K], logprobs float32[S, K], emitted bool[S, K]): a run whose
+    completions all fit the slots at once, in one program: an empty state (`_init_program`), the
+    U prompts prefilled and the slots started (`_prefill_program`), then the drain
+    (`_chunk_program` of K = `steps` steps). The same computations as those three programs
+    called in turn, without the host between them. params: as the caller gave them, prepared
+    in the program (`_prepare`: policy `policy` (int32) of params stacked over policies with
+    `select`, cast to the compute dtype), then gathered as `layout` says (`make_layout` with
+    `select`)."""
+    gen_config = config.replace(param_dtype=config.compute_dtype)
+    groups = _groups(layout)
+    start = functools.partial(_start_slots, groups=groups, greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+                              stop_tokens=stop_tokens)
+    decode = functools.partial(_decode, gen_config, steps=steps, greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+                               stop_tokens=stop_tokens, pad_id=pad_id, groups=groups, group_size=group_size,
+                               aligned=True)
+
+    def program(params, policy, tokens, mask, fill, entry, dest, request, completion, limit, rng, temperature, top_p,
+                floor):
+        _TRACES["fused"] += 1
+        # once: the prefill and the decode loop read the policy's weights, cast and gathered
+        params = _gathered(layout, _prepare(config, params, policy if select else None))
+        state = _empty_state(config, slots, entries, prompt_len, max_new_tokens)
+        if layout is not None:
+            state = jax.lax.with_sharding_constraint(state, layout.state_shardings(config.num_layers))
+        state = _fill_entries(gen_config, params, state, tokens, mask, fill)
+        state, token, logprob, done = start(state, entry, dest, request, completion, limit, rng, temperature, top_p)
+        state, toks, lps, emitted = decode(params, state, rng, temperature, top_p, floor)
+        return state, token, logprob, done, toks, lps, emitted
+
+    return _jit(program, layout, config.num_layers, None, 7, ())
 
 
 @functools.lru_cache(maxsize=None)
@@ -504,8 +611,10 @@ class EngineStats:
     rows: int = 0  # completions served
     slot_steps: int = 0  # S x decode steps run
     busy_slot_steps: int = 0  # slot-steps of a slot still generating
-    chunks: int = 0
-    prefills: int = 0  # prefill calls
+    chunks: int = 0  # decode calls that ran at least one step (a fused run's drain included)
+    grouped_chunks: int = 0  # of them, those whose slots read their prompts in groups (`_decode`'s group_size)
+    fused: int = 0  # runs served by one program (`_fused_program`): every completion fit the slots at once
+    prefills: int = 0  # prefill calls (a fused run's included)
     prompts_prefilled: int = 0  # pool entries filled (a request served on several devices: once per device)
     requests: int = 0
     queue_wait_chunks: int = 0  # sum over requests of the chunks run before its first completion started
@@ -515,8 +624,8 @@ class EngineStats:
     slots_per_device: int = 0  # slots each device holds (the cache's shard along the slot axis), largest seen
 
     def add(self, other: "EngineStats") -> None:
-        for name in ("rows", "slot_steps", "busy_slot_steps", "chunks", "prefills", "prompts_prefilled", "requests",
-                     "queue_wait_chunks", "entry_waits"):
+        for name in ("rows", "slot_steps", "busy_slot_steps", "chunks", "grouped_chunks", "fused", "prefills",
+                     "prompts_prefilled", "requests", "queue_wait_chunks", "entry_waits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.slots = other.slots
         self.entries = other.entries
@@ -647,6 +756,162 @@ def plan_slots(config: ModelConfig, prompt_len: int, max_new_tokens: int, rows: 
     return per_device * d, max(entries, 1) * d
 
 
+def group_size(config: ModelConfig, counts: Sequence[int]) -> int:
+    """G of the grouped prompt layout (`_decode`): the completions per request when every
+    request asks the same number, else 0 (a gather per slot). 0 for models with sliding-window
+    layers, whose group attention takes a group's window from its first row (`window_masks`),
+    whereas an engine slot that stopped keeps its last position."""
+    if any(config.sliding_layers()) or not counts or min(counts) != max(counts):
+        return 0
+    return int(counts[0])
+
+
+class _Book:
+    """The host's bookkeeping of one run. Slot i and pool entry e lie on devices i // (S/D) and
+    e // (Q/D); the free slots and entries of each device are heaps (the lowest index is taken
+    first). Per slot: request int32[S] (-1: free), completion, entry int32[S], and its tokens so
+    far, tokens int32[S, N], logprobs float32[S, N], length int32[S]."""
+
+    def __init__(self, slots: int, entries: int, devices: int, max_new_tokens: int, counts: Sequence[int],
+                 stats: EngineStats) -> None:
+        self.s, self.devices = slots, devices
+        self.per_slots, self.per_entries = slots // devices, entries // devices
+        self.free_slots = [list(range(d * self.per_slots, (d + 1) * self.per_slots)) for d in range(devices)]
+        self.free_entries = [list(range(d * self.per_entries, (d + 1) * self.per_entries)) for d in range(devices)]
+        self.entry_of: dict[tuple[int, int], int] = {}  # (request, device) -> its pool entry there
+        self.readers = np.zeros(entries, np.int32)  # slots reading each entry
+        self.left = list(counts)  # completions of each request not admitted yet
+        self.started = np.zeros(len(counts), bool)  # requests with a completion admitted
+        self.request = np.full(slots, -1, np.int32)
+        self.completion = np.zeros(slots, np.int32)
+        self.entry = np.zeros(slots, np.int32)
+        self.tokens = np.zeros((slots, max_new_tokens), np.int32)
+        self.logprobs = np.zeros((slots, max_new_tokens), np.float32)
+        self.length = np.zeros(slots, np.int32)
+        self.result: list[list[tuple[np.ndarray, np.ndarray]]] = [[None] * c for c in counts]  # type: ignore[misc]
+        self.stats = stats
+
+    def busy(self) -> bool:
+        return bool((self.request >= 0).any())
+
+    def admit(self, units: collections.deque) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Moves queued completions (request, completion) into free slots: (int32[R, 4] of
+        (request, completion, slot, entry), [(entry, request)] of the entries to prefill). A
+        completion goes to a device where its request has an entry, else to the device with the
+        most free slots that has a free entry; with none, the queue waits (`entry_waits`)."""
+        admitted: list[tuple[int, int, int, int]] = []
+        fills: list[tuple[int, int]] = []
+        devices, free_slots, free_entries = range(self.devices), self.free_slots, self.free_entries
+        while units:
+            r, j = units[0]
+            open_ = [d for d in devices if free_slots[d]]
+            if not open_:
+                break
+            have = [d for d in open_ if (r, d) in self.entry_of]
+            if not have:
+                fresh = [d for d in open_ if free_entries[d]]
+                if not fresh:
+                    self.stats.entry_waits += 1
+                    break
+                d = max(fresh, key=lambda d: len(free_slots[d]))
+                self.entry_of[(r, d)] = heapq.heappop(free_entries[d])
+                fills.append((self.entry_of[(r, d)], r))
+            else:
+                d = max(have, key=lambda d: len(free_slots[d]))
+            # the request's next completions all go to d while it has free slots, unless another
+            # device with a free slot holds its entry too (then each completion picks again)
+            take = 1 if len(have) > 1 else min(self.left[r], len(free_slots[d]))
+            e = self.entry_of[(r, d)]
+            slots = [heapq.heappop(free_slots[d]) for _ in range(take)]
+            for _ in range(take):
+                units.popleft()
+            self.left[r] -= take
+            self.readers[e] += take
+            admitted += [(r, j + k, slot, e) for k, slot in enumerate(slots)]
+            self._release(r)
+        out = np.asarray(admitted, np.int32).reshape(-1, 4)
+        new = out[:, 0][~self.started[out[:, 0]]]
+        self.stats.queue_wait_chunks += self.stats.chunks * len(np.unique(new))
+        self.started[new] = True
+        self.request[out[:, 2]], self.completion[out[:, 2]], self.entry[out[:, 2]] = out[:, 0], out[:, 1], out[:, 3]
+        self.length[out[:, 2]] = 0
+        return out, fills
+
+    def _release(self, r: int) -> None:
+        """Gives back request r's entries that no slot reads, once all its completions are admitted."""
+        if self.left[r]:
+            return
+        for d in range(self.devices):
+            e = self.entry_of.get((r, d))
+            if e is not None and self.readers[e] == 0:
+                del self.entry_of[(r, d)]
+                heapq.heappush(self.free_entries[d], e)
+
+    def group_size(self, group: int) -> int:
+        """`group` if every busy slot i reads its device's entry (i mod S/D) // group (so that
+        `_decode` may read the prompts in groups) and the device's slots fit its entries that
+        way, else 0."""
+        if not group or self.per_slots % group or self.per_slots // group > self.per_entries:
+            return 0
+        owned = np.flatnonzero(self.request >= 0)
+        want = (owned % self.per_slots) // group
+        return group if np.array_equal(want, self.entry[owned] % self.per_entries) else 0
+
+    def started_slots(self, admitted: np.ndarray, token: np.ndarray, logprob: np.ndarray, done: np.ndarray) -> None:
+        """Records the first token of each admitted row (token/logprob/done [>= R], row i the
+        slot admitted[i, 2]) and ends the rows done already."""
+        slots, rows = admitted[:, 2], len(admitted)
+        self.tokens[slots, 0], self.logprobs[slots, 0], self.length[slots] = token[:rows], logprob[:rows], 1
+        self.finish(slots[done[:rows]])
+
+    def decoded(self, tokens: np.ndarray, logprobs: np.ndarray, emitted: np.ndarray, done: np.ndarray) -> None:
+        """Appends a decode call's outputs (tokens/logprobs/emitted [S, K], emitted True on a
+        prefix of each slot's K steps) to the slots' tokens and ends the slots now done (bool[S])."""
+        rows, cols = np.nonzero(emitted)
+        at = self.length[rows] + cols
+        self.tokens[rows, at], self.logprobs[rows, at] = tokens[rows, cols], logprobs[rows, cols]
+        self.length += emitted.sum(axis=1, dtype=np.int32)
+        self.finish(np.flatnonzero(done & (self.request >= 0)))
+
+    def finish(self, slots: np.ndarray) -> None:
+        """Stores the completions of `slots` and frees them (and the entries no slot reads)."""
+        tokens, logprobs = self.tokens[slots], self.logprobs[slots]  # copies: the slots' buffers are reused
+        requests, completions, lengths = (a[slots].tolist() for a in (self.request, self.completion, self.length))
+        self.request[slots] = -1
+        np.subtract.at(self.readers, self.entry[slots], 1)
+        for i, slot in enumerate(slots.tolist()):
+            n = lengths[i]
+            self.result[requests[i]][completions[i]] = (tokens[i, :n], logprobs[i, :n])
+            heapq.heappush(self.free_slots[slot // self.per_slots], slot)
+        for r in set(requests):
+            self._release(r)
+        self.stats.rows += len(slots)
+
+    def shrink(self, enabled: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """The tail: when `enabled` (the queue empty) and at most a quarter of the slots are busy,
+        (index int32[S'], keep bool[S']) of a smaller state, S' / D = next_pow2 of the busiest
+        device's busy slots: each device's busy slots, in order, then padding (its first slot,
+        keep False); the bookkeeping moves with them. None when the state stays."""
+        busy = (self.request >= 0).reshape(self.devices, self.per_slots)
+        total = int(busy.sum())
+        smaller = next_pow2(max(int(busy.sum(axis=1).max()), 1))
+        if not (enabled and total and total * 4 <= self.s and smaller < self.per_slots):
+            return None
+        index, keep = [], []
+        for d, row in enumerate(busy):
+            mine = (np.flatnonzero(row) + d * self.per_slots).tolist()
+            index += mine + [d * self.per_slots] * (smaller - len(mine))
+            keep += [True] * len(mine) + [False] * (smaller - len(mine))
+        index_arr, keep_arr = np.asarray(index, np.int32), np.asarray(keep)
+        self.request = np.where(keep_arr, self.request[index_arr], -1).astype(np.int32)
+        for name in ("completion", "entry", "tokens", "logprobs", "length"):
+            setattr(self, name, getattr(self, name)[index_arr])
+        self.per_slots, self.s = smaller, smaller * self.devices
+        counts = busy.sum(axis=1)
+        self.free_slots = [[d * smaller + i for i in range(int(c), smaller)] for d, c in enumerate(counts)]
+        return index_arr, keep_arr
+
+
 def run(
     config: ModelConfig,
     params: Params,
@@ -663,7 +928,64 @@ def run(
     mesh). `params` stacked [P, ...] with `policy` given: that policy's parameters.
     `limits[r]`: at most that many new tokens for request r (<= spec.max_new_tokens; default
     spec.max_new_tokens). Slots and pool entries: see `plan_slots`; on a mesh `params` are used
-    as placed (see the module docstring)."""
+    as placed (see the module docstring).
+
+    A run whose completions all fit the slots at once (and whose prompts one prefill call
+    holds) runs as one program (`_fused_program`) until its tail can shrink (or it ends); other
+    runs alternate refills (prefill / start programs) and decode chunks. A decode call's outputs
+    are fetched together with those of the refill before it (one host sync per chunk).
+    `start(...).result()`: see `start` to overlap host work with the first program."""
+    return start(config, params, prompts, n, rng, spec, limits=limits, policy=policy).result()
+
+
+class EngineRun:
+    """A run begun by `start`: its first device program is dispatched (asynchronously).
+    `block_until_ready()` does the rest of its device work (the host drives refills and decode
+    chunks) and lets go of its device state (KV caches and prompt pool); `result()` then gives its
+    `EngineResult`. `jax.block_until_ready` on a run (a leaf) calls its `block_until_ready`."""
+
+    def __init__(self, steps: Any) -> None:
+        self._steps = steps
+        self._result: EngineResult | None = None
+
+    def block_until_ready(self) -> "EngineRun":
+        if self._result is None:
+            try:
+                next(self._steps)
+            except StopIteration as end:
+                self._result = end.value
+            else:
+                raise AssertionError("an engine run yields once, after its first dispatch")
+        return self
+
+    def result(self) -> EngineResult:
+        return self.block_until_ready()._result  # type: ignore[return-value]
+
+
+def start(
+    config: ModelConfig,
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    n: int | Sequence[int],
+    rng: jax.Array,
+    spec: EngineSpec,
+    *,
+    limits: Sequence[int] | None = None,
+    policy: int | None = None,
+) -> EngineRun:
+    """`run`, returning once its first device program is dispatched (arguments checked, slots
+    planned, the first completions admitted): the caller's host work until
+    `EngineRun.block_until_ready()` / `result()` overlaps that program (a fused run: all of its
+    device work). Errors in the arguments are raised here."""
+    steps = _run_steps(config, params, prompts, n, rng, spec, limits, policy)
+    next(steps)
+    return EngineRun(steps)
+
+
+def _run_steps(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], n: int | Sequence[int],
+               rng: jax.Array, spec: EngineSpec, limits: Sequence[int] | None, policy: int | None):
+    """`run` as a generator: yields once, after the first device program is dispatched (or
+    before any, for a run of no completions), and returns the EngineResult."""
     from jmarl.models.sampler import _check_options, left_align
 
     max_new_tokens, temperature, top_p, top_k = spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k
@@ -677,11 +999,11 @@ def run(
         np.asarray(limits, np.int32), big_n)
     if (limits_arr < 1).any():
         raise JmarlError("every request's limit must be >= 1")
-    result: list[list[tuple[np.ndarray, np.ndarray]]] = [[None] * c for c in counts]  # type: ignore[list-item]
     stats = EngineStats(requests=len(prompts))
     units = collections.deque((r, j) for r, c in enumerate(counts) for j in range(c))
     if not units:
-        return EngineResult(result, stats)
+        yield
+        return EngineResult([[] for _ in counts], stats)
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:
         raise JmarlError("every prompt needs at least one token")
@@ -693,182 +1015,124 @@ def run(
                       spec.num_entries, spec.max_slots)
     stats.slots, stats.entries = s, q
     max_prefill = planned_prefill(config, p_len, spec)
-    width = max(lengths)
-    raw = np.full((len(prompts), width), pad_id, np.int32)
-    raw_mask = np.arange(width)[None, :] >= (width - np.asarray(lengths))[:, None]
+    longest = max(lengths)
+    raw = np.full((len(prompts), longest), pad_id, np.int32)
+    raw_mask = np.arange(longest)[None, :] >= (longest - np.asarray(lengths))[:, None]
     for r, ids in enumerate(prompts):
-        raw[r, width - len(ids):] = ids
+        raw[r, longest - len(ids):] = ids
     tokens_all, mask_all = left_align(raw, raw_mask, p_len, pad_id)
     if tokens_all.min() < 0 or tokens_all.max() >= config.vocab_size:
         raise JmarlError(f"prompt token ids must be in [0, {config.vocab_size}), the model's vocabulary")
 
-    greedy = spec.greedy
     from jmarl.sharding import mesh_context
 
-    prepare = _prepare_program(config, policy is not None)
-    with mesh_context(None if layout is None else layout.mesh):
-        gen_params = prepare(params) if policy is None else prepare(params, jnp.int32(policy))
+    select = policy is not None
+    policy_arg = np.int32(0 if policy is None else policy)
     if layout is not None:  # leaves not on the mesh (e.g. single-device parameters): replicated on it
         replicated = NamedSharding(layout.mesh, P())
-        gen_params = jax.tree.map(
+        params = jax.tree.map(
             lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == layout.mesh
-            else jax.device_put(x, replicated), gen_params)
-        layout = make_layout(config, layout.mesh, gen_params)
+            else jax.device_put(x, replicated), params)
     sampling = spec.program_sampling()
-    prefill_fn = _prefill_program(config, *sampling, layout)
-    start_fn = _start_program(config, *sampling, layout)
-    chunk_fn = _chunk_program(config, int(chunk_steps), *sampling, int(pad_id), layout)
     # once the queue is empty no slot can be refilled: the drain runs until the run ends, or
     # until few enough slots are busy for the state to shrink
-    drain_fn = _chunk_program(config, max(int(chunk_steps), big_n), *sampling, int(pad_id), layout)
-    state = _init_program(config, s, q, p_len, big_n, layout)()
-    context = lambda: mesh_context(None if layout is None else layout.mesh)  # noqa: E731
-    temp = jnp.float32(1.0 if greedy else temperature)
-    tp = jnp.float32(top_p)
+    drain_steps = max(int(chunk_steps), big_n)
+    temp = np.float32(1.0 if spec.greedy else temperature)
+    tp = np.float32(top_p)
+    group = group_size(config, counts)
+    book = _Book(s, q, devices, big_n, counts, stats)
+    state = None
+    first = True
+    general: list[tuple[Params, Layout | None]] = []  # (prepared parameters, their layout), made on first use
 
-    # host book-keeping: slot i and entry e lie on devices i // (S/D) and e // (Q/D)
-    per_slots, per_entries = s // devices, q // devices
-    # free slots and entries of each device, as heaps: the lowest index is taken first
-    free_slots = [list(range(d * per_slots, (d + 1) * per_slots)) for d in range(devices)]
-    free_entries = [list(range(d * per_entries, (d + 1) * per_entries)) for d in range(devices)]
-    entry_of: dict[tuple[int, int], int] = {}  # (request, device) -> its pool entry there
-    readers = collections.Counter()  # pool entry -> slots reading it
-    left = list(counts)  # completions of each request not admitted yet
-    owner: list[tuple[int, int] | None] = [None] * s
-    slot_entry: list[int] = [0] * s
-    pieces: dict[tuple[int, int], tuple[list, list]] = {}
-    started: set[int] = set()
+    def prepared() -> tuple[Params, Layout | None]:
+        """The parameters of the refill and decode-chunk programs: the policy's, cast once
+        (`_prepare_program`), with the layout of their shardings."""
+        if not general:
+            prepare = _prepare_program(config, select)
+            gen = prepare(params, policy_arg) if select else prepare(params)
+            general.append((gen, None if layout is None else make_layout(config, layout.mesh, gen)))
+        return general[0]
 
-    def release(r: int) -> None:
-        """Gives back request r's entries that no slot reads, once all its completions are admitted."""
-        if left[r]:
-            return
-        for d in range(devices):
-            e = entry_of.get((r, d))
-            if e is not None and readers[e] == 0:
-                del entry_of[(r, d)]
-                heapq.heappush(free_entries[d], e)
+    def context() -> Any:
+        """The mesh context of the programs (entered per dispatch: never across the `yield`)."""
+        return mesh_context(None if layout is None else layout.mesh)
 
-    def finish(slot: int) -> None:
-        unit = owner[slot]
-        toks, lps = pieces.pop(unit)
-        result[unit[0]][unit[1]] = (np.concatenate(toks).astype(np.int32), np.concatenate(lps).astype(np.float32))
-        owner[slot] = None
-        readers[slot_entry[slot]] -= 1
-        release(unit[0])
-        heapq.heappush(free_slots[slot // per_slots], slot)
-        stats.rows += 1
+    def prompt_args(part: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [U, P], mask [U, P], entries [U]) of the prompts to prefill, U = next_pow2(len(part))."""
+        u = next_pow2(len(part))
+        reqs = np.asarray([r for _, r in part], np.int32)
+        return (_pad(tokens_all[reqs], u, pad_id), _pad(mask_all[reqs], u, False),
+                _pad(np.asarray([e for e, _ in part], np.int32), u, q))
 
-    def admit() -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
-        """Moves queued completions into free slots: ([(request, completion, slot, entry)],
-        [(entry, request)] of the entries to prefill). A completion goes to a device where its
-        request has an entry, else to the device with the most free slots that has a free entry."""
-        admitted, fills = [], []
-        while units:
-            r, j = units[0]
-            open_ = [d for d in range(devices) if free_slots[d]]
-            if not open_:
-                break
-            have = [d for d in open_ if (r, d) in entry_of]
-            if not have:
-                fresh = [d for d in open_ if free_entries[d]]
-                if not fresh:
-                    stats.entry_waits += 1
-                    break
-                d = max(fresh, key=lambda d: len(free_slots[d]))
-                entry_of[(r, d)] = heapq.heappop(free_entries[d])
-                fills.append((entry_of[(r, d)], r))
-            else:
-                d = max(have, key=lambda d: len(free_slots[d]))
-            e = entry_of[(r, d)]
-            slot = heapq.heappop(free_slots[d])
-            units.popleft()
-            left[r] -= 1
-            readers[e] += 1
-            admitted.append((r, j, slot, e))
-            release(r)
-        return admitted, fills
-
-    while units or any(o is not None for o in owner):
-        admitted, fills = admit()
-        if admitted:
-            for r, _, _, _ in admitted:
-                if r not in started:
-                    started.add(r)
-                    stats.queue_wait_chunks += stats.chunks
-            reqs = np.asarray([a[0] for a in admitted], np.int32)
-            slots_args = (
-                _pad(np.asarray([a[3] for a in admitted], np.int32), s, 0),
-                _pad(np.asarray([a[2] for a in admitted], np.int32), s, s), _pad(reqs, s, 0),
-                _pad(np.asarray([a[1] for a in admitted], np.int32), s, 0), _pad(limits_arr[reqs], s, 1),
-                rng, temp, tp,
-            )
-            with context():
-                if fills:  # new prompts: prefilled into their entries (at most max_prefill per call), then
-                    # the slots started by the last call
-                    parts = [fills[i:i + max_prefill] for i in range(0, len(fills), max_prefill)]
-                    idle = (np.zeros(s, np.int32), np.full(s, s, np.int32)) + (np.zeros(s, np.int32),) * 2 + (
-                        np.ones(s, np.int32), rng, temp, tp)  # starts nothing (every slot entry dropped)
-                    for k, part in enumerate(parts):
-                        entries = np.asarray([e for e, _ in part], np.int32)
-                        fill_reqs = np.asarray([r for _, r in part], np.int32)
-                        u = next_pow2(len(part))
-                        state, tok, lp, done = prefill_fn(
-                            gen_params, state, _pad(tokens_all[fill_reqs], u, pad_id),
-                            _pad(mask_all[fill_reqs], u, False), _pad(entries, u, q),
-                            *(slots_args if k == len(parts) - 1 else idle))
-                        stats.prefills += 1
-                    stats.prompts_prefilled += len(fills)
-                else:
-                    state, tok, lp, done = start_fn(state, *slots_args)
-            tok, lp, done = jax.device_get((tok, lp, done))
-            for i, (r, j, slot, e) in enumerate(admitted):
-                owner[slot] = (r, j)
-                slot_entry[slot] = e
-                pieces[(r, j)] = ([tok[i:i + 1]], [lp[i:i + 1]])
-                if done[i]:
-                    finish(slot)
-        if not any(o is not None for o in owner):
-            continue
-        busy_now = sum(o is not None for o in owner)
-        floor = s // 4 if not units and shrink and busy_now > s // 4 and per_slots > 1 else 0
+    while units or book.busy():
+        admitted, fills = book.admit(units)
         with context():
-            state, toks, lps, emitted = (chunk_fn if units else drain_fn)(gen_params, state, rng, temp, tp,
-                                                                         jnp.int32(floor))
-        keys0 = state.cache.keys[0]
-        stats.slots_per_device = max(stats.slots_per_device, int(keys0.sharding.shard_shape(keys0.shape)[0]))
-        toks, lps, emitted, done = jax.device_get((toks, lps, emitted, state.done))
-        stats.chunks += 1
-        steps = int(emitted.any(axis=0).sum())
-        stats.slot_steps += s * steps
-        stats.busy_slot_steps += int(emitted.sum())
-        for slot in range(s):
-            unit = owner[slot]
-            if unit is None:
-                continue
-            keep = emitted[slot]
-            if keep.any():
-                pieces[unit][0].append(toks[slot][keep])
-                pieces[unit][1].append(lps[slot][keep])
-            if done[slot]:
-                finish(slot)
-        # the tail: the busy slots of each device move to a smaller state on the same device
-        busy = [[i for i in range(d * per_slots, (d + 1) * per_slots) if owner[i] is not None] for d in range(devices)]
-        total = sum(len(b) for b in busy)
-        smaller = next_pow2(max(max(len(b) for b in busy), 1))
-        if shrink and not units and total and total * 4 <= s and smaller < per_slots:
-            index, keep = [], []
-            for d, b in enumerate(busy):
-                index += b + [d * per_slots] * (smaller - len(b))
-                keep += [True] * len(b) + [False] * (smaller - len(b))
-            with context():
-                state = _shrink_program(smaller * devices, layout, config.num_layers)(
-                    state, np.asarray(index, np.int32), np.asarray(keep))
-            owner = [owner[i] if k else None for i, k in zip(index, keep)]
-            slot_entry = [slot_entry[i] for i in index]
-            per_slots, s = smaller, smaller * devices
-            free_slots = [[d * smaller + i for i in range(len(b), smaller)] for d, b in enumerate(busy)]
-    return EngineResult(result, stats)
+            started = decoded = None
+            # the busy slots at which a drain stops, so that the tail can shrink (0: none)
+            floor = np.int32(book.s // 4 if not units and shrink and book.per_slots > 1 else 0)
+            if len(admitted):
+                reqs, width = admitted[:, 0], book.s  # padded to the slots; dest S (out of range): dropped
+                slots_args = (_pad(admitted[:, 3], width, 0), _pad(admitted[:, 2], width, width), _pad(reqs, width, 0),
+                              _pad(admitted[:, 1], width, 0), _pad(limits_arr[reqs], width, 1), rng, temp, tp)
+                if state is None and not units and len(fills) <= max_prefill:  # the whole run fits: one program
+                    grouped = book.group_size(group)
+                    fused_fn = _fused_program(config, s, q, p_len, big_n, drain_steps, *sampling, int(pad_id),
+                                              make_layout(config, mesh, params, select=select), grouped, select)
+                    state, *out = fused_fn(params, policy_arg, *prompt_args(fills), *slots_args, floor)
+                    started, decoded = out[:3], out[3:]
+                    stats.fused += 1
+                    stats.grouped_chunks += bool(grouped)
+                    stats.prefills += 1
+                else:
+                    if state is None:
+                        state = _init_program(config, s, q, p_len, big_n, layout)()
+                    if fills:  # new prompts: prefilled into their entries (at most max_prefill per call), then
+                        # the slots started by the last call
+                        gen_params, gen_layout = prepared()
+                        prefill_fn = _prefill_program(config, *sampling, gen_layout)
+                        parts = [fills[i:i + max_prefill] for i in range(0, len(fills), max_prefill)]
+                        zeros = np.zeros(width, np.int32)
+                        # starts nothing: every slot's dest out of range, dropped
+                        idle = (zeros, np.full(width, width, np.int32), zeros, zeros, np.ones(width, np.int32), rng,
+                                temp, tp)
+                        for k, part in enumerate(parts):
+                            state, *started = prefill_fn(gen_params, state, *prompt_args(part),
+                                                         *(slots_args if k == len(parts) - 1 else idle))
+                        stats.prefills += len(parts)
+                    else:
+                        state, *started = _start_program(config, *sampling, layout)(state, *slots_args)
+                stats.prompts_prefilled += len(fills)
+            if decoded is None and book.busy():
+                gen_params, gen_layout = prepared()
+                grouped = book.group_size(group)
+                chunk_fn = _chunk_program(config, int(chunk_steps) if units else drain_steps, *sampling, int(pad_id),
+                                          gen_layout, grouped)
+                state, *decoded = chunk_fn(gen_params, state, rng, temp, tp, floor)
+                stats.grouped_chunks += bool(grouped)
+        if decoded is None:
+            continue
+        if first:  # the caller's host work may run while this program does (`start`)
+            first = False
+            yield
+        with context():
+            keys0 = state.cache.keys[0]
+            stats.slots_per_device = max(stats.slots_per_device, int(keys0.sharding.shard_shape(keys0.shape)[0]))
+            started, (toks, lps, emitted, done) = jax.device_get((started, (*decoded, state.done)))
+            if started is not None:
+                book.started_slots(admitted, *started)
+            steps = int(emitted.any(axis=0).sum())
+            if steps:
+                stats.chunks += 1
+            stats.slot_steps += book.s * steps
+            stats.busy_slot_steps += int(emitted.sum())
+            book.decoded(toks, lps, emitted, done)
+            moved = book.shrink(shrink and not units)
+            if moved is not None:  # the busy slots of each device move to a smaller state on the same device
+                state = _shrink_program(book.s, layout, config.num_layers)(state, *moved)
+    if first:  # not reached (the first admission dispatches a program): `start` expects one yield
+        yield
+    return EngineResult(book.result, stats)
 
 
 # ---------------------------------------------------------------------------------- for the memory planner
@@ -899,9 +1163,12 @@ def planned_programs(
     U = next_pow2(min(entries, slots)) prompts, at most `planned_prefill`, every slot started) and decode
     programs (the drain's, whose output buffers hold max_new_tokens steps, not chunk_steps: the larger of
     the two) for `slots` slots and `entries` pool entries, as `run` with `spec` builds them on its mesh
-    (the start-only program is the prefill's second half). `params`: arrays or ShapeDtypeStructs (with their shardings), stacked [P, ...] with
-    `select` (one policy's slice generated). Nothing is allocated; the parameter preparation
-    (cast to the compute dtype) is compiled to learn its output shardings."""
+    (the start-only program is the prefill's second half; a run whose completions fit the
+    slots at once runs `_fused_program` instead, whose state, cast weights and temporaries take no
+    more than the prefill with its arguments). `params`: arrays or ShapeDtypeStructs (with their
+    shardings), stacked [P, ...] with `select` (one policy's slice generated). Nothing is
+    allocated; the parameter preparation (cast to the compute dtype) is compiled to learn its
+    output shardings."""
     from jmarl.sharding import mesh_context
 
     mesh, max_new_tokens = spec.mesh, spec.max_new_tokens
@@ -934,5 +1201,5 @@ def planned_programs(
     return [
         ("engine_prefill", _prefill_program(config, *sampling, layout), prefill_args),
         ("engine_decode", _chunk_program(config, max(int(spec.chunk_steps), int(max_new_tokens)), *sampling,
-                                         int(spec.pad_id), layout), decode_args),
+                                         int(spec.pad_id), layout, 0), decode_args),
     ]

@@ -104,3 +104,18 @@ def test_a_router_weight_without_experts_is_refused(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(JmarlError, match="train.router_aux_loss_coef.*no policy's model has experts"):
         trainer_mod.Trainer(load_config(tmp_path / "run.yaml"))
+
+
+@pytest.mark.parametrize("preset, message", [
+    ({"model_type": "qwen3", "num_experts": 4}, "are for model_type qwen3_moe"),
+    ({"model_type": "qwen3_moe"}, "a qwen3_moe architecture needs num_experts >= 1"),
+    ({**MOE_PRESET, "num_experts_per_tok": 5}, "num_experts_per_tok <= num_experts"),
+])
+def test_a_built_in_architectures_expert_fields_are_checked(tmp_path, preset, message):
+    data = json.loads(json.dumps(BASE))
+    data["model"]["preset"] = preset
+    data["train"]["router_aux_loss_coef"] = 0.0
+    data["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(JmarlError, match=message):
+        load_config(tmp_path / "run.yaml")

@@ -8,7 +8,7 @@ its own process (the device count is fixed when JAX starts) and records its JSON
 command, the UTC date it started and the git commit; the table gives each run's largest peak per
 device (program and figure), the headroom left of 80 GiB, and whether it fits with the plan's 10%
 margin. Rows: the paper configs on 8 devices, the Qwen3 presets on 1, 8 and 64, Gemma 3 4B on 1 and
-27B on 8 and 64, and four LoRA agents on
+27B on 8 and 64, Qwen3-30B-A3B (experts split over fsdp) on 8, 64 and 256 (`MOE`), and four LoRA agents on
 one Qwen3-1.7B base on one device (docs/scaling.md, "Per-agent LoRA"), planned on this checkout
 and, for the merged column, on the package of commit 8c0b154 (`MERGED_LORA`: the last one whose
 `attach_lora` merged each adapter into a full weight copy; the current code has no merged mode):
@@ -54,6 +54,22 @@ SCALING = tuple(
         ("gemma3-27b", 64, "accum4", ("optim.grad_accum=4",)),
     )
 )
+# Qwen3-30B-A3B (128 experts, top-8) on the same AT-GRPO run, experts split over fsdp (expert
+# parallelism, docs/scaling.md "Mixture of experts"): two full policies on 64 and 256 devices
+# (256: data=2 x fsdp=128, since fsdp must divide the 128 experts; and fsdp=256 as configured,
+# where it cannot, so the experts are FSDP-sharded on D: the comparison), on 8 devices the two
+# full policies (their float32 parameters and Adam moments alone are 85 GiB a device) and LoRA
+# adapters on one base, as configured and with the micro-batches halved (what the plan's error
+# names first)
+MOE_CONFIG = "benchmarks/configs/at_grpo_qwen3_30b_a3b.yaml"
+MOE = tuple((name, MOE_CONFIG, devices, settings) for name, devices, settings in (
+    ("qwen3-30b-a3b@8", 8, ()),
+    ("qwen3-30b-a3b@8+lora", 8, ("policies.mode=lora",)),
+    ("qwen3-30b-a3b@8+lora,accum2", 8, ("policies.mode=lora", "optim.grad_accum=2")),
+    ("qwen3-30b-a3b@64", 64, ()),
+    ("qwen3-30b-a3b@256", 256, ("mesh.data=2", "mesh.fsdp=128")),
+    ("qwen3-30b-a3b@256+fsdp256", 256, ()),
+))
 LORA_CONFIG = "benchmarks/configs/lora_4agents_qwen3_1.7b.yaml"
 MERGED_LORA = "8c0b154"  # the last commit whose attach_lora merged every adapter into a weight copy
 LORA = (("lora_4agents_qwen3_1.7b", LORA_CONFIG, 1, ()),
@@ -110,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/plan")
     parser.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
     args = parser.parse_args(argv)
-    rows = [(c, f"configs/{c}.yaml", 8, ()) for c in PAPER_CONFIGS] + list(SCALING) + list(LORA)
+    rows = [(c, f"configs/{c}.yaml", 8, ()) for c in PAPER_CONFIGS] + list(SCALING) + list(MOE) + list(LORA)
     lines = ["| run | devices | mesh | largest peak per device | headroom of 80 GiB | fits (plan exit 0) |",
              "|---|---|---|---|---|---|"]
     for name, config, devices, overrides, *commit in rows:

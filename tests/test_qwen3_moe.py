@@ -4,7 +4,7 @@ renormalised), one all sparse (every released checkpoint's layout; no renormalis
 head, YaRN RoPE). Logits with padding, the top-k renormalisation seen in them, token log-prob
 gradients against torch autograd, the load-balancing loss (alone and from the forward pass,
 with its gradient), greedy generation, the HF round trip (released and fused expert layouts),
-the expert sharding axis, the refusals, and the presets' parameter counts."""
+the expert sharding axis (split over fsdp), the refusals, and the presets' parameter counts."""
 
 import json
 import os
@@ -420,7 +420,7 @@ def test_fused_expert_tensors_load(tiny, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
-def test_expert_axis_is_declared_and_replicated(tiny):
+def test_expert_axis_is_declared_and_split_over_fsdp(tiny):
     _, config, params, _, _ = tiny
     axes = param_axes(config)
     shapes = jax.tree.map(lambda a: a.shape, params)
@@ -432,14 +432,18 @@ def test_expert_axis_is_declared_and_replicated(tiny):
     assert axes["layers"]["moe"]["router"]["kernel"] == ("layers", "embed", "expert")
     mesh = {"data": 1, "fsdp": 2, "tensor": 2}
     spec = DEFAULT_RULES.spec(experts["down_proj"], params["layers"]["moe"]["experts"]["down_proj"].shape, mesh)
-    assert tuple(spec) == (None, None, "tensor", "fsdp")  # experts replicated, Fe over tensor, D over fsdp
+    assert tuple(spec) == (None, "fsdp", "tensor")  # whole experts over fsdp (expert parallelism), Fe over tensor
+    replicated = DEFAULT_RULES.replace(expert=())  # the layout before expert parallelism: D over fsdp
+    spec = replicated.spec(experts["down_proj"], params["layers"]["moe"]["experts"]["down_proj"].shape, mesh)
+    assert tuple(spec) == (None, None, "tensor", "fsdp")
 
 
 @pytest.mark.slow
 def test_sharded_update_equals_the_unsharded_one(tmp_path_factory):
-    """Parameters placed by their declared axes on a data x fsdp x tensor = 2 x 2 x 2 mesh (experts
-    replicated, D over fsdp, Fe over tensor): the log-probs' value and gradient under the mesh
-    equal the single-device ones (the all-sparse model: the released layout)."""
+    """Parameters placed by their declared axes on a data x fsdp x tensor = 2 x 2 x 2 mesh (the 4
+    experts split over fsdp, tokens dispatched to them, Fe over tensor): the log-probs' value
+    and gradient under the mesh equal the single-device ones (the all-sparse model: the
+    released layout). tests/test_expert_parallel.py has the other expert-parallel checks."""
     from jmarl import sharding
 
     _, config, params, _, _ = _built("sparse", tmp_path_factory)

@@ -286,7 +286,8 @@ class MLP(nnx.Module):
 class Experts(nnx.Module):
     """E SwiGLU experts, their weights stacked on a leading expert axis: gate_proj, up_proj
     [E, D, Fe] and down_proj [E, Fe, D] (plain parameters, not `Linear`s: LoRA does not adapt
-    them). Called on the routed tokens (`moe.expert_ffn`)."""
+    them). Called on the routed tokens (`moe.expert_parallel_ffn`: `moe.expert_ffn`, or with the
+    experts split over the mesh's expert axes, tokens dispatched to them)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
@@ -299,7 +300,7 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
         """x [N,D], experts int32[N,k], weights [N,k] -> [N,D] in the compute dtype."""
         gate, up, down = (w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        return moe_lib.expert_ffn(x.astype(self.dtype), experts, weights, gate, up, down)
+        return moe_lib.expert_parallel_ffn(x.astype(self.dtype), experts, weights, gate, up, down)
 
 
 class SparseMLP(nnx.Module):

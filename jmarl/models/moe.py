@@ -4,26 +4,74 @@ and its load-balancing loss (`load_balancing_loss_func`), as pure functions.
 N = tokens (rows of a flattened [..., D] input), D = hidden size, E = experts, k = experts per
 token (top-k), F = an expert's intermediate size.
 
-    route:        router logits [N, E] -> float32 probabilities (softmax in float32), the top-k
-                  experts int32[N, k] and their weights [N, k] (renormalised to sum to 1 when
-                  norm_topk_prob; cast to the logits' dtype, as transformers does)
-    expert_ffn:   every token through its k experts, as three grouped matrix products
-                  (`jax.lax.ragged_dot`) over the N * k (token, expert) pairs sorted by expert,
-                  then unsorted and summed with the routing weights. Dropless: no capacity,
-                  every pair is computed
-    router_stats: what the load-balancing loss needs of one layer, summed over its valid tokens
-                  (`RouterStats`, additive over layers, so a layer scan carries it)
+    route:          router logits [N, E] -> float32 probabilities (softmax in float32), the
+                    top-k experts int32[N, k] and their weights [N, k] (renormalised to sum to 1
+                    when norm_topk_prob; cast to the logits' dtype, as transformers does)
+    grouped_matmul: rows sorted by group [M, K] x per-group weights [G, K, N] -> [M, N]: one
+                    `jax.lax.ragged_dot` on GPU/TPU; on CPU, where ragged_dot lowers to a dense
+                    product over every group (an [M, G x K] masked copy of the rows), a loop over
+                    row tiles that touches only each tile's own groups (`tiled_grouped_matmul`)
+    expert_ffn:     every token through its k experts, as three grouped products over the N * k
+                    (token, expert) pairs sorted by expert, then unsorted and summed with the
+                    routing weights. Dropless: no capacity, every pair is computed
+    expert_parallel_ffn: `expert_ffn` with the experts split over mesh axes (expert
+                    parallelism, `jax.shard_map`): each device gathers its group's tokens and
+                    routing, runs the pairs routed to its own experts, and the partial outputs
+                    are reduce-scattered back to the tokens' devices. No expert weight moves.
+                    Without a mesh, or with the experts not split, it is `expert_ffn` in
+                    chunks (`chunked_expert_ffn`)
+    router_stats:   what the load-balancing loss needs of one layer, summed over its valid
+                    tokens (`RouterStats`, additive over layers, so a layer scan carries it)
     load_balancing_loss: E * sum_e (fraction of assignments to e) * (mean probability of e)
 
 The network module that holds the router and the stacked expert weights is
 `jmarl.models.model.SparseMLP`.
+
+Expert parallelism (docs/scaling.md, "Mixture of experts"): the logical axis "expert" of the
+expert weights [E, D, F] is mapped to mesh axes by `jmarl.sharding.ShardingRules` (default:
+fsdp, so each fsdp device holds E / fsdp whole experts instead of 1 / fsdp of every expert's D).
+The tokens of a layer are rows over the mesh axes of "activation_batch" (data, fsdp), so the
+devices that split the experts also split the tokens. Each device dispatches its rows in chunks
+(`in_chunks`, at most PAIRS_PER_CHUNK pairs a chunk): it all-gathers a chunk's rows over the
+expert axes it shares with the rows (fsdp: the chunk of every device of its fsdp group),
+computes the pairs routed to its own experts, and a reduce-scatter sums the partial outputs
+back onto the devices of the rows. The pairs buffer of a chunk is static and dropless: its
+gathered rows x min(k, E / experts) (every gathered token could pick its k experts among this
+device's). F split over "tensor" (the rule "mlp") adds a sum over tensor.
+
+Why an all-gather of tokens rather than an all-to-all of (token, expert) pairs: both need the
+same static dropless buffer on the receiving device (every pair of the group could be routed
+to it), and the all-gather receives N_local x (x - 1) rows of D per device for x expert
+devices where a balanced all-to-all receives N_local x k x (x - 1) / x: x / k times as many,
+so no more while x <= k (Qwen3-MoE: k = 8), 8x more at x = 64 (the way back likewise, and in
+float32). `jax.lax.ragged_all_to_all`, which would send only the routed pairs, is not
+implemented by XLA:CPU, so nothing here could run or test it: it is the next step for large
+x. Either moves tokens, not weights: FSDP on D instead (the rule expert -> ()) leaves XLA to
+gather, or to partially sum over D, every expert of every layer (`benchmarks/moe.py` compiles
+both).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Callable, Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
+
+# Rows per tile of the CPU grouped product: the loop's steps are [TILE, K] x [K, N] products.
+GROUPED_TILE = 128
+# The most (token, expert) pairs one device computes at once: a layer's rows are dispatched in
+# chunks of at most this many pairs (`in_chunks`; 32,768 pairs of Qwen3-30B-A3B: 256 MiB of rows
+# in float32), as the dense MLP runs in token chunks.
+PAIRS_PER_CHUNK = 32768
+ACTIVATION_AXES = ("activation_batch",)  # a layer's token rows (as `jmarl.models.model.ACTIVATION_AXES`)
+EXPERT_WEIGHT_AXES = ("expert", "embed", "mlp")  # gate/up [E, D, F] (`param_axes`, without "layers")
 
 
 @struct.dataclass
@@ -61,6 +109,193 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     return probs, weights.astype(logits.dtype), experts.astype(jnp.int32)
 
 
+# ---------------------------------------------------------------------------------- grouped products
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """x [M, K] whose rows are sorted by group (group g: the sizes[g] rows after groups < g),
+    w [G, K, N], sizes int32[G] (sum <= M) -> [M, N] in x's dtype: row r of group g is x[r] w[g];
+    rows past sum(sizes) are 0. `jax.lax.ragged_dot`, chosen per platform when the program is
+    lowered: XLA's ragged-dot instruction on GPU/TPU; on CPU `tiled_grouped_matmul` (XLA:CPU
+    lowers ragged_dot to one dense product over every group, through an [M, G x K] copy of the
+    rows, which at Qwen3-30B-A3B's G = 128 is 128x the work and the memory)."""
+    x, w, sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)
+    return jax.lax.platform_dependent(x, w, sizes, cpu=tiled_grouped_matmul, default=ragged_grouped_matmul)
+
+
+def _broadcast(a: jax.Array, batched: bool, size: int) -> jax.Array:
+    """a with a leading batch axis of `size` (a itself when it has one)."""
+    return a if batched else jnp.broadcast_to(a, (size,) + a.shape)
+
+
+@jax.custom_batching.custom_vmap
+def _ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot` that vmaps with any of its arguments unbatched."""
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+@_ragged_dot.def_vmap
+def _ragged_dot_vmap(size: int, batched: list[bool], x: jax.Array, w: jax.Array, sizes: jax.Array):
+    # ragged_dot's own batching rule takes only arguments all batched on axis 0 (JAX 0.10): an
+    # unbatched one (a LoRA base shared by the stacked policies: w) is broadcast, one layer's
+    # experts at a time
+    args = [_broadcast(a, b, size) for a, b in zip((x, w, sizes), batched)]
+    return jax.vmap(jax.lax.ragged_dot)(*args), True
+
+
+@jax.custom_batching.custom_vmap
+def _ragged_dot_grads(x: jax.Array, w: jax.Array, sizes: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(dx, dw) of `jax.lax.ragged_dot(x, w, sizes)` for the output cotangent dy."""
+    return jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)[1](dy)
+
+
+@_ragged_dot_grads.def_vmap
+def _ragged_dot_grads_vmap(size: int, batched: list[bool], x: jax.Array, w: jax.Array, sizes: jax.Array,
+                           dy: jax.Array):
+    args = [_broadcast(a, b, size) for a, b in zip((x, w, sizes, dy), batched)]
+    dx, dw = jax.vmap(lambda x, w, s, d: jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, s), x, w)[1](d))(*args)
+    if not batched[1]:  # w is shared by the batch: its cotangent sums over it
+        return (dx, jnp.sum(dw, axis=0)), (True, False)
+    return (dx, dw), (True, True)
+
+
+@jax.custom_vjp
+def ragged_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`grouped_matmul` as `jax.lax.ragged_dot` (the GPU/TPU form), in a form that vmaps with w
+    unbatched (ragged_dot's own rule refuses it): the stacked policies' update and scoring vmap
+    the layers over one shared LoRA base. Same numbers and gradients as ragged_dot."""
+    return _ragged_dot(x, w, sizes)
+
+
+def _ragged_fwd(x: jax.Array, w: jax.Array, sizes: jax.Array):
+    return _ragged_dot(x, w, sizes), (x, w, sizes)
+
+
+def _ragged_bwd(res, dy: jax.Array):
+    x, w, sizes = res
+    dx, dw = _ragged_dot_grads(x, w, sizes, dy)
+    return _summed_like(dx, x), _summed_like(dw, w), None
+
+
+ragged_grouped_matmul.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _work_items(sizes: jax.Array, num_tiles: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The (row tile, group) pairs that hold rows, for rows sorted by group in `num_tiles` tiles
+    of `tile` rows: (tile int32[W], group int32[W], count int32[]): the first `count` items are
+    the pairs, in row order; W = num_tiles + G - 1 is the most there can be (each group spans
+    its tiles; consecutive groups share at most one)."""
+    g = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile
+    count = jnp.where(sizes > 0, (ends - 1) // tile - first + 1, 0)  # tiles group g spans
+    item_ends = jnp.cumsum(count)
+    i = jnp.arange(num_tiles + g - 1, dtype=jnp.int32)
+    # the group of item i: how many groups end at or before it (a [W, G] comparison, no loop)
+    group = jnp.minimum(jnp.sum(item_ends[None, :] <= i[:, None], axis=1), g - 1).astype(jnp.int32)
+    tiles = jnp.clip(first[group] + i - (item_ends - count)[group], 0, num_tiles - 1).astype(jnp.int32)
+    return tiles, group, item_ends[-1].astype(jnp.int32)
+
+
+def _row_mask(sizes: jax.Array, tile_index: jax.Array, group: jax.Array, tile: int) -> jax.Array:
+    """bool[tile]: which rows of tile `tile_index` belong to `group`."""
+    ends = jnp.cumsum(sizes)
+    rows = tile_index * tile + jnp.arange(tile)
+    return (rows >= ends[group] - sizes[group]) & (rows < ends[group])
+
+
+def _tiles(x: jax.Array, tile: int) -> jax.Array:
+    """x [M, K] -> [ceil(M / tile), tile, K], zero rows appended."""
+    t = -(-x.shape[0] // tile)
+    return jnp.pad(x, ((0, t * tile - x.shape[0]), (0, 0))).reshape(t, tile, x.shape[1])
+
+
+def _varying_like(zeros: jax.Array, *refs: jax.Array) -> jax.Array:
+    """`zeros` typed as varying over every manual mesh axis that one of `refs` varies over, so a
+    loop carry started from it has the type of the carry the body makes (inside a `shard_map`
+    that checks types; elsewhere nothing varies and `zeros` is returned as it is)."""
+    vma = frozenset().union(*(_varying_axes(r) for r in refs))
+    missing = tuple(sorted(vma - _varying_axes(zeros)))
+    return jax.lax.pcast(zeros, missing, to="varying") if missing else zeros
+
+
+def _summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent `ct` summed over the manual mesh axes it varies over and `primal` does not
+    (inside `shard_map` the primal was implicitly broadcast over them: the transpose sums), so
+    it has the primal's type."""
+    extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes `x` varies over (its type's `vma`; `manual_axis_type.varying` in the
+    JAX versions that renamed it)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _grouped_forward(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`grouped_matmul` as a loop over the (tile, group) work items that hold rows: each step one
+    [tile, K] x [K, N] product (float32 accumulation), whose rows of that group are written into
+    the tile's output. The work is the rows' M' x K x N (M' = sum(sizes), in whole tiles) plus at
+    most G - 1 extra tile products; the memory the output. Not differentiable itself (a loop of
+    data-dependent length): `tiled_grouped_matmul` gives its gradient."""
+    x, w, sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)
+    m = x.shape[0]
+    tile = max(1, min(GROUPED_TILE, m))
+    xt = _tiles(x, tile)
+    tiles, groups, count = _work_items(sizes, xt.shape[0], tile)
+
+    def step(i: jax.Array, out: jax.Array) -> jax.Array:
+        ti, gi = tiles[i], groups[i]
+        y = jnp.dot(xt[ti], w[gi], preferred_element_type=jnp.float32).astype(out.dtype)
+        keep = _row_mask(sizes, ti, gi, tile)[:, None]
+        return jax.lax.dynamic_update_index_in_dim(out, jnp.where(keep, y, out[ti]), ti, 0)
+
+    out0 = _varying_like(jnp.zeros((xt.shape[0], tile, w.shape[2]), x.dtype), x, w, sizes)
+    return jax.lax.fori_loop(0, count, step, out0).reshape(-1, w.shape[2])[:m]
+
+
+def _grouped_weight_grad(x: jax.Array, dy: jax.Array, sizes: jax.Array, num_groups: int) -> jax.Array:
+    """sum over the rows r of group g of x[r]^T dy[r], for x [M, K], dy [M, N] sorted by group
+    -> float32[G, K, N] (the weight gradient of `grouped_matmul`), by the same work items."""
+    m = x.shape[0]
+    tile = max(1, min(GROUPED_TILE, m))
+    xt, dyt = _tiles(x, tile), _tiles(dy, tile)
+    tiles, groups, count = _work_items(sizes, xt.shape[0], tile)
+
+    def step(i: jax.Array, dw: jax.Array) -> jax.Array:
+        ti, gi = tiles[i], groups[i]
+        rows = jnp.where(_row_mask(sizes, ti, gi, tile)[:, None], xt[ti], 0)
+        return dw.at[gi].add(jnp.dot(rows.T, dyt[ti], preferred_element_type=jnp.float32))
+
+    dw0 = _varying_like(jnp.zeros((num_groups, x.shape[1], dy.shape[1]), jnp.float32), x, dy, sizes)
+    return jax.lax.fori_loop(0, count, step, dw0)
+
+
+@jax.custom_vjp
+def tiled_grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`grouped_matmul` by row tiles (`_grouped_forward`), with the grouped backward written
+    out: dx = grouped_matmul(dy, w^T), dw = per-group x^T dy (`_grouped_weight_grad`), so the
+    backward keeps only x and w (no per-step residuals of the loop)."""
+    return _grouped_forward(x, w, sizes)
+
+
+def _tiled_fwd(x: jax.Array, w: jax.Array, sizes: jax.Array):
+    return _grouped_forward(x, w, sizes), (x, w, sizes)
+
+
+def _tiled_bwd(res, dy: jax.Array):
+    x, w, sizes = res
+    dx = _grouped_forward(dy.astype(x.dtype), jnp.swapaxes(w, 1, 2), sizes)
+    dw = _grouped_weight_grad(x, dy.astype(x.dtype), sizes, w.shape[0])
+    return _summed_like(dx, x), _summed_like(dw, w).astype(w.dtype), None
+
+
+tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+# ---------------------------------------------------------------------------------- the experts
 def expert_ffn(
     x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
 ) -> jax.Array:
@@ -70,19 +305,215 @@ def expert_ffn(
 
     The N * k (token, expert) pairs are sorted by expert (stable: by token within an expert),
     so the rows of each expert are contiguous and each projection is one grouped product
-    `jax.lax.ragged_dot` over E groups of `bincount(experts)` rows; the outputs are put back in
+    (`grouped_matmul`) over E groups of `bincount(experts)` rows; the outputs are put back in
     pair order, weighted, and the k of a token summed in float32."""
     n, k = experts.shape
     num_experts = gate.shape[0]
     flat = experts.reshape(-1)  # [N*k]: pair p = (token p // k, its (p % k)-th expert)
-    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
+    order = _varying_like(jnp.argsort(flat, stable=True), flat)  # pairs sorted by expert (typed as `flat`: see
+    # `local_expert_ffn`)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]: rows of each group
     rows = jnp.take(x, order // k, axis=0)  # [N*k, D], expert-major
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)  # [N*k, F]
-    y = jax.lax.ragged_dot(h, down, sizes)  # [N*k, D], expert-major
+    h = jax.nn.silu(grouped_matmul(rows, gate, sizes)) * grouped_matmul(rows, up, sizes)  # [N*k, F]
+    y = grouped_matmul(h, down, sizes)  # [N*k, D], expert-major
     position = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))  # inverse permutation
     y = jnp.take(y, position, axis=0).reshape(n, k, -1) * weights[..., None].astype(y.dtype)
     return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def local_expert_ffn(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+    first: jax.Array | int, capacity: int,
+) -> jax.Array:
+    """The share of `expert_ffn` that experts first .. first + El - 1 compute: for x [N, D],
+    experts int[N, k] (global ids), weights [N, k] and those experts' gate, up [El, D, F], down
+    [El, F, D], sum_j [experts[n, j] is one of them] weights[n, j] FFN_{experts[n, j]}(x[n])
+    -> float32[N, D] (a partial sum: the other experts' shares, and with F split the other F
+    shards', are added by the caller).
+
+    The pairs routed here are sorted first (by expert, then token), the others after them; the
+    first `capacity` pairs are computed (`capacity` >= the pairs that can be routed here, N x
+    min(k, El): a token's k experts are distinct, so dropless), and added into their tokens'
+    rows in float32."""
+    n, k = experts.shape
+    num_local = gate.shape[0]
+    local = experts.reshape(-1) - first
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # num_local: elsewhere
+    # [C]: the pairs routed here first. In a `shard_map` that checks types, jnp.argsort's
+    # result loses the mesh axes its keys vary over (JAX 0.10), and the backward pass would then
+    # read one device's order on all of them: it is typed as varying like `local` again
+    order = _varying_like(jnp.argsort(local, stable=True), local)[:capacity]
+    sizes = jnp.bincount(local, length=num_local).astype(jnp.int32)  # [El] (pairs elsewhere not counted)
+    token = order // k
+    rows = jnp.take(x, token, axis=0)  # [C, D], expert-major
+    h = jax.nn.silu(grouped_matmul(rows, gate, sizes)) * grouped_matmul(rows, up, sizes)  # [C, F]
+    y = grouped_matmul(h, down, sizes)  # [C, D]; rows past sum(sizes) are 0
+    pair_weight = jnp.where(local[order] < num_local, weights.reshape(-1)[order], 0)
+    y = y * pair_weight[:, None].astype(y.dtype)
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y.astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """How `expert_parallel_ffn` splits a layer on a mesh (mesh axes of size > 1, each a tuple,
+    outermost first): `tokens` split the token rows, `experts` the experts E, `hidden` an
+    expert's F (a sum over them). `gathered` = experts that also split the rows (tokens gathered
+    over them, outputs reduce-scattered), `summed` = the other expert axes and `hidden` (outputs
+    summed over them: the tokens are already whole there). `local_experts` E / prod(experts).
+    A device's rows are dispatched `chunk_rows` at a time; `capacity` is one chunk's pairs
+    buffer: its gathered rows (chunk_rows x prod(gathered)) x min(k, local_experts)."""
+
+    tokens: tuple[str, ...]
+    experts: tuple[str, ...]
+    hidden: tuple[str, ...]
+    local_experts: int
+    chunk_rows: int
+    capacity: int
+
+    @property
+    def gathered(self) -> tuple[str, ...]:
+        return tuple(a for a in self.tokens if a in self.experts)
+
+    @property
+    def summed(self) -> tuple[str, ...]:
+        return tuple(a for a in self.experts if a not in self.tokens) + self.hidden
+
+
+def _entry(spec: P, i: int) -> tuple[str, ...]:
+    """The mesh axes of dimension i of a PartitionSpec, as a tuple."""
+    if i >= len(spec) or spec[i] is None:
+        return ()
+    return (spec[i],) if isinstance(spec[i], str) else tuple(spec[i])
+
+
+def expert_layout(
+    sizes: Mapping[str, int], num_tokens: int, top_k: int, weight_shape: tuple[int, int, int],
+    rules: ShardingRules = DEFAULT_RULES,
+) -> ExpertLayout | None:
+    """The `ExpertLayout` of a layer of `num_tokens` rows and experts gate [E, D, F] on a mesh of
+    axis `sizes` by `rules` ("activation_batch" rows, the expert weights' ("expert", "embed",
+    "mlp") as `rules.spec` fits them), or None when the experts are not split (no expert axis
+    of size > 1 divides E): then `expert_ffn` runs as it is. An F axis that also splits the
+    rows is not used for F (a sum over it would add different tokens). Chunks hold at most
+    PAIRS_PER_CHUNK pairs (at least one row)."""
+    weight_spec = rules.spec(EXPERT_WEIGHT_AXES, weight_shape, sizes)
+    experts = _entry(weight_spec, 0)
+    if not experts:
+        return None
+    tokens = _entry(rules.spec(ACTIVATION_AXES, (num_tokens,), sizes), 0)
+    hidden = tuple(a for a in _entry(weight_spec, 2) if a not in tokens)
+    local = weight_shape[0] // math.prod(sizes[a] for a in experts)
+    local_rows = num_tokens // math.prod(sizes[a] for a in tokens)
+    pairs_per_row = math.prod(sizes[a] for a in tokens if a in experts) * min(top_k, local)
+    chunk = max(1, min(local_rows, PAIRS_PER_CHUNK // pairs_per_row))
+    return ExpertLayout(tokens=tokens, experts=experts, hidden=hidden, local_experts=local, chunk_rows=chunk,
+                        capacity=chunk * pairs_per_row)
+
+
+def in_chunks(fn: Callable[..., jax.Array], rows: int, x: jax.Array, experts: jax.Array, weights: jax.Array,
+              *, strided: bool = False) -> jax.Array:
+    """fn(x, experts, weights) -> [n, ...] over `rows` rows at a time of x [N, D], experts
+    [N, k], weights [N, k] (`jax.lax.map` of `jax.checkpoint(fn)`: one chunk's dispatch buffers
+    alive at a time, in the forward pass and the backward, which recomputes each chunk from its
+    rows). Chunk c holds rows c*rows .. (c+1)*rows - 1, or with `strided` the rows r with
+    r % count == c (count = the number of chunks): rows that a mesh splits in contiguous blocks
+    are then spread over its devices in every chunk, as the dense MLP's token chunks keep the
+    batch axis whole. Padding rows (the last ones) get weight 0 and the k experts 0 .. k-1
+    (distinct, as real rows' are, so no device receives more than min(k, its experts) pairs of
+    a row). One call, unchunked, when N <= rows."""
+    n, k = experts.shape
+    if n <= rows:
+        return fn(x, experts, weights)
+    count = -(-n // rows)
+    pad = count * rows - n
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    experts = jnp.concatenate([experts, jnp.broadcast_to(jnp.arange(k, dtype=experts.dtype), (pad, k))])
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+
+    def split(a: jax.Array) -> jax.Array:  # [count * rows, ...] -> [count, rows, ...]
+        if strided:
+            return jnp.swapaxes(a.reshape((rows, count) + a.shape[1:]), 0, 1)
+        return a.reshape((count, rows) + a.shape[1:])
+
+    out = jax.lax.map(lambda c: jax.checkpoint(fn)(*c), tuple(split(a) for a in (x, experts, weights)))
+    out = jnp.swapaxes(out, 0, 1) if strided else out
+    return out.reshape((count * rows,) + out.shape[2:])[:n]
+
+
+def chunked_expert_ffn(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """`expert_ffn` in strided chunks of PAIRS_PER_CHUNK pairs (`in_chunks`): what a layer runs
+    when its experts are not split (no mesh, or no expert axis that divides E)."""
+    rows = max(1, PAIRS_PER_CHUNK // experts.shape[1])
+    return in_chunks(lambda x, e, w: expert_ffn(x, e, w, gate, up, down), rows, x, experts, weights, strided=True)
+
+
+def _axis_index(axes: tuple[str, ...], sizes: Mapping[str, int]) -> jax.Array:
+    """This device's linear index over mesh `axes` (the first outermost, as a PartitionSpec
+    entry splits a dimension), inside `shard_map`."""
+    index = jnp.zeros((), jnp.int32)
+    for a in axes:
+        index = index * sizes[a] + jax.lax.axis_index(a)
+    return index
+
+
+def expert_parallel_ffn(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+    rules: ShardingRules = DEFAULT_RULES,
+) -> jax.Array:
+    """`expert_ffn` (same arguments and result: x [N, D], experts int32[N, k], weights [N, k],
+    gate, up [E, D, F], down [E, F, D] -> [N, D]) with the experts split over the mesh the
+    program is traced under (`jax.set_mesh`) by `rules` (`expert_layout`): a `jax.shard_map`
+    in which each device, for each chunk of its rows (`in_chunks`),
+
+        1. all-gathers the chunk's rows, experts and weights over the expert axes that split
+           the rows (fsdp with the default rules: the chunks of the fsdp group),
+        2. computes the pairs routed to its E/x experts (`local_expert_ffn`, F/tensor of each),
+        3. reduce-scatters the float32 partial outputs back over those axes,
+
+    then sums them over the other expert axes and tensor. The expert weights stay where they
+    are (the in_specs are their placement: E over the expert axes, F over tensor, D whole).
+    Without a mesh, or when no expert axis splits E, it is `chunked_expert_ffn`. Equal to
+    `expert_ffn` up to the order of the float32 sums."""
+    mesh = jax.sharding.get_abstract_mesh()
+    layout = None
+    if not mesh.empty and mesh.size > 1:
+        sizes = dict(mesh.shape)
+        layout = expert_layout(sizes, x.shape[0], experts.shape[1], gate.shape, rules)
+    if layout is None:
+        return chunked_expert_ffn(x, experts, weights, gate, up, down)
+
+    def spec(*entries: tuple[str, ...]) -> P:
+        return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
+
+    rows, expert_w, expert_down = spec(layout.tokens), spec(layout.experts, (), layout.hidden), \
+        spec(layout.experts, layout.hidden, ())
+
+    def body(x, experts, weights, gate, up, down):
+        first = _axis_index(layout.experts, sizes) * layout.local_experts
+
+        def chunk(x, experts, weights):
+            if layout.gathered:
+                x, experts, weights = (jax.lax.all_gather(a, layout.gathered, axis=0, tiled=True)
+                                       for a in (x, experts, weights))
+            out = local_expert_ffn(x, experts, weights, gate, up, down, first, layout.capacity)
+            if layout.gathered:
+                out = jax.lax.psum_scatter(out, layout.gathered, scatter_dimension=0, tiled=True)
+            return out
+
+        out = in_chunks(chunk, layout.chunk_rows, x, experts, weights)
+        if layout.summed:
+            out = jax.lax.psum(out, layout.summed)
+        return out.astype(x.dtype)
+
+    # check_vma=False: under the stacked policies' vmap(spmd_axis_name="policy") JAX 0.10 types
+    # some values of the batched body (scans, boolean masks) as varying over "policy" and others
+    # not, and refuses them. Unchecked, the transposes are the ones this layer needs (all_gather
+    # <-> psum_scatter, psum, and a sum over the axes an input is replicated on), as the tests'
+    # gradients on several meshes, stacked or not, show
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, expert_w, expert_w, expert_down),
+                         out_specs=rows, check_vma=False)(x, experts, weights, gate, up, down)
 
 
 def router_stats(probs: jax.Array, experts: jax.Array, valid: jax.Array | None = None) -> RouterStats:

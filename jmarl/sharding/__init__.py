@@ -30,6 +30,10 @@ the layout below, and every function that makes specs takes `rules=` for a user'
     attn/o_proj/kernel [H, D]            (tensor, fsdp)     bias [D] replicated
     mlp/{gate,up}_proj/kernel [D, F]     (fsdp, tensor)
     mlp/down_proj/kernel [F, D]          (tensor, fsdp)
+    moe/experts/{gate,up}_proj [E, D, Fe] (fsdp, -, tensor)  down_proj [E, Fe, D] (fsdp, tensor, -):
+                                         whole experts over fsdp (expert parallelism: the layer
+                                         sends tokens to them, `jmarl.models.moe.expert_parallel_ffn`)
+    moe/router/kernel [D, E]             (fsdp, -): a mesh axis shards one dimension at most
     lm_head/kernel [D, V]                (fsdp, tensor)
     */scale (RMSNorm, q/k norms)         replicated;  the layer axis L: not sharded
     LoRA {kernel}/a [in, r], {kernel}/b [r, out]: a keeps the kernel's `in` axis, b its `out` axis

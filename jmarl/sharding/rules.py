@@ -17,14 +17,21 @@ module of `jmarl.sharding` imports the model.
     embed               fsdp              the hidden size D of a weight matrix (ZeRO-3 shards)
     q_heads, kv_heads   tensor            attention heads (x head_dim in kernels; KV heads in the cache)
     mlp                 tensor            feed-forward units F (an expert's Fe too)
-    expert              ()                the experts E of a mixture-of-experts layer (replicated for
-                                          now: expert parallelism would map it to a mesh axis)
+    expert              fsdp              the experts E of a mixture-of-experts layer (expert
+                                          parallelism: each fsdp device holds E / fsdp whole experts,
+                                          and `jmarl.models.moe.expert_parallel_ffn` sends tokens to
+                                          them; the experts' D then stays whole, see below)
     layers, norm, embed_bias, head_dim, lora_rank, cache_len      replicated
 
 An axis that does not divide a dimension is dropped for that dimension (the last one first; the
 array is then replicated along it), and so is an axis of size 1, so every spec is valid for every
-model size and mesh. `ShardingRules(mlp=())` (or `DEFAULT_RULES.replace(mlp=())`) is a user's
-own rules: every function that makes specs takes `rules=`.
+model size and mesh. A mesh axis shards one dimension of an array at most: the first dimension
+that keeps it wins (an expert weight [E, D, Fe] puts fsdp on E, so D is whole; the router [D, E]
+puts it on D). When fsdp does not divide E (fsdp=256 and 128 experts) E is replicated and D takes
+fsdp: plain FSDP, no expert parallelism (choose an fsdp that divides E, e.g. data=2, fsdp=128).
+`ShardingRules(mlp=())` (or `DEFAULT_RULES.replace(mlp=())`) is a user's own rules: every
+function that makes specs takes `rules=` (the model's own constraints inside a program, the
+layer inputs' rows and the expert dispatch, read `DEFAULT_RULES`).
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ class ShardingRules:
     q_heads: MeshAxes = ("tensor",)
     kv_heads: MeshAxes = ("tensor",)
     mlp: MeshAxes = ("tensor",)
-    expert: MeshAxes = ()
+    expert: MeshAxes = ("fsdp",)
     layers: MeshAxes = ()
     norm: MeshAxes = ()
     embed_bias: MeshAxes = ()
@@ -125,14 +132,17 @@ def fit(entries: Sequence[MeshAxes], shape: Sequence[int], sizes: Mapping[str, i
     """A PartitionSpec for `shape` from per-dim mesh axes (a tuple each, () replicated).
 
     With `sizes`, axes of size 1 are dropped and so are axes whose product would not divide
-    the dimension (last axis first), so the spec is valid on that mesh."""
+    the dimension (last axis first), so the spec is valid on that mesh. A mesh axis already
+    used by an earlier dimension is dropped (a spec may use an axis once)."""
     out: list[str | tuple[str, ...] | None] = []
+    used: set[str] = set()
     for axes_, dim in zip(entries, shape):
-        axes = list(axes_)
+        axes = [a for a in axes_ if a not in used]
         if sizes is not None:
             axes = [a for a in axes if sizes.get(a, 1) > 1]
             while axes and dim % math.prod(sizes[a] for a in axes):
                 axes.pop()
+        used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     while out and out[-1] is None:
         out.pop()

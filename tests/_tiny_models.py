@@ -121,6 +121,20 @@ def padded_batch(vocab_size: int, seed: int = 0, b: int = 3, t: int = 12):
     return tokens, mask
 
 
+def left_padded(lengths: list[int], width: int, vocab_size: int, seed: int = 0):
+    """(tokens int64[B,W], mask bool[B,W]) for B = len(lengths) rows: row i holds lengths[i]
+    random ids in [3, vocab_size) at its right end, after zero padding."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((len(lengths), width), np.int64)
+    mask = np.zeros((len(lengths), width), bool)
+    for i, n in enumerate(lengths):
+        tokens[i, width - n:] = rng.integers(3, vocab_size, n)
+        mask[i, width - n:] = True
+    return tokens, mask
+
+
 def real_model_and_reference(name: str) -> tuple[Any, ...]:
     """A registered real model (`jmarl.models.fetch`) and transformers' own load of the same
     GGUF file: (path, config, params, jmarl tokenizer, transformers model in float32, its

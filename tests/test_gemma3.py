@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from _tiny_models import left_padded
 from jmarl.errors import JmarlError
 from jmarl.models import ModelConfig, apply, generate, load_hf, save_hf, token_logprobs
 from jmarl.models import attention as attention_lib
@@ -164,13 +165,7 @@ def test_packed_layout_equals_per_sequence_logprobs(tiny):
 
 
 def _left_padded(lengths, width, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = np.zeros((len(lengths), width), np.int64)
-    mask = np.zeros((len(lengths), width), bool)
-    for i, n in enumerate(lengths):
-        tokens[i, width - n:] = rng.integers(3, VOCAB, n)
-        mask[i, width - n:] = True
-    return tokens, mask
+    return left_padded(lengths, width, VOCAB, seed)
 
 
 def _hf_greedy(model, tokens, mask, n):

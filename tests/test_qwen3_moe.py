@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from _tiny_models import left_padded
 from jmarl.errors import JmarlError
 from jmarl.models import (ModelConfig, apply, generate, load_hf, packed_token_logprobs, param_axes, param_shapes,
                           prefix_token_logprobs, save_hf, token_logprobs)
@@ -351,13 +352,7 @@ def test_every_layout_returns_the_same_router_stats(tiny):
 
 
 def _left_padded(lengths, width, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = np.zeros((len(lengths), width), np.int64)
-    mask = np.zeros((len(lengths), width), bool)
-    for i, n in enumerate(lengths):
-        tokens[i, width - n:] = rng.integers(3, VOCAB, n)
-        mask[i, width - n:] = True
-    return tokens, mask
+    return left_padded(lengths, width, VOCAB, seed)
 
 
 @pytest.mark.parametrize("kind", ["sparse", pytest.param("mixed", marks=pytest.mark.slow)])

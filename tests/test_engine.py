@@ -393,6 +393,30 @@ def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_ro
     assert cont.take_stats() == {"time/generate": 0.0}  # reset by the previous call
 
 
+def test_model_sampler_continuous_pipelines_calls_of_several_groups():
+    """Two policy groups: two engine calls, the second started (`engine.start`) before the first
+    one's completions are built. Every request gets its own group's greedy completions, as static."""
+    tok = models.CharTokenizer()
+    groups = [PolicyGroup(name=name, model_config=TINY, tokenizer=tok, policy_ids=(i,), stacked=False, lora_rank=None,
+                          lora_alpha=1.0, base=None, state=types.SimpleNamespace(params=params), ref=None)
+              for i, (name, params) in enumerate((("a", PARAMS), ("b", models.init(TINY, jax.random.key(1)))))]
+    policies = PolicySet(policy_names=("a", "b"), agent_policy=(0, 1), groups=groups)
+    requests = [(1, "hello"), (0, "hi"), (1, "abc"), (0, "xyz")]
+    settings = dict(max_new_tokens=5, temperature=0.0)
+    static = ModelSampler(policies, SamplingConfig(**settings)).sample(requests, 2, jax.random.key(0))
+    cont = ModelSampler(policies, SamplingConfig(**settings, engine="continuous", kv_budget_bytes=1 << 20))
+    got = cont.sample(requests, 2, jax.random.key(0))
+    assert cont.engine_stats.rows == 8
+    for ca, cb in zip(static, got):
+        assert [len(c.completion_tokens) for c in cb] == [len(c.completion_tokens) for c in ca]
+        for x, y in zip(ca, cb):
+            np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
+            assert y.text == tok.decode(y.completion_tokens.tolist())
+    # the groups' parameters differ, so a request answered by the other group would differ
+    assert [c.completion_tokens.tolist() for c in got[0]] != [c.completion_tokens.tolist() for c in
+                                                             cont.sample([(0, "hello")], 2, jax.random.key(0))[0]]
+
+
 def test_static_calls_pad_rows_to_a_quarter_at_most():
     """A static call of 5 requests x 2 rows decodes 10 rows (a power of two would decode 16)."""
     policies = _policy_set()

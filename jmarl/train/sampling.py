@@ -14,6 +14,7 @@ Two engines (`jmarl.config.SamplingConfig.engine`, the run's `sampling` section)
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -97,6 +98,24 @@ class _Call:
 
     def finish(self) -> list[list[Completion]]:
         return self._complete(self.generation)
+
+
+class _EngineRuns:
+    """The engine runs of one sampler call, one per asked policy, in sequence: the first begun at
+    dispatch, each next one once the one before has finished (one engine state alive at a time,
+    the memory the planner checks). `jax.block_until_ready` on it finishes them all."""
+
+    def __init__(self, first: engine_lib.EngineRun, rest: Sequence[Callable[[], engine_lib.EngineRun]]) -> None:
+        self._first, self._rest = first, list(rest)
+        self._results: list[engine_lib.EngineResult] | None = None
+
+    def block_until_ready(self) -> "_EngineRuns":
+        if self._results is None:
+            self._results = [self._first.result()] + [begin().result() for begin in self._rest]
+        return self
+
+    def results(self) -> list[engine_lib.EngineResult]:
+        return self.block_until_ready()._results  # type: ignore[return-value]
 
 
 class ModelSampler:
@@ -200,8 +219,8 @@ class ModelSampler:
         tok = group.tokenizer
         s = self.settings
         prompts = encode_prompts(tok, [text for _, text in requests], s.max_prompt_len)
-        if s.engine == "continuous":  # the engine's own host loop drives the device: run it at dispatch
-            return _Call(lambda: self._engine_group(group, requests, prompts, n, rng), lambda gen: gen)
+        if s.engine == "continuous":
+            return self._engine_call(group, requests, prompts, n, rng)
         length = bucket_length(max(len(p) for p in prompts), self.buckets)
         kwargs = dict(
             max_new_tokens=s.max_new_tokens,
@@ -269,10 +288,12 @@ class ModelSampler:
             )
         return out
 
-    def _engine_group(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], prompts: list[Sequence[int]], n: int,
-                      rng: jax.Array) -> list[list[Completion]]:
+    def _engine_call(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], prompts: list[Sequence[int]],
+                     n: int, rng: jax.Array) -> "_Call":
         """The continuous engine: one run per asked policy of the group (stacked groups: with
-        that policy's parameters and the key fold_in(rng, its index)), decoding only real rows."""
+        that policy's parameters and the key fold_in(rng, its index)), decoding only real rows.
+        Dispatch starts the first run (`engine.start`: a run that fits its slots is then all on
+        the device), so the previous call's completions are built while it decodes."""
         tok = group.tokenizer
         spec = engine_spec(self.settings, tok, self.mesh, self.buckets)
         if group.stacked:
@@ -282,10 +303,21 @@ class ModelSampler:
             runs = [(pi, jax.random.fold_in(rng, pi), idx) for pi, idx in sorted(by_policy.items())]
         else:
             runs = [(None, rng, list(range(len(requests))))]
-        out: list[list[Completion]] = [[] for _ in requests]
-        for policy, key, idx in runs:
-            result = engine_lib.run(group.model_config, group.full_params(), [prompts[r] for r in idx], n, key, spec,
+
+        def begin(policy: int | None, key: jax.Array, idx: list[int]) -> engine_lib.EngineRun:
+            return engine_lib.start(group.model_config, group.full_params(), [prompts[r] for r in idx], n, key, spec,
                                     policy=policy)
+
+        launch = lambda: _EngineRuns(begin(*runs[0]), [functools.partial(begin, *run) for run in runs[1:]])  # noqa: E731
+        return _Call(launch, lambda gen: self._engine_completions(tok, requests, prompts, runs, gen.results()))
+
+    def _engine_completions(self, tok: Any, requests: Sequence[tuple[int, str]], prompts: list[Sequence[int]],
+                            runs: Sequence[tuple[int | None, jax.Array, list[int]]],
+                            results: Sequence[engine_lib.EngineResult]) -> list[list[Completion]]:
+        """Completions of a call's finished engine runs (`runs[k]`'s requests in `results[k]`),
+        and their counters into the rollout figures."""
+        out: list[list[Completion]] = [[] for _ in requests]
+        for (_, _, idx), result in zip(runs, results):
             st = result.stats
             self.engine_stats.add(st)
             self._stats["rows"] += st.rows

@@ -103,19 +103,29 @@ class _Call:
 class _EngineRuns:
     """The engine runs of one sampler call, one per asked policy, in sequence: the first begun at
     dispatch, each next one once the one before has finished (one engine state alive at a time,
-    the memory the planner checks). `jax.block_until_ready` on it finishes them all."""
+    the memory the planner checks), and a finished run's completions built (`collect(k, result)`)
+    while the next one decodes. `jax.block_until_ready` on it finishes every run and collects all
+    but the last, whose completions `finish` builds while the sampler's next call decodes."""
 
-    def __init__(self, first: engine_lib.EngineRun, rest: Sequence[Callable[[], engine_lib.EngineRun]]) -> None:
-        self._first, self._rest = first, list(rest)
-        self._results: list[engine_lib.EngineResult] | None = None
+    def __init__(self, first: engine_lib.EngineRun, rest: Sequence[Callable[[], engine_lib.EngineRun]],
+                 collect: Callable[[int, engine_lib.EngineResult], None]) -> None:
+        self._pending: engine_lib.EngineRun | None = first
+        self._rest, self._collect = list(rest), collect
+        self._results: list[engine_lib.EngineResult] = []
 
     def block_until_ready(self) -> "_EngineRuns":
-        if self._results is None:
-            self._results = [self._first.result()] + [begin().result() for begin in self._rest]
+        while self._pending is not None:
+            result = self._pending.result()
+            self._pending = self._rest.pop(0)() if self._rest else None
+            self._results.append(result)
+            if self._pending is not None:
+                self._collect(len(self._results) - 1, result)
         return self
 
-    def results(self) -> list[engine_lib.EngineResult]:
-        return self.block_until_ready()._results  # type: ignore[return-value]
+    def finish(self) -> None:
+        """Finishes the runs and collects the last one."""
+        self.block_until_ready()
+        self._collect(len(self._results) - 1, self._results[-1])
 
 
 class ModelSampler:
@@ -293,7 +303,8 @@ class ModelSampler:
         """The continuous engine: one run per asked policy of the group (stacked groups: with
         that policy's parameters and the key fold_in(rng, its index)), decoding only real rows.
         Dispatch starts the first run (`engine.start`: a run that fits its slots is then all on
-        the device), so the previous call's completions are built while it decodes."""
+        the device); a finished run's completions are built while the next run, or the
+        sampler's next call, decodes (`_EngineRuns`)."""
         tok = group.tokenizer
         spec = engine_spec(self.settings, tok, self.mesh, self.buckets)
         if group.stacked:
@@ -308,36 +319,42 @@ class ModelSampler:
             return engine_lib.start(group.model_config, group.full_params(), [prompts[r] for r in idx], n, key, spec,
                                     policy=policy)
 
-        launch = lambda: _EngineRuns(begin(*runs[0]), [functools.partial(begin, *run) for run in runs[1:]])  # noqa: E731
-        return _Call(launch, lambda gen: self._engine_completions(tok, requests, prompts, runs, gen.results()))
-
-    def _engine_completions(self, tok: Any, requests: Sequence[tuple[int, str]], prompts: list[Sequence[int]],
-                            runs: Sequence[tuple[int | None, jax.Array, list[int]]],
-                            results: Sequence[engine_lib.EngineResult]) -> list[list[Completion]]:
-        """Completions of a call's finished engine runs (`runs[k]`'s requests in `results[k]`),
-        and their counters into the rollout figures."""
         out: list[list[Completion]] = [[] for _ in requests]
-        for (_, _, idx), result in zip(runs, results):
-            st = result.stats
-            self.engine_stats.add(st)
-            self._stats["rows"] += st.rows
-            self._stats["decoded_rows"] += st.rows  # a slot only ever decodes a real completion
-            self._stats["slot_steps"] += st.slot_steps
-            self._stats["busy_slot_steps"] += st.busy_slot_steps
-            self._stats["requests"] += st.requests
-            self._stats["queue_wait"] += st.queue_wait_chunks
-            self._stats["entry_waits"] += st.entry_waits
-            self._stats["decoded_positions"] += st.slot_steps + st.rows  # + each completion's first token
-            for r, comps in zip(idx, result.completions):
-                prompt_array = np.asarray(prompts[r], np.int32)  # shared by the request's completions
-                for comp, logprobs in comps:
-                    self.new_tokens += len(comp)
-                    self._stats["tokens"] += len(comp)
-                    out[r].append(Completion(
-                        text=tok.decode(comp.tolist()), prompt_tokens=prompt_array,
-                        completion_tokens=comp, logprobs=logprobs,
-                    ))
-        return out
+
+        def collect(k: int, result: engine_lib.EngineResult) -> None:
+            self._engine_completions(tok, prompts, runs[k][2], result, out)
+
+        def complete(gen: _EngineRuns) -> list[list[Completion]]:
+            gen.finish()
+            return out
+
+        launch = lambda: _EngineRuns(begin(*runs[0]), [functools.partial(begin, *run) for run in runs[1:]],  # noqa: E731
+                                     collect)
+        return _Call(launch, complete)
+
+    def _engine_completions(self, tok: Any, prompts: list[Sequence[int]], idx: Sequence[int],
+                            result: engine_lib.EngineResult, out: list[list[Completion]]) -> None:
+        """A finished engine run's completions into `out` at its requests `idx` (the run's
+        request i is the call's request idx[i]), and its counters into the rollout figures."""
+        st = result.stats
+        self.engine_stats.add(st)
+        self._stats["rows"] += st.rows
+        self._stats["decoded_rows"] += st.rows  # a slot only ever decodes a real completion
+        self._stats["slot_steps"] += st.slot_steps
+        self._stats["busy_slot_steps"] += st.busy_slot_steps
+        self._stats["requests"] += st.requests
+        self._stats["queue_wait"] += st.queue_wait_chunks
+        self._stats["entry_waits"] += st.entry_waits
+        self._stats["decoded_positions"] += st.slot_steps + st.rows  # + each completion's first token
+        for r, comps in zip(idx, result.completions):
+            prompt_array = np.asarray(prompts[r], np.int32)  # shared by the request's completions
+            for comp, logprobs in comps:
+                self.new_tokens += len(comp)
+                self._stats["tokens"] += len(comp)
+                out[r].append(Completion(
+                    text=tok.decode(comp.tolist()), prompt_tokens=prompt_array,
+                    completion_tokens=comp, logprobs=logprobs,
+                ))
 
     # ---- the program of one call, for the memory planner
 

@@ -365,6 +365,18 @@ def test_fetch_checksum_mismatch_keeps_nothing(monkeypatch, tmp_path):
     assert fetch_lib.main(["tiny-model"]) == 2
 
 
+def test_fetch_command_lists_models_without_runpy_warning():
+    """`python -m jmarl.models.fetch --list` (the documented command) prints each registered model
+    and no RuntimeWarning: the package does not import the module before runpy runs it."""
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "jmarl.models.fetch", "--list"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "RuntimeWarning" not in out.stderr, out.stderr
+    assert {line.split("\t")[0] for line in out.stdout.splitlines()} == set(fetch_lib.MODELS)
+
+
 def test_pip_failures_are_jmarl_errors(monkeypatch, tmp_path):
     entry = fetch_lib.MODELS["smollm2-135m-instruct"]
 

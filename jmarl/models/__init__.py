@@ -2,7 +2,6 @@
 API, HF checkpoint interop, tokenizers and a KV-cache sampler."""
 
 from jmarl.models.config import ModelConfig
-from jmarl.models.fetch import resolve as resolve_model
 from jmarl.models.gguf import gguf_chat_template, load_gguf, load_gguf_config, load_gguf_tokenizer
 from jmarl.models.hf import load_hf, save_hf
 from jmarl.models.decode import decode_step, prefill
@@ -20,6 +19,17 @@ from jmarl.models.model import (
 )
 from jmarl.models.sampler import Generation, generate, generate_stacked, num_compiled_programs, sample_token
 from jmarl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+
+def __getattr__(name: str):
+    """`fetch` and `resolve_model` are imported on first use, so that `python -m
+    jmarl.models.fetch` runs the module once (runpy warns about a module the package imported)."""
+    if name in ("fetch", "resolve_model"):
+        import importlib
+
+        fetch = importlib.import_module("jmarl.models.fetch")
+        return fetch if name == "fetch" else fetch.resolve
+    raise AttributeError(f"module 'jmarl.models' has no attribute {name!r}")
 
 __all__ = [
     "CharTokenizer",

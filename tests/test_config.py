@@ -270,6 +270,8 @@ def test_group_size_defaults_to_the_algorithms_own():
         ({"model": {"preset": {"hidden_size": 36, "num_heads": 4}}}, "model.preset.head_dim: must be even"),
         ({"model": {"preset": "qwen3-9b"}}, "model.preset: unknown preset 'qwen3-9b'; presets: qwen3-0.6b, "),
         ({"model": {"preset": {}, "remat": "yes"}}, "model.remat: must be one of 'auto', 'none', 'full', 'dots'"),
+        ({"model": {"preset": {}, "chat_template": "gema"}},
+         "model.chat_template: 'gema' is neither a template name .plain, gemma. nor Jinja text"),
         ({"model": {"preset": {}, "param_dtype": "bfloat16"}},
          "model.param_dtype: bfloat16 parameters barely train with AdamW"),
         ({"tokenizer": None}, "tokenizer: a preset model needs a tokenizer"),

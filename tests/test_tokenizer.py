@@ -76,3 +76,43 @@ def test_char_tokenizer_beside_a_qwen_model_loads_as_itself(tmp_path):
     text = "user: a b c\nassistant: R R D\n"
     assert loaded.encode(text) == tok.encode(text)
     assert loaded.decode(tok.encode(text)) == text
+
+
+def _gemma_like_tokenizer(tmp_path):
+    """The repo's byte-level BPE tokenizer with Gemma's turn and <bos> tokens added."""
+    from jmarl.models.tokenizer import HFTokenizer
+
+    hf = load_tokenizer("configs/hacpo/tokenizers/byte_bpe").hf
+    hf.add_special_tokens({"bos_token": "<bos>", "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    return HFTokenizer(hf)
+
+
+def test_gemma_chat_template_renders_turns_and_ends_replies_at_end_of_turn(tmp_path):
+    """model.chat_template: gemma on a tokenizer without Gemma's template: the hand-written turn
+    text (the system message joins the first user turn), and <end_of_turn> stops a reply."""
+    from jmarl.config import SamplingConfig
+    from jmarl.models.tokenizer import use_chat_template
+    from jmarl.train.sampling import stop_tokens
+
+    tok = use_chat_template(_gemma_like_tokenizer(tmp_path), "gemma")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " What is 3 + 4? "},
+                {"role": "assistant", "content": "7"}, {"role": "user", "content": "And 2 + 2?"}]
+    assert tok.apply_chat_template(messages) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nWhat is 3 + 4?<end_of_turn>\n<start_of_turn>model\n7<end_of_turn>\n"
+        "<start_of_turn>user\nAnd 2 + 2?<end_of_turn>\n<start_of_turn>model\n")
+    end = tok.hf.convert_tokens_to_ids("<end_of_turn>")
+    assert tok.stop_ids == (tok.eos_id, end)
+    assert stop_tokens(SamplingConfig(), tok) == (tok.eos_id, end)
+    assert stop_tokens(SamplingConfig(ignore_eos=True), tok) == ()
+
+
+def test_chat_template_as_jinja_text_and_refusals(tmp_path):
+    from jmarl.models.tokenizer import use_chat_template
+
+    tok = use_chat_template(load_tokenizer("configs/hacpo/tokenizers/byte_bpe"), "Q: {{ messages[0]['content'] }}\nA:")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "Q: hi\nA:"
+    assert tok.stop_ids == (tok.eos_id,)
+    with pytest.raises(JmarlError, match="'<end_of_turn>', which this tokenizer does not have"):
+        use_chat_template(load_tokenizer("configs/hacpo/tokenizers/byte_bpe"), "gemma")
+    with pytest.raises(JmarlError, match="CharTokenizer has a fixed prompt format"):
+        use_chat_template(CharTokenizer(), "gemma")

@@ -97,6 +97,9 @@ class ModelSpec:
     # (`python -m jmarl.models.fetch --list`; fetched once into $JMARL_CACHE)
     path: str | None = None
     preset: str | ArchConfig | None = None  # a preset name (qwen3-1.7b) or an ArchConfig mapping
+    # how prompts are rendered: None = the tokenizer's own chat template; plain ("role: content"
+    # lines), gemma (Gemma's turns, for a base Gemma checkpoint without a template) or Jinja text
+    chat_template: str | None = None
     compute_dtype: DType = "float32"  # dtype of the matmuls (norms/softmax/log-probs stay f32)
     param_dtype: DType = "float32"  # storage dtype (float32 for trained parameters)
     # recompute activations in the backward pass: auto (full from 1e8 parameters up, else none),
@@ -109,6 +112,13 @@ class ModelSpec:
             object.__setattr__(self, "remat", "full" if self.remat else "none")
 
     def _validate(self, path: str) -> None:
+        from jmarl.models.tokenizer import CHAT_TEMPLATES, is_chat_template
+
+        if self.chat_template is not None and not is_chat_template(self.chat_template):
+            raise JmarlError(
+                f"{_join(path or 'model', 'chat_template')}: {self.chat_template!r} is neither a template name "
+                f"({', '.join(CHAT_TEMPLATES)}) nor Jinja text; set one of those or remove it to use the "
+                "tokenizer's own")
         if (self.path is None) == (self.preset is None):
             raise JmarlError(
                 f"{path or 'model'}: set exactly one of {_join(path, 'path')} (a local Hugging Face "

@@ -25,6 +25,48 @@ PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+# Gemma's turns, for a Gemma checkpoint that carries no template (the base models): <bos>, then
+# "<start_of_turn>{user|model}\n{content}<end_of_turn>\n" per message (a system message is
+# prepended to the first user turn, as Gemma has no system role), then "<start_of_turn>model\n".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set system = namespace(text='') %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% set system.text = message['content'] + '\n\n' %}{% else %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['role'] == 'user' %}{{ system.text }}{% set system.text = '' %}{% endif %}"
+    "{{ message['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# model.chat_template names: (Jinja template, the tokens besides EOS that end a reply)
+CHAT_TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "plain": (PLAIN_CHAT_TEMPLATE, ()),
+    "gemma": (GEMMA_CHAT_TEMPLATE, ("<end_of_turn>",)),
+}
+
+
+def is_chat_template(value: str) -> bool:
+    """Whether `value` is a template name of `CHAT_TEMPLATES` or Jinja text (holds {{ or {%)."""
+    return value in CHAT_TEMPLATES or "{{" in value or "{%" in value
+
+
+def use_chat_template(tokenizer: "HFTokenizer", value: str) -> "HFTokenizer":
+    """`tokenizer` with its prompts rendered by `value` (a `CHAT_TEMPLATES` name or Jinja text)
+    instead of its own chat template; a named template's end-of-reply tokens join its stop ids.
+    Only an HF tokenizer takes one (the character tokenizer has its fixed plain format)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise JmarlError(f"model.chat_template: {type(tokenizer).__name__} has a fixed prompt format; remove "
+                         "model.chat_template or use a Hugging Face / GGUF tokenizer")
+    template, stops = CHAT_TEMPLATES.get(value, (value, ()))
+    ids = []
+    for piece in stops:
+        token_id = tokenizer.hf.convert_tokens_to_ids(piece)
+        if token_id is None or token_id == tokenizer.hf.unk_token_id:
+            raise JmarlError(f"model.chat_template: {value!r} ends replies with {piece!r}, which this tokenizer "
+                             "does not have; use a template written for this model")
+        ids.append(int(token_id))
+    tokenizer.hf.chat_template = template
+    tokenizer.stop_ids = tuple(dict.fromkeys((tokenizer.eos_id, *ids)))
+    return tokenizer
 
 
 class Tokenizer(Protocol):
@@ -60,6 +102,7 @@ class CharTokenizer:
         self.id_to_piece = self.specials + chars
         self.piece_to_id = {p: i for i, p in enumerate(self.id_to_piece)}
         self.pad_id, self.eos_id, self.bos_id = 0, 1, 2
+        self.stop_ids = (self.eos_id,)  # the ids that end a reply
         self.vocab_size = len(self.id_to_piece)
         self.chat_template = PLAIN_CHAT_TEMPLATE
 
@@ -136,6 +179,7 @@ class HFTokenizer:
         self.eos_id = int(eos if eos is not None else pad)
         self.pad_id = int(pad if pad is not None else self.eos_id)
         self.bos_id = None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
+        self.stop_ids: tuple[int, ...] = (self.eos_id,)  # the ids that end a reply (`use_chat_template` adds)
         self.vocab_size = len(tokenizer)
         self._segments: SegmentCache | None = None  # built on the first encode_batch
 

@@ -54,12 +54,12 @@ def _build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optim
     if pc.mode == "heterogeneous":
         for pid, name in zip(ids, names):
             entry = pc.models[name]
-            tok = build_tokenizer(entry.tokenizer or config.tokenizer, entry.model.path)
+            tok = build_tokenizer(entry.tokenizer or config.tokenizer, entry.model.path, entry.model.chat_template)
             mcfg, params = build_model(entry.model, tok, jax.random.fold_in(rng, pid))
             groups.append(_group(name, mcfg, tok, (pid,), params, optimizer, need_ref=need_ref))
         return PolicySet(names, agent_policy, groups)
 
-    tok = build_tokenizer(config.tokenizer, config.model.path)
+    tok = build_tokenizer(config.tokenizer, config.model.path, config.model.chat_template)
     mcfg, params = build_model(config.model, tok, rng)
     if pc.mode == "lora":
         adapters = [

@@ -89,10 +89,19 @@ class PolicySet:
         raise JmarlError(f"no policy with id {policy_id}")
 
 
-def build_tokenizer(spec: str | None, model_path: str | None) -> Any:
+def build_tokenizer(spec: str | None, model_path: str | None, chat_template: str | None = None) -> Any:
     """'char' -> the built-in CharTokenizer; a directory -> its HF tokenizer; a .gguf file (or a
     registered model name, `jmarl.models.fetch`) -> the tokenizer in its metadata; None ->
-    model_path's."""
+    model_path's. chat_template (`model.chat_template`): renders its prompts instead of its own."""
+    tok = _tokenizer(spec, model_path)
+    if chat_template is not None:
+        from jmarl.models.tokenizer import use_chat_template
+
+        tok = use_chat_template(tok, chat_template)
+    return tok
+
+
+def _tokenizer(spec: str | None, model_path: str | None) -> Any:
     if spec == "char":
         return models.CharTokenizer()
     path = spec or model_path

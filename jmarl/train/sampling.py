@@ -33,8 +33,9 @@ from jmarl.workflows.base import Completion
 
 
 def stop_tokens(sampling: SamplingConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a completion: the tokenizer's EOS, none under `sampling.ignore_eos`."""
-    return () if sampling.ignore_eos else (int(tokenizer.eos_id),)
+    """The ids that end a completion: the tokenizer's EOS and the end-of-turn ids of its chat
+    template (`stop_ids`), none under `sampling.ignore_eos`."""
+    return () if sampling.ignore_eos else tuple(int(i) for i in getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
 
 
 def engine_spec(sampling: SamplingConfig, tokenizer: Any, mesh: Any = None,

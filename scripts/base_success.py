@@ -10,7 +10,8 @@ Each cell (task, decoding) builds the trainer of the task's config with the mode
 temperature 1. results/base_success_<model>.json is rewritten after every cell with the commit
 the cell ran on, its settings, seconds and every eval/* figure; a cell already there for the same
 code and settings is not run again, so an interrupted table continues where it stopped. The
-table goes into docs/models.md between `<!-- base-success:start -->` and `<!-- base-success:end -->`.
+table goes into docs/models.md between `<!-- base-success:<model>:start -->` and its `end` marker.
+A checkpoint without a chat template (gemma3-270m) takes `--chat-template` (`model.chat_template`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ TASKS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "math_d3": ("configs/at_grpo/math.yaml", ("env.options.difficulty=3",), "math, difficulty 3"),
     "math_d1_reasoner": ("configs/at_grpo/math.yaml", ("env.options.difficulty=1", "env.options.agents=[reasoner]"),
                          "math, difficulty 1, the reasoner alone"),
+    "math_one_digit": ("configs/at_grpo/math.yaml",
+                       ("env.options.agents=[solver]", "env.options.max_turns=1",
+                        "env.options.path=configs/hacpo/data/one_digit.jsonl"),
+                       "one-digit addition, one solver (HACPO's CPU task)"),
     "plan_path_4": ("configs/at_grpo/plan_path.yaml", ("env.options.size=4",), "Plan-Path 4x4 (tool + planner)"),
     "plan_path_5": ("configs/at_grpo/plan_path.yaml", ("env.options.size=5",), "Plan-Path 5x5"),
     "sudoku_4": ("configs/at_grpo/sudoku.yaml", ("env.options.size=4",), "Sudoku 4x4 (tool + planner)"),
@@ -45,9 +50,11 @@ TASKS: dict[str, tuple[str, tuple[str, ...], str]] = {
 DECODING = {"greedy": ("eval.greedy=true",), "t1": ("eval.greedy=false", "sampling.temperature=1.0")}
 
 
-def settings_overrides(model: str, episodes: int, max_new_tokens: int) -> list[str]:
-    """The overrides every cell shares: the model, float32, one shared policy, no warm start."""
-    return [f"model.path={model}", "model.compute_dtype=float32", "model.param_dtype=float32",
+def settings_overrides(model: str, episodes: int, max_new_tokens: int, chat_template: str | None = None) -> list[str]:
+    """The overrides every cell shares: the model (and its prompt format, `model.chat_template`,
+    when given), float32, one shared policy, no warm start."""
+    template = [] if chat_template is None else [f"model.chat_template={chat_template}"]
+    return [f"model.path={model}", *template, "model.compute_dtype=float32", "model.param_dtype=float32",
             "policies.mode=shared", "policies.agent_to_policy={}", "train.warm_start.steps=0",
             f"eval.num_episodes={episodes}", f"sampling.max_new_tokens={max_new_tokens}",
             "sampling.max_prompt_len=1024", "mesh={}", "logging.tensorboard=false", "logging.plots=false",
@@ -85,7 +92,9 @@ def render(result: dict) -> str:
     """The markdown table: success greedy / at T=1 per task, with 95% Wilson intervals."""
     cells = result["cells"]
     lines = [f"Held-out success of the untrained {result['model']} ({result['episodes']} episodes per cell, "
-             f"at most {result['max_new_tokens']} new tokens per turn; `python scripts/base_success.py`, "
+             f"at most {result['max_new_tokens']} new tokens per turn"
+             + (f", prompts in the `{result['chat_template']}` chat template" if result.get("chat_template") else "")
+             + "; `python scripts/base_success.py`, "
              f"commits {', '.join(sorted({c['commit'] for c in cells.values()}))}):", "",
              "| task | greedy [95% interval] | temperature 1 | seconds (greedy + T=1) |", "|---|---|---|---|"]
     for name, (_, _, what) in TASKS.items():
@@ -114,11 +123,13 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def write_docs(table: str, docs: Path = ROOT / "docs" / "models.md") -> None:
+def write_docs(table: str, model: str, docs: Path = ROOT / "docs" / "models.md") -> None:
+    """`table` into `docs` between the model's markers `<!-- base-success:<model>:start/end -->`
+    (appended under a heading of its own the first time)."""
     text = docs.read_text()
-    start, end = "<!-- base-success:start -->", "<!-- base-success:end -->"
+    start, end = f"<!-- base-success:{model}:start -->", f"<!-- base-success:{model}:end -->"
     if start not in text:
-        text = text.rstrip("\n") + f"\n\n## Base success of a real model\n\n{start}\n{end}\n"
+        text = text.rstrip("\n") + f"\n\n## Base success of {model}\n\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     docs.write_text(head + start + "\n" + table + "\n" + end + rest.split(end, 1)[1])
 
@@ -130,23 +141,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decoding", nargs="+", default=list(DECODING), choices=list(DECODING))
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--chat-template", default=None,
+                        help="model.chat_template for a checkpoint without its own (e.g. gemma for gemma3-270m)")
     parser.add_argument("--render", action="store_true", help="only re-render the table from the JSON")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--fresh", action="store_true", help="start a new table when the settings differ")
     args = parser.parse_args(argv)
     path = ROOT / "results" / f"base_success_{args.model}.json"
     result = json.loads(path.read_text()) if path.exists() else {}
-    same = (result.get("model"), result.get("episodes"), result.get("max_new_tokens")) == (
-        args.model, args.episodes, args.max_new_tokens)
+    same = (result.get("model"), result.get("episodes"), result.get("max_new_tokens"), result.get("chat_template")) == (
+        args.model, args.episodes, args.max_new_tokens, args.chat_template)
     if not same and result.get("cells") and not args.fresh:
-        sys.exit(f"{path} holds cells run with {result.get('episodes')} episodes and at most "
-                 f"{result.get('max_new_tokens')} new tokens; pass those settings to continue it, or --fresh "
+        sys.exit(f"{path} holds cells run with {result.get('episodes')} episodes, at most "
+                 f"{result.get('max_new_tokens')} new tokens and chat template {result.get('chat_template')}; pass "
+                 "those settings to continue it, or --fresh "
                  "to start a new table (its cells are then dropped)")
     if not same:
-        result = {"model": args.model, "episodes": args.episodes, "max_new_tokens": args.max_new_tokens, "cells": {}}
+        result = {"model": args.model, "episodes": args.episodes, "max_new_tokens": args.max_new_tokens,
+                  "chat_template": args.chat_template, "cells": {}}
     if not args.render:
         code = commit()
-        shared = settings_overrides(args.model, args.episodes, args.max_new_tokens)
+        shared = settings_overrides(args.model, args.episodes, args.max_new_tokens, args.chat_template)
         for name in args.tasks:
             config_path, task_overrides, _ = TASKS[name]
             for dec in args.decoding:
@@ -167,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     table = render(result)
     print(table)
     if not args.no_docs:
-        write_docs(table)
+        write_docs(table, args.model)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""scripts/base_success.py: the cells' shared settings, the table and where it goes in the docs
+(no model runs here; the cells themselves are `Trainer.evaluate`, tested with the trainer)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from jmarl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("base_success_script", ROOT / "scripts" / "base_success.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["base_success_script"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_cell_builds_a_valid_config_with_a_chat_template(script):
+    """Each task's config + the shared overrides (a registered model, its chat template) validate."""
+    shared = script.settings_overrides("smollm2-135m-instruct", 16, 64, chat_template="gemma")
+    assert "model.chat_template=gemma" in shared
+    assert not any("chat_template" in o for o in script.settings_overrides("smollm2-135m-instruct", 16, 64))
+    for name, (config_path, overrides, _) in script.TASKS.items():
+        for decoding in script.DECODING.values():
+            config = load_config(ROOT / config_path, [*shared, *overrides, *decoding, "output_dir=/tmp/x"])
+            assert config.model.chat_template == "gemma", name
+    one_digit = load_config(ROOT / script.TASKS["math_one_digit"][0], [*shared, *script.TASKS["math_one_digit"][1]])
+    assert one_digit.env.options["agents"] == ["solver"] and one_digit.env.options["max_turns"] == 1
+
+
+def test_table_names_the_template_and_goes_under_each_models_markers(script, tmp_path):
+    result = {"model": "gemma3-270m", "episodes": 4, "max_new_tokens": 64, "chat_template": "gemma", "cells": {
+        "math_one_digit/greedy": {"metrics": {"eval/success_rate": 0.25}, "seconds": 10.0, "commit": "abc1234"}}}
+    table = script.render(result)
+    assert "untrained gemma3-270m (4 episodes per cell, at most 64 new tokens per turn, prompts in the `gemma` " \
+           "chat template" in table
+    assert "| one-digit addition, one solver (HACPO's CPU task) | 25.0% [5-70] | not run | 10 |" in table
+    docs = tmp_path / "models.md"
+    docs.write_text("# Models\n\n<!-- base-success:other:start -->\nold\n<!-- base-success:other:end -->\n\ntail\n")
+    script.write_docs(table, "gemma3-270m", docs)
+    script.write_docs("new", "other", docs)
+    text = docs.read_text()
+    assert "<!-- base-success:other:start -->\nnew\n<!-- base-success:other:end -->\n\ntail\n" in text
+    assert text.endswith("## Base success of gemma3-270m\n\n<!-- base-success:gemma3-270m:start -->\n" + table
+                         + "\n<!-- base-success:gemma3-270m:end -->\n")

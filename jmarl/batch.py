@@ -11,6 +11,9 @@ trainer's scoring pass (old / reference log-probs, advantages) or the update its
     packed_segment, packed_branch  int32[parts * R, L]  the packed rows (see jmarl.train.packing)
     pred_source, pred_target     int32[parts * M]  the slot that predicts, the token predicted
     pred_slot                    int32[N, C]    the prediction of each continuation token (-1: none)
+    packed_routing               uint8/uint16[parts * R, L, S, k]  routing replay only (None
+                                                otherwise): each packed slot's recorded experts
+                                                in the S sparse layers (`moe.no_route`: none)
     tokens, attention_mask       int32 / bool[N, C]   continuations, right-padded
     loss_mask                    bool[N, C]     completion tokens trained on
     behavior_logprobs            f32[N, C]      log-probs under the policy that sampled them
@@ -53,7 +56,7 @@ PACKED_FIELDS: dict[str, Any] = {
     "packed_tokens": np.int32, "packed_positions": np.int32, "packed_segment": np.int32, "packed_branch": np.int32,
 }
 PRED_FIELDS: dict[str, Any] = {"pred_source": np.int32, "pred_target": np.int32}
-# what the model reads (the rest is for the loss)
+# what the model reads (the rest is for the loss); with routing replay also "packed_routing"
 MODEL_INPUTS: tuple[str, ...] = (*PACKED_FIELDS, *PRED_FIELDS, "pred_slot")
 
 
@@ -71,6 +74,7 @@ class LearnerBatch:
     tokens: jax.Array
     attention_mask: jax.Array
     loss_mask: jax.Array
+    packed_routing: jax.Array | None = None
     behavior_logprobs: jax.Array | None = None
     reward: jax.Array | None = None
     group: jax.Array | None = None
@@ -91,8 +95,11 @@ class LearnerBatch:
         return int(self.pred_slot.shape[-2])
 
     def model_inputs(self) -> dict[str, jax.Array]:
-        """The fields the model reads (`MODEL_INPUTS`)."""
-        return {k: getattr(self, k) for k in MODEL_INPUTS}
+        """The fields the model reads (`MODEL_INPUTS`, and `packed_routing` when it is set)."""
+        inputs = {k: getattr(self, k) for k in MODEL_INPUTS}
+        if self.packed_routing is not None:
+            inputs["packed_routing"] = self.packed_routing
+        return inputs
 
     @classmethod
     def loss_only(cls, **fields: Any) -> "LearnerBatch":

@@ -32,7 +32,10 @@ class Rollouts:
     attention_mask bool[N, T] (real tokens), behavior_logprobs f32[N, T] (log-prob of each
     token under the sampling policy; 0 outside the completion), reward f32[N], group int32[N],
     env/turn/agent int32[N], policy int32[N] (the learner), source_policy int32[N] (the
-    generator), source_seq_logprob f32[N] (mean completion-token log-prob under the source).
+    generator), source_seq_logprob f32[N] (mean completion-token log-prob under the source),
+    routing uint8/uint16[N, T, W] or None (routing replay: each token's recorded expert ids, the
+    S x k of its sampler's sparse layers flattened, W the widest of the batch; the marker
+    `jmarl.models.moe.no_route` of the dtype where a token has none, padding included).
     """
 
     tokens: jax.Array
@@ -47,6 +50,7 @@ class Rollouts:
     policy: jax.Array
     source_policy: jax.Array
     source_seq_logprob: jax.Array
+    routing: jax.Array | None = None
 
     @property
     def num_samples(self) -> int:
@@ -73,12 +77,13 @@ def make_rollouts(
     policy: np.ndarray | None = None,
     source_policy: np.ndarray | None = None,
     source_seq_logprob: np.ndarray | None = None,
+    routing: np.ndarray | None = None,
 ) -> Rollouts:
     """Builds validated `Rollouts` from host arrays; omitted bookkeeping fields default to 0.
 
-    tokens/loss_mask/attention_mask/behavior_logprobs are [N, T]; every other field is [N].
-    `source_policy` defaults to `policy`; `source_seq_logprob` defaults to the masked mean of
-    `behavior_logprobs`.
+    tokens/loss_mask/attention_mask/behavior_logprobs are [N, T]; routing (optional) [N, T, W]
+    unsigned ids; every other field is [N]. `source_policy` defaults to `policy`;
+    `source_seq_logprob` defaults to the masked mean of `behavior_logprobs`.
     """
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2:
@@ -103,6 +108,11 @@ def make_rollouts(
         raise JmarlError("Rollouts.loss_mask is True on a padding token (attention_mask False)")
     behavior = per_token("behavior_logprobs", behavior_logprobs, np.float32)
     policy_arr = per_sample("policy", policy, np.int32)
+    if routing is not None:
+        routing = np.asarray(routing)
+        if routing.ndim != 3 or routing.shape[:2] != (n, t) or routing.dtype.kind != "u":
+            raise JmarlError(f"Rollouts.routing must be unsigned ids of shape {(n, t)} + (W,), got "
+                             f"{routing.dtype} {routing.shape}")
     if source_seq_logprob is None:
         counts = np.maximum(loss_mask.sum(axis=1), 1)
         source_seq_logprob = (behavior * loss_mask).sum(axis=1) / counts
@@ -121,6 +131,7 @@ def make_rollouts(
             "source_policy", policy_arr if source_policy is None else source_policy, np.int32
         ),
         source_seq_logprob=per_sample("source_seq_logprob", source_seq_logprob, np.float32),
+        routing=routing,
     )
 
 
@@ -172,10 +183,13 @@ def pad_to(rollouts: Rollouts, *, num_samples: int | None = None, seq_len: int |
 
     def pad(x: jax.Array, fill) -> jax.Array:
         x = np.asarray(x)
-        widths = [(0, n2 - n)] + ([(0, t2 - t)] if x.ndim == 2 else [])
+        widths = [(0, n2 - n)] + ([(0, t2 - t)] if x.ndim >= 2 else []) + [(0, 0)] * max(x.ndim - 2, 0)
         return np.pad(x, widths, constant_values=fill)
 
-    fields = {f: pad(getattr(rollouts, f), -1 if f == "group" else 0) for f in _field_names()}
+    def fill(f: str) -> int:  # padding rows' value of field f
+        return -1 if f == "group" else no_route(rollouts.routing.dtype) if f == "routing" else 0
+
+    fields = {f: None if getattr(rollouts, f) is None else pad(getattr(rollouts, f), fill(f)) for f in _field_names()}
     return Rollouts(**fields)
 
 
@@ -185,9 +199,36 @@ def concat(parts: Sequence[Rollouts]) -> Rollouts:
         raise JmarlError("concat needs at least one Rollouts")
     t = max(p.seq_len for p in parts)
     parts = [pad_to(p, seq_len=t) for p in parts]
+    routing = None
+    if any(p.routing is not None for p in parts):  # one routing array: the widest, the others padded
+        routing = np.concatenate([np.asarray(r) for r in as_routing(
+            [None if p.routing is None else np.asarray(p.routing) for p in parts], [(p.num_samples, t) for p in parts])])
     return Rollouts(
-        **{f: np.concatenate([np.asarray(getattr(p, f)) for p in parts]) for f in _field_names()}
+        **{f: np.concatenate([np.asarray(getattr(p, f)) for p in parts]) for f in _field_names() if f != "routing"},
+        routing=routing,
     )
+
+
+def no_route(dtype: object) -> int:
+    """The routing id that marks "no recorded expert" in a `dtype` array (its largest value;
+    `jmarl.models.moe.no_route`)."""
+    return int(np.iinfo(np.dtype(dtype)).max)
+
+
+def as_routing(arrays: Sequence[np.ndarray | None], shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """Routing id arrays [..., W_i] (None: nothing recorded, of leading shape shapes[i]) in one
+    dtype (the widest) and width (the widest W), each marker (`no_route`) kept a marker and the
+    new columns filled with it."""
+    given = [a for a in arrays if a is not None]
+    dtype = max((a.dtype for a in given), key=lambda d: d.itemsize)
+    width = max(a.shape[-1] for a in given)
+    out = []
+    for a, shape in zip(arrays, shapes):
+        wide = np.full(tuple(shape) + (width,), no_route(dtype), dtype)
+        if a is not None:
+            wide[..., :a.shape[-1]] = np.where(a == no_route(a.dtype), no_route(dtype), a)
+        out.append(wide)
+    return out
 
 
 def select(rollouts: Rollouts, index: np.ndarray) -> Rollouts:

@@ -41,6 +41,7 @@ from jmarl.config.schema import (  # noqa: F401
     PoliciesConfig,
     PolicyModel,
     RematName,
+    RoutingReplayName,
     SamplingConfig,
     SandboxConfig,
     TrainConfig,
@@ -48,6 +49,7 @@ from jmarl.config.schema import (  # noqa: F401
     WorkflowConfig,
     agent_policy_map,
     check_preset_name,
+    routing_replay_refused,
 )
 from jmarl.config.resolve import (  # noqa: F401
     algo_options,
@@ -86,6 +88,7 @@ __all__ = [
     "PoliciesConfig",
     "PolicyModel",
     "RematName",
+    "RoutingReplayName",
     "SamplingConfig",
     "SandboxConfig",
     "TrainConfig",
@@ -105,6 +108,7 @@ __all__ = [
     "parse_yaml",
     "plan_options",
     "read_yaml_file",
+    "routing_replay_refused",
     "to_dict",
     "validate_options",
 ]

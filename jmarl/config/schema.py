@@ -22,6 +22,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 RematName = Literal["auto", "none", "full", "dots"]
 # model.attention: `jmarl.models.config.ATTENTION_IMPLS` (auto picks per platform).
 AttentionName = Literal["auto", "xla", "cudnn", "splash", "blockwise"]
+# model.routing_replay: `jmarl.models.config.ROUTING_REPLAY` (YAML's off/false: "off"; true: "replay").
+RoutingReplayName = Literal["off", "replay"]
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,16 @@ class ModelSpec:
     # none, full (keep each layer's input only), dots (also keep matmul outputs); true = full
     remat: bool | RematName = "auto"
     attention: AttentionName = "auto"  # attention kernel; auto: per platform (jmarl.models.attention)
+    # mixture-of-experts models only (qwen3_moe): replay = the sampler records each token's
+    # experts and the learner runs those (routing replay, docs/scaling.md "Mixture of experts");
+    # off = the learner routes itself. (YAML reads off as false: both accepted.)
+    routing_replay: bool | RoutingReplayName = "off"
 
     def __post_init__(self) -> None:
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if isinstance(self.routing_replay, bool):
+            object.__setattr__(self, "routing_replay", "replay" if self.routing_replay else "off")
 
     def _validate(self, path: str) -> None:
         from jmarl.models.tokenizer import CHAT_TEMPLATES, is_chat_template
@@ -127,6 +135,27 @@ class ModelSpec:
             )
         if isinstance(self.preset, str):
             check_preset_name(self.preset, _join(path or "model", "preset"))
+        if self.routing_replay == "replay" and self.preset is not None:  # a checkpoint's: when it is loaded
+            model_type = _preset_model_type(self.preset)
+            if model_type != "qwen3_moe":
+                raise routing_replay_refused(path or "model", model_type)
+
+
+def _preset_model_type(preset: str | ArchConfig) -> str:
+    """The model_type of a preset name or an `ArchConfig`."""
+    if isinstance(preset, ArchConfig):
+        return preset.model_type
+    from jmarl.models.presets import preset_config
+
+    return preset_config(check_preset_name(preset)).model_type
+
+
+def routing_replay_refused(path: str, model_type: str) -> JmarlError:
+    """The error for `<path>.routing_replay: replay` on a model without experts."""
+    return JmarlError(
+        f"{_join(path, 'routing_replay')}: replay replays the experts a mixture-of-experts model's sampler chose, "
+        f"and this {model_type} model has no expert layer; set {_join(path, 'routing_replay')}: off (or use a "
+        "qwen3_moe model)")
 
 
 def check_preset_name(name: str, setting: str = "model.preset") -> str:
@@ -482,11 +511,13 @@ class Config:
             for name, entry in self.policies.models.items():
                 _check_tokenizer(entry.model, entry.tokenizer, f"policies.models.{name}")
                 _check_master_dtype(entry.model, self.policies.mode, f"policies.models.{name}.model")
+                _check_routing_replay(entry.model, self.sampling, f"policies.models.{name}.model")
         else:
             if self.model is None:
                 raise JmarlError("missing required key 'model': set model.path or model.preset")
             _check_tokenizer(self.model, self.tokenizer, "")
             _check_master_dtype(self.model, self.policies.mode, "model")
+            _check_routing_replay(self.model, self.sampling, "model")
 
 
 def agent_policy_map(policies: PoliciesConfig, agents: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -535,6 +566,15 @@ def _check_master_dtype(model: ModelSpec, mode: str, path: str) -> None:
         f"round away), and policies.mode={mode} trains them; keep float32 master parameters and "
         f"compute in bfloat16: {path}.param_dtype=float32 {path}.compute_dtype=bfloat16{lora}"
     )
+
+
+def _check_routing_replay(model: ModelSpec, sampling: SamplingConfig, path: str) -> None:
+    """Routing replay needs the static sampler: the continuous engine records no experts."""
+    if model.routing_replay == "replay" and sampling.engine != "static":
+        raise JmarlError(
+            f"{path}.routing_replay: replay needs each token's experts recorded by the sampler, and "
+            f"sampling.engine: {sampling.engine} does not record them; set sampling.engine: static or "
+            f"{path}.routing_replay: off")
 
 
 def _check_tokenizer(model: ModelSpec, tokenizer: str | None, path: str) -> None:

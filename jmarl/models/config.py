@@ -24,6 +24,9 @@ _DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # is lowered (cuDNN flash on GPU, Pallas splash on TPU, blockwise elsewhere; dense for short
 # sequences); the others force one form (a kernel falls back to blockwise for shapes it refuses).
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn", "splash", "blockwise")
+# Routing replay of mixture-of-experts models (`ModelConfig.routing_replay`, a run's
+# model.routing_replay): off, or replay (the sampler records each token's experts, the learner runs them).
+ROUTING_REPLAY: tuple[str, ...] = ("off", "replay")
 # Layer rematerialisation (`jax.checkpoint` around each decoder layer): none keeps every
 # activation for the backward pass; full keeps only each layer's input and recomputes the rest;
 # dots also keeps the outputs of the dense layers' matrix products (more memory, less recompute).
@@ -77,7 +80,10 @@ class ModelConfig:
     `num_experts_per_tok` most probable experts (SwiGLU MLPs of `moe_intermediate_size`; the
     top-k probabilities renormalised to sum to 1 when `norm_topk_prob`; `jmarl.models.moe`).
     `router_aux_loss_coef` is the weight transformers gives the load-balancing loss in training.
-    No shared expert (Qwen2-MoE style): refused by `from_hf`.
+    No shared expert (Qwen2-MoE style): refused by `from_hf`. `routing_replay` (one of
+    ROUTING_REPLAY; "replay" needs experts): "replay" makes the sampler record each token's
+    experts (`jmarl.models.sampler.Generation.routing`) and the learner run them
+    (`jmarl.models.moe.replay_route`); a training setting, not written to config.json.
     """
 
     model_type: str
@@ -122,6 +128,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    routing_replay: str = "off"
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -144,6 +151,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise JmarlError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self._check_moe()
+        self._check_routing_replay()
         object.__setattr__(self, "remat", resolve_remat(self.remat, self.num_params(), setting="ModelConfig.remat"))
         if self.attention not in ATTENTION_IMPLS:
             raise JmarlError(f"ModelConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
@@ -170,6 +178,14 @@ class ModelConfig:
             )
         if self.is_moe and self.moe_intermediate_size < 1:
             raise JmarlError(f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+
+    def _check_routing_replay(self) -> None:
+        """Validates routing_replay: one of ROUTING_REPLAY, "replay" on a model with experts only."""
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise JmarlError(f"ModelConfig.routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
+        if self.routing_replay == "replay" and not self.is_moe:
+            raise JmarlError(f"ModelConfig.routing_replay='replay' replays mixture-of-experts routing, and this "
+                             f"{self.model_type} model has no expert layer; set routing_replay='off'")
 
     def _check_sliding_window(self) -> None:
         """Validates sliding_window / layer_types (a list becomes a tuple, hashable)."""
@@ -217,6 +233,17 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether some layer is a mixture-of-experts layer (`sparse_layers`)."""
         return any(self.sparse_layers())
+
+    @property
+    def replays_routing(self) -> bool:
+        """Whether the sampler records each token's experts and the learner replays them
+        (routing_replay "replay"; only a model with experts has it)."""
+        return self.routing_replay == "replay"
+
+    @property
+    def num_sparse_layers(self) -> int:
+        """How many layers are mixture-of-experts layers (`sparse_layers`)."""
+        return sum(self.sparse_layers())
 
     @property
     def has_mixed_mlps(self) -> bool:

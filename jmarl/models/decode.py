@@ -28,13 +28,18 @@ def prefill(
     attention_mask: jax.Array,
     cache: KVCache,
     rows: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
+    *,
+    record_routing: bool = False,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Runs the prompt tokens [U,S] through the model; writes their keys/values to cache slots
     [0, S) and returns (float32 logits of the last slot [B,V], cache). Prompts should be
     left-padded so every row's last real token sits in slot S-1. Without `rows`, U = B; with
-    rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once)."""
+    rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once).
+    record_routing (a model with experts): a third item, the experts each prompt token ran in
+    each sparse layer, int32[U,S,num_sparse,k] (one per prompt, not per row; routing replay)."""
     model = bind(config, params)
-    h, (keys, values) = model.hidden(tokens, attention_mask, return_kv=True, last_only=True)
+    h, (keys, values), *routing = model.hidden(tokens, attention_mask, return_kv=True, last_only=True,
+                                               record_routing=record_routing)
     h = h[:, -1]
     if rows is not None:
         keys, values, h = keys[:, rows], values[:, rows], h[rows]
@@ -47,7 +52,7 @@ def prefill(
     keys = keys.transpose(0, 1, 3, 4, 2)  # [L, B, S, KV, hd] -> [L, B, KV, hd, S]
     values = values.swapaxes(2, 3)  # -> [L, B, KV, S, hd]
     cache = KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
-    return model.logits(h), cache
+    return (model.logits(h), cache, *routing)
 
 
 def decode_step(
@@ -64,7 +69,9 @@ def decode_step(
     earlier: KVCache | None = None,
     earlier_rows: jax.Array | None = None,
     earlier_groups: int = 1,
-) -> tuple[jax.Array, KVCache]:
+    *,
+    record_routing: bool = False,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
     (a scalar shared by all rows, or int[B]: one slot per row); attends to the cache slots where
     key_mask bool[B,C] is True (the slot itself included). Returns (float32 logits [B,V], updated cache).
@@ -84,7 +91,10 @@ def decode_step(
 
     Sliding-window layers (Gemma 3) attend to the slots of key_mask (and prefix_mask) within the
     window of `position`, the keys' positions counted along the mask's slots (`window_masks`),
-    and rotate by the local RoPE tables; the cache keeps every slot."""
+    and rotate by the local RoPE tables; the cache keeps every slot.
+
+    record_routing (a model with experts): a third item, the experts the new token ran in each
+    sparse layer, int32[B,num_sparse,k] (routing replay)."""
     model = bind(config, params)
     cos, sin = rope_tables(config, position[:, None])
     sliding, sparse = config.sliding_layers(), config.sparse_layers()
@@ -94,6 +104,7 @@ def decode_step(
     x = model.embed_tokens(token[:, None])
     layer_def, layer_state = nnx.split(model.layers)
     keys, values = list(cache.keys), list(cache.values)
+    routing = []  # the sparse layers' experts [B, k], with record_routing
     for i in range(config.num_layers):
         if sliding[i]:
             cos_i, sin_i, key_mask_i, prefix_mask_i = cos_l, sin_l, key_mask_l, prefix_mask_l
@@ -130,9 +141,13 @@ def decode_step(
             )
             return out, (k_buf, v_buf)
 
-        x, (keys[i], values[i]) = layer(x, cos_i, sin_i, attend, sparse=sparse[i])
+        x, (keys[i], values[i]), _, experts = layer.run(x, cos_i, sin_i, attend, sparse=sparse[i],
+                                                         record=record_routing)
+        if record_routing and sparse[i]:
+            routing.append(experts[:, 0])
     h = model.final_norm(x[:, 0])
-    return model.logits(h), KVCache(keys=tuple(keys), values=tuple(values))
+    out = (model.logits(h), KVCache(keys=tuple(keys), values=tuple(values)))
+    return out + (jnp.stack(routing, axis=1),) if record_routing else out
 
 
 def window_masks(

@@ -962,6 +962,15 @@ class EngineRun:
         return self.block_until_ready()._result  # type: ignore[return-value]
 
 
+def check_no_routing_replay(config: ModelConfig) -> None:
+    """The engine does not record the experts its tokens run (routing replay, `ModelConfig.
+    replays_routing`): a JmarlError saying what to change for such a config."""
+    if config.replays_routing:
+        raise JmarlError(
+            "the continuous engine does not record each token's experts, which routing replay needs "
+            "(model.routing_replay: replay); sample with sampling.engine: static, or set model.routing_replay: off")
+
+
 def start(
     config: ModelConfig,
     params: Params,
@@ -991,6 +1000,7 @@ def _run_steps(config: ModelConfig, params: Params, prompts: Sequence[Sequence[i
     max_new_tokens, temperature, top_p, top_k = spec.max_new_tokens, spec.temperature, spec.top_p, spec.top_k
     pad_id, chunk_steps, shrink, mesh = spec.pad_id, spec.chunk_steps, spec.shrink, spec.mesh
     _check_options(max_new_tokens, temperature, top_p, top_k)
+    check_no_routing_replay(config)
     counts = [int(n)] * len(prompts) if isinstance(n, (int, np.integer)) else [int(c) for c in n]
     if len(counts) != len(prompts):
         raise JmarlError(f"n has {len(counts)} entries for {len(prompts)} prompts")
@@ -1171,6 +1181,7 @@ def planned_programs(
     output shardings."""
     from jmarl.sharding import mesh_context
 
+    check_no_routing_replay(config)
     mesh, max_new_tokens = spec.mesh, spec.max_new_tokens
     prepare = _prepare_program(config, select)
     abstract = lambda tree: jax.tree.map(  # noqa: E731

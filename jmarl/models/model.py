@@ -306,20 +306,33 @@ class Experts(nnx.Module):
 class SparseMLP(nnx.Module):
     """Qwen3-MoE's sparse feed-forward (transformers' Qwen3MoeSparseMoeBlock): a router [D, E]
     picks each token's top-k experts (`moe.route`), whose SwiGLU outputs are summed with the
-    routing weights (`moe.expert_ffn`). No shared expert."""
+    routing weights (`moe.expert_ffn`). No shared expert. Routing replay: given a token's
+    recorded experts, it runs those instead, weighted by its own router (`moe.replay_route`)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         self.router = _linear(c, c.hidden_size, c.num_experts, False, rngs)
         self.experts = Experts(c, rngs)
         self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
 
-    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, moe_lib.RouterStats | None]:
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None, replay: jax.Array | None = None
+                 ) -> tuple[jax.Array, moe_lib.RouterStats | None, jax.Array]:
         """x [..., D] -> (out [..., D], the layer's `RouterStats` over the tokens where valid
-        bool[...] is True, or None when valid is None)."""
+        bool[...] is True or None when valid is None, the experts each token ran int32[..., k]).
+        replay: recorded expert ids [..., k] (`moe.routing_dtype`; `moe.no_route` where a token
+        has none): those tokens run their recorded experts (`moe.replay_route`) and the stats
+        count where the router's own top k differs."""
         rows = x.reshape(-1, x.shape[-1])
-        probs, weights, experts = moe_lib.route(self.router(rows), self.top_k, self.normalize)
+        logits = self.router(rows)
+        replayed = None
+        if replay is None:
+            probs, weights, experts = moe_lib.route(logits, self.top_k, self.normalize)
+        else:
+            probs, weights, experts, own, has = moe_lib.replay_route(
+                logits, replay.reshape(-1, self.top_k), self.top_k, self.normalize)
+            replayed = (own, has)
         out = self.experts(rows, experts, weights).reshape(x.shape)
-        return out, (None if valid is None else moe_lib.router_stats(probs, experts, valid))
+        stats = None if valid is None else moe_lib.router_stats(probs, experts, valid, replayed)
+        return out, stats, experts.reshape(x.shape[:-1] + (self.top_k,))
 
 
 class DecoderLayer(nnx.Module):
@@ -346,49 +359,63 @@ class DecoderLayer(nnx.Module):
         queries (a prefill's last layer): `pick` then selects the same slots of the residual
         stream [B,T,D] -> [B,T',D], and the rest of the layer runs on those only. `sparse`: see
         `feed_forward`."""
-        x, aux, _ = self.run(x, cos, sin, attend, pick, sparse=sparse)
+        x, aux, _, _ = self.run(x, cos, sin, attend, pick, sparse=sparse)
         return x, aux
 
     def run(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: AttendFn,
             pick: Callable[[jax.Array], jax.Array] | None = None, *,
-            sparse: bool | jax.Array | None = None, valid: jax.Array | None = None):
+            sparse: bool | jax.Array | None = None, valid: jax.Array | None = None,
+            replay: jax.Array | None = None, record: bool = False):
         """`__call__` that also returns the layer's `RouterStats` over the tokens where valid
-        bool[B,T] is True: (x, aux, stats); stats is None when valid is None or the model has
-        no experts, zeros for a dense layer of a mixed model."""
+        bool[B,T] is True and, with `record`, the experts each token ran: (x, aux, stats,
+        experts); stats is None when valid is None or the model has no experts, zeros for a
+        dense layer of a mixed model; experts int32[B,T',k] (zeros for a dense layer of a mixed
+        model), None without `record` or experts. replay: recorded expert ids [B,T,k] the layer
+        runs instead of its top k (`SparseMLP`; ignored by a dense layer)."""
         h, aux = self.attn(self.attn_norm(x), cos, sin, attend)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = (x if pick is None else pick(x)) + h
-        m, stats = self.feed_forward(self.mlp_norm(x), sparse, valid)
+        m, stats, experts = self.feed_forward(self.mlp_norm(x), sparse, valid, replay, record)
         if self.mlp_post_norm is not None:
             m = self.mlp_post_norm(m)
-        return x + m, aux, stats
+        return x + m, aux, stats, experts
 
-    def feed_forward(self, x: jax.Array, sparse: bool | jax.Array | None = None,
-                     valid: jax.Array | None = None) -> tuple[jax.Array, moe_lib.RouterStats | None]:
-        """x [B,T,D] -> (the dense MLP's or the experts' output [B,T,D], `RouterStats` or None).
-        A layer holding both (a mixed model) runs the experts where `sparse` is True: a Python
-        bool picks statically, a traced bool / int scalar (the layer scan's flag) through
-        `jax.lax.cond`. Without `sparse` (a caller that does not know the layer's kind, such as
-        the decode step's loop) it runs both and adds them: the unused one is zeros (`init`,
-        `load_hf` and training keep it so: it gets no gradient), whose output is exactly 0, so
-        the sum is the used one's output; router stats then need `sparse`."""
+    def feed_forward(self, x: jax.Array, sparse: bool | jax.Array | None = None, valid: jax.Array | None = None,
+                     replay: jax.Array | None = None, record: bool = False
+                     ) -> tuple[jax.Array, moe_lib.RouterStats | None, jax.Array | None]:
+        """x [B,T,D] -> (the dense MLP's or the experts' output [B,T,D], `RouterStats` or None,
+        with `record` the experts each token ran int32[B,T,k], zeros from a dense layer of a
+        mixed model; else None, as without experts: no such output in the program). A layer
+        holding both (a mixed model) runs the experts where
+        `sparse` is True: a Python bool picks statically, a traced bool / int scalar (the layer
+        scan's flag) through `jax.lax.cond`. Without `sparse` (a caller that does not know the
+        layer's kind) it runs both and adds them: the unused one is zeros (`init`, `load_hf`
+        and training keep it so: it gets no gradient), whose output is exactly 0, so the sum is
+        the used one's output; router stats then need `sparse`. replay: see `SparseMLP`."""
         if self.moe is None:
-            return self.mlp(x), None
+            return self.mlp(x), None, None
+
+        def sparse_ff(x: jax.Array) -> tuple[jax.Array, moe_lib.RouterStats | None, jax.Array | None]:
+            out, stats, experts = self.moe(x, valid, replay)
+            return out, stats, (experts if record else None)
+
         if self.mlp is None:
-            return self.moe(x, valid)
+            return sparse_ff(x)
         if sparse is None:
             if valid is not None:
                 raise JmarlError("DecoderLayer.feed_forward: router stats of a model that mixes dense and "
                                  "mixture-of-experts layers need the layer's kind (sparse=...)")
-            return self.mlp(x) + self.moe(x)[0], None
+            out, _, experts = sparse_ff(x)
+            return self.mlp(x) + out, None, experts
 
-        def dense(x: jax.Array) -> tuple[jax.Array, moe_lib.RouterStats | None]:
-            return self.mlp(x), (None if valid is None else moe_lib.RouterStats.zeros(self.num_experts))
+        def dense(x: jax.Array) -> tuple[jax.Array, moe_lib.RouterStats | None, jax.Array | None]:
+            stats = None if valid is None else moe_lib.RouterStats.zeros(self.num_experts)
+            return self.mlp(x), stats, (jnp.zeros(x.shape[:-1] + (self.moe.top_k,), jnp.int32) if record else None)
 
         if isinstance(sparse, (bool, np.bool_)):
-            return self.moe(x, valid) if sparse else dense(x)
-        return jax.lax.cond(jnp.asarray(sparse) > 0, lambda x: self.moe(x, valid), dense, x)
+            return sparse_ff(x) if sparse else dense(x)
+        return jax.lax.cond(jnp.asarray(sparse) > 0, sparse_ff, dense, x)
 
 
 class Transformer(nnx.Module):
@@ -430,17 +457,20 @@ class Transformer(nnx.Module):
             return None
         return rope_tables(self.config, positions, num_positions, local=True)
 
-    def layer_xs(self, layer_state: Any) -> Any:
+    def layer_xs(self, layer_state: Any, routing: jax.Array | None = None) -> Any:
         """What the layer scan runs over: the stacked layer state, paired, when the layers differ,
         with a dict of int32[L] per-layer flags: "sliding" (the sliding-window layers) and
         "sparse" (the mixture-of-experts layers of a model that mixes them with dense ones).
-        `_split_xs` unpacks one step's."""
+        routing: recorded expert ids [..., S, k] of the S sparse layers (routing replay), given
+        to each layer as "replay" [L, ..., k] (`per_layer_routing`). `_split_xs` unpacks one step's."""
         c = self.config
         flags = {}
         if c.has_sliding_window:
             flags["sliding"] = jnp.asarray(np.array(c.sliding_layers(), np.int32))
         if c.has_mixed_mlps:
             flags["sparse"] = jnp.asarray(np.array(c.sparse_layers(), np.int32))
+        if routing is not None:
+            flags["replay"] = per_layer_routing(c, routing)
         return (layer_state, flags) if flags else layer_state
 
     def head_master(self) -> jax.Array | LoraKernel:
@@ -464,11 +494,14 @@ class Transformer(nnx.Module):
 
     def hidden(
         self, tokens: jax.Array, attention_mask: jax.Array, *, return_kv: bool = False, last_only: bool = False,
-        router_stats: bool = False,
-    ) -> tuple[jax.Array, Any]:
+        router_stats: bool = False, record_routing: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """tokens/mask [B,T] -> (final-normed hidden [B,T,D], (keys, values) [L,B,T,KV,hd] or None).
         router_stats (not with return_kv / last_only): the second item is the mixture-of-experts
         layers' `moe.RouterStats` over the real tokens instead (E = 0 without experts).
+        record_routing (a model with experts; not with router_stats): a third item, the experts
+        each token ran in each sparse layer, int32[B,T,S,k] (S = the sparse layers, in order;
+        what routing replay records): every layer then runs every token, last_only included.
 
         Any padding: each row's real tokens are moved to its front (`compaction`), the layers run
         on right-padded rows (the layout every attention form takes), and the hidden states and
@@ -500,7 +533,9 @@ class Transformer(nnx.Module):
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
         x = self.embed_tokens(compact_rows(tokens, dest))
         xs = self.layer_xs(layer_state)
-        if not last_only and not return_kv:  # the differentiated path: layers rematerialised as configured
+        if record_routing and (router_stats or not c.is_moe):
+            raise JmarlError("Transformer.hidden: record_routing is for a model with experts, without router_stats")
+        if not last_only and not return_kv and not record_routing:  # the differentiated path: layers rematerialised as configured
             stats = router_stats and c.is_moe
             step = functools.partial(_decoder_step, layer_def, c.attention, window=window, stats=stats)
             consts = (cos, sin, lengths) if local is None else (cos, sin, lengths, local)
@@ -515,15 +550,23 @@ class Transformer(nnx.Module):
             state, flags = _split_xs(xs_i)
             cos_i, sin_i, window_i = _layer_kind(flags, cos, sin, local, window)
             attend_i = attend if window_i is None else functools.partial(attend, window=window_i)
-            return nnx.merge(layer_def, state)(batch_sharded(x), cos_i, sin_i, attend_i, sparse=flags.get("sparse"))
+            layer = nnx.merge(layer_def, state)
+            x, kv, _, experts = layer.run(batch_sharded(x), cos_i, sin_i, attend_i, sparse=flags.get("sparse"),
+                                          record=record_routing)
+            return x, ((kv, experts) if record_routing else kv)
 
-        if not last_only or local is not None:
-            # (with sliding windows, a prefill runs every layer on every token, then keeps the last)
+        if not last_only or local is not None or record_routing:
+            # (with sliding windows, or recording each token's experts, a prefill runs every layer
+            # on every token, then keeps the last)
             x, kv = jax.lax.scan(body, x, xs, unroll=unroll)
+            kv, experts = kv if record_routing else (kv, None)
             kv = None if kv is None else jax.tree.map(lambda a: restore_rows(a, dest, axis=2), kv)
-            if last_only:
-                return self.final_norm(pick_last(x)), kv
-            return restore_rows(self.final_norm(x), dest), kv
+            h = self.final_norm(pick_last(x)) if last_only else restore_rows(self.final_norm(x), dest)
+            if not record_routing:
+                return h, kv
+            # [L, B, T, k] in compacted slots -> the input's slots, the sparse layers' -> [B, T, S, k]
+            experts = restore_rows(experts, dest, axis=2)[np.flatnonzero(c.sparse_layers())]
+            return h, kv, jnp.moveaxis(experts, 0, 2)
         def body_at(x, i):  # layer i read from the stack in the loop: no copy of the first L-1 layers
             return body(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))
 
@@ -581,13 +624,16 @@ class Transformer(nnx.Module):
 
 
     def hidden_packed(self, tokens: jax.Array, positions: jax.Array, segment: jax.Array, branch: jax.Array, *,
-                      router_stats: bool = False) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
+                      router_stats: bool = False, routing: jax.Array | None = None
+                      ) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
         """Packed rows -> final-normed hidden [R,T,D]. tokens, positions (each token's place in
         its own sequence, for RoPE), segment and branch int[R,T] as `attention.packed_attention`
         takes them: a prompt's tokens run once, and each of its continuations attends to them
         and to itself, as if every continuation ran after its own copy of the prompt.
         router_stats: (hidden, the `moe.RouterStats` over the slots of segment != 0, each prompt
-        counted once)."""
+        counted once). routing: recorded expert ids [R,T,S,k] of the S sparse layers
+        (`moe.routing_dtype`, `moe.no_route` where a slot has none): routing replay, each sparse
+        layer runs a slot's recorded experts (`SparseMLP`)."""
         c = self.config
         t = tokens.shape[1]
         positions = positions.astype(jnp.int32)
@@ -601,7 +647,7 @@ class Transformer(nnx.Module):
         unroll = c.num_layers <= _UNROLL_MAX_LAYERS
         x = self.embed_tokens(tokens)
         carry = (x, moe_lib.RouterStats.zeros(c.num_experts)) if stats else x
-        carry = scan_layers(step, carry, self.layer_xs(layer_state), consts,
+        carry = scan_layers(step, carry, self.layer_xs(layer_state, routing if c.is_moe else None), consts,
                             remat=c.remat, policy=c.remat_policy(), unroll=unroll)
         if not router_stats:
             return self.final_norm(carry)
@@ -640,9 +686,23 @@ def _empty_router_stats(wanted: bool) -> moe_lib.RouterStats | None:
 def _run_layer(layer_def: Any, state: Any, flags: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
                sin: jax.Array, attend: AttendFn, valid: jax.Array | None) -> tuple[jax.Array, Any, Any]:
     """One decoder layer (`DecoderLayer.run`) on x [B,T,D]: -> (x, attend's aux, router stats or
-    None); `valid` bool[B,T] asks for the stats over those tokens."""
+    None); `valid` bool[B,T] asks for the stats over those tokens; the layer's recorded expert
+    ids flags["replay"] [B,T,k], when the scan carries them, are replayed (`SparseMLP`)."""
     layer = nnx.merge(layer_def, state)
-    return layer.run(batch_sharded(x), cos, sin, attend, sparse=flags.get("sparse"), valid=valid)
+    x, aux, stats, _ = layer.run(batch_sharded(x), cos, sin, attend, sparse=flags.get("sparse"), valid=valid,
+                                 replay=flags.get("replay"))
+    return x, aux, stats
+
+
+def per_layer_routing(config: ModelConfig, routing: jax.Array) -> jax.Array:
+    """Recorded expert ids [..., S, k] of the S sparse layers -> [L, ..., k], one slice per
+    layer for the layer scan: sparse layer j's at its layer index; a dense layer of a mixed
+    model gets a copy of a neighbour's, which it ignores."""
+    sparse = np.array(config.sparse_layers())
+    if sparse.all():
+        return jnp.moveaxis(routing, -2, 0)
+    index = np.maximum(np.cumsum(sparse) - 1, 0)  # layer i -> the sparse layers before it, counting itself
+    return jnp.moveaxis(jnp.take(routing, jnp.asarray(index), axis=-2), -2, 0)
 
 
 def _decoder_step(layer_def: Any, impl: str, carry: Any, xs: Any, consts: tuple,
@@ -1020,6 +1080,15 @@ def apply(config: ModelConfig, params: Params, tokens: jax.Array, attention_mask
     return (model.logits(h), stats) if with_router_stats else model.logits(h)
 
 
+def expert_routing(config: ModelConfig, params: Params, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """int32[B,T,S,k]: the experts each token of tokens int[B,T] (attention_mask bool[B,T], any
+    padding side) is routed to in each of the S sparse layers of a plain forward (the router's
+    top k, as `apply` runs them): what the sampler records for routing replay."""
+    if not config.is_moe:
+        raise JmarlError(f"expert_routing: model_type {config.model_type!r} has no mixture-of-experts layer")
+    return bind(config, params).hidden(tokens, attention_mask, record_routing=True)[2]
+
+
 def token_logprobs(
     config: ModelConfig,
     params: Params,
@@ -1106,6 +1175,7 @@ def packed_token_logprobs(
     *,
     chunk_size: int | None = None,
     with_router_stats: bool = False,
+    routing: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
     """float32[M]: out[m] = log p(target[m] | the sequence up to packed slot source[m]) under
     softmax(logits / T), for packed rows tokens/positions/segment/branch int[R,T]
@@ -1113,9 +1183,12 @@ def packed_token_logprobs(
     target int[M]. A prompt's last slot is the source of each of its continuations' first
     token, so the LM head runs over the M predictions, not over padded [N, C] slots.
     with_router_stats: (out, `moe.RouterStats` over the packed slots of segment != 0: a prompt
-    counted once, not once per continuation)."""
+    counted once, not once per continuation). routing: recorded expert ids [R,T,S,k] of each
+    slot in the S sparse layers (routing replay; `moe.no_route` where a slot has none): the
+    experts run there instead of the router's top k, weighted by the router (`moe.replay_route`);
+    the stats then count the recorded pairs whose own top k differs (`moe.mismatch_fraction`)."""
     model = bind(config, params)
-    h = model.hidden_packed(tokens, positions, segment, branch, router_stats=with_router_stats)
+    h = model.hidden_packed(tokens, positions, segment, branch, router_stats=with_router_stats, routing=routing)
     h, stats = h if with_router_stats else (h, None)
     h = h.reshape(-1, h.shape[-1])[source.astype(jnp.int32)]
     lp = chunked_logprobs(model.head_master(), h[None], target.astype(jnp.int32)[None], temperature,

@@ -23,6 +23,12 @@ token (top-k), F = an expert's intermediate size.
     router_stats:   what the load-balancing loss needs of one layer, summed over its valid
                     tokens (`RouterStats`, additive over layers, so a layer scan carries it)
     load_balancing_loss: E * sum_e (fraction of assignments to e) * (mean probability of e)
+    route_replayed: routing replay (R3): the experts given (a rollout's recorded ids) instead of
+                    the top-k, weighted by this router's own probabilities at them, so the
+                    router keeps its gradient; `replay_route` falls back to the top-k for tokens
+                    without a record and returns both choices (`routing_mismatch` compares them)
+    routing_dtype / routing_bytes_per_token: how recorded expert ids are stored (uint8 for
+                    E < 256, else uint16; the dtype's largest value marks "no record")
 
 The network module that holds the router and the stacked expert weights is
 `jmarl.models.model.SparseMLP`.
@@ -59,6 +65,7 @@ from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
@@ -78,19 +85,25 @@ EXPERT_WEIGHT_AXES = ("expert", "embed", "mlp")  # gate/up [E, D, F] (`param_axe
 class RouterStats:
     """Per-expert sums of the mixture-of-experts layers that the load-balancing loss reads, over
     the valid (non-padding) tokens of every sparse layer run so far (transformers counts a token
-    once per sparse layer): counts float32[E] (top-k assignments to each expert), probs
-    float32[E] (router probabilities of each expert), rows float32[] (valid tokens). Sums, so
-    layers and batches add (`plus`). Only probs carries a gradient."""
+    once per sparse layer): counts float32[E] (top-k assignments to each expert: the experts the
+    layer ran, the replayed ones under routing replay), probs float32[E] (router probabilities
+    of each expert), rows float32[] (valid tokens). Routing replay adds two counts of (token,
+    sparse layer) pairs: recorded float32[] (valid tokens that had a recorded routing) and
+    mismatched float32[] (those whose own top-k set differs from the recorded one); both 0
+    without replay. Sums, so layers and batches add (`plus`). Only probs carries a gradient."""
 
     counts: jax.Array
     probs: jax.Array
     rows: jax.Array
+    recorded: jax.Array
+    mismatched: jax.Array
 
     @staticmethod
     def zeros(num_experts: int) -> "RouterStats":
         """Empty sums for `num_experts` experts (a dense layer's share)."""
+        zero = jnp.zeros((), jnp.float32)
         return RouterStats(jnp.zeros((num_experts,), jnp.float32), jnp.zeros((num_experts,), jnp.float32),
-                           jnp.zeros((), jnp.float32))
+                           zero, zero, zero)
 
     def plus(self, other: "RouterStats") -> "RouterStats":
         """The sums of both."""
@@ -107,6 +120,68 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return probs, weights.astype(logits.dtype), experts.astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------- routing replay
+def routing_dtype(num_experts: int) -> np.dtype:
+    """The dtype recorded expert ids are stored in: uint8 while ids 0 .. E-1 leave its largest
+    value (255) free to mean "no record" (E < 256), else uint16 (E < 65,536)."""
+    return np.dtype(np.uint8) if num_experts < 256 else np.dtype(np.uint16)
+
+
+def no_route(dtype: object) -> int:
+    """The id value that marks a token without a recorded routing in an array of `dtype`: the
+    dtype's largest value (never an expert id, `routing_dtype`; `jmarl.rollouts.no_route` is
+    the same rule on the host side, which does not import the models)."""
+    return int(np.iinfo(np.dtype(dtype)).max)
+
+
+def routing_bytes_per_token(num_sparse_layers: int, top_k: int, num_experts: int) -> int:
+    """Bytes a recorded routing costs per token: one id per (sparse layer, expert slot), each of
+    `routing_dtype(num_experts)` (Qwen3-30B-A3B: 48 x 8 x 1 = 384)."""
+    return num_sparse_layers * top_k * routing_dtype(num_experts).itemsize
+
+
+def is_recorded(ids: jax.Array) -> jax.Array:
+    """bool[...]: which tokens of recorded ids [..., k] hold a routing (not the `no_route`
+    marker of their dtype)."""
+    return ids[..., 0] != no_route(ids.dtype)
+
+
+def route_replayed(logits: jax.Array, experts: jax.Array, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Routing replay: router logits [N, E] and given experts int[N, k] (a rollout's recorded
+    ids) -> (probs float32[N, E], weights [N, k] in the logits' dtype, experts int32[N, k]), as
+    `route` returns them but for the given experts instead of the top k: the weights are this
+    router's own float32 probabilities at those experts, divided by their sum when `normalize`.
+    So the layer runs the rollout's experts while the router still gets a gradient through the
+    weights (and the load-balancing loss through probs). Given the top k itself, the same
+    numbers as `route`."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    experts = experts.astype(jnp.int32)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights.astype(logits.dtype), experts
+
+
+def replay_route(logits: jax.Array, recorded: jax.Array, top_k: int, normalize: bool
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`route_replayed` on the recorded ids [N, k] (`routing_dtype`) where a token has them and
+    the router's own top k where it has none (`is_recorded`: the marker `no_route`) -> (probs
+    float32[N, E], weights [N, k], experts int32[N, k] (what the layer runs), own int32[N, k]
+    (the router's own top k), recorded bool[N])."""
+    has = is_recorded(recorded)
+    own = route(logits, top_k, normalize)[2]
+    experts = jnp.where(has[:, None], recorded.astype(jnp.int32), own)
+    probs, weights, experts = route_replayed(logits, experts, normalize)
+    return probs, weights, experts, own, has
+
+
+def routing_mismatch(own: jax.Array, experts: jax.Array) -> jax.Array:
+    """bool[N]: whether the set of own int[N, k] differs from the set of experts int[N, k] (the
+    k ids of a token are distinct, so equal sets are: every own id is among the experts)."""
+    same = jnp.all(jnp.any(own[:, :, None] == experts[:, None, :], axis=-1), axis=-1)
+    return ~same
 
 
 # ---------------------------------------------------------------------------------- grouped products
@@ -516,15 +591,32 @@ def expert_parallel_ffn(
                          out_specs=rows, check_vma=False)(x, experts, weights, gate, up, down)
 
 
-def router_stats(probs: jax.Array, experts: jax.Array, valid: jax.Array | None = None) -> RouterStats:
-    """One sparse layer's `RouterStats` from its float32 probabilities [N, E] and top-k experts
-    int[N, k], over the tokens where valid bool[N] (None: all)."""
+def router_stats(probs: jax.Array, experts: jax.Array, valid: jax.Array | None = None,
+                 replayed: tuple[jax.Array, jax.Array] | None = None) -> RouterStats:
+    """One sparse layer's `RouterStats` from its float32 probabilities [N, E] and the experts it
+    ran int[N, k], over the tokens where valid bool[N] (None: all). replayed: (own int[N, k],
+    recorded bool[N]) of `replay_route`: the recorded tokens and those whose own top k differs
+    from the experts run are counted too."""
     n, num_experts = probs.shape
     w = jnp.ones((n,), jnp.float32) if valid is None else valid.reshape(n).astype(jnp.float32)
     k = experts.shape[-1]
     counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(w, k))
+    zero = jnp.zeros((), jnp.float32)
+    recorded, mismatched = zero, zero
+    if replayed is not None:
+        own, has = replayed
+        on = w * has.reshape(n).astype(jnp.float32)
+        recorded = jnp.sum(on)
+        mismatched = jnp.sum(on * routing_mismatch(own, experts).astype(jnp.float32))
     return RouterStats(counts=jax.lax.stop_gradient(counts), probs=jnp.sum(probs * w[:, None], axis=0),
-                       rows=jnp.sum(w))
+                       rows=jnp.sum(w), recorded=jax.lax.stop_gradient(recorded),
+                       mismatched=jax.lax.stop_gradient(mismatched))
+
+
+def mismatch_fraction(stats: RouterStats) -> jax.Array:
+    """The fraction of recorded (token, sparse layer) pairs whose own top-k set differs from the
+    recorded one (`RouterStats.mismatched / recorded`; 0 without a recorded pair)."""
+    return stats.mismatched / jnp.maximum(stats.recorded, 1.0)
 
 
 def load_balancing_loss(stats: RouterStats) -> jax.Array:

@@ -49,6 +49,7 @@ from flax import struct
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
+from jmarl.models import moe as moe_lib
 from jmarl.models.decode import decode_step, prefill
 from jmarl.models.kv_cache import KVCache, empty_cache
 from jmarl.models.model import Params, cache_axes, is_lora, param_shapes
@@ -61,12 +62,23 @@ _TRACES = {"count": 0}
 class Generation:
     """Sampled completions. tokens int32[..., B, N] (pad_id after a stop), logprobs
     float32[..., B, N] (0 where masked), mask bool[..., B, N] (True up to and including the stop
-    token), lengths int32[..., B] (number of True in mask)."""
+    token), lengths int32[..., B] (number of True in mask).
+
+    Routing replay (`ModelConfig.replays_routing`; None otherwise: nothing is recorded): the
+    experts each token ran in each of the S sparse layers, ids in `moe.routing_dtype`:
+    routing [..., B, N, S, k] of the generated tokens (token i's as the decode step that read
+    it ran them; the marker `moe.no_route` where none did: a row's last token, which no step
+    reads, and the slots after it), prompt_routing [..., U, S_p, S, k] of the U prefilled
+    prompts (left-aligned to S_p slots, real tokens last, as `_run` lays them out) and
+    prompt_row int32[..., B], the prompt of each row."""
 
     tokens: jax.Array
     logprobs: jax.Array
     mask: jax.Array
     lengths: jax.Array
+    routing: jax.Array | None = None
+    prompt_routing: jax.Array | None = None
+    prompt_row: jax.Array | None = None
 
 
 def num_compiled_programs() -> int:
@@ -266,7 +278,11 @@ def _generate_one(
 
     Returns (Generation, final cache); the cache is returned so that the donated input buffer
     is updated in place instead of copied (when the loop runs in two phases the generated
-    tokens' keys/values live in the phases' blocks and the returned cache holds the prompt's)."""
+    tokens' keys/values live in the phases' blocks and the returned cache holds the prompt's).
+
+    With `config.replays_routing` the prefill and every decode step also return the experts
+    their tokens ran, stored in the Generation's routing fields; otherwise the program has no
+    such output and carries nothing for it."""
     prompt_tokens, prompt_mask = tokens, mask.astype(bool)
     if group_size > 1:
         mask = jnp.repeat(prompt_mask, group_size, axis=0)
@@ -279,6 +295,8 @@ def _generate_one(
     config = config.replace(param_dtype=config.compute_dtype)
     prompt_len = mask.sum(axis=1).astype(jnp.int32)
     stops = jnp.asarray(stop_tokens, jnp.int32)
+    record = config.replays_routing
+    ids = moe_lib.routing_dtype(config.num_experts)  # the recorded ids' storage dtype
 
     def choose(logits, step, done):
         token, logprob = sample_token(
@@ -292,10 +310,15 @@ def _generate_one(
     prefix = None
     if group_size > 1:
         prompt_cache = empty_cache(config, (prompt_tokens.shape[0],), s)
-        logits, prefix = prefill(config, params, prompt_tokens, prompt_mask, prompt_cache)
+        logits, prefix, *prompt_routing = prefill(config, params, prompt_tokens, prompt_mask, prompt_cache,
+                                                  record_routing=record)
         logits = jnp.repeat(logits, group_size, axis=0)
     else:
-        logits, cache = prefill(config, params, prompt_tokens, prompt_mask, cache, rows)
+        logits, cache, *prompt_routing = prefill(config, params, prompt_tokens, prompt_mask, cache, rows,
+                                                 record_routing=record)
+    out_routing = None  # [B, N, S, k]: generated token i's experts, written by the step that reads it
+    if record:
+        out_routing = jnp.full((b, n, config.num_sparse_layers, config.num_experts_per_tok), moe_lib.no_route(ids), ids)
     layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
     base = 0 if prefix is not None else s  # cache slots before the generated tokens' (the prompt's)
     gen_slots = cache.capacity - base
@@ -313,7 +336,7 @@ def _generate_one(
     starts = [0, base + half] if half else [0]  # cache slot of each block's first slot
     blocks = [_slots(cache, start, base + end) for start, end in zip(starts, ends)]
     earlier = None
-    carry = (jnp.int32(1), token, done, out_tokens, out_logprobs, lengths)
+    carry = (jnp.int32(1), token, done, out_tokens, out_logprobs, lengths, out_routing)
     for block, start, end in zip(blocks, starts, ends):
 
         def cond(carry, end=end):
@@ -324,32 +347,39 @@ def _generate_one(
             return (step <= end) & (step < n) & (running > 0)
 
         def body(carry, start=start, end=end, earlier=earlier):
-            step, block, token, done, out_tokens, out_logprobs, lengths = carry
+            step, block, token, done, out_tokens, out_logprobs, lengths, out_routing = carry
             generated = jnp.broadcast_to(jnp.arange(end)[None, :] < step, (b, end))  # this phase's and earlier slots
             if prefix is None:
                 key_mask = jnp.concatenate([mask, generated], axis=1)  # [B, S + end]
-                logits, block = decode_step(
+                logits, block, *routing = decode_step(
                     config, params, block, token, prompt_len + step - 1, base + step - 1 - start, key_mask, layers,
-                    earlier=earlier,
+                    earlier=earlier, record_routing=record,
                 )
             else:  # the cache holds the generated tokens only; the prompts sit in `prefix`
-                logits, block = decode_step(
+                logits, block, *routing = decode_step(
                     config, params, block, token, prompt_len + step - 1, step - 1 - start, generated, layers,
-                    prefix=prefix, prefix_mask=prompt_mask, earlier=earlier,
+                    prefix=prefix, prefix_mask=prompt_mask, earlier=earlier, record_routing=record,
                 )
+            if record:  # the experts of the token this step read: generated token step - 1
+                out_routing = jax.lax.dynamic_update_index_in_dim(out_routing, routing[0].astype(ids), step - 1, 1)
             lengths = lengths + (~done).astype(jnp.int32)
             token, logprob, done = choose(logits, step, done)
             out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, step))
             out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, logprob[:, None], (0, step))
-            return step + 1, block, token, done, out_tokens, out_logprobs, lengths
+            return step + 1, block, token, done, out_tokens, out_logprobs, lengths, out_routing
 
         step, earlier, *rest = jax.lax.while_loop(cond, body, carry[:1] + (block,) + carry[1:])
         carry = (step, *rest)
-    _, _, _, out_tokens, out_logprobs, lengths = carry
+    _, _, _, out_tokens, out_logprobs, lengths, out_routing = carry
     if not half:
         cache = earlier  # the donated buffer, updated in place
     out_mask = jnp.arange(n)[None, :] < lengths[:, None]
     generation = Generation(tokens=out_tokens, logprobs=out_logprobs, mask=out_mask, lengths=lengths)
+    if record:
+        # row b continues prompt rows[b], or prompt b // G of the groups, or prompt b
+        prompt_row = rows if rows is not None else jnp.arange(b, dtype=jnp.int32) // group_size
+        generation = generation.replace(routing=out_routing, prompt_routing=prompt_routing[0].astype(ids),
+                                        prompt_row=prompt_row.astype(jnp.int32))
     return generation, cache
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from jmarl import sharding as sharding_lib
 from jmarl.algos.method import Method, finite_advantages
 from jmarl.batch import PACKED_FIELDS, PRED_FIELDS, ROLLOUT_FIELDS, LearnerBatch, pad_rows
+from jmarl.errors import JmarlError
 from jmarl.models import moe as moe_lib
 from jmarl.rollouts import Rollouts, bucket_length, next_pow2, select
 from jmarl.train.lora import attach_lora
@@ -55,6 +56,31 @@ def policy_rows(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.n
     return out
 
 
+def policy_routing(rollouts: Rollouts, policy_id: int, size: int, config: Any) -> np.ndarray:
+    """The recorded expert ids of one policy's samples (routing replay), [size, T, S, k] in
+    `moe.routing_dtype(E)` for the S sparse layers and top k of its model `config`, rows as
+    `policy_rows` lays them out. Only the samples it generated itself (source_policy ==
+    policy_id) keep theirs: another policy's routing is not this model's to replay; they, the
+    padding rows and a batch without routing get the marker `moe.no_route` (the learner routes
+    those tokens itself)."""
+    dtype = moe_lib.routing_dtype(config.num_experts)
+    width = config.num_sparse_layers * config.num_experts_per_tok
+    mine = np.asarray(rollouts.policy) == policy_id
+    t = rollouts.seq_len
+    out = np.full((size, t, width), moe_lib.no_route(dtype), dtype)
+    if rollouts.routing is not None:
+        recorded = np.asarray(rollouts.routing)[mine]
+        own = (np.asarray(rollouts.source_policy)[mine] == policy_id)[:, None, None]
+        if recorded.shape[-1] < width:
+            raise JmarlError(f"Rollouts.routing holds {recorded.shape[-1]} expert ids per token, and policy {policy_id}'s "
+                             f"model records {width} ({config.num_sparse_layers} sparse layers x top-"
+                             f"{config.num_experts_per_tok}): these rollouts were not sampled by this model")
+        recorded = recorded[..., :width]
+        marked = recorded == moe_lib.no_route(recorded.dtype)
+        out[: recorded.shape[0]] = np.where(own & ~marked, recorded, moe_lib.no_route(dtype)).astype(dtype)
+    return out.reshape(size, t, config.num_sparse_layers, config.num_experts_per_tok)
+
+
 def _stacked(group: PolicyGroup, parts: list[dict[str, np.ndarray]]) -> LearnerBatch:
     if group.stacked:
         return LearnerBatch(**{k: np.stack([p[k] for p in parts]) for k in parts[0]})
@@ -70,10 +96,15 @@ def learner_batch(
     known from the plan (0: none), fixes N across steps; each micro-batch packs into R rows of L
     slots, R a multiple of `rows_per_part` (one per data shard), (R, L) the fewest slots of a
     few widths or a shape of `known` (the group's earlier steps) that costs little more, so the
-    update compiles for a few shapes (`packing.pack`, `packing.row_shape`)."""
+    update compiles for a few shapes (`packing.pack`, `packing.row_shape`). A group whose model
+    replays routing (`ModelConfig.replays_routing`) also gets `packed_routing` (`policy_routing`:
+    every step, recorded or not, so the programs keep one signature)."""
     counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
     size = batch_rows(counts, parts, min_rows)
     rows = [policy_rows(rollouts, p, size) for p in group.policy_ids]
+    if group.model_config.replays_routing:
+        for p, r in zip(group.policy_ids, rows):
+            r["routing"] = policy_routing(rollouts, p, size, group.model_config)
     return _stacked(group, pack(rows, parts, rows_per_part, known=known)), counts
 
 
@@ -123,6 +154,11 @@ def abstract_learner_batch(
     for k, dtype in PRED_FIELDS.items():
         out[k] = jax.ShapeDtypeStruct(lead + (predictions,), dtype)
     out["pred_slot"] = jax.ShapeDtypeStruct(lead + (rows, length), np.int32)
+    config = group.model_config
+    if config.replays_routing and not sft:
+        out["packed_routing"] = jax.ShapeDtypeStruct(
+            lead + (packed_rows, width, config.num_sparse_layers, config.num_experts_per_tok),
+            moe_lib.routing_dtype(config.num_experts))
     return LearnerBatch(**out)
 
 
@@ -161,7 +197,10 @@ def build_group_fns(
     (`ShardedFn`s: in/out shardings on its mesh, the state donated, batches placed by its rules).
     router_aux_loss_coef > 0 (a mixture-of-experts model): both losses add that weight times the
     router's load-balancing loss over the micro-batch's real tokens (`moe.load_balancing_loss`),
-    reported as `router_aux_loss`."""
+    reported as `router_aux_loss`. Routing replay (a batch with `packed_routing`): every pass
+    over the batch (update, scoring, reference scoring) runs the recorded experts, and the RL
+    update reports `routing_mismatch`, the fraction of recorded (token, sparse layer) pairs
+    whose own top k differs from the recorded one (`moe.mismatch_fraction`)."""
     mcfg = group.model_config
     params_of = model_params(group)
     aux_coef = router_aux_loss_coef if mcfg.is_moe else 0.0
@@ -171,12 +210,17 @@ def build_group_fns(
 
     def with_router_aux(loss_of):
         """loss_of(trainable, frozen, batch, log-probs) -> (loss, metrics), plus the router's
-        load-balancing term when aux_coef > 0."""
+        load-balancing term when aux_coef > 0 and the routing mismatch of a replayed batch."""
         def loss(trainable, frozen, batch: LearnerBatch):
-            if not aux_coef:
+            replayed = batch.packed_routing is not None
+            if not aux_coef and not replayed:
                 return loss_of(trainable, frozen, batch, logprobs_of(trainable, frozen, batch))
             lp, stats = packed_logprobs(mcfg, params_of(trainable, frozen), batch, temperature, with_router_stats=True)
             value, metrics = loss_of(trainable, frozen, batch, lp)
+            if replayed:
+                metrics = {**metrics, "routing_mismatch": moe_lib.mismatch_fraction(stats)}
+            if not aux_coef:
+                return value, metrics
             aux = moe_lib.load_balancing_loss(stats)
             return value + aux_coef * aux, {**metrics, "router_aux_loss": aux}
         return loss

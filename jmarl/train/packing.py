@@ -27,6 +27,12 @@ them when it has none); its continuation is the rest of its real tokens. Output 
     tokens, attention_mask           [N, C]               continuations, right-padded
     any other [N, T] field           [N, C]               (loss_mask, behavior_logprobs) cut the
                                                           same way
+    packed_routing            [parts * R, L, S, k]        from a "routing" field [N, T, S, k]
+                                                          (routing replay): each slot's recorded
+                                                          experts, laid out as packed_tokens
+                                                          (the marker `moe.no_route` in padding;
+                                                          a prompt's from the first of its
+                                                          samples that has them)
 
 pred_source and pred_slot index the whole batch; read inside a micro-batch they are taken
 modulo its size, as `packed_logprobs` does.
@@ -221,6 +227,12 @@ def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows
     n, t = b["tokens"].shape
     per_part = n // parts
     packed = {k: np.zeros((parts * rows, width), dtype) for k, dtype in PACKED_FIELDS.items()}
+    routing = b.get("routing")  # [N, T, S, k] recorded expert ids (routing replay), or None
+    if routing is not None:
+        routing = np.asarray(routing)
+        marker = np.iinfo(routing.dtype).max  # `moe.no_route`: no recorded experts
+        packed["packed_routing"] = np.full((parts * rows, width) + routing.shape[2:], marker, routing.dtype)
+        real = np.asarray(b["attention_mask"], bool)
     source = np.zeros((parts * m_len,), np.int32)
     target = np.zeros((parts * m_len,), np.int32)
     pred_slot = np.full((n, c_len), -1, np.int32)
@@ -237,6 +249,10 @@ def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows
             packed["packed_tokens"][row, at:at + p] = prompt
             packed["packed_positions"][row, at:at + p] = np.arange(p)
             packed["packed_segment"][row, at:at + p] = seg
+            if routing is not None and p:  # the prompt's experts: the first sample that recorded them
+                rows_of = [m * per_part + i for i in members]
+                src_row = next((j for j in rows_of if routing[j, np.flatnonzero(real[j])[0]].flat[0] != marker), rows_of[0])
+                packed["packed_routing"][row, at:at + p] = routing[src_row, np.flatnonzero(real[src_row])[:p]]
             last_prompt = row * width + at + p - 1
             at += p
             for branch, i in enumerate(members, start=1):
@@ -247,6 +263,8 @@ def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows
                 packed["packed_positions"][row, at:at + c] = p + np.arange(c)
                 packed["packed_segment"][row, at:at + c] = seg
                 packed["packed_branch"][row, at:at + c] = branch
+                if routing is not None:
+                    packed["packed_routing"][row, at:at + c] = routing[m * per_part + i, cols]
                 src = row * width + at + np.arange(-1, c - 1)
                 src[0] = last_prompt
                 first = 0 if p else 1  # with no prompt the first token has nothing before it
@@ -262,6 +280,8 @@ def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows
         valid[i, :cols.size] = True
     out: dict[str, np.ndarray] = {**packed, "pred_source": source, "pred_target": target, "pred_slot": pred_slot}
     for key, x in b.items():
+        if key == "routing":  # packed above (packed_routing), not cut per sample
+            continue
         x = np.asarray(x)
         if x.shape == (n, t):
             out[key] = np.where(valid, np.take_along_axis(x, gather, axis=1), np.zeros((), x.dtype))
@@ -276,12 +296,14 @@ def packed_logprobs(config: ModelConfig, params: Params, batch: Any, temperature
     """float32[N, C]: the continuation token log-probs of a packed (micro-)batch, a
     `LearnerBatch` or a dict (reads `jmarl.batch.MODEL_INPUTS`); 0 where a token has no
     prediction. with_router_stats: (log-probs, the mixture-of-experts layers' `moe.RouterStats`
-    over the packed real tokens) from the same forward pass."""
-    get = batch.__getitem__ if isinstance(batch, Mapping) else lambda name: getattr(batch, name)
+    over the packed real tokens) from the same forward pass. A batch with `packed_routing`
+    (routing replay) runs each slot's recorded experts (`packed_token_logprobs`' routing)."""
+    get = batch.get if isinstance(batch, Mapping) else lambda name: getattr(batch, name, None)
     tokens = get("packed_tokens")
     out = packed_token_logprobs(
         config, params, tokens, get("packed_positions"), get("packed_segment"), get("packed_branch"),
         get("pred_source") % tokens.size, get("pred_target"), temperature, with_router_stats=with_router_stats,
+        routing=get("packed_routing"),
     )
     lp, stats = out if with_router_stats else (out, None)
     slot = get("pred_slot")

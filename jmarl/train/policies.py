@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jmarl import models
-from jmarl.config import ArchConfig, check_preset_name
+from jmarl.config import ArchConfig, check_preset_name, routing_replay_refused
 from jmarl.errors import JmarlError
 from jmarl.models.config import resolve_remat  # model.remat resolves as a ModelConfig's remat does
 from jmarl.models.presets import preset_config
@@ -126,10 +126,23 @@ def build_model(
     `jmarl.models.presets`; an `ArchConfig`: a built-in architecture).
 
     Parameters are stored in `param_dtype`, matmuls run in `compute_dtype`; `attention` is passed
-    on and `remat` resolved (`resolve_remat`, on the real parameter count). A preset takes the
-    tokenizer's bos/eos/pad ids, and its vocabulary must hold the tokenizer's. `setting` is the
-    dotted name of the spec in error messages (e.g. policies.models.qwen.model).
+    on and `remat` resolved (`resolve_remat`, on the real parameter count); `routing_replay` is
+    set on the model config (refused, naming `<setting>.routing_replay`, on a model without
+    experts). A preset takes the tokenizer's bos/eos/pad ids, and its vocabulary must hold the
+    tokenizer's. `setting` is the dotted name of the spec in error messages (e.g.
+    policies.models.qwen.model).
     """
+    config, params = _build_model(model_cfg, tokenizer, rng, setting=setting)
+    replay = getattr(model_cfg, "routing_replay", "off")
+    if replay == "replay" and not config.is_moe:
+        raise routing_replay_refused(setting, config.model_type)
+    return config.replace(routing_replay=replay), params
+
+
+def _build_model(
+    model_cfg: Any, tokenizer: Any, rng: jax.Array, *, setting: str = "model"
+) -> tuple[models.ModelConfig, Params]:
+    """`build_model` before its routing replay setting."""
     numerics = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype,
                     attention=model_cfg.attention)
     if model_cfg.path is not None:

@@ -295,6 +295,7 @@ class ModelSampler:
                     prompt_tokens=prompt_arrays[r],
                     completion_tokens=comp,
                     logprobs=np.asarray(gen.logprobs[at][:length_j], np.float32),
+                    routing=completion_routing(gen, pi, j, len(prompt_arrays[r]), length_j),
                 )
             )
         return out
@@ -424,6 +425,19 @@ class ModelSampler:
             jax.ShapeDtypeStruct((), jnp.float32),
         ) + (() if only is None else (jax.ShapeDtypeStruct((), jnp.int32),))
         return program, args
+
+
+def completion_routing(gen: Any, policy: int | None, row: int, prompt_len: int, length: int) -> np.ndarray | None:
+    """The recorded experts [prompt_len + length, S, k] of row `row` (of policy row `policy` of
+    a stacked call; None: unstacked) of a finished call's host `Generation`: its prompt's last
+    `prompt_len` slots (prompts are left-aligned, real tokens last), then its `length`
+    generated tokens. None when the call recorded none (no routing replay)."""
+    if gen.routing is None:
+        return None
+    lead = () if policy is None else (policy,)
+    prompt = gen.prompt_routing[lead + (int(gen.prompt_row[lead + (row,)]),)]
+    slots = prompt.shape[0]
+    return np.concatenate([prompt[slots - prompt_len:], gen.routing[lead + (row,)][:length]])
 
 
 def split_calls(requests: int, n: int, max_rows: int | None) -> list[tuple[int, int]]:

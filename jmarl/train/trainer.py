@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -299,6 +299,7 @@ class Trainer:
                 merge(group, active, state)
             m = jax.device_get(m)
             t_update += time.perf_counter() - t2
+            metrics.update(routing_mismatch_metrics(m, view.policy_ids, counts, group.policy_ids, names))
             for k, v in m.items():
                 metrics[f"train/{k}" if len(self.policies.groups) == 1 else f"train/{group.name}/{k}"] = float(np.mean(v))
             metrics["train/skipped_updates"] = metrics.get("train/skipped_updates", 0.0) + float(np.sum(jax.device_get(group.state.skipped)))
@@ -420,6 +421,20 @@ class Trainer:
         self.checkpointer.close()
         print(results_table(summary, cfg, self.out), flush=True)
         return summary
+
+
+def routing_mismatch_metrics(m: dict[str, Any], updated: Sequence[int], counts: Sequence[int],
+                             policy_ids: Sequence[int], names: Sequence[str]) -> dict[str, float]:
+    """learner/<policy>/routing_mismatch of an update's metrics `m` (routing replay; its
+    "routing_mismatch" entry is removed from m): one value per updated policy (`updated`: the
+    policy ids on the update's policy axis, or the one policy of an unstacked group) that had
+    samples (`counts[i]` of `policy_ids[i]`); {} without replay."""
+    values = m.pop("routing_mismatch", None)
+    if values is None:
+        return {}
+    had = {pid for pid, c in zip(policy_ids, counts) if c}
+    values = np.asarray(values).reshape(len(updated), -1)  # [policies, ...] (one row when unstacked)
+    return {f"learner/{names[pid]}/routing_mismatch": float(np.mean(v)) for pid, v in zip(updated, values) if pid in had}
 
 
 def resume_message(resumed_step: int | None, total_steps: int, checkpoints: Path, dropped: int) -> str:

@@ -35,13 +35,18 @@ class Completion:
     text: the decoded completion (what the env parses); prompt_tokens int32[P]: the
     chat-templated prompt as the policy's tokenizer encoded it; completion_tokens int32[C]: the
     sampled tokens, including the stop token if one was produced; logprobs f32[C]: the
-    behaviour log-prob of each completion token under the policy that sampled it.
+    behaviour log-prob of each completion token under the policy that sampled it; routing
+    uint8/uint16[P + C, S, k] or None: with routing replay (a mixture-of-experts policy with
+    model.routing_replay: replay), the experts each prompt and completion token ran in the
+    sampler's S sparse layers (`jmarl.models.moe.no_route` where none was recorded: the last
+    token, which no decode step read); None otherwise.
     """
 
     text: str
     prompt_tokens: np.ndarray
     completion_tokens: np.ndarray
     logprobs: np.ndarray
+    routing: np.ndarray | None = None
 
 
 @runtime_checkable

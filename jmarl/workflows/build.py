@@ -9,6 +9,9 @@ source_policy come from the record; source_seq_logprob is the record's when it c
 completion log-probs. Group ids are renumbered contiguously from 0 in order of
 first appearance (the identity on a plan's full output), so a filtered list still builds a
 valid batch. The samples of one learner policy are `select(rollouts, rollouts.policy == p)`.
+When some completion carries its recorded experts (routing replay), routing [N, T, W] holds
+each token's, flattened, in the widest dtype and width of the batch (`rollouts.as_routing`),
+the marker `no_route` elsewhere; None when none does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from jmarl.errors import JmarlError
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, Rollouts, bucket_length, make_rollouts
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, Rollouts, as_routing, bucket_length, make_rollouts, no_route
 from jmarl.workflows.base import SampleRecord
 
 
@@ -55,6 +58,8 @@ def build_rollouts(
         behavior[i, p.size : p.size + c.size] = lp
     attention_mask = np.arange(t)[None, :] < lengths[:, None]
 
+    routing = _routing(records, prompts, completions, t)
+
     renumber: dict[int, int] = {}
     group = np.array([renumber.setdefault(r.group, len(renumber)) for r in records], np.int32)
 
@@ -80,7 +85,30 @@ def build_rollouts(
             ],
             np.float32,
         ),
+        routing=routing,
     )
+
+
+def _routing(records: Sequence[SampleRecord], prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray],
+             t: int) -> np.ndarray | None:
+    """[N, T, W] recorded expert ids of the records' tokens (prompt then completion, each
+    token's [S, k] flattened), or None when no completion carries any."""
+    given = [r.completion.routing for r in records]
+    if all(g is None for g in given):
+        return None
+    flat = []
+    for i, (g, p, c) in enumerate(zip(given, prompts, completions)):
+        if g is None:
+            flat.append(None)
+            continue
+        g = np.asarray(g)
+        if g.shape[0] != p.size + c.size:
+            raise JmarlError(f"record {i}: routing for {g.shape[0]} tokens but {p.size} prompt + {c.size} "
+                             "completion tokens; the sampler records one routing per token")
+        row = np.full((t,) + g.shape[1:], no_route(g.dtype), g.dtype)  # no record past the sequence
+        row[: g.shape[0]] = g
+        flat.append(row.reshape(t, -1))
+    return np.stack(as_routing(flat, [(t,)] * len(flat)))
 
 
 def _mean(x: np.ndarray) -> float:

@@ -472,7 +472,8 @@ def test_every_config_file_validates_and_round_trips(path):
     if rel.parent == Path("real"):  # real/<algo>_<task>.yaml: a real pretrained model, CPU-sized
         assert rel.stem == f"{config.algo.name}_{config.env.name}"
         assert config.output_dir == f"runs/real/{rel.stem}"
-        assert config.model.path and not config.model.preset and config.tokenizer is None
+        specs = [config.model] if config.model else [entry.model for entry in config.policies.models.values()]
+        assert all(spec.path and not spec.preset for spec in specs) and config.tokenizer is None
     elif rel.parent != Path("."):  # <algo>/<task>.yaml
         assert config.algo.name == rel.parent.name
         assert config.env.name == rel.stem.removesuffix("_tiny")  # <task>_tiny.yaml: a CPU-sized variant

@@ -65,7 +65,7 @@ def use_chat_template(tokenizer: "HFTokenizer", value: str) -> "HFTokenizer":
                              "does not have; use a template written for this model")
         ids.append(int(token_id))
     tokenizer.hf.chat_template = template
-    tokenizer.stop_ids = tuple(dict.fromkeys((tokenizer.eos_id, *ids)))
+    tokenizer.turn_end_ids = tuple(ids)
     return tokenizer
 
 
@@ -102,9 +102,13 @@ class CharTokenizer:
         self.id_to_piece = self.specials + chars
         self.piece_to_id = {p: i for i, p in enumerate(self.id_to_piece)}
         self.pad_id, self.eos_id, self.bos_id = 0, 1, 2
-        self.stop_ids = (self.eos_id,)  # the ids that end a reply
         self.vocab_size = len(self.id_to_piece)
         self.chat_template = PLAIN_CHAT_TEMPLATE
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a reply: EOS."""
+        return (self.eos_id,)
 
     def encode(self, text: str) -> list[int]:
         """Character ids; no special tokens are added."""
@@ -179,9 +183,14 @@ class HFTokenizer:
         self.eos_id = int(eos if eos is not None else pad)
         self.pad_id = int(pad if pad is not None else self.eos_id)
         self.bos_id = None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
-        self.stop_ids: tuple[int, ...] = (self.eos_id,)  # the ids that end a reply (`use_chat_template` adds)
+        self.turn_end_ids: tuple[int, ...] = ()  # ids besides EOS that end a reply (`use_chat_template`)
         self.vocab_size = len(tokenizer)
         self._segments: SegmentCache | None = None  # built on the first encode_batch
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a reply: EOS, then the chat template's end-of-turn ids."""
+        return tuple(dict.fromkeys((self.eos_id, *self.turn_end_ids)))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no special tokens are added."""

@@ -1,6 +1,8 @@
 """The KV-cache pair of the model's pure API: `prefill` (a prompt's keys/values into the cache and
 its last slot's logits) and `decode_step` (one new token per row, written to the cache, attending
-to it), with the sliding-window masks of the decode step (`window_masks`).
+to it), with the sliding-window masks of the decode step: over a cache that keeps every slot
+(`window_masks`), or over a windowed one whose sliding layers hold only the window as rings
+(`Ring`, `ring_prompt`, `ring_mask`, `window_block_mask`; `jmarl.models.kv_cache`).
 
 Like the forward API of `jmarl.models.model`, both take the parameters as a plain dict and
 rebuild the modules inside the trace (`model.bind`). The cache layout is `jmarl.models.kv_cache`;
@@ -13,12 +15,29 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jmarl.models.cached_attention import cached_attention, pooled_cached_attention, prefixed_cached_attention
 from jmarl.models.config import ModelConfig
 from jmarl.models.kv_cache import KVCache
 from jmarl.models.model import Params, bind, rope_tables
+
+
+@struct.dataclass
+class Ring:
+    """How `decode_step` writes and reads the sliding-window layers of a windowed cache
+    (`jmarl.models.kv_cache.empty_cache(..., windowed=True)`), whose buffers hold only the
+    window, R slots used as a ring. slot: the ring slot the new token's keys/values go to, a
+    scalar or int[B] (generated token j: j mod R); key_mask bool[B, R0 + R]: the slots the query
+    sees, over the layer's `earlier` block (R0 slots: a pool entry's last slots; none where
+    that block is None) then its ring (`ring_mask`, `window_block_mask`); prefix_mask
+    bool[U, Sp]: over the prefix's buffers of the layer (its last Sp slots), with a prefix.
+    The masks keep only keys within the window of the query: no position counting is left
+    to `decode_step` (a ring holds the window and nothing older)."""
+
+    slot: jax.Array
+    key_mask: jax.Array
+    prefix_mask: jax.Array | None = None
 
 
 def prefill(
@@ -30,13 +49,18 @@ def prefill(
     rows: jax.Array | None = None,
     *,
     record_routing: bool = False,
+    ring: bool = False,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Runs the prompt tokens [U,S] through the model; writes their keys/values to cache slots
     [0, S) and returns (float32 logits of the last slot [B,V], cache). Prompts should be
     left-padded so every row's last real token sits in slot S-1. Without `rows`, U = B; with
     rows int[B], cache row b receives prompt rows[b] (identical prompts are computed once).
     record_routing (a model with experts): a third item, the experts each prompt token ran in
-    each sparse layer, int32[U,S,num_sparse,k] (one per prompt, not per row; routing replay)."""
+    each sparse layer, int32[U,S,num_sparse,k] (one per prompt, not per row; routing replay).
+
+    ring: the cache is windowed (`jmarl.models.kv_cache`): a sliding layer's buffer of R slots
+    receives the prompt's last min(S, R) slots, ending at its last slot (prompt slot k in ring
+    slot (k - S) mod R); the other layers' buffers receive slots [0, S) as without it."""
     model = bind(config, params)
     h, (keys, values), *routing = model.hidden(tokens, attention_mask, return_kv=True, last_only=True,
                                                record_routing=record_routing)
@@ -44,14 +68,25 @@ def prefill(
     if rows is not None:
         keys, values, h = keys[:, rows], values[:, rows], h[rows]
     dtype = jnp.dtype(config.compute_dtype)
+    rings = config.sliding_layers() if ring else (False,) * config.num_layers
+    s = tokens.shape[1]
 
-    def write(buffers: tuple[jax.Array, ...], new: jax.Array) -> tuple[jax.Array, ...]:
-        new = new.astype(dtype)
-        return tuple(jax.lax.dynamic_update_slice(buf, new[i], (0, 0, 0, 0)) for i, buf in enumerate(buffers))
+    def write(buffers: tuple[jax.Array, ...], new: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+        """new [L, B, ...] (S slots along `axis` of a layer's buffer) into each layer's buffer."""
+        out = []
+        for i, buf in enumerate(buffers):
+            layer, start = new[i].astype(dtype), 0
+            if rings[i]:  # the last m slots, ending at the ring's last slot
+                m = min(s, buf.shape[axis])
+                layer, start = jax.lax.slice_in_dim(layer, s - m, s, axis=axis), buf.shape[axis] - m
+            index = [0] * buf.ndim
+            index[axis] = start
+            out.append(jax.lax.dynamic_update_slice(buf, layer, tuple(index)))
+        return tuple(out)
 
     keys = keys.transpose(0, 1, 3, 4, 2)  # [L, B, S, KV, hd] -> [L, B, KV, hd, S]
     values = values.swapaxes(2, 3)  # -> [L, B, KV, S, hd]
-    cache = KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
+    cache = KVCache(keys=write(cache.keys, keys, 3), values=write(cache.values, values, 2))
     return (model.logits(h), cache, *routing)
 
 
@@ -71,6 +106,7 @@ def decode_step(
     earlier_groups: int = 1,
     *,
     record_routing: bool = False,
+    ring: Ring | None = None,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """One new token per row: token int[B] at RoPE position int[B], written to cache slot `slot`
     (a scalar shared by all rows, or int[B]: one slot per row); attends to the cache slots where
@@ -89,9 +125,13 @@ def decode_step(
     Layers run as an unrolled Python loop over per-layer cache buffers, so each buffer is updated
     in place and read directly by the attention (no per-step copy of the cache).
 
-    Sliding-window layers (Gemma 3) attend to the slots of key_mask (and prefix_mask) within the
-    window of `position`, the keys' positions counted along the mask's slots (`window_masks`),
-    and rotate by the local RoPE tables; the cache keeps every slot.
+    Sliding-window layers (Gemma 3) rotate by the local RoPE tables. Without `ring` the cache
+    keeps every slot on them and they attend to the slots of key_mask (and prefix_mask) within
+    the window of `position`, the keys' positions counted along the mask's slots
+    (`window_masks`). With `ring` (a windowed cache, `jmarl.models.kv_cache`) their buffers hold
+    only the window: the new token goes to ring slot ring.slot and they attend with ring's
+    masks (`Ring`); `earlier` (and `earlier_rows`' pool) may then hold None on such a layer
+    (no earlier block: a ring written through both phases of a decode loop).
 
     record_routing (a model with experts): a third item, the experts the new token ran in each
     sparse layer, int32[B,num_sparse,k] (routing replay)."""
@@ -100,16 +140,20 @@ def decode_step(
     sliding, sparse = config.sliding_layers(), config.sparse_layers()
     if any(sliding):
         cos_l, sin_l = rope_tables(config, position[:, None], local=True)
-        key_mask_l, prefix_mask_l = window_masks(config, position, key_mask, prefix_mask)
+        if ring is None:
+            key_mask_l, prefix_mask_l, slot_l = *window_masks(config, position, key_mask, prefix_mask), slot
+        else:
+            key_mask_l, prefix_mask_l, slot_l = ring.key_mask, ring.prefix_mask, ring.slot
     x = model.embed_tokens(token[:, None])
     layer_def, layer_state = nnx.split(model.layers)
     keys, values = list(cache.keys), list(cache.values)
     routing = []  # the sparse layers' experts [B, k], with record_routing
     for i in range(config.num_layers):
         if sliding[i]:
-            cos_i, sin_i, key_mask_i, prefix_mask_i = cos_l, sin_l, key_mask_l, prefix_mask_l
+            cos_i, sin_i, key_mask_i, prefix_mask_i, slot_i = cos_l, sin_l, key_mask_l, prefix_mask_l, slot_l
         else:
-            cos_i, sin_i, key_mask_i, prefix_mask_i = cos, sin, key_mask, prefix_mask
+            cos_i, sin_i, key_mask_i, prefix_mask_i, slot_i = cos, sin, key_mask, prefix_mask, slot
+        earlier_i = None if earlier is None or earlier.keys[i] is None else (earlier.keys[i], earlier.values[i])
         if layers is None:
             state_i = jax.tree.map(lambda a: a[i], layer_state)
         else:
@@ -117,7 +161,7 @@ def decode_step(
             nnx.replace_by_pure_dict(state_i, layers[i])
         layer = nnx.merge(layer_def, state_i)
 
-        def attend(q, k, v, i=i, key_mask=key_mask_i, prefix_mask=prefix_mask_i):
+        def attend(q, k, v, i=i, key_mask=key_mask_i, prefix_mask=prefix_mask_i, slot=slot_i, earlier=earlier_i):
             k = k.transpose(0, 2, 3, 1).astype(keys[i].dtype)  # [B, KV, hd, 1]
             v = v.swapaxes(1, 2).astype(values[i].dtype)  # [B, KV, 1, hd]
             if jnp.ndim(slot) == 0:
@@ -129,9 +173,9 @@ def decode_step(
             if earlier is None:
                 k_all, v_all = (k_buf,), (v_buf,)
             elif earlier_rows is None:
-                k_all, v_all = (earlier.keys[i], k_buf), (earlier.values[i], v_buf)
+                k_all, v_all = (earlier[0], k_buf), (earlier[1], v_buf)
             else:  # rows of a pool: read where they lie (`pooled_cached_attention`)
-                pooled = pooled_cached_attention(q, earlier.keys[i], earlier.values[i], earlier_rows, earlier_groups,
+                pooled = pooled_cached_attention(q, earlier[0], earlier[1], earlier_rows, earlier_groups,
                                                   k_buf, v_buf, key_mask)
                 return pooled, (k_buf, v_buf)
             if prefix is None:
@@ -173,6 +217,35 @@ def window_masks(
         before = jnp.repeat(prefix_pos[:, -1] + 1, key_mask.shape[0] // u)[:, None]  # each row's prefix length
     key_pos = before + jnp.cumsum(key_mask.astype(jnp.int32), axis=-1) - 1
     return key_mask & (position[:, None] - key_pos < w), local_prefix
+
+
+def ring_prompt(mask: jax.Array, ring: int) -> jax.Array:
+    """mask bool[B, S] of a left-aligned prompt -> bool[B, R] (R = `ring`): the prompt's slots
+    as a ring of R slots holds them after `prefill(..., ring=True)`: ring slot r holds prompt
+    slot S - R + r (False where that lies before slot 0: a generated token's slot to be)."""
+    return jnp.pad(mask.astype(bool), ((0, 0), (ring, 0)))[:, -ring:]
+
+
+def ring_mask(written: jax.Array, prompt: jax.Array) -> jax.Array:
+    """bool[B, R]: the slots of a ring (a windowed sliding layer's buffer, R slots) that hold
+    keys the query sees once `written` generated tokens (a scalar or int[B], the query's own
+    included) have been written at slots j mod R: slots r < written hold generated tokens
+    (the last R, all within the window), the others still what `prompt` bool[B, R] says
+    (`ring_prompt`; all False for a ring of generated tokens only). A ring of R <= W slots
+    holds nothing outside the window, so no position is compared."""
+    r = prompt.shape[-1]
+    return (jnp.arange(r)[None, :] < jnp.reshape(written, (-1, 1))) | prompt
+
+
+def window_block_mask(config: ModelConfig, mask: jax.Array, written: jax.Array) -> jax.Array:
+    """bool[B, Sp]: the slots of a prompt block kept to its last Sp slots (a windowed prefix or
+    pool entry; mask bool[B, Sp] its real tokens, left-aligned) that a sliding layer's query
+    sees once `written` generated tokens (a scalar or int[B], the query's own included) follow
+    the prompt: block slot r lies Sp - r positions before the first generated token, so
+    written - 1 + Sp - r before the query, which sees fewer than W = sliding_window back."""
+    sp = mask.shape[-1]
+    back = jnp.reshape(written, (-1, 1)) - 1 + sp - jnp.arange(sp)[None, :]
+    return mask.astype(bool) & (back < int(config.sliding_window))
 
 
 def _write_rows(buffer: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:

@@ -42,7 +42,9 @@ forms, grouped and gathered, and of the fused and the separate programs: about 1
 log-probs, which can move a sampled token whose draw lies that close to a boundary of its CDF).
 
 The budget (bytes per device): a slot costs `slot_bytes` (layers x 2 x kv_heads x head_dim x G x
-dtype bytes), a pool entry `entry_bytes` (the same for P tokens, plus its float32 logits). With
+dtype bytes), a pool entry `entry_bytes` (the same for P tokens, plus its float32 logits); both
+caches are windowed (`jmarl.models.kv_cache`): a sliding-window layer counts min(G, W) and
+min(P, W) tokens, the window it keeps (its slot's ring, its entry's last prompt slots). With
 requests of n completions each, Q = `entries_for`(S, n) = min(S, ceil(2 S / n)): room for twice
 the requests the slots can serve at once. The engine runs S = the largest power of two whose
 slots and entries fit `kv_budget_bytes` (no more than the rows asked for, rounded up to a
@@ -79,8 +81,8 @@ from jax.sharding import PartitionSpec as P
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.decode import decode_step, prefill
-from jmarl.models.kv_cache import KVCache, empty_cache, take_rows
+from jmarl.models.decode import Ring, decode_step, prefill, ring_mask, window_block_mask
+from jmarl.models.kv_cache import KVCache, empty_cache, layer_capacities, take_rows, window_capacity
 from jmarl.models.model import CACHE_KEY_AXES, Params
 from jmarl.models.sampler import generation_params, policy_axes, sample_token, select_policy
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
@@ -136,10 +138,12 @@ def num_traces() -> dict[str, int]:
     return dict(_TRACES)
 
 
-def kv_bytes(config: ModelConfig, tokens: int) -> int:
-    """KV-cache bytes of one row of `tokens` tokens: layers x 2 x kv_heads x head_dim x tokens x dtype."""
+def kv_bytes(config: ModelConfig, tokens: int, windowed: bool = False) -> int:
+    """KV-cache bytes of one row of `tokens` tokens: 2 x kv_heads x head_dim x dtype bytes x the
+    slots of each layer, `tokens` (layers x `tokens` in all) or with `windowed` min(tokens, W)
+    on the sliding-window layers (`jmarl.models.kv_cache.layer_capacities`)."""
     itemsize = jnp.dtype(config.compute_dtype).itemsize
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * int(tokens) * itemsize
+    return 2 * config.num_kv_heads * config.head_dim * itemsize * sum(layer_capacities(config, tokens, windowed))
 
 
 def generated_capacity(max_new_tokens: int) -> int:
@@ -148,14 +152,15 @@ def generated_capacity(max_new_tokens: int) -> int:
 
 
 def slot_bytes(config: ModelConfig, max_new_tokens: int) -> int:
-    """Bytes of one slot: the KV cache of its G generated tokens."""
-    return kv_bytes(config, generated_capacity(max_new_tokens))
+    """Bytes of one slot: the KV cache of its G generated tokens (windowed: at most W of them
+    on the sliding-window layers)."""
+    return kv_bytes(config, generated_capacity(max_new_tokens), windowed=True)
 
 
 def entry_bytes(config: ModelConfig, prompt_len: int) -> int:
-    """Bytes of one pool entry: the KV cache of a prompt of `prompt_len` tokens and its float32
-    next-token logits."""
-    return kv_bytes(config, prompt_len) + 4 * config.vocab_size
+    """Bytes of one pool entry: the KV cache of a prompt of `prompt_len` tokens (windowed: its
+    last W on the sliding-window layers) and its float32 next-token logits."""
+    return kv_bytes(config, prompt_len, windowed=True) + 4 * config.vocab_size
 
 
 def entries_for(slots: int, share: int) -> int:
@@ -341,16 +346,18 @@ def _groups(layout: Layout | None) -> int:
 
 def _empty_state(config: ModelConfig, slots: int, entries: int, prompt_len: int, max_new_tokens: int) -> EngineState:
     """An EngineState of `slots` free slots (done) and `entries` empty pool entries of
-    `prompt_len` tokens, the slots' caches of G = `generated_capacity`(max_new_tokens) tokens."""
+    `prompt_len` tokens, the slots' caches of G = `generated_capacity`(max_new_tokens) tokens.
+    Both caches are windowed (`jmarl.models.kv_cache`): on the sliding-window layers an entry
+    keeps its prompt's last min(P, W) slots and a slot a ring of min(G, W)."""
     zeros = jnp.zeros((slots,), jnp.int32)
     pool = PromptPool(
-        cache=empty_cache(config, (entries,), prompt_len), mask=jnp.zeros((entries, prompt_len), bool),
+        cache=empty_cache(config, (entries,), prompt_len, windowed=True), mask=jnp.zeros((entries, prompt_len), bool),
         length=jnp.zeros((entries,), jnp.int32), logits=jnp.zeros((entries, config.vocab_size), jnp.float32),
     )
     return EngineState(
-        cache=empty_cache(config, (slots,), generated_capacity(max_new_tokens)), entry=zeros, prompt_len=zeros,
-        token=zeros, count=zeros, limit=zeros, request=zeros, completion=zeros, done=jnp.ones((slots,), bool),
-        uniforms=jnp.zeros((slots, int(max_new_tokens)), jnp.float32), pool=pool,
+        cache=empty_cache(config, (slots,), generated_capacity(max_new_tokens), windowed=True), entry=zeros,
+        prompt_len=zeros, token=zeros, count=zeros, limit=zeros, request=zeros, completion=zeros,
+        done=jnp.ones((slots,), bool), uniforms=jnp.zeros((slots, int(max_new_tokens)), jnp.float32), pool=pool,
     )
 
 
@@ -373,7 +380,8 @@ def _fill_entries(gen_config: ModelConfig, params: Params, state: EngineState, t
     """The state with prompt u (tokens/mask [U,P]) prefilled into pool row dest[u] (dest[u] = Q,
     out of range, marks an unused entry: dropped)."""
     u, p = tokens.shape
-    logits, cache = prefill(gen_config, params, tokens, mask, empty_cache(gen_config, (u,), p))
+    prompts = empty_cache(gen_config, (u,), p, windowed=True)  # the pool's layout: last W slots on sliding layers
+    logits, cache = prefill(gen_config, params, tokens, mask, prompts, ring=True)
     pool = state.pool
 
     def put(buf, new):
@@ -438,9 +446,17 @@ def _decode(gen_config: ModelConfig, params: Params, state: EngineState, rng, te
 
     aligned: every busy slot has generated exactly one token when the loop starts (a fused run's
     drain), so step i writes cache slot i of every row (one slice; a done row's write lands past
-    its tokens) and reads draw i + 1, instead of a write and a read at each row's own count."""
+    its tokens, or in its ring, no longer read) and reads draw i + 1, instead of a write and a read at each row's own count.
+
+    Sliding-window layers (windowed caches, `_empty_state`): a slot writes its generated token j
+    to ring slot j mod R (R = min(G, W)) and reads its entry's last min(P, W) prompt slots
+    within the window, then its ring (`decode.Ring`). Not with group_size (`group_size` is 0
+    for such models)."""
     s = state.token.shape[0]
     gen_slots = state.cache.capacity
+    sliding = any(gen_config.sliding_layers())
+    assert not (group_size and sliding), "grouped prompt reads are off for sliding-window models"
+    ring_slots = window_capacity(gen_config, gen_slots)
     layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(gen_config.num_layers)]
     stops = jnp.asarray(stop_tokens, jnp.int32)
     pool = state.pool
@@ -452,6 +468,8 @@ def _decode(gen_config: ModelConfig, params: Params, state: EngineState, rng, te
         prefix_mask = _leading_rows(pool.mask, groups, per_device)
     else:
         prompt_mask = take_rows(pool.mask, state.entry, groups)  # [S, P]; entries do not change in a chunk
+        p = prompt_mask.shape[1]
+        prompt_window = prompt_mask[:, p - window_capacity(gen_config, p):]  # [S, Pw]: the entries' windowed slots
     out_tokens = jnp.full((s, steps), pad_id, jnp.int32)
     out_logprobs = jnp.zeros((s, steps), jnp.float32)
     out_emitted = jnp.zeros((s, steps), bool)
@@ -468,13 +486,19 @@ def _decode(gen_config: ModelConfig, params: Params, state: EngineState, rng, te
         generated = jnp.arange(gen_slots)[None, :] < count[:, None]
         write = jnp.minimum(i, gen_slots - 1) if aligned else jnp.clip(count - 1, 0, gen_slots - 1)
         position = st.prompt_len + count - 1
+        ring = None
+        if sliding:  # the slot's ring after its count generated tokens, behind its entry's last slots
+            ring_write = i % ring_slots if aligned else jnp.maximum(count - 1, 0) % ring_slots
+            ring_keys = jnp.concatenate([window_block_mask(gen_config, prompt_window, count),
+                                         ring_mask(count, jnp.zeros((s, ring_slots), bool))], axis=1)
+            ring = Ring(slot=ring_write, key_mask=ring_keys)
         if group_size:
             logits, cache = decode_step(gen_config, params, st.cache, st.token, position, write, generated, layers,
                                         prefix=prefix, prefix_mask=prefix_mask)
         else:
             key_mask = jnp.concatenate([prompt_mask, generated], axis=1)
             logits, cache = decode_step(gen_config, params, st.cache, st.token, position, write, key_mask, layers,
-                                        earlier=pool.cache, earlier_rows=st.entry, earlier_groups=groups)
+                                        earlier=pool.cache, earlier_rows=st.entry, earlier_groups=groups, ring=ring)
         last = st.uniforms.shape[1] - 1
         if aligned:
             uniform = jax.lax.dynamic_index_in_dim(st.uniforms, jnp.minimum(i + 1, last), axis=1, keepdims=False)
@@ -759,8 +783,9 @@ def plan_slots(config: ModelConfig, prompt_len: int, max_new_tokens: int, rows: 
 def group_size(config: ModelConfig, counts: Sequence[int]) -> int:
     """G of the grouped prompt layout (`_decode`): the completions per request when every
     request asks the same number, else 0 (a gather per slot). 0 for models with sliding-window
-    layers, whose group attention takes a group's window from its first row (`window_masks`),
-    whereas an engine slot that stopped keeps its last position."""
+    layers: the slots of a group sit at different positions (one that stopped keeps its last),
+    so each sees its own window of the shared prompt (`decode.window_block_mask`, per row),
+    whereas the group attention takes one prompt mask per group."""
     if any(config.sliding_layers()) or not counts or min(counts) != max(counts):
         return 0
     return int(counts[0])

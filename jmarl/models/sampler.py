@@ -15,7 +15,10 @@ keys/values stay in one cache per group that its G rows attend to (each decode s
 group's prompt once, not G times) and the per-row cache holds only the generated tokens;
 otherwise they are copied to every row of the group. Each decode step runs the layers as an
 unrolled loop over per-layer cache buffers (updated in place) and per-layer parameter slices taken once
-before the loop (this holds one extra copy of the layer weights while generating).
+before the loop (this holds one extra copy of the layer weights while generating). The cache is
+windowed (`jmarl.models.kv_cache`): a sliding-window layer (Gemma 3) holds a ring of the last
+min(C, W) positions of each row (the prompt's last slots, then the generated tokens written over
+them), and a group's shared prompt cache keeps its last min(S, W) slots there.
 From 32 generated slots on, the decode loop runs in two phases over two cache blocks: the
 first half of the steps attends to the first block only (`first_phase_slots`).
 Sampling draws one uniform per row and inverts the CDF (top-k/top-p applied to the weights
@@ -50,8 +53,8 @@ from flax import struct
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
 from jmarl.models import moe as moe_lib
-from jmarl.models.decode import decode_step, prefill
-from jmarl.models.kv_cache import KVCache, empty_cache
+from jmarl.models.decode import Ring, decode_step, prefill, ring_mask, ring_prompt, window_block_mask
+from jmarl.models.kv_cache import KVCache, empty_cache, window_capacity
 from jmarl.models.model import Params, cache_axes, is_lora, param_shapes
 from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
 
@@ -234,12 +237,30 @@ def first_phase_slots(gen_slots: int) -> int:
     return -(-gen_slots // 2) if gen_slots >= TWO_PHASES_FROM else 0
 
 
-def _slots(cache: KVCache, start: int, stop: int) -> KVCache:
-    """Cache slots [start, stop) of every layer (the cache itself when that is all of it)."""
-    if start == 0 and stop == cache.capacity:
-        return cache
-    return KVCache(keys=tuple(k[..., start:stop] for k in cache.keys),
-                   values=tuple(v[..., start:stop, :] for v in cache.values))
+def _slots(cache: KVCache, start: int, stop: int, rings: Sequence[bool]) -> KVCache:
+    """Cache slots [start, stop) of every full layer (its buffer itself when that is all of it);
+    the whole buffer of each layer flagged in `rings` (a windowed sliding layer's ring, which
+    every phase of the decode loop writes and reads)."""
+    def cut(buffers: tuple[jax.Array, ...], slot_axis: int) -> tuple[jax.Array, ...]:
+        return tuple(buf if ring or (start == 0 and stop == buf.shape[slot_axis])
+                     else jax.lax.slice_in_dim(buf, start, stop, axis=slot_axis)
+                     for buf, ring in zip(buffers, rings))
+
+    return KVCache(keys=cut(cache.keys, -1), values=cut(cache.values, -2))
+
+
+def _without_rings(cache: KVCache, rings: Sequence[bool]) -> KVCache:
+    """cache with None in place of each ring layer's buffers (`rings`): the earlier block of the
+    decode loop's second phase, which on those layers is the ring the phase carries itself."""
+    drop = lambda buffers: tuple(None if ring else buf for buf, ring in zip(buffers, rings))  # noqa: E731
+    return KVCache(keys=drop(cache.keys), values=drop(cache.values))
+
+
+def _with_rings(block: KVCache, source: KVCache, rings: Sequence[bool]) -> KVCache:
+    """block with each ring layer's buffers (`rings`) taken from `source` (the first phase's
+    output: the second phase goes on writing the same rings)."""
+    take = lambda own, other: tuple(o if ring else b for b, o, ring in zip(own, other, rings))  # noqa: E731
+    return KVCache(keys=take(block.keys, source.keys), values=take(block.values, source.values))
 
 
 def _generate_one(
@@ -276,6 +297,11 @@ def _generate_one(
     half > 0: the decode loop runs in two phases, the first over `half` generated slots
     (`first_phase_slots`).
 
+    The cache is windowed (`jmarl.models.kv_cache`; `_run` allocates it so): on sliding-window
+    layers it holds a ring of R = min(C, W) slots, C its full layers' capacity; with groups,
+    the prompts' cache keeps their last min(S, W) slots there. The decode steps write and read
+    those layers as `decode.Ring` says; in two phases each ring is carried through both.
+
     Returns (Generation, final cache); the cache is returned so that the donated input buffer
     is updated in place instead of copied (when the loop runs in two phases the generated
     tokens' keys/values live in the phases' blocks and the returned cache holds the prompt's).
@@ -309,35 +335,54 @@ def _generate_one(
 
     prefix = None
     if group_size > 1:
-        prompt_cache = empty_cache(config, (prompt_tokens.shape[0],), s)
+        prompt_cache = empty_cache(config, (prompt_tokens.shape[0],), s, windowed=True)
         logits, prefix, *prompt_routing = prefill(config, params, prompt_tokens, prompt_mask, prompt_cache,
-                                                  record_routing=record)
+                                                  record_routing=record, ring=True)
         logits = jnp.repeat(logits, group_size, axis=0)
     else:
         logits, cache, *prompt_routing = prefill(config, params, prompt_tokens, prompt_mask, cache, rows,
-                                                 record_routing=record)
+                                                 record_routing=record, ring=True)
     out_routing = None  # [B, N, S, k]: generated token i's experts, written by the step that reads it
     if record:
         out_routing = jnp.full((b, n, config.num_sparse_layers, config.num_experts_per_tok), moe_lib.no_route(ids), ids)
     layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(config.num_layers)]
     base = 0 if prefix is not None else s  # cache slots before the generated tokens' (the prompt's)
     gen_slots = cache.capacity - base
+    # sliding layers: rings of R slots (generated token j at j mod R), the prompt's last slots
+    # in the ring (no groups) or in the prefix's last min(S, W) slots (groups)
+    rings = config.sliding_layers()
+    ring_slots = window_capacity(config, cache.capacity)
+
+    def ring_view(step: jax.Array) -> Ring | None:
+        """The sliding layers' ring slot and masks at step `step` (generated token step - 1
+        written); None without sliding layers."""
+        if not any(rings):
+            return None
+        if prefix is None:  # [B, R]: the ring starts with the prompt's last slots
+            return Ring(slot=(step - 1) % ring_slots, key_mask=ring_mask(step, ring_prompt(mask, ring_slots)))
+        kept = prompt_mask[:, s - window_capacity(config, s):]  # [U, Sp]: the prefix's slots on sliding layers
+        return Ring(slot=(step - 1) % ring_slots, key_mask=ring_mask(step, jnp.zeros((b, ring_slots), bool)),
+                    prefix_mask=window_block_mask(config, kept, step))
+
     not_done = jnp.zeros((b,), bool)
     token, logprob, done = choose(logits, 0, not_done)
     out_tokens = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token)
     out_logprobs = jnp.zeros((b, n), jnp.float32).at[:, 0].set(logprob)
     lengths = jnp.ones((b,), jnp.int32)
 
-    # Step t (1 .. n-1) writes its keys/values to cache slot base + t - 1. In two phases
-    # (`first_phase_slots`), phase 1 writes the first `half` generated slots to a block of its own
-    # (with the prompt's slots before them) and attends to that block only; phase 2 writes the
-    # rest to a second block and reads both.
+    # Step t (1 .. n-1) writes its keys/values to cache slot base + t - 1 (ring slot (t - 1) mod R
+    # on the sliding layers). In two phases (`first_phase_slots`), phase 1 writes the first `half`
+    # generated slots to a block of its own (with the prompt's slots before them) and attends to
+    # that block only; phase 2 writes the rest to a second block and reads both. A sliding layer's
+    # ring is the whole of its buffer in both phases: phase 2 goes on with phase 1's.
     ends = [half, gen_slots] if half else [gen_slots]
     starts = [0, base + half] if half else [0]  # cache slot of each block's first slot
-    blocks = [_slots(cache, start, base + end) for start, end in zip(starts, ends)]
     earlier = None
     carry = (jnp.int32(1), token, done, out_tokens, out_logprobs, lengths, out_routing)
-    for block, start, end in zip(blocks, starts, ends):
+    for start, end in zip(starts, ends):
+        block = _slots(cache, start, base + end, rings)
+        if earlier is not None:  # phase 2: the rings as phase 1 left them; the earlier block without them
+            block, earlier = _with_rings(block, earlier, rings), _without_rings(earlier, rings)
 
         def cond(carry, end=end):
             step, done = carry[0], carry[3]
@@ -353,12 +398,13 @@ def _generate_one(
                 key_mask = jnp.concatenate([mask, generated], axis=1)  # [B, S + end]
                 logits, block, *routing = decode_step(
                     config, params, block, token, prompt_len + step - 1, base + step - 1 - start, key_mask, layers,
-                    earlier=earlier, record_routing=record,
+                    earlier=earlier, record_routing=record, ring=ring_view(step),
                 )
             else:  # the cache holds the generated tokens only; the prompts sit in `prefix`
                 logits, block, *routing = decode_step(
                     config, params, block, token, prompt_len + step - 1, step - 1 - start, generated, layers,
                     prefix=prefix, prefix_mask=prompt_mask, earlier=earlier, record_routing=record,
+                    ring=ring_view(step),
                 )
             if record:  # the experts of the token this step read: generated token step - 1
                 out_routing = jax.lax.dynamic_update_index_in_dim(out_routing, routing[0].astype(ids), step - 1, 1)
@@ -453,7 +499,7 @@ def _program(
     return jax.jit(program, donate_argnums=(1,))
 
 
-_empty_cache = jax.jit(empty_cache, static_argnums=(0, 1, 2))
+_empty_cache = jax.jit(functools.partial(empty_cache, windowed=True), static_argnums=(0, 1, 2))
 
 
 # ---------------------------------------------------------------------------------- host side
@@ -596,7 +642,7 @@ def generation_shardings(config: ModelConfig, mesh: Any, stacked: bool, batch_sh
     policy axis over policy. None for an absent prompt array."""
     from jmarl import sharding
 
-    abstract = jax.eval_shape(lambda: empty_cache(config, batch_shape, capacity))
+    abstract = jax.eval_shape(lambda: empty_cache(config, batch_shape, capacity, windowed=True))
     cache_sh = sharding.shardings(mesh, sharding.cache_specs(cache_axes(abstract, stacked=stacked), abstract, mesh))
     prompt_sh = tuple(
         None if x is None else jax.sharding.NamedSharding(mesh, sharding.batch_spec(np.shape(x), mesh, stacked=stacked))
@@ -611,7 +657,7 @@ def placed_on_mesh(config: ModelConfig, mesh: Any, stacked: bool, batch_shape: t
     from jmarl import sharding
 
     cache_sh, prompt_sh = generation_shardings(config, mesh, stacked, batch_shape, capacity, prompts)
-    cache = jax.jit(lambda: empty_cache(config, batch_shape, capacity), out_shardings=cache_sh)()
+    cache = jax.jit(lambda: empty_cache(config, batch_shape, capacity, windowed=True), out_shardings=cache_sh)()
     placed = tuple(None if x is None else sharding.put(np.asarray(x), sh) for x, sh in zip(prompts, prompt_sh))
     return cache, placed
 

@@ -203,9 +203,11 @@ def trainer_programs(trainer: Any) -> list[Program]:
             calls = [(trainer.sampler.generation_program(group, rows, share, params=_abstract(params)), rows, share)
                      for rows, share in b.calls]
             (program, args), rows, share = max(calls, key=lambda c: device_bytes(c[0][1]))
-            add("generate", program, args, _resident(run_state, (params,)),
-                {"rows": list(rows), "share": share, "prompts": list(args[2].shape[:-1]), "S": args[2].shape[-1],
-                 "capacity": args[1].values[0].shape[-2]})
+            shapes = {"rows": list(rows), "share": share, "prompts": list(args[2].shape[:-1]), "S": args[2].shape[-1],
+                      "capacity": args[1].capacity}
+            if min(args[1].capacities) < args[1].capacity:  # the sliding layers' rings (a windowed cache)
+                shapes["window_capacity"] = min(args[1].capacities)
+            add("generate", program, args, _resident(run_state, (params,)), shapes)
 
         # the step's batch
         n = batch_rows([b.rows], parts, trainer.rows_bound())

@@ -409,7 +409,7 @@ class ModelSampler:
         )
         if params is None:
             params = full_params_shapes(group)
-        cache = jax.eval_shape(lambda: kv_cache.empty_cache(group.model_config, batch_shape, capacity))
+        cache = jax.eval_shape(lambda: kv_cache.empty_cache(group.model_config, batch_shape, capacity, windowed=True))
         prompt_sh: tuple = (None, None, None)
         if self.mesh is not None and self.mesh.size > 1:  # as `jmarl.models.sampler._run` places them
             cache_sh, prompt_sh = sampler_lib.generation_shardings(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
+from _tiny_models import VOCAB_SIZE, left_padded, make_tiny_checkpoint, make_tiny_torch_model
 from jmarl.errors import JmarlError
 from jmarl.models import (
     apply,
@@ -29,13 +29,7 @@ N_NEW = 12
 
 def _prompts(lengths, width, seed=0):
     """Left-padded prompts [B, width] with the given real lengths."""
-    rng = np.random.default_rng(seed)
-    tokens = np.zeros((len(lengths), width), np.int64)
-    mask = np.zeros((len(lengths), width), bool)
-    for i, n in enumerate(lengths):
-        tokens[i, width - n:] = rng.integers(3, VOCAB_SIZE, n)
-        mask[i, width - n:] = True
-    return tokens, mask
+    return left_padded(lengths, width, VOCAB_SIZE, seed)
 
 
 _LOADED = {}

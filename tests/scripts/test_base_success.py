@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
 from jmarl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,11 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("base_success_script", ROOT / "scripts" / "base_success.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_success_script"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("base_success")
 
 
 def test_every_cell_builds_a_valid_config_with_a_chat_template(script):

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 import types
 from pathlib import Path
@@ -17,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from _scripts import load_script
 from jmarl import envs
 from jmarl.train.evaluate import step_info_means
 from jmarl.train.metrics import before_summary
@@ -27,15 +26,7 @@ from jmarl.workflows.independent import IndependentOptions, numeric_info, sample
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_evidence():
-    spec = importlib.util.spec_from_file_location("evidence_script", ROOT / "scripts" / "evidence.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["evidence_script"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-evidence = _load_evidence()
+evidence = load_script("evidence")
 
 
 # ---- library additions ------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 record `scripts/quickstart_record.py` made by running the README's command, and the over-seeds
 sentence quotes results/evidence_quickstart.json."""
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
+
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -15,17 +15,8 @@ EVIDENCE = json.loads((ROOT / "results" / "evidence_quickstart.json").read_text(
 
 
 
-def _load(name: str):
-    """A script of scripts/ as a module (registered, so its dataclasses resolve)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-quickstart_record = _load("quickstart_record")
-evidence = _load("evidence")
+quickstart_record = load_script("quickstart_record")
+evidence = load_script("evidence")
 
 
 def test_record_is_the_readme_command_on_committed_code():

@@ -210,8 +210,8 @@ def concat(parts: Sequence[Rollouts]) -> Rollouts:
 
 
 def no_route(dtype: object) -> int:
-    """The routing id that marks "no recorded expert" in a `dtype` array (its largest value;
-    `jmarl.models.moe.no_route`)."""
+    """The routing id that marks "no recorded expert" in a `dtype` array (routing replay): the
+    dtype's largest value, never an expert id (`jmarl.models.moe.routing_dtype`)."""
     return int(np.iinfo(np.dtype(dtype)).max)
 
 

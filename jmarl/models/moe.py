@@ -69,6 +69,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from jmarl.rollouts import no_route  # the marker of a token without recorded experts
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 
 # Rows per tile of the CPU grouped product: the loop's steps are [TILE, K] x [K, N] products.
@@ -127,13 +128,6 @@ def routing_dtype(num_experts: int) -> np.dtype:
     """The dtype recorded expert ids are stored in: uint8 while ids 0 .. E-1 leave its largest
     value (255) free to mean "no record" (E < 256), else uint16 (E < 65,536)."""
     return np.dtype(np.uint8) if num_experts < 256 else np.dtype(np.uint16)
-
-
-def no_route(dtype: object) -> int:
-    """The id value that marks a token without a recorded routing in an array of `dtype`: the
-    dtype's largest value (never an expert id, `routing_dtype`; `jmarl.rollouts.no_route` is
-    the same rule on the host side, which does not import the models)."""
-    return int(np.iinfo(np.dtype(dtype)).max)
 
 
 def routing_bytes_per_token(num_sparse_layers: int, top_k: int, num_experts: int) -> int:

@@ -56,7 +56,7 @@ from jmarl.errors import JmarlError
 from jmarl.models.attention import PACKED_DENSE_MAX
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, packed_token_logprobs
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
+from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, no_route, row_bucket
 
 MIN_BUDGET = 64
 # the width of a packed row (wider when a segment is longer)
@@ -230,7 +230,7 @@ def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows
     routing = b.get("routing")  # [N, T, S, k] recorded expert ids (routing replay), or None
     if routing is not None:
         routing = np.asarray(routing)
-        marker = np.iinfo(routing.dtype).max  # `moe.no_route`: no recorded experts
+        marker = no_route(routing.dtype)  # no recorded experts
         packed["packed_routing"] = np.full((parts * rows, width) + routing.shape[2:], marker, routing.dtype)
         real = np.asarray(b["attention_mask"], bool)
     source = np.zeros((parts * m_len,), np.int32)

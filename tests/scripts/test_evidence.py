@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from _scripts import load_script
 from jmarl import envs
@@ -597,3 +598,18 @@ def test_runs_on_different_code_are_not_paired():
         r["commit"] = "aaa"
     assert [s for s, _, _ in evidence.paired_values(result, comparison)] == [0, 1, 2]
     assert not any("not paired" in line for line in evidence.comparison_lines(table, result))
+
+
+def test_the_real_pair_table_compares_each_model_with_gspo_and_its_start():
+    table = evidence.TABLES["hacpo_real"]
+    assert [v.name for v in table.variants] == ["hacpo", "gspo"]
+    assert table.resume and table.config == "configs/real/hacpo_math.yaml"
+    config = yaml.safe_load((ROOT / table.config).read_text())
+    assert sorted(config["policies"]["models"]) == sorted(evidence.REAL_PAIR_MODELS)
+    compared = {(c.variant, c.baseline, c.key) for c in table.comparisons}
+    for m in evidence.REAL_PAIR_MODELS:
+        assert ("hacpo", "gspo", f"eval_{m}/success_rate") in compared
+        assert ("hacpo", "hacpo", f"eval_{m}/success_rate") in compared
+    text = evidence.note_texts(table, _committed("hacpo_real"))[0]
+    assert "Against the untrained model: smollm2" in text and "twice the rollouts" not in text
+    assert "<!-- evidence:hacpo_real:start -->" in (ROOT / "docs" / "evidence.md").read_text()

@@ -33,7 +33,8 @@ Provenance: each run's row records the code it ran on (`code_state`: the git com
 flag for uncommitted changes to the tracked files a run executes or reads, jmarl/, configs/ and
 pyproject.toml, and a hash of those changes). A finished run (in its run directory or the
 previous result JSON) is reused only when its code is the current code; otherwise it runs again,
-or with `--reuse-other-commits` it is reused and the table says it mixes code. The table's header names the runs' code ("mixed: a (n
+or with `--reuse-other-commits` it is reused and the table says it mixes code. Comparisons pair
+a seed's runs on the same code: commits that differ only outside `RUN_PATHS` are one code (`run_tree`). The table's header names the runs' code ("mixed: a (n
 runs), b (m runs)" when they differ), not the renderer's. Rows of result JSONs written before
 runs recorded their code take the JSON's `versions.git_commit` (the checkout's commit when the
 JSON was written), labelled as such. The notes under a table are functions of its result
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -827,10 +829,13 @@ def code_label(code: dict[str, Any], reused: bool = False) -> str:
 
 
 def code_summary(result: dict[str, Any]) -> dict[str, Any]:
-    """{"runs": {code label: runs}, "mixed": more than one label} over a result's runs."""
-    counts = collections.Counter(code_label(run_code(result, r), bool(r.get("reused")))
-                                 for v in result["variants"].values() for r in v["runs"])
-    return {"runs": dict(counts), "mixed": len(counts) > 1}
+    """{"runs": {code label: runs}, "mixed": the runs ran on different code (`_code_key`; commits
+    that differ only outside `RUN_PATHS` are one code)} over a result's runs."""
+    rows = [r for v in result["variants"].values() for r in v["runs"]]
+    counts = collections.Counter(code_label(run_code(result, r), bool(r.get("reused"))) for r in rows)
+    keys = {_code_key(run_code(result, r)) for r in rows}
+    same = len(keys) == 1 and next(iter(keys))[0] is not None
+    return {"runs": dict(counts), "mixed": len(counts) > 1 and not same}
 
 
 def code_line(result: dict[str, Any]) -> str:
@@ -841,7 +846,10 @@ def code_line(result: dict[str, Any]) -> str:
         return "code: no runs"
     if len(runs) == 1:
         return f"code: {next(iter(runs))}"
-    return "code: mixed: " + ", ".join(f"{label} ({n} runs)" for label, n in runs.items())
+    line = ", ".join(f"{label} ({n} runs)" for label, n in runs.items())
+    if not code_summary(result)["mixed"]:
+        return f"code: {line}, commits that differ only outside {', '.join(RUN_PATHS)} (the same code)"
+    return "code: mixed: " + line
 
 
 def _row_of(table: Table, variant: Variant, seed: int, out_dir: Path, wall: float, cpu: float,
@@ -1126,10 +1134,11 @@ def fmt_cell(stats: dict[str, float] | None, digits: int) -> str:
 
 def paired_values(result: dict[str, Any], comparison: Comparison) -> list[tuple[int, float, float]]:
     """(seed, variant value, baseline value) for every seed where both runs produced their key
-    on the same code (`run_code`: one commit, the same uncommitted changes), in seed order: the
+    on the same code (`run_code`, `_code_key`: the same `RUN_PATHS`, the same uncommitted changes), in seed order: the
     pairs of a paired comparison (same seed = same initialisation, tasks and sampling keys
     wherever the two configs agree). Runs on different code are not paired: a config or the
-    library may have changed between them."""
+    library may have changed between them. Commits that change nothing a run reads (`run_tree`)
+    are the same code."""
     def by_seed(variant: str, key: str) -> dict[int, tuple[float, tuple[Any, Any]]]:
         rows = result["variants"].get(variant, {}).get("runs", [])
         return {r["seed"]: (r["values"][key], _code_key(run_code(result, r)))
@@ -1152,8 +1161,24 @@ def _seeds_with_both(result: dict[str, Any], comparison: Comparison) -> int:
 
 
 def _code_key(code: dict[str, Any]) -> tuple[Any, Any]:
-    """What two runs must share to be paired: their commit and their uncommitted changes."""
-    return code.get("commit"), code.get("diff")
+    """What two runs must share to be paired: the code their commit runs (`run_tree`: commits
+    that differ only outside `RUN_PATHS` are one code) and their uncommitted changes."""
+    commit = code.get("commit")
+    return (run_tree(commit) if commit else None), code.get("diff")
+
+
+@functools.lru_cache(maxsize=None)
+def run_tree(commit: str, root: Path | None = None) -> str:
+    """The git entries (object ids) of `RUN_PATHS` at `commit`, joined: equal for two commits exactly when
+    nothing a run executes or reads differs between them. The commit itself where git cannot
+    resolve it here (a result written in another clone), so such runs pair only with their own
+    commit's."""
+    try:
+        out = subprocess.run(["git", "ls-tree", commit, "--", *RUN_PATHS], cwd=root or ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return commit
+    return " ".join(out.split())
 
 
 def bootstrap_interval(diffs: Sequence[float], *, level: float = 0.95, resamples: int = 10_000,

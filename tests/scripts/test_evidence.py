@@ -282,6 +282,26 @@ def test_commits_that_change_no_run_path_are_equivalent_code(tmp_path, monkeypat
     assert not evidence.equivalent_code(first, dict(docs, dirty=True, diff="0123456789ab"), tmp_path)
     assert not evidence.equivalent_code({}, docs, tmp_path)
 
+    # and they pair: a seed's two runs on commits that differ only in docs are one code
+    monkeypatch.setattr(evidence, "ROOT", tmp_path)
+    evidence.run_tree.cache_clear()
+    table = evidence.TABLES["quickstart"]
+    comparison = next(c for c in table.comparisons if c.baseline == "single")
+
+    def run(seed, value, state):
+        return {"seed": seed, "values": {"success_after": value}} | state
+
+    result = {"seeds": [0, 1], "versions": {}, "variants": {
+        "per_agent": {"runs": [run(0, 0.5, first), run(1, 0.6, first)]},
+        "single": {"runs": [run(0, 0.1, docs), run(1, 0.2, code)]},
+    }}
+    assert evidence.paired_values(result, comparison) == [(0, 0.5, 0.1)]
+    assert evidence.code_summary(result)["mixed"] and "code: mixed:" in evidence.code_line(result)
+    result["variants"]["single"]["runs"][1] = run(1, 0.2, docs)
+    assert [s for s, _, _ in evidence.paired_values(result, comparison)] == [0, 1]
+    assert not evidence.code_summary(result)["mixed"] and "(the same code)" in evidence.code_line(result)
+    evidence.run_tree.cache_clear()
+
 
 def test_a_run_on_other_code_is_not_reused_silently(tmp_path):
     table, variant = evidence.WRITING, evidence.WRITING.variants[0]

@@ -679,7 +679,8 @@ REAL_PAIR = Table(
     title="HACPO on a real heterogeneous pair, SmolLM2-135M-Instruct (llama, 49k vocabulary) and Gemma 3 270M "
     "(gemma3, 262k vocabulary), full fine-tuning on one-digit addition: held-out greedy success per model",
     config="configs/real/hacpo_math.yaml",
-    base=("checkpoint.every=1", "checkpoint.keep=1", "eval.every=0"),
+    # a checkpoint holds both models' float32 weights and Adam moments (about 5 GB): every other step
+    base=("checkpoint.every=2", "checkpoint.keep=1", "eval.every=0"),
     variants=REAL_PAIR_VARIANTS,
     rows=tuple(Line(v.label, variant=v.name) for v in REAL_PAIR_VARIANTS),
     columns=(

@@ -607,6 +607,15 @@ def _real_rl_note(f: Facts) -> str:
     return "; ".join(parts) + "."
 
 
+def _real_signal_note(f: Facts) -> str:
+    rates = {v: f.mean(v, "mean:rollout/success_rate") for v in ("at_grpo", "grpo")}
+    zero = sum(x == 0 for x in f.values("at_grpo", "mean:rollout/success_rate").values())
+    return (f"Training rollouts succeeded on {rates['at_grpo']:.1%} of AT-GRPO's episodes and {rates['grpo']:.1%} of "
+            f"GRPO's (rollout/success_rate, each run's mean over its steps; AT-GRPO on none at all in {zero} of "
+            f"{len(f.values('at_grpo', 'mean:rollout/success_rate'))} runs): a group whose samples all earn the same "
+            "reward has zero advantage, so at these rates few groups carry a learning signal.")
+
+
 def _real_time_note(f: Facts) -> str:
     split = []
     for key, what in (("generate", "generation"), ("env", "env steps"), ("update", "scoring + update")):
@@ -651,7 +660,7 @@ REAL = Table(
         Comparison("at_grpo", "grpo", "success_after", "AT-GRPO (two agents) vs single-agent GRPO, equal samples"),
     ),
     digits=3,
-    notes=(_real_rl_note, _real_time_note),
+    notes=(_real_rl_note, _real_signal_note, _real_time_note),
     fields=("wall_seconds", "mean:rollout/success_rate", "mean:time/step", "mean:time/generate", "mean:time/env",
             "mean:time/update", "mean:rollout/truncated_fraction"),
     resume=True,

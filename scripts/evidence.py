@@ -616,19 +616,26 @@ def _real_signal_note(f: Facts) -> str:
             "reward has zero advantage, so at these rates few groups carry a learning signal.")
 
 
-def _real_time_note(f: Facts) -> str:
-    split = []
-    for key, what in (("generate", "generation"), ("env", "env steps"), ("update", "scoring + update")):
-        try:
-            split.append(f"{what} {f.mean('at_grpo', 'mean:time/' + key):.0f} s")
-        except Missing:
-            pass
-    if not split:
-        raise Missing("time split")
-    return (f"An AT-GRPO step on this CPU took {f.mean('at_grpo', 'mean:time/step'):.0f} s on average: "
-            + ", ".join(split) + " (each run's mean over its steps); "
-            + f"{f.mean('at_grpo', 'mean:rollout/truncated_fraction'):.0%} of its completions were cut at "
-            f"max_new_tokens. {_cpu_note(f)}")
+def time_note(variant: str, step: str, whose: str, parts: Sequence[tuple[str, str]]) -> Callable[[Facts], str]:
+    """The note on a long table's step time: `step` (what one step of `variant` is) took T s on
+    average, split into `parts` ((metric under time/, what it is)), and the share of `whose`
+    completions cut at max_new_tokens; then the runs' CPU time."""
+
+    def note(f: Facts) -> str:
+        split = []
+        for key, what in parts:
+            try:
+                split.append(f"{what} {f.mean(variant, 'mean:time/' + key):.0f} s")
+            except Missing:
+                pass
+        if not split:
+            raise Missing("time split")
+        return (f"{step} on this CPU took {f.mean(variant, 'mean:time/step'):.0f} s on average: "
+                + ", ".join(split) + " (each run's mean over its steps); "
+                + f"{f.mean(variant, 'mean:rollout/truncated_fraction'):.0%} of {whose} completions were cut at "
+                f"max_new_tokens. {_cpu_note(f)}")
+
+    return note
 
 
 REAL_VARIANTS = (
@@ -660,25 +667,13 @@ REAL = Table(
         Comparison("at_grpo", "grpo", "success_after", "AT-GRPO (two agents) vs single-agent GRPO, equal samples"),
     ),
     digits=3,
-    notes=(_real_rl_note, _real_signal_note, _real_time_note),
+    notes=(_real_rl_note, _real_signal_note,
+           time_note("at_grpo", "An AT-GRPO step", "its", (("generate", "generation"), ("env", "env steps"),
+                                                          ("update", "scoring + update")))),
     fields=("wall_seconds", "mean:rollout/success_rate", "mean:time/step", "mean:time/generate", "mean:time/env",
             "mean:time/update", "mean:rollout/truncated_fraction"),
     resume=True,
 )
-
-def _real_pair_time_note(f: Facts) -> str:
-    split = []
-    for key, what in (("generate", "generation"), ("update", "scoring + update")):
-        try:
-            split.append(f"{what} {f.mean('hacpo', 'mean:time/' + key):.0f} s")
-        except Missing:
-            pass
-    if not split:
-        raise Missing("time split")
-    return (f"A HACPO step (both models) on this CPU took {f.mean('hacpo', 'mean:time/step'):.0f} s on average: "
-            + ", ".join(split) + " (each run's mean over its steps); "
-            + f"{f.mean('hacpo', 'mean:rollout/truncated_fraction'):.0%} of the completions were cut at "
-            f"max_new_tokens. {_cpu_note(f)}")
 
 
 REAL_PAIR_VARIANTS = HACPO_VARIANTS[:2]
@@ -710,7 +705,9 @@ REAL_PAIR = Table(
                    baseline_key=f"before_eval_{m}/success_rate") for m in REAL_PAIR_MODELS
     ),
     digits=3,
-    notes=(hacpo_note(REAL_PAIR_MODELS, "the untrained model", doubled=False), _real_pair_time_note),
+    notes=(hacpo_note(REAL_PAIR_MODELS, "the untrained model", doubled=False),
+           time_note("hacpo", "A HACPO step (both models)", "the", (("generate", "generation"),
+                                                                     ("update", "scoring + update")))),
     fields=("wall_seconds", "mean:plan/num_lossy", "mean:rollout/reward_std", "mean:time/step", "mean:time/generate",
             "mean:time/update", "mean:rollout/truncated_fraction"),
     resume=True,

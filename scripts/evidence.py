@@ -393,6 +393,14 @@ def hacpo_note(models: Sequence[str], start: str, doubled: bool) -> Callable[[Fa
     return note
 
 
+def hacpo_columns(models: Sequence[str]) -> tuple[Line, ...]:
+    """A HACPO table's columns: each model's held-out success before and after, then the rollouts
+    both models generated."""
+    return tuple(Line(f"{m} {when}", f"{prefix}eval_{m}/success_rate") for m in models
+                 for when, prefix in (("before", "before_"), ("after", ""))) + (
+        Line("rollouts generated (both models)", "rollouts_generated"),)
+
+
 HACPO_VARIANTS = (
     Variant("hacpo", "HACPO (shared rollouts)", ("workflow.options.mode=hacpo",)),
     Variant("gspo", "GSPO alone (the same generated rollouts)", ("workflow.options.mode=gspo",)),
@@ -407,13 +415,7 @@ HACPO = Table(
     base=("checkpoint.every=0",),
     variants=HACPO_VARIANTS,
     rows=tuple(Line(v.label, variant=v.name) for v in HACPO_VARIANTS),
-    columns=(
-        Line("qwen before", "before_eval_qwen/success_rate"),
-        Line("qwen after", "eval_qwen/success_rate"),
-        Line("llama before", "before_eval_llama/success_rate"),
-        Line("llama after", "eval_llama/success_rate"),
-        Line("rollouts generated (both models)", "rollouts_generated"),
-    ),
+    columns=hacpo_columns(HACPO_MODELS),
     comparisons=tuple(
         Comparison("hacpo", base, f"eval_{m}/success_rate", f"{m}: HACPO vs {label}")
         for m in HACPO_MODELS for base, label in (("gspo", "GSPO alone, same rollouts"), ("gspo_2x", "GSPO, 2x rollouts"))
@@ -687,13 +689,7 @@ REAL_PAIR = Table(
     base=("checkpoint.every=2", "checkpoint.keep=1", "eval.every=0"),
     variants=REAL_PAIR_VARIANTS,
     rows=tuple(Line(v.label, variant=v.name) for v in REAL_PAIR_VARIANTS),
-    columns=(
-        Line("smollm2 before", "before_eval_smollm2/success_rate"),
-        Line("smollm2 after", "eval_smollm2/success_rate"),
-        Line("gemma3 before", "before_eval_gemma3/success_rate"),
-        Line("gemma3 after", "eval_gemma3/success_rate"),
-        Line("rollouts generated (both models)", "rollouts_generated"),
-    ),
+    columns=hacpo_columns(REAL_PAIR_MODELS),
     comparisons=tuple(
         Comparison("hacpo", "gspo", f"eval_{m}/success_rate", f"{m}: HACPO vs GSPO alone, same rollouts")
         for m in REAL_PAIR_MODELS

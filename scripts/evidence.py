@@ -32,9 +32,10 @@ between `<!-- evidence:<table>:start -->` and `<!-- evidence:<table>:end -->`.
 Provenance: each run's row records the code it ran on (`code_state`: the git commit, a dirty
 flag for uncommitted changes to the tracked files a run executes or reads, jmarl/, configs/ and
 pyproject.toml, and a hash of those changes). A finished run (in its run directory or the
-previous result JSON) is reused only when its code is the current code; otherwise it runs again,
-or with `--reuse-other-commits` it is reused and the table says it mixes code. Comparisons pair
-a seed's runs on the same code: commits that differ only outside `RUN_PATHS` are one code (`run_tree`). The table's header names the runs' code ("mixed: a (n
+previous result JSON) is reused only when its code is the current code, where commits that
+differ only outside `RUN_PATHS` are one code (`run_tree`); otherwise it runs again, or with
+`--reuse-other-commits` it is reused and the table says it mixes code. Comparisons pair a seed's
+runs on the same code, by the same rule. The table's header names the runs' code ("mixed: a (n
 runs), b (m runs)" when they differ), not the renderer's. Rows of result JSONs written before
 runs recorded their code take the JSON's `versions.git_commit` (the checkout's commit when the
 JSON was written), labelled as such. The notes under a table are functions of its result
@@ -806,7 +807,7 @@ def same_code(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(a.get("commit")) and a.get("commit") == b.get("commit") and a.get("diff") == b.get("diff")
 
 
-def equivalent_code(a: dict[str, Any], b: dict[str, Any], root: Path = ROOT) -> bool:
+def equivalent_code(a: dict[str, Any], b: dict[str, Any], root: Path | None = None) -> bool:
     """`same_code`, or two commits between which nothing a run executes or reads changed
     (`RUN_PATHS`: commits of docs, tests or results only), with the same uncommitted changes."""
     if same_code(a, b):
@@ -814,8 +815,8 @@ def equivalent_code(a: dict[str, Any], b: dict[str, Any], root: Path = ROOT) -> 
     if not (a.get("commit") and b.get("commit")) or a.get("diff") != b.get("diff"):
         return False
     try:
-        diff = subprocess.run(["git", "diff", "--quiet", a["commit"], b["commit"], "--", *RUN_PATHS], cwd=root,
-                              capture_output=True)
+        diff = subprocess.run(["git", "diff", "--quiet", a["commit"], b["commit"], "--", *RUN_PATHS],
+                              cwd=root or ROOT, capture_output=True)
     except OSError:
         return False
     return diff.returncode == 0
@@ -874,8 +875,9 @@ def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: 
                  passed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The row of an earlier run of exactly this command that finished (resume), else None. A
     run's record is written only after it exits 0, so a run killed midway is rerun. A run made
-    on code other than `current` (a `code_state`; a record without one counts as other code) is
-    reused only with `other_code`; otherwise its code is appended to `passed`."""
+    on code other than `current` (a `code_state`; `equivalent_code` counts as the same; a record
+    without one counts as other code) is reused only with `other_code`; otherwise its code is
+    appended to `passed`."""
     record = out_dir / RUN_RECORD
     if not record.exists():
         return None
@@ -883,7 +885,7 @@ def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: 
     if saved.get("argv") != list(cmd[1:]) or not (out_dir / "summary.json").exists():
         return None
     ran_on = {k: saved[k] for k in ("commit", "dirty", "diff", "attempts") if k in saved}
-    if not other_code and not same_code(ran_on, current or {}):
+    if not other_code and not equivalent_code(ran_on, current or {}):
         if passed is not None:
             passed.append(ran_on)
         return None
@@ -908,14 +910,14 @@ def recorded_row(previous: dict[str, Any] | None, variant: Variant, seed: int, c
                  passed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The row of (variant, seed) in a previous result JSON if it ran exactly `cmd` and finished:
     a table resumes from its committed JSON when the run directories are gone (a new machine).
-    Only a row made on the `current` code, unless `other_code` (otherwise its code is appended to
-    `passed`); a row without its own record of the code gets the JSON's (`run_code`, kept in the
-    row as "commit" with "commit_inferred")."""
+    Only a row made on the `current` code (or `equivalent_code`), unless `other_code` (otherwise
+    its code is appended to `passed`); a row without its own record of the code gets the JSON's
+    (`run_code`, kept in the row as "commit" with "commit_inferred")."""
     rows = ((previous or {}).get("variants", {}).get(variant.name) or {}).get("runs", [])
     for row in rows:
         if row.get("seed") == seed and "values" in row and row.get("argv") == portable(cmd[1:]):
             ran_on = run_code(previous, row)
-            if not other_code and not same_code(ran_on, current or {}):
+            if not other_code and not equivalent_code(ran_on, current or {}):
                 if passed is not None:
                     passed.append(ran_on)
                 return None

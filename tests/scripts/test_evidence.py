@@ -282,8 +282,23 @@ def test_commits_that_change_no_run_path_are_equivalent_code(tmp_path, monkeypat
     assert not evidence.equivalent_code(first, dict(docs, dirty=True, diff="0123456789ab"), tmp_path)
     assert not evidence.equivalent_code({}, docs, tmp_path)
 
-    # and they pair: a seed's two runs on commits that differ only in docs are one code
+    # a finished run is reused across a docs-only commit, and runs again across a code commit
     monkeypatch.setattr(evidence, "ROOT", tmp_path)
+    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5}))
+    cmd = evidence.run_command(table, variant, 0, out, None)
+    (out / evidence.RUN_RECORD).write_text(json.dumps({"argv": cmd[1:], "wall_seconds": 1.0, "cpu_seconds": 1.0,
+                                                       **first}))
+    assert evidence.finished_row(table, variant, 0, out, cmd, docs)["commit"] == first["commit"]
+    assert evidence.finished_row(table, variant, 0, out, cmd, code) is None
+    previous = {"variants": {variant.name: {"runs": [{"seed": 0, "values": {"x": 1.0},
+                                                      "argv": evidence.portable(cmd[1:]), **first}]}}}
+    assert evidence.recorded_row(previous, variant, 0, cmd, docs)["reused"]
+    assert evidence.recorded_row(previous, variant, 0, cmd, code) is None
+
+    # and they pair: a seed's two runs on commits that differ only in docs are one code
     evidence.run_tree.cache_clear()
     table = evidence.TABLES["quickstart"]
     comparison = next(c for c in table.comparisons if c.baseline == "single")

@@ -850,7 +850,7 @@ def code_line(result: dict[str, Any]) -> str:
         return "code: no runs"
     if len(runs) == 1:
         return f"code: {next(iter(runs))}"
-    line = ", ".join(f"{label} ({n} runs)" for label, n in runs.items())
+    line = ", ".join(f"{label} ({n} run{'' if n == 1 else 's'})" for label, n in runs.items())
     if not code_summary(result)["mixed"]:
         return f"code: {line}, commits that differ only outside {', '.join(RUN_PATHS)} (the same code)"
     return "code: mixed: " + line

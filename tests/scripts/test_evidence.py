@@ -474,7 +474,7 @@ def test_reusing_other_commits_marks_the_table_mixed(tmp_path, monkeypatch, caps
     result = evidence.run_table(table, [0], None, tmp_path, reuse_other_commits=True)  # nothing left to run
     assert result["code"]["mixed"] and sum(result["code"]["runs"].values()) == 2
     assert "code: mixed: " in evidence.markdown(table, result)
-    assert evidence.code_line(result).endswith("def5678 (1 runs)")
+    assert evidence.code_line(result).endswith("def5678 (1 run)")
     # without the flag the run made on other code would run again: the table says so first
     monkeypatch.setattr(evidence, "start_run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("would run")))
     with pytest.raises(RuntimeError, match="would run"):

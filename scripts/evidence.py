@@ -681,6 +681,24 @@ REAL = Table(
 
 REAL_PAIR_VARIANTS = HACPO_VARIANTS[:2]
 REAL_PAIR_MODELS = ("smollm2", "gemma3")
+
+
+def _real_pair_signal_note(f: Facts) -> str:
+    """How much signal the real pair's runs had: each model's training rollout success and
+    truncation, and how far an update moved each policy (mean over steps, seeds and variants;
+    policy i is the i-th model under policies.models, the order of REAL_PAIR_MODELS)."""
+    variants = ("hacpo", "gspo")
+    both = lambda key: statistics.fmean(f.mean(v, key) for v in variants)  # noqa: E731
+    success = [f"{m} {both(f'mean:hacpo/success_{i}'):.1%}" for i, m in enumerate(REAL_PAIR_MODELS)]
+    cut = [f"{m} {both(f'mean:rollout/{m}/truncated_fraction'):.0%}" for m in REAL_PAIR_MODELS]
+    moved = [f"{m} {both(f'mean:train/{m}/approx_kl'):.1e}" for m in REAL_PAIR_MODELS]
+    return ("Training rollouts (temperature 1) succeeded on " + ", ".join(success) + " of each model's own "
+            "samples (hacpo/success_i), and were cut at max_new_tokens for " + ", ".join(cut)
+            + " (rollout/<model>/truncated_fraction). The updates were small: the approximate KL between the "
+            "policy that sampled a step's rollouts and the updated one averaged " + ", ".join(moved)
+            + " (train/<model>/approx_kl at the config's learning rate; both variants, each run's mean over "
+            "its steps).")
+
 REAL_PAIR = Table(
     name="hacpo_real",
     title="HACPO on a real heterogeneous pair, SmolLM2-135M-Instruct (llama, 49k vocabulary) and Gemma 3 270M "
@@ -703,10 +721,14 @@ REAL_PAIR = Table(
     ),
     digits=3,
     notes=(hacpo_note(REAL_PAIR_MODELS, "the untrained model", doubled=False),
+           _real_pair_signal_note,
            time_note("hacpo", "A HACPO step (both models)", "the", (("generate", "generation"),
                                                                      ("update", "scoring + update")))),
     fields=("wall_seconds", "mean:plan/num_lossy", "mean:rollout/reward_std", "mean:time/step", "mean:time/generate",
-            "mean:time/update", "mean:rollout/truncated_fraction"),
+            "mean:time/update", "mean:rollout/truncated_fraction")
+    + tuple(f"mean:hacpo/success_{i}" for i in range(len(REAL_PAIR_MODELS)))
+    + tuple(f"mean:rollout/{m}/truncated_fraction" for m in REAL_PAIR_MODELS)
+    + tuple(f"mean:train/{m}/approx_kl" for m in REAL_PAIR_MODELS),
     resume=True,
 )
 

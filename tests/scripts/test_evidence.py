@@ -648,3 +648,26 @@ def test_the_real_pair_table_compares_each_model_with_gspo_and_its_start():
     text = evidence.note_texts(table, _committed("hacpo_real"))[0]
     assert "Against the untrained model: smollm2" in text and "twice the rollouts" not in text
     assert "<!-- evidence:hacpo_real:start -->" in (ROOT / "docs" / "evidence.md").read_text()
+
+
+def test_the_real_pair_signal_note_quotes_each_models_rollouts_and_update_size():
+    table = evidence.TABLES["hacpo_real"]
+    config = yaml.safe_load((ROOT / table.config).read_text())
+    # hacpo/success_<i> is policy i, the i-th entry of policies.models: the note's order
+    assert list(config["policies"]["models"]) == list(evidence.REAL_PAIR_MODELS)
+    result = _committed("hacpo_real")
+    note = next(t for t in evidence.note_texts(table, result) if t.startswith("Training rollouts"))
+
+    def mean_over_runs(key):
+        per_variant = [statistics.fmean(r["values"][key] for r in result["variants"][v]["runs"]) for v in ("hacpo", "gspo")]
+        return statistics.fmean(per_variant)
+
+    for i, m in enumerate(evidence.REAL_PAIR_MODELS):
+        assert f"{m} {mean_over_runs(f'mean:hacpo/success_{i}'):.1%}" in note
+        assert f"{m} {mean_over_runs(f'mean:rollout/{m}/truncated_fraction'):.0%}" in note
+        assert f"{m} {mean_over_runs(f'mean:train/{m}/approx_kl'):.1e}" in note
+    # rows recorded without these fields leave the note out instead of quoting a stale figure
+    for v in result["variants"].values():
+        for r in v["runs"]:
+            r["values"].pop("mean:train/gemma3/approx_kl", None)
+    assert not any(t.startswith("Training rollouts") for t in evidence.note_texts(table, result))

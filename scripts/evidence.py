@@ -687,8 +687,7 @@ def _real_pair_signal_note(f: Facts) -> str:
     """How much signal the real pair's runs had: each model's training rollout success and
     truncation, and how far an update moved each policy (mean over steps, seeds and variants;
     policy i is the i-th model under policies.models, the order of REAL_PAIR_MODELS)."""
-    variants = ("hacpo", "gspo")
-    both = lambda key: statistics.fmean(f.mean(v, key) for v in variants)  # noqa: E731
+    both = lambda key: statistics.fmean(f.mean(v.name, key) for v in REAL_PAIR_VARIANTS)  # noqa: E731
     success = [f"{m} {both(f'mean:hacpo/success_{i}'):.1%}" for i, m in enumerate(REAL_PAIR_MODELS)]
     cut = [f"{m} {both(f'mean:rollout/{m}/truncated_fraction'):.0%}" for m in REAL_PAIR_MODELS]
     moved = [f"{m} {both(f'mean:train/{m}/approx_kl'):.1e}" for m in REAL_PAIR_MODELS]
@@ -698,6 +697,7 @@ def _real_pair_signal_note(f: Facts) -> str:
             "policy that sampled a step's rollouts and the updated one averaged " + ", ".join(moved)
             + " (train/<model>/approx_kl at the config's learning rate; both variants, each run's mean over "
             "its steps).")
+
 
 REAL_PAIR = Table(
     name="hacpo_real",

@@ -1,7 +1,9 @@
 """Math (AT-GRPO tool + reasoner; HACPO single-agent): numeric answers, verified exactly.
 
 Problems: generated multi-step arithmetic and word problems with exact answers (`difficulty`
-1-3), or a GSM8K/MATH-style JSONL file (`path=`; each line an object with a question field
+1-3), an arithmetic tier sized for small models (`tier=`: `add_small` a + b with operands 0-49,
+`add_two_digit` a + b with operands 10-99, `two_ops` a +/- b +/- c with operands 1-30; its
+held-out problems are enumerated, so held-out seeds 0..n-1 are n distinct problems), or a GSM8K/MATH-style JSONL file (`path=`; each line an object with a question field
 `question|problem|prompt|input|query` and an answer field `answer|final_answer|solution|target|
 output`; "#### 42" and \\boxed{42} answers are reduced to the final answer). Held-out items:
 generated problems are split by a hash of the question (see `jmarl.envs.common`); a file is
@@ -21,14 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import random
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
-from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory, read_jsonl,
-                               memory_block, split_items)
+from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory, is_eval_item,
+                               read_jsonl, memory_block, split_items)
 from jmarl.envs.parsing import (answers_match, canonical_answer, extract_answer, extract_boxed,
                                 extract_python, run_program)
 from jmarl.errors import JmarlError
@@ -139,6 +142,45 @@ def generate_problem(rng: random.Random, difficulty: int) -> Problem:
     return _word_problem(rng, difficulty)
 
 
+# ---- arithmetic tiers (sized for small models) -------------------------------------------------
+
+# name -> (operand range, operator choices per slot, number of operands): every problem of a tier
+# is "Compute a op b [op c]." with integer operands in the inclusive range.
+ARITHMETIC_TIERS: dict[str, tuple[tuple[int, int], tuple[str, ...], int]] = {
+    "add_small": ((0, 49), ("+",), 2),         # 2,500 problems, ~250 held out
+    "add_two_digit": ((10, 99), ("+",), 2),    # 8,100 problems, ~810 held out
+    "two_ops": ((1, 30), ("+", "-"), 3),       # 108,000 problems, ~10,800 held out
+}
+
+
+def _tier_problem(operands: Sequence[int], ops: Sequence[str]) -> Problem:
+    text = str(operands[0])
+    value = operands[0]
+    for op, x in zip(ops, operands[1:]):
+        text += f" {op} {x}"
+        value = value + x if op == "+" else value - x
+    return Problem(f"Compute {text}.", str(value))
+
+
+def draw_tier_problem(rng: random.Random, tier: str) -> Problem:
+    """A uniformly drawn problem of an arithmetic tier (see `ARITHMETIC_TIERS`)."""
+    (lo, hi), choices, n = ARITHMETIC_TIERS[tier]
+    return _tier_problem([rng.randint(lo, hi) for _ in range(n)], [rng.choice(choices) for _ in range(n - 1)])
+
+
+@functools.lru_cache(maxsize=len(ARITHMETIC_TIERS))
+def held_out_tier_problems(tier: str) -> tuple[Problem, ...]:
+    """Every held-out problem of a tier (the hash split of `jmarl.envs.common`), in a fixed shuffled
+    order: held-out seed i plays item i mod n, so the first n held-out episodes are n distinct
+    problems."""
+    (lo, hi), choices, n = ARITHMETIC_TIERS[tier]
+    held = [p for operands in itertools.product(range(lo, hi + 1), repeat=n)
+            for ops in itertools.product(choices, repeat=n - 1)
+            for p in (_tier_problem(operands, ops),) if is_eval_item(p.question)]
+    random.Random(f"math:{tier}:held-out").shuffle(held)
+    return tuple(held)
+
+
 # ---- JSONL files ---------------------------------------------------------------------------------
 
 def final_answer_of(answer: Any) -> str:
@@ -193,6 +235,7 @@ class Math:
     name: ClassVar[str] = "math"
     agents: tuple[str, ...] = ("tool", "reasoner")
     difficulty: int = 1
+    tier: str | None = None
     path: str | None = None
     eval_path: str | None = None
     max_turns: int = 3
@@ -210,6 +253,10 @@ class Math:
             raise JmarlError(f"math: difficulty must be 1, 2 or 3, got {self.difficulty}")
         if self.max_turns < 1:
             raise JmarlError(f"math: max_turns must be >= 1, got {self.max_turns}")
+        if self.tier is not None and self.tier not in ARITHMETIC_TIERS:
+            raise JmarlError(f"math: tier must be one of {sorted(ARITHMETIC_TIERS)}, got {self.tier!r}")
+        if self.tier is not None and self.path is not None:
+            raise JmarlError("math: pass either tier= (generated arithmetic) or path= (a problem file), not both")
         if self.eval_path is not None and self.path is None:
             raise JmarlError("math: eval_path needs path= (the training file) as well")
 
@@ -227,7 +274,14 @@ class Math:
         """The problem of `seed`: generated, or the (seed mod n)-th item of the file's split."""
         if not isinstance(seed, int) or seed < 0:
             raise JmarlError(f"math: seed must be an int >= 0, got {seed!r}")
-        if self.path is None:
+        if self.tier is not None:
+            if is_eval_seed(seed):
+                held = held_out_tier_problems(self.tier)
+                problem = held[(seed - EVAL_SEED_START) % len(held)]
+            else:
+                problem = draw_split_item(f"math(tier={self.tier})", seed,
+                                          lambda rng: draw_tier_problem(rng, self.tier), lambda p: p.question)
+        elif self.path is None:
             problem = draw_split_item(f"math(difficulty={self.difficulty})", seed,
                                       lambda rng: generate_problem(rng, self.difficulty),
                                       lambda p: p.question)

@@ -164,6 +164,45 @@ def rollout_length_metrics(
     return out
 
 
+def signal_metrics(groups: Sequence[int], policies: Sequence[int], rewards: Sequence[float],
+                   policy_names: Sequence[str]) -> dict[str, float]:
+    """How much learning signal a step's samples carry, from its records' (group, policy, reward).
+
+    A group whose rewards are all equal (all right, all wrong) has zero group-relative advantage
+    under GRPO, Dr.GRPO, DAPO, GSPO and MAGRPO, so its samples move nothing. Returns
+    rollout/groups (distinct group ids >= 0), rollout/signal_group_fraction (the share whose
+    finite rewards are not all equal), rollout/signal_samples (the samples in those groups) and,
+    per policy p, rollout/<policy_names[p]>/samples and .../signal_group_fraction (a group is
+    counted for the policy of its first sample: plans keep a group within one policy).
+    Args: groups, policies, rewards: one entry per sample, [N] each.
+    """
+    g = np.asarray(groups, np.int64)
+    pol = np.asarray(policies, np.int64)
+    r = np.asarray(rewards, np.float64)
+    keep = g >= 0
+    if not keep.any():
+        return {}
+    out: dict[str, float] = {}
+    ids, first = np.unique(g[keep], return_index=True)
+    finite = keep & np.isfinite(r)
+    lo = np.full(ids.size, np.inf)
+    hi = np.full(ids.size, -np.inf)
+    at = np.searchsorted(ids, g[finite])
+    np.minimum.at(lo, at, r[finite])
+    np.maximum.at(hi, at, r[finite])
+    varied = hi > lo
+    group_policy = pol[keep][first]
+    out["rollout/groups"] = float(ids.size)
+    out["rollout/signal_group_fraction"] = float(np.mean(varied))
+    out["rollout/signal_samples"] = float(np.isin(g, ids[varied]).sum())
+    for p, name in enumerate(policy_names):
+        out[f"rollout/{name}/samples"] = float(np.sum(keep & (pol == p)))
+        mine = group_policy == p
+        if mine.any():
+            out[f"rollout/{name}/signal_group_fraction"] = float(np.mean(varied[mine]))
+    return out
+
+
 def family(name: str) -> str:
     """The plot family of a metric: the part before the first '/' (or the whole name)."""
     return name.split("/", 1)[0]

@@ -50,6 +50,7 @@ from jmarl.train.metrics import (
     results_table,
     rewind_metrics,
     rollout_length_metrics,
+    signal_metrics,
     write_summary,
 )
 from jmarl.train.optim import make_optimizer
@@ -267,6 +268,8 @@ class Trainer:
         metrics["rollout/reward_std"] = float(np.std(finite)) if finite.size else float("nan")
         metrics["rollout/nonfinite_rewards"] = float(rewards.size - finite.size)
         names = self.policies.policy_names
+        metrics.update(signal_metrics([r.group for r in result.records], [r.policy for r in result.records],
+                                      [r.reward for r in result.records], names))
         metrics.update(rollout_length_metrics(
             rollouts, names, cfg.sampling.max_new_tokens,
             eos_ids=[self.policies.group_of(p).tokenizer.eos_id for p in range(len(names))]))

@@ -614,10 +614,12 @@ def _real_rl_note(f: Facts) -> str:
 def _real_signal_note(f: Facts) -> str:
     rates = {v: f.mean(v, "mean:rollout/success_rate") for v in ("at_grpo", "grpo")}
     zero = sum(x == 0 for x in f.values("at_grpo", "mean:rollout/success_rate").values())
-    return (f"Training rollouts succeeded on {rates['at_grpo']:.1%} of AT-GRPO's episodes and {rates['grpo']:.1%} of "
-            f"GRPO's (rollout/success_rate, each run's mean over its steps; AT-GRPO on none at all in {zero} of "
-            f"{len(f.values('at_grpo', 'mean:rollout/success_rate'))} runs): a group whose samples all earn the same "
-            "reward has zero advantage, so at these rates few groups carry a learning signal.")
+    return (f"Training episodes ended with the reasoner right on {rates['at_grpo']:.1%} of AT-GRPO's episodes and "
+            f"{rates['grpo']:.1%} of GRPO's (rollout/success_rate, each run's mean over its steps; AT-GRPO on none "
+            f"at all in {zero} of {len(f.values('at_grpo', 'mean:rollout/success_rate'))} runs). That is the final "
+            "answer only: each candidate's reward is its own correctness (the tool's included), and these runs kept "
+            "no count of the groups whose rewards differed, so they cannot say how many groups carried a learning "
+            "signal; runs since log it (rollout/signal_group_fraction). Samples per step were not kept either.")
 
 
 def time_note(variant: str, step: str, whose: str, parts: Sequence[tuple[str, str]]) -> Callable[[Facts], str]:

@@ -227,7 +227,8 @@ def build_group_fns(
 
     @with_router_aux
     def rl_loss(trainable, frozen, batch: LearnerBatch, lp):
-        return method.loss(cfg, lp, batch)
+        value, metrics = method.loss(cfg, lp, batch)
+        return value, {**metrics, **sampler_agreement(lp, batch)}
 
     @with_router_aux
     def sft_loss(trainable, frozen, batch: LearnerBatch, lp):
@@ -283,6 +284,23 @@ def build_group_fns(
 
     prepare = jax.jit(vmapped(prepare_one, (0, None)))
     return GroupFns(update=update, score=score, score_ref=score_ref, sft_update=sft_update, prepare=prepare)
+
+
+def sampler_agreement(logprobs: jax.Array, batch: LearnerBatch) -> dict[str, jax.Array]:
+    """How far the learner's log-probs are from the sampler's on the tokens the sampler drew.
+
+    logprobs: float[N, C] the learner's, batch.behavior_logprobs float[N, C] the sampler's; only a
+    policy's own samples (source_policy == learner) on trained tokens count. Returns
+    `logprob_diff_max` and `logprob_diff_mean` of |learner - sampler| (0 without such tokens).
+    The update reports them for its first optimizer update (`FIRST_UPDATE_METRICS`), where the
+    learner's parameters are still the sampler's: a gap there is a mismatch between the two
+    programs (tokenisation, masks, positions, numerics), not learning."""
+    if batch.behavior_logprobs is None:
+        return {}
+    own = batch.loss_mask & (batch.source_policy == batch.learner)[:, None]
+    gap = jnp.where(own, jnp.abs(jax.lax.stop_gradient(logprobs) - batch.behavior_logprobs), 0.0)
+    count = jnp.maximum(jnp.sum(own), 1)
+    return {"logprob_diff_max": jnp.max(gap, initial=0.0), "logprob_diff_mean": jnp.sum(gap) / count}
 
 
 def active_policies(counts: Sequence[int], stacked: bool, multiple: int = 1) -> np.ndarray | None:

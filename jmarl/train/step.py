@@ -23,6 +23,10 @@ from jmarl.errors import JmarlError
 
 Params = Any
 Batch = dict[str, jax.Array]
+
+# loss metrics reported from the step's first optimizer update alone (mean over its micro-batches):
+# they compare the learner with the policy that sampled the batch, which later updates have moved
+FIRST_UPDATE_METRICS = frozenset({"logprob_diff_max", "logprob_diff_mean"})
 LossFn = Callable[[Params, Params, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 
@@ -83,6 +87,11 @@ def _all_finite(tree: Params) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def _any_nonzero(tree: Params) -> jax.Array:
+    leaves = [jnp.any(x != 0) for x in jax.tree.leaves(tree)]
+    return jnp.any(jnp.stack(leaves)) if leaves else jnp.array(False)
+
+
 def split_minibatches(batch: Batch, num_minibatches: int, grad_accum: int) -> Batch:
     """[R, ...] -> [num_minibatches, grad_accum, R / (num_minibatches * grad_accum), ...] for
     every leaf: consecutive blocks of rows form the micro-batches. Leaves may have different row
@@ -125,9 +134,14 @@ def make_update(
 
     The batch is cut into `num_minibatches` optimizer updates, each averaging the gradients of
     `grad_accum` equal micro-batches; `epochs` passes go over the same mini-batches (in the
-    same order), `epochs x num_minibatches` updates in all, numbered by `update_index`. An update whose loss or gradient is not finite is
-    skipped: parameters and optimizer state stay as they were and `skipped` counts it.
-    Metrics are averaged over mini-batches; `grad_norm` is the global norm before clipping.
+    same order), `epochs x num_minibatches` updates in all, numbered by `update_index`. An update
+    whose loss or gradient is not finite is skipped: parameters and optimizer state stay as they
+    were and `skipped` counts it. An update whose gradient is exactly zero (every advantage 0 and
+    no other loss term) is not applied either, so that no signal moves nothing: AdamW would
+    otherwise move the parameters by its momentum and decay them (metric `zero_gradient`, the
+    fraction of such updates).
+    Metrics are averaged over mini-batches, except `FIRST_UPDATE_METRICS`, which are the first
+    update's (before any parameter moved); `grad_norm` is the global norm before clipping.
     `constrain` maps the split batch [minibatches, grad_accum, rows, ...] to itself (a sharding
     constraint: `jmarl.sharding.microbatch_rows`).
     """
@@ -151,16 +165,19 @@ def make_update(
             grads, loss, metrics = jax.tree.map(lambda x: x / grad_accum, summed)
 
             finite = jnp.isfinite(loss) & _all_finite(grads)
+            signal = _any_nonzero(grads)
+            apply = finite & signal
             updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
             new_params = optax.apply_updates(state.params, updates)
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
             new_state = TrainState(
                 params=jax.tree.map(keep, new_params, state.params),
                 opt_state=jax.tree.map(keep, new_opt, state.opt_state),
-                step=state.step + finite.astype(jnp.int32),
+                step=state.step + apply.astype(jnp.int32),
                 skipped=state.skipped + (~finite).astype(jnp.int32),
             )
-            metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+            metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                           zero_gradient=(finite & ~signal).astype(jnp.float32))
             return new_state, metrics
 
         mbs = split_minibatches(batch, num_minibatches, grad_accum)
@@ -171,7 +188,7 @@ def make_update(
             return jax.lax.scan(minibatch_update, state, (mbs, indices))
 
         state, metrics = jax.lax.scan(epoch, state, jnp.arange(epochs, dtype=jnp.int32))
-        return state, jax.tree.map(lambda m: jnp.mean(m, axis=(0, 1)), metrics)
+        return state, {k: m[0, 0] if k in FIRST_UPDATE_METRICS else jnp.mean(m, axis=(0, 1)) for k, m in metrics.items()}
 
     return update
 

@@ -56,6 +56,7 @@ from jmarl.train.metrics import (
 from jmarl.train.optim import make_optimizer
 from jmarl.train.packing import policy_token_utilization, shape_of, token_utilization
 from jmarl.train.programs import trainer_programs
+from jmarl.train.step import FIRST_UPDATE_METRICS
 from jmarl.train.progress import ProgressBar, say
 from jmarl.train.sampling import ModelSampler, encode_prompt
 from jmarl.workflows import build_rollouts, plan_metrics, summarize
@@ -305,6 +306,9 @@ class Trainer:
             metrics.update(routing_mismatch_metrics(m, view.policy_ids, counts, group.policy_ids, names))
             for k, v in m.items():
                 metrics[f"train/{k}" if len(self.policies.groups) == 1 else f"train/{group.name}/{k}"] = float(np.mean(v))
+                if k in FIRST_UPDATE_METRICS:  # per policy: the learner against its own sampler
+                    for pid, x in zip(view.policy_ids, np.reshape(v, -1)):
+                        metrics[f"train/{names[pid]}/{k}"] = float(x)
             metrics["train/skipped_updates"] = metrics.get("train/skipped_updates", 0.0) + float(np.sum(jax.device_get(group.state.skipped)))
         metrics.update({"time/score": t_score, "time/update": t_score + t_update, "time/step": time.perf_counter() - t0})
         metrics["perf/train_tokens_per_s"] = float(np.sum(np.asarray(rollouts.attention_mask))) / max(t_score + t_update, 1e-9)

@@ -161,3 +161,25 @@ def test_jsonl_eval_path_and_errors(tmp_path):
         make("math", path=str(bad)).reset(0)
     with pytest.raises(JmarlError, match="eval_path"):
         make("math", eval_path=str(eval_path))
+
+
+@pytest.mark.parametrize("tier", ["add_small", "add_two_digit", "two_ops"])
+def test_arithmetic_tiers_have_128_distinct_exact_held_out_problems_disjoint_from_training(tier):
+    env = make("math", tier=tier, agents=("solver",), max_turns=1)
+    held = [env.reset(eval_seed(i)).problem for i in range(128)]
+    assert len({p.question for p in held}) == 128
+    train = [env.reset(i).problem for i in range(300)]
+    assert not {p.question for p in held} & {p.question for p in train}
+    assert all(is_eval_item(p.question) for p in held) and not any(is_eval_item(p.question) for p in train)
+    for p in held + train:
+        assert Fraction(p.answer) == _eval_expression(p.question)
+    assert len({p.question for p in train}) > 200  # training draws cover the tier, not a few items
+    state, result = env.step(env.reset(eval_seed(0)), "solver", f"so \\boxed{{{held[0].answer}}}")
+    assert result.local_reward == 1.0 and env.success(state)
+
+
+def test_arithmetic_tier_options_are_checked():
+    with pytest.raises(JmarlError, match="tier must be one of"):
+        make("math", tier="calculus")
+    with pytest.raises(JmarlError, match="either tier"):
+        make("math", tier="add_small", path="x.jsonl")

@@ -283,3 +283,15 @@ def test_say_writes_a_line_unless_disabled():
     say("evaluating 8 held-out episodes ...", file=pipe)
     say("hidden", enabled=False, file=pipe)
     assert pipe.getvalue() == "evaluating 8 held-out episodes ...\n"
+
+
+def test_signal_metrics_count_groups_whose_rewards_differ():
+    from jmarl.train.metrics import signal_metrics
+
+    # groups 0 (rewards differ, policy a), 1 (all equal, a), 2 (one finite reward, b); a padding row (-1)
+    got = signal_metrics([0, 0, 1, 1, 2, 2, -1], [0, 0, 0, 0, 1, 1, 0], [1, 0, 1, 1, 0, float("nan"), 1], ["a", "b"])
+    assert got["rollout/groups"] == 3 and got["rollout/signal_group_fraction"] == pytest.approx(1 / 3)
+    assert got["rollout/signal_samples"] == 2
+    assert got["rollout/a/samples"] == 4 and got["rollout/b/samples"] == 2
+    assert got["rollout/a/signal_group_fraction"] == 0.5 and got["rollout/b/signal_group_fraction"] == 0.0
+    assert signal_metrics([-1], [0], [1.0], ["a"]) == {}

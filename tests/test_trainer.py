@@ -97,6 +97,11 @@ def test_short_run_writes_outputs_and_export_matches_transformers(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "train/loss" in x] == [1, 2]
     assert all(np.isfinite(x["train/loss"]) for x in lines if "train/loss" in x)
+    for x in (x for x in lines if "train/loss" in x):  # the signal and sampler-agreement metrics, per policy
+        assert 0 <= x["rollout/signal_group_fraction"] <= 1 and x["rollout/groups"] == 4  # 2 tasks x 2 agents
+        for p in ("a", "b"):
+            assert x[f"rollout/{p}/samples"] == 8
+            assert 0 <= x[f"train/{p}/logprob_diff_mean"] <= x[f"train/{p}/logprob_diff_max"] < 1e-3
     assert list((out / "tensorboard").rglob("events.out.tfevents*"))
     assert list((out / "plots").glob("*.png"))
     saved = json.loads((out / "summary.json").read_text())

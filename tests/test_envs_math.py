@@ -183,3 +183,15 @@ def test_arithmetic_tier_options_are_checked():
         make("math", tier="calculus")
     with pytest.raises(JmarlError, match="either tier"):
         make("math", tier="add_small", path="x.jsonl")
+
+
+def test_solved_examples_open_every_prompt_and_are_training_problems():
+    env = make("math", tier="add_small", agents=("solver",), max_turns=1, examples=3)
+    prompts = [env.observe(env.reset(s), "solver") for s in (eval_seed(0), eval_seed(1), 5)]
+    block = env.examples_block()
+    assert all(p.startswith(block) for p in prompts) and block.count("\\boxed{") == 3
+    for line in (x for x in block.splitlines() if x.startswith("Problem: ")):
+        assert not is_eval_item(line.removeprefix("Problem: "))
+    assert make("math", tier="add_small", agents=("solver",)).observe(env.reset(5), "solver").startswith("Problem:")
+    with pytest.raises(JmarlError, match="examples must be"):
+        make("math", examples=20)

@@ -16,6 +16,8 @@ Agents (default `("tool", "reasoner")`, acting in `turn_order` = `agents`): an a
 agent has acted in a turn, the episode ends if their answers agree (or after `max_turns`).
 Reward: local = 1 if the agent's own answer is correct else 0; team = `team_bonus` to the agent
 whose step completes a turn in which all agents agree on the correct answer (multi-agent only).
+`examples=k` (0-8) opens every prompt with k solved training problems (for base models, which
+follow a pattern more readily than an instruction).
 Single-agent/single-turn mode for HACPO: `make("math", agents=("solver",))` (reward 0/1).
 """
 
@@ -36,6 +38,7 @@ from jmarl.envs.parsing import (answers_match, canonical_answer, extract_answer,
                                 extract_python, run_program)
 from jmarl.errors import JmarlError
 
+EXAMPLE_SEED_START = 900_000_000  # training seeds of the solved examples (`examples=`), far above a run's
 _QUESTION_KEYS = ("question", "problem", "prompt", "input", "query")
 _ANSWER_KEYS = ("answer", "final_answer", "solution", "target", "output")
 
@@ -239,6 +242,7 @@ class Math:
     path: str | None = None
     eval_path: str | None = None
     max_turns: int = 3
+    examples: int = 0
     parallel: bool = False
     team_bonus: float = 1.0
     program_timeout_s: float = 5.0
@@ -251,6 +255,8 @@ class Math:
             raise JmarlError(f"math: agents must be distinct non-empty names, got {agents!r}")
         if self.difficulty not in (1, 2, 3):
             raise JmarlError(f"math: difficulty must be 1, 2 or 3, got {self.difficulty}")
+        if not isinstance(self.examples, int) or not 0 <= self.examples <= 8:
+            raise JmarlError(f"math: examples must be an int from 0 to 8, got {self.examples!r}")
         if self.max_turns < 1:
             raise JmarlError(f"math: max_turns must be >= 1, got {self.max_turns}")
         if self.tier is not None and self.tier not in ARITHMETIC_TIERS:
@@ -299,7 +305,8 @@ class Math:
     def observe(self, state: MathState, agent: str) -> str:
         """The question, memory, the other agents' latest answers and the answer format."""
         self._check_agent(agent)
-        lines = [f"Problem: {state.problem.question}"]
+        lines = [self.examples_block()] if self.examples else []
+        lines.append(f"Problem: {state.problem.question}")
         memory = memory_block(state, agent)
         if memory:
             lines.append(memory)
@@ -316,6 +323,16 @@ class Math:
         else:
             lines.append("Solve it step by step and put the final answer in \\boxed{...}.")
         return "\n".join(lines)
+
+    def examples_block(self) -> str:
+        """`examples` solved training problems, the same in every prompt (a base model's cue for
+        the answer format): each question, its worked steps if any, and its answer in \\boxed{}."""
+        solved = []
+        for j in range(self.examples):
+            p = self.reset(EXAMPLE_SEED_START + j).problem
+            steps = f"{p.explanation}\n" if p.explanation else ""
+            solved.append(f"Problem: {p.question}\n{steps}The answer is \\boxed{{{p.answer}}}.")
+        return "Solved examples:\n" + "\n\n".join(solved) + "\n"
 
     # ---- dynamics ----------------------------------------------------------------------------
     def step(self, state: MathState, agent: str, text: str) -> tuple[MathState, StepResult]:

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from jmarl import provenance
+
 # Reference shapes (docs/benchmarks.md). Qwen2 architecture, untied head, fp32 on CPU.
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -269,10 +271,12 @@ def results_header(module: str, argv: list[str] | None) -> dict[str, Any]:
     """The fields every results JSON of a `python -m <module>` command starts with, taken when
     the work starts (call it first): the command line, the UTC date, the machine (its load
     average then), the library versions and the git commit. `results_end()` adds the end."""
+    command = f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
     return {
-        "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command,
         "date": utc_now(),
         "machine": machine_info(), "versions": versions(), "git": git_state(),
+        provenance.KEY: provenance.record(command),
     }
 
 

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, git_state, utc_now
+from jmarl import provenance
 
 PAPER_CONFIGS = (
     "at_grpo/plan_path", "at_grpo/sokoban", "at_grpo/sudoku", "at_grpo/math", "at_grpo/code",
@@ -106,6 +107,10 @@ def plan(config: str, devices: int, overrides: tuple[str, ...], out: Path, commi
     record["command"] = f"python -m {module} " + " ".join(cmd[3:-2])
     record["date"] = started
     record["git"] = code
+    # what made the figure: the memory check on this checkout, or on a clean copy of `commit`
+    record[provenance.KEY] = provenance.record(record["command"])
+    if commit is not None:
+        record[provenance.KEY].update(commit=commit, dirty=False, diff=None)
     out.write_text(json.dumps(record, indent=2))
     return record
 

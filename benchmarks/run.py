@@ -33,6 +33,7 @@ import tempfile
 import traceback
 from typing import Any, Callable
 
+from jmarl import provenance
 from benchmarks.common import git_state, machine_info, measure_matmul_peak, results_end, utc_now, versions, write_json
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "versions": versions(),
         "git": git_state(),
+        provenance.KEY: provenance.record("python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)),
         "matmul_peak": peak,
         "rows": [],
         "errors": [],

@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from jmarl import provenance  # noqa: E402
 
 # name -> (config, overrides, what the cell is)
 TASKS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 cell.update(commit=code, config=config_path, overrides=overrides,
                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
                 result["cells"][key] = cell
+                result[provenance.KEY] = provenance.record(["python", "scripts/base_success.py", *(argv or sys.argv[1:])])
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, indent=1) + "\n")
                 print(f"[{key}] success {cell['metrics'].get('eval/success_rate', float('nan')):.3f} "

@@ -69,6 +69,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jmarl import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_PREFIX = "metrics:"  # a key read from the last logged value in metrics.jsonl
 MEAN_PREFIX = "mean:"  # a key read as the mean of every logged value in metrics.jsonl
@@ -1207,6 +1210,7 @@ def _result(table: Table, seeds: Sequence[int], steps: int | None, runs: dict[st
         "aggregate": aggregate(table, runs),
         "total_wall_seconds": round(time.perf_counter() - started, 1),
         "versions": versions(),
+        provenance.KEY: provenance.record(command_line(table.name, seeds, steps)),
     }
     result["code"] = code_summary(result)  # the runs' code; "mixed" when they differ
     return result

@@ -27,6 +27,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jmarl import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "results" / "quickstart_output.json"
 README = ROOT / "README.md"
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print("README's quickstart output differs from the record" if diffs else "README matches the record")
         return 1 if diffs else 0
     record = record_run(args.overrides)
+    record[provenance.KEY] = provenance.record(["python", "scripts/quickstart_record.py", *(argv or sys.argv[1:])])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print("\n".join(record["closing_block"]))

@@ -1,0 +1,133 @@
+"""Every result file says what made it (`jmarl.provenance`): its code, command, machine, libraries, date."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jmarl import provenance
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_DIRS = ("results", "benchmarks/results")
+
+# Written before results carried a provenance record; each is to be re-run on a clean commit and
+# then taken off this list (the test fails while a listed file already has its record).
+LEGACY = frozenset({
+    'benchmarks/results/bounds.json',
+    'benchmarks/results/cpu.json',
+    'benchmarks/results/cpu_quick.json',
+    'benchmarks/results/engine.json',
+    'benchmarks/results/engine_memory.json',
+    'benchmarks/results/engine_quick.json',
+    'benchmarks/results/generation_smollm2.json',
+    'benchmarks/results/gpu.json',
+    'benchmarks/results/gpu_attention.json',
+    'benchmarks/results/host_loop.json',
+    'benchmarks/results/host_memory.json',
+    'benchmarks/results/memory.json',
+    'benchmarks/results/moe.json',
+    'benchmarks/results/packing.json',
+    'benchmarks/results/plan/at_grpo_code.json',
+    'benchmarks/results/plan/at_grpo_math.json',
+    'benchmarks/results/plan/at_grpo_plan_path.json',
+    'benchmarks/results/plan/at_grpo_sokoban.json',
+    'benchmarks/results/plan/at_grpo_sudoku.json',
+    'benchmarks/results/plan/dapo_plan_path.json',
+    'benchmarks/results/plan/dr_grpo_plan_path.json',
+    'benchmarks/results/plan/gemma3-27b@64+accum4.json',
+    'benchmarks/results/plan/gemma3-27b@64.json',
+    'benchmarks/results/plan/gemma3-27b@8+lora.json',
+    'benchmarks/results/plan/gemma3-27b@8.json',
+    'benchmarks/results/plan/gemma3-4b@1+lora.json',
+    'benchmarks/results/plan/gemma3-4b@1.json',
+    'benchmarks/results/plan/grpo_plan_path.json',
+    'benchmarks/results/plan/gspo_plan_path.json',
+    'benchmarks/results/plan/hacpo_math.json',
+    'benchmarks/results/plan/joyagents_router.json',
+    'benchmarks/results/plan/lora_4agents_qwen3_1.7b.json',
+    'benchmarks/results/plan/lora_4agents_qwen3_1.7b_merged.json',
+    'benchmarks/results/plan/magrpo_code.json',
+    'benchmarks/results/plan/magrpo_writing.json',
+    'benchmarks/results/plan/qwen3-1.7b@1.json',
+    'benchmarks/results/plan/qwen3-1.7b@64.json',
+    'benchmarks/results/plan/qwen3-1.7b@8.json',
+    'benchmarks/results/plan/qwen3-30b-a3b@256+fsdp256.json',
+    'benchmarks/results/plan/qwen3-30b-a3b@256.json',
+    'benchmarks/results/plan/qwen3-30b-a3b@64.json',
+    'benchmarks/results/plan/qwen3-30b-a3b@8+lora,accum2.json',
+    'benchmarks/results/plan/qwen3-30b-a3b@8+lora.json',
+    'benchmarks/results/plan/qwen3-30b-a3b@8.json',
+    'benchmarks/results/plan/qwen3-8b@1.json',
+    'benchmarks/results/plan/qwen3-8b@64.json',
+    'benchmarks/results/plan/qwen3-8b@8.json',
+    'benchmarks/results/real_iteration.json',
+    'benchmarks/results/real_train_step.json',
+    'benchmarks/results/row_utilization.json',
+    'benchmarks/results/zen5/bounds.json',
+    'benchmarks/results/zen5/cpu.json',
+    'results/base_success_gemma3-270m.json',
+    'results/base_success_smollm2-135m-instruct.json',
+    'results/evidence_hacpo.json',
+    'results/evidence_hacpo_real.json',
+    'results/evidence_joyagents.json',
+    'results/evidence_quickstart.json',
+    'results/evidence_real.json',
+    'results/evidence_writing.json',
+    'results/quickstart_output.json',
+})
+
+
+def _result_files() -> list[str]:
+    return sorted(str(p.relative_to(REPO)) for d in RESULT_DIRS for p in (REPO / d).rglob("*.json"))
+
+
+def test_every_result_file_has_a_clean_provenance_record_or_is_listed_as_legacy():
+    files = _result_files()
+    assert files, "no result files found"
+    lacking, clean_legacy = [], []
+    for name in files:
+        result = json.loads((REPO / name).read_text())
+        gaps = provenance.missing(result)
+        dirty = not gaps and result[provenance.KEY]["dirty"]
+        if name in LEGACY:
+            if not gaps:
+                clean_legacy.append(name)
+        elif gaps or dirty:
+            lacking.append(f"{name}: " + (f"no {', '.join(gaps)}" if gaps else "made from a dirty tree"))
+    assert not lacking, "result files without a clean provenance record:\n" + "\n".join(lacking)
+    assert not clean_legacy, "now recorded, take off LEGACY: " + ", ".join(clean_legacy)
+    assert LEGACY <= set(files), "LEGACY names files that are gone: " + ", ".join(sorted(LEGACY - set(files)))
+
+
+def _git(root, *args):
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+def test_code_state_sees_tracked_changes_and_new_files_under_the_watched_paths(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "jmarl").mkdir()
+    (tmp_path / "jmarl" / "a.py").write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("free text\n")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = provenance.code_state(tmp_path)
+    assert clean["dirty"] is False and clean["diff"] is None and len(clean["commit"]) >= 7
+    (tmp_path / "notes.txt").write_text("edited outside the watched paths\n")
+    assert provenance.code_state(tmp_path)["dirty"] is False
+    (tmp_path / "jmarl" / "new.py").write_text("y = 2\n")  # untracked, under jmarl/
+    new = provenance.code_state(tmp_path)
+    assert new["dirty"] is True and new["diff"]
+    (tmp_path / "jmarl" / "new.py").write_text("y = 3\n")
+    assert provenance.code_state(tmp_path)["diff"] != new["diff"]  # the hash covers the new file's bytes
+    (tmp_path / "jmarl" / "new.py").unlink()
+    (tmp_path / "jmarl" / "a.py").write_text("x = 2\n")
+    assert provenance.code_state(tmp_path)["dirty"] is True
+
+
+def test_a_record_has_every_field_and_missing_names_the_gaps():
+    record = provenance.record("python -m x", root=REPO)
+    assert provenance.missing({provenance.KEY: record}) == []
+    assert record["command"] == "python -m x" and "jax" in record["versions"] and record["machine"]
+    assert provenance.missing({}) == list(provenance.FIELDS)
+    assert provenance.missing({provenance.KEY: {**record, "command": ""}}) == ["command"]

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from jmarl import compile_cache
-from jmarl import run as cli
+from jmarl import process as cli
 from jmarl.errors import JmarlError
 
 ROOT = Path(__file__).resolve().parents[1]

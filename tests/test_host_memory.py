@@ -33,7 +33,7 @@ elif how == "apply-with-plugin":   # as if a CUDA plugin were installed
     host_memory.accelerator_plugins = lambda: ["jax_cuda12_plugin"]
     host_memory.apply_on_cpu()
 elif how == "cli":                 # the command line's path up to the trainer
-    from jmarl import run
+    from jmarl import process as run
     from jmarl.config import load_config
     run.prepare_process(load_config("configs/quickstart.yaml"))  # cache: $JMARL_COMPILATION_CACHE
 started = xla_bridge.backends_are_initialized()
@@ -60,7 +60,7 @@ def _run(how: str, keep: str | None = None, *, order: str = "jmarl-first", platf
     """(policy, JAX async dispatch flag, the fewest page faults of runs 3-5 of a program with a
     128 MiB temporary; -1 when not measured) in a fresh Python that imports jmarl and then does `how`
     ("import": nothing more; "apply": `apply_on_cpu()`; "apply-with-plugin": that with an
-    accelerator plugin seen as installed; "cli": `jmarl.run.prepare_process`), with
+    accelerator plugin seen as installed; "cli": `jmarl.process.prepare_process`), with
     JMARL_KEEP_HOST_MEMORY set to `keep` and JAX_PLATFORMS to `platforms` (None: unset)."""
     drop = (host_memory.ENV_VAR, host_memory.JAX_DISPATCH_FLAG.upper(), "JAX_PLATFORMS")
     env = {k: v for k, v in os.environ.items() if k not in drop}

@@ -123,3 +123,11 @@ def test_the_checker_sees_sharding_import_a_model(tmp_path, monkeypatch):
     (package / "sharding" / "specs.py").write_text("def f():\n    from ..models.model import g\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
     assert imports_into("jmarl.sharding", "jmarl.models") == {"jmarl.sharding.specs": {"jmarl.models.model"}}
+
+
+def test_nothing_imports_the_command_line():
+    """jmarl.run is an entry point: the process set-up it shares with the memory check lives in
+    jmarl.process, so no module of the package imports it."""
+    importers = {name for name, path in _modules().items()
+                 if name != "jmarl.run" and "jmarl.run" in _imported(name, path, _modules())}
+    assert importers == set(), f"{sorted(importers)} import jmarl.run"

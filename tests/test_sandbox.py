@@ -1030,7 +1030,7 @@ def test_strict_policy_refuses_weak_level(monkeypatch, capsys):
 
 def test_the_run_setup_sets_the_isolation_policy(monkeypatch):
     from jmarl.config import load_config
-    from jmarl.run import setup_sandbox
+    from jmarl.process import setup_sandbox
 
     monkeypatch.setattr(policy, "_POLICY", None)
     monkeypatch.delenv("JMARL_SANDBOX_ISOLATION", raising=False)

@@ -12,7 +12,7 @@ merged dict is validated into frozen dataclasses by `from_dict`. Every mistake a
 The modules, one role each: `schema` (the sections as dataclasses), `convert` (typed
 conversion of plain values, generic: `from_dict`, `parse_bytes`), `resolve` (options checked
 against the method, plan and env registries) and `load` (YAML, overrides, dumping). Loading a
-config has no side effect: what a run sets for its process is `jmarl.run.prepare_process`.
+config has no side effect: what a run sets for its process is `jmarl.process.prepare_process`.
 """
 
 from jmarl.config.convert import (  # noqa: F401

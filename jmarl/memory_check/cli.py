@@ -37,6 +37,7 @@ from jmarl.config import (
 )
 from jmarl.errors import JmarlError
 from jmarl.memory_check.figures import analyse_all, device_memory_of, format_size, over_limit, table
+from jmarl.process import quiet_third_party, setup_compilation_cache
 
 
 def _arch(model_config: Any) -> dict[str, Any]:
@@ -175,8 +176,6 @@ def run_check(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         say(f"note: {note}")
     import jax
 
-    from jmarl.run import setup_compilation_cache
-
     setup_compilation_cache(config)  # train.compilation_cache: a repeated plan loads its programs
 
     from jmarl.sharding import axis_sizes, format_mesh, mesh_from_config
@@ -229,8 +228,6 @@ def run_check(args: argparse.Namespace, say: Callable[[str], None]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 fits, 2 does not fit or bad input)."""
-    from jmarl.run import quiet_third_party
-
     quiet_third_party()
     args = _parser().parse_intermixed_args(argv)
     try:

@@ -53,7 +53,7 @@ import numpy as np
 from benchmarks.common import results_end, results_header, write_json
 from jmarl import envs, host_memory
 from jmarl.models import CharTokenizer, load_tokenizer
-from jmarl.rollouts import bucket_length
+from jmarl.padding import bucket_length
 from jmarl.train.sampling import encode_prompt, encode_prompts, left_pad
 from jmarl.workflows import Completion, build_rollouts
 from jmarl.workflows.plans import run_plan

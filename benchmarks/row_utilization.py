@@ -7,7 +7,7 @@ E active episodes x K candidates, fewer rows once episodes end) and its `indepen
 (`workflow.plan=independent`: each episode samples K trajectories) with the static sampler,
 the config's warm start and steps (`--steps` overrides the RL steps), periodic evaluation and
 checkpoints off, and reads `rollout/row_utilization` of every RL step from the run's
-metrics.jsonl. A call's rows are padded to `jmarl.rollouts.row_bucket` (four buckets per
+metrics.jsonl. A call's rows are padded to `jmarl.padding.row_bucket` (four buckets per
 doubling); the other padding, a stacked group's idle policy, is not decoded (a call of one
 policy decodes that policy alone). Writes `benchmarks/results/row_utilization.json` with the
 per-step values, their mean and minimum per run.

@@ -13,7 +13,7 @@ import pytest
 from _tiny_models import tiny_qwen3
 from jmarl import models
 from jmarl.errors import JmarlError
-from jmarl.rollouts import bucket_length
+from jmarl.padding import bucket_length
 from jmarl.models import engine
 from jmarl.train.policies import PolicyGroup, PolicySet, stack
 from jmarl.config import SamplingConfig

@@ -131,3 +131,18 @@ def test_nothing_imports_the_command_line():
     importers = {name for name, path in _modules().items()
                  if name != "jmarl.run" and "jmarl.run" in _imported(name, path, _modules())}
     assert importers == set(), f"{sorted(importers)} import jmarl.run"
+
+
+def test_the_models_import_only_leaves_and_sharding():
+    """jmarl/models sits below the plans, the learner and the rollouts: of the rest of the package
+    it imports only leaves (errors, padding, host_memory) and the sharding rules."""
+    allowed = {"jmarl.errors", "jmarl.padding", "jmarl.host_memory"}
+    modules = _modules()
+    above = {}
+    for name, path in modules.items():
+        if _inside(name, "jmarl.models"):
+            found = {m for m in _imported(name, path, modules)
+                     if not _inside(m, "jmarl.models") and not _inside(m, "jmarl.sharding") and m not in allowed}
+            if found:
+                above[name] = found
+    assert above == {}, f"jmarl/models imports modules above it: {above}"

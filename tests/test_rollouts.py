@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from jmarl import JmarlError
-from jmarl.rollouts import bucket_length, concat, make_rollouts, pad_to, select
+from jmarl.rollouts import concat, make_rollouts, pad_to, select
+from jmarl.padding import bucket_length
 
 
 def _two(n=3, t=4, seed=0):
@@ -46,7 +47,7 @@ def test_bucket_length():
 
 
 def test_row_bucket():
-    from jmarl.rollouts import row_bucket
+    from jmarl.padding import row_bucket
 
     # powers of two up to 8, then four buckets per doubling
     assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 11, 15, 17, 25, 33)] == [1, 2, 4, 8, 8, 10, 12, 16, 20, 28, 40]

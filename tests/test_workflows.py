@@ -31,7 +31,8 @@ import pytest
 from jmarl import JmarlError
 from jmarl.envs.base import StepResult
 from jmarl.envs.base import make as make_env
-from jmarl.rollouts import bucket_length, select
+from jmarl.rollouts import select
+from jmarl.padding import bucket_length
 from jmarl.workflows import (
     PLANS,
     Completion,

@@ -85,9 +85,10 @@ from jmarl.models.decode import Ring, decode_step, prefill, ring_mask, window_bl
 from jmarl.models.kv_cache import KVCache, empty_cache, layer_capacities, take_rows, window_capacity
 from jmarl.models.model import CACHE_KEY_AXES, Params
 from jmarl.models.sampler import generation_params, policy_axes, sample_token, select_policy
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
+from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 from jmarl.sharding.specs import row_axes
+from jmarl.sharding import mesh_context
 
 DEFAULT_CHUNK_STEPS = 8
 CPU_DEFAULT_KV_BUDGET = 1 << 30  # 1 GiB when the device reports no memory limit (CPU)
@@ -695,7 +696,7 @@ class EngineSpec:
       chunk_steps      K, decode steps per program call between two refills of the slots.
                        Default `DEFAULT_CHUNK_STEPS`.
       buckets          prompt-length buckets (tokens): the prompts are left-padded to the
-                       bucket of the longest one (`jmarl.rollouts.bucket_length`).
+                       bucket of the longest one (`jmarl.padding.bucket_length`).
       shrink           once the queue is empty and at most a quarter of the slots are busy,
                        move the busy rows to a state of fewer slots (per device: next_pow2 of
                        its busiest part), so a run's long tail decodes only a few rows per step.
@@ -1059,8 +1060,6 @@ def _run_steps(config: ModelConfig, params: Params, prompts: Sequence[Sequence[i
     if tokens_all.min() < 0 or tokens_all.max() >= config.vocab_size:
         raise JmarlError(f"prompt token ids must be in [0, {config.vocab_size}), the model's vocabulary")
 
-    from jmarl.sharding import mesh_context
-
     select = policy is not None
     policy_arg = np.int32(0 if policy is None else policy)
     if layout is not None:  # leaves not on the mesh (e.g. single-device parameters): replicated on it
@@ -1204,8 +1203,6 @@ def planned_programs(
     shardings), stacked [P, ...] with `select` (one policy's slice generated). Nothing is
     allocated; the parameter preparation (cast to the compute dtype) is compiled to learn its
     output shardings."""
-    from jmarl.sharding import mesh_context
-
     check_no_routing_replay(config)
     mesh, max_new_tokens = spec.mesh, spec.max_new_tokens
     prepare = _prepare_program(config, select)

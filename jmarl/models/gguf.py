@@ -61,6 +61,7 @@ from jmarl.errors import JmarlError
 from jmarl.models.config import FULL, SLIDING, ModelConfig, gemma3_layer_types
 from jmarl.models.hf import _get, _tensor_specs, place
 from jmarl.models.model import Params, param_shapes
+from jmarl.models.tokenizer import HFTokenizer
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 # ggml tensor types whose values `gguf.quants.dequantize` recovers (names of GGMLQuantizationType;
@@ -598,8 +599,6 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
     gguf_file=...)` runs) from metadata read here with the `gguf` package, so no torch is needed.
     `tokenizer.hf.save_pretrained(dir)` writes it beside a `save_hf` export.
     """
-    from jmarl.models.tokenizer import HFTokenizer
-
     f = _open(path)
     if f.value("tokenizer.ggml.tokens", None) is None:
         raise JmarlError(f"GGUF file {f.path} carries no tokenizer (no tokenizer.ggml.tokens)")

@@ -69,7 +69,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from jmarl.rollouts import no_route  # the marker of a token without recorded experts
+from jmarl.padding import no_route  # the marker of a token without recorded experts
 from jmarl.sharding.rules import DEFAULT_RULES, ShardingRules
 
 # Rows per tile of the CPU grouped product: the loop's steps are [TILE, K] x [K, N] products.

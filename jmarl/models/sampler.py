@@ -7,7 +7,7 @@ one token per row per step until every row has emitted a stop token or `max_new_
 reached. No Python runs per token and nothing returns to the host until the end.
 
 Prompts are left-aligned on the host (real tokens moved to the end of the row) and left-padded
-to a bucket length (`jmarl.rollouts.bucket_length`), so prompts of varied lengths reuse a few
+to a bucket length (`jmarl.padding.bucket_length`), so prompts of varied lengths reuse a few
 compiled programs. Positions come from the prompt mask, so padding never shifts RoPE.
 Identical prompt rows (a GRPO group repeats its prompt G times) are prefilled once. When they
 come in blocks of G consecutive rows (as the trainer's sampler lays a group out), the prompt's
@@ -56,7 +56,8 @@ from jmarl.models import moe as moe_lib
 from jmarl.models.decode import Ring, decode_step, prefill, ring_mask, ring_prompt, window_block_mask
 from jmarl.models.kv_cache import KVCache, empty_cache, window_capacity
 from jmarl.models.model import Params, cache_axes, is_lora, param_shapes
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length
+from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length
+from jmarl import sharding
 
 _TRACES = {"count": 0}
 
@@ -625,12 +626,10 @@ def _run(
     else:
         cache = _empty_cache(config, batch_shape, capacity)
     temp = jnp.float32(1.0 if greedy else temperature)
-    from jmarl.sharding import mesh_context
-
     extra = () if policy is None else (jnp.int32(policy),)
     if policy is not None:  # the key the stacked program gives policy p
         rng = jax.random.fold_in(rng, policy)
-    with mesh_context(mesh):  # the prefill keeps its rows sharded (`jmarl.models.model.batch_sharded`)
+    with sharding.mesh_context(mesh):  # the prefill keeps its rows sharded (`jmarl.models.model.batch_sharded`)
         generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p), *extra)
     return generation
 
@@ -640,8 +639,6 @@ def generation_shardings(config: ModelConfig, mesh: Any, stacked: bool, batch_sh
     """(KV cache shardings, shardings of the prompt arrays) of a generation call on `mesh`: cache
     and prompt rows over the batch axes (data, fsdp), key/value heads over tensor, a stacked
     policy axis over policy. None for an absent prompt array."""
-    from jmarl import sharding
-
     abstract = jax.eval_shape(lambda: empty_cache(config, batch_shape, capacity, windowed=True))
     cache_sh = sharding.shardings(mesh, sharding.cache_specs(cache_axes(abstract, stacked=stacked), abstract, mesh))
     prompt_sh = tuple(
@@ -654,8 +651,6 @@ def placed_on_mesh(config: ModelConfig, mesh: Any, stacked: bool, batch_shape: t
                    prompts: tuple) -> tuple[KVCache, tuple]:
     """An empty KV cache created sharded on `mesh` and the prompt arrays placed there (see
     `generation_shardings`): every device holds and decodes only its rows."""
-    from jmarl import sharding
-
     cache_sh, prompt_sh = generation_shardings(config, mesh, stacked, batch_shape, capacity, prompts)
     cache = jax.jit(lambda: empty_cache(config, batch_shape, capacity, windowed=True), out_shardings=cache_sh)()
     placed = tuple(None if x is None else sharding.put(np.asarray(x), sh) for x, sh in zip(prompts, prompt_sh))

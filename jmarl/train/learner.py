@@ -25,7 +25,8 @@ from jmarl.algos.method import Method, finite_advantages
 from jmarl.batch import PACKED_FIELDS, PRED_FIELDS, ROLLOUT_FIELDS, LearnerBatch, pad_rows
 from jmarl.errors import JmarlError
 from jmarl.models import moe as moe_lib
-from jmarl.rollouts import Rollouts, bucket_length, next_pow2, select
+from jmarl.rollouts import Rollouts, select
+from jmarl.padding import bucket_length, next_pow2
 from jmarl.train.lora import attach_lora
 from jmarl.train.policies import PolicyGroup
 from jmarl.train.packing import pack, packed_logprobs

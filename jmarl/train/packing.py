@@ -56,7 +56,7 @@ from jmarl.errors import JmarlError
 from jmarl.models.attention import PACKED_DENSE_MAX
 from jmarl.models.config import ModelConfig
 from jmarl.models.model import Params, packed_token_logprobs
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, no_route, row_bucket
+from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, no_route, row_bucket
 
 MIN_BUDGET = 64
 # the width of a packed row (wider when a segment is longer)

@@ -23,6 +23,7 @@ from jmarl.models.config import resolve_remat  # model.remat resolves as a Model
 from jmarl.models.presets import preset_config
 from jmarl.train.lora import attach_lora, merge_lora
 from jmarl.train.step import TrainState
+from jmarl.models.tokenizer import use_chat_template
 
 Params = Any
 
@@ -95,8 +96,6 @@ def build_tokenizer(spec: str | None, model_path: str | None, chat_template: str
     model_path's. chat_template (`model.chat_template`): renders its prompts instead of its own."""
     tok = _tokenizer(spec, model_path)
     if chat_template is not None:
-        from jmarl.models.tokenizer import use_chat_template
-
         tok = use_chat_template(tok, chat_template)
     return tok
 

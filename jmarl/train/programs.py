@@ -67,7 +67,7 @@ import jax
 from jmarl.errors import JmarlError
 from jmarl.memory_check import Program
 from jmarl.models import engine as engine_lib
-from jmarl.rollouts import bucket_length, next_pow2
+from jmarl.padding import bucket_length, next_pow2
 from jmarl.sharding import ShardedFn, batch_shardings, device_bytes, put
 from jmarl.train.learner import abstract_learner_batch, batch_rows, score_batch
 from jmarl.train.packing import ROW_TOKENS, token_budget

@@ -27,9 +27,10 @@ from jmarl.config import SamplingConfig
 from jmarl.models import engine as engine_lib
 from jmarl.models import kv_cache
 from jmarl.models import sampler as sampler_lib
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
+from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
 from jmarl.train.policies import PolicyGroup, PolicySet
 from jmarl.workflows.base import Completion
+from jmarl.sharding import row_axes
 
 
 def stop_tokens(sampling: SamplingConfig, tokenizer: Any) -> tuple[int, ...]:
@@ -220,8 +221,6 @@ class ModelSampler:
     def _row_devices(self, stacked: bool) -> int:
         """The devices a static call's rows are split over on the run's mesh (1 without one): the
         rows are bucketed to a multiple of them."""
-        from jmarl.sharding import row_axes
-
         sizes = {} if self.mesh is None else dict(self.mesh.shape)
         return int(np.prod([sizes[a] for a in row_axes(self.mesh, stacked=stacked)]))
 

@@ -21,7 +21,8 @@ from typing import Sequence
 import numpy as np
 
 from jmarl.errors import JmarlError
-from jmarl.rollouts import DEFAULT_LENGTH_BUCKETS, Rollouts, as_routing, bucket_length, make_rollouts, no_route
+from jmarl.rollouts import Rollouts, make_rollouts
+from jmarl.padding import DEFAULT_LENGTH_BUCKETS, as_routing, bucket_length, no_route
 from jmarl.workflows.base import SampleRecord
 
 

@@ -799,6 +799,7 @@ REAL_RECIPE = Table(
            time_note("full", "A full fine-tuning step (64 samples)", "its",
                      (("generate", "generation"), ("update", "scoring + update")))),
     fields=("wall_seconds", "mean:rollout/samples", "mean:rollout/signal_group_fraction", "mean:rollout/success_rate",
+            "mean:train/logprob_diff_max", "mean:train/logprob_diff_mean", "mean:train/zero_gradient",
             "mean:rollout/truncated_fraction", "mean:rollout/completion_length_mean", "mean:time/step",
             "mean:time/generate", "mean:time/update", "metrics:rollout/success_rate",
             "metrics:rollout/truncated_fraction"),

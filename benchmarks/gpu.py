@@ -9,7 +9,10 @@ path). Rows:
   tokens/s x `train_flops_per_token`, MFU against the measured bf16 matmul peak (a large XLA
   matmul in the same run) and, where the device is known, against its nominal dense peak.
   `--attention auto,xla` adds a row per attention form; a shape whose full-parameter state does
-  not fit device 0 is skipped with the reason (`train_state_fits`).
+  not fit device 0 is skipped with the reason (`train_state_fits`). `--profile DIR` runs one more
+  step after the timed ones under `jax.profiler.trace(DIR/<shape>-<attention>)` (the timed
+  figures are not profiled) and puts the trace's path and its top ops by time under the row's
+  `profile` (`top_ops`: device ops where the trace has a device, else XLA:CPU's ops).
 - `generation_vs_hf_generate`-style jmarl-only figure `generation_new_tokens_per_s` (batch 64,
   prompt 64, 64 new tokens) and, with CUDA PyTorch, HF `generate` beside it.
 
@@ -18,9 +21,14 @@ Parity is gated first on the `tiny` shape in fp32 on the same device (`benchmark
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
+import os
 import statistics
 import tempfile
-from typing import Any
+from collections import defaultdict
+from typing import Any, Callable
 
 from benchmarks.common import (LR, NEW_TOKENS, PROMPT_LEN, SHAPES, Paired, hf_config, make_row, timed,
                                train_flops_per_token)
@@ -90,10 +98,11 @@ def train_state_fits(shape: str, dtype: str = "bfloat16") -> str | None:
 
 
 def bench_train_mfu(shape: str, repeats: int, peak: float, *, batch: int = GPU_BATCH, seq: int = GPU_SEQ,
-                    dtype: str = "bfloat16", attention: str = "auto") -> dict[str, Any]:
+                    dtype: str = "bfloat16", attention: str = "auto", profile_dir: str | None = None) -> dict[str, Any]:
     """The `train_step_mfu` row: jmarl's jitted GRPO update on random weights, attention in the
     given form (`ModelConfig.attention`: auto = the packed blockwise kernel at these sizes, xla =
-    dense masked scores)."""
+    dense masked scores). `profile_dir`: one more step, after the timed ones, under the JAX
+    profiler (`profile_step`), summarised under the row's `profile`."""
     import jax
     import jax.numpy as jnp
 
@@ -135,7 +144,81 @@ def bench_train_mfu(shape: str, repeats: int, peak: float, *, batch: int = GPU_B
         row["mfu_vs_nominal"] = med * fpt / nominal
     print(f"[train step {shape}, attention {attention}] {med:,.0f} tok/s, {med * fpt / 1e12:.1f} TFLOP/s, MFU {100 * row['mfu']:.0f}% "
           f"(compile {row['jmarl_compile_s']:.0f}s)", flush=True)
+    if profile_dir:
+        row["profile"] = profile_step(once, profile_dir)
     return row
+
+
+def profile_step(fn: Callable[[], None], directory: str, top: int = 15) -> dict[str, Any]:
+    """Runs `fn()` (which blocks until its result is ready) once under `jax.profiler.trace(directory)`;
+    returns {"dir", "trace": the trace.json.gz written, "top_ops": `top_ops` of it}, or {"dir",
+    "error"} when the profiler fails (the row's figures stand either way)."""
+    import jax
+
+    try:
+        with jax.profiler.trace(directory):
+            fn()
+        traces = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.trace.json.gz")),
+                        key=os.path.getmtime)
+        if not traces:
+            return {"dir": directory, "error": "the profiler wrote no *.trace.json.gz"}
+        out = {"dir": directory, "trace": traces[-1], **top_ops(traces[-1], top)}
+    except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the measured row
+        return {"dir": directory, "error": f"{type(e).__name__}: {e}"[:500]}
+    for op in out["top_ops"][:5]:
+        print(f"  [profile] {100 * op['fraction']:5.1f}% {op['total_us'] / 1e3:9.2f} ms x{op['count']:<5d} {op['op']}", flush=True)
+    return out
+
+
+def top_ops(trace_path: str, top: int = 15) -> dict[str, Any]:
+    """The ops that took the most time in a JAX profiler trace (Chrome trace JSON, gzipped):
+    {"selection": which events were counted, "total_us", "top_ops": [{"op", "total_us", "count",
+    "fraction", "example"}]}, by summed duration. Counted: with a device process (`/device:GPU:0`,
+    `/device:TPU:0`) its "XLA Ops" line where it has one, else its stream lines (kernels), else all
+    of its events; on the CPU the events that name an `hlo_op` (XLA:CPU's thunks). An op is its
+    `hlo_op` argument where the event has one, else the event's name. A heuristic over the trace
+    format, not the profiler's own op statistics (open the trace in Perfetto for those)."""
+    with gzip.open(trace_path, "rt") as f:
+        data = json.load(f)
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    processes, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            processes[e.get("pid")] = str(e.get("args", {}).get("name", ""))
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    timed_events = [e for e in events if e.get("ph") == "X" and float(e.get("dur") or 0) > 0]
+    device_pids = {pid for pid, name in processes.items()
+                   if name.startswith("/device:") and not name.startswith("/device:CPU")}
+    if device_pids:
+        on_device = [e for e in timed_events if e.get("pid") in device_pids]
+
+        def line(e: dict) -> str:
+            return threads.get((e.get("pid"), e.get("tid")), "")
+
+        chosen = [e for e in on_device if "xla ops" in line(e).lower()]
+        selection = "device XLA Ops line"
+        if not chosen:
+            chosen = [e for e in on_device if "stream" in line(e).lower()]
+            selection = "device stream lines (kernels)"
+        if not chosen:
+            chosen, selection = on_device, "all device events"
+    else:
+        chosen = [e for e in timed_events if isinstance(e.get("args"), dict) and "hlo_op" in e["args"]]
+        selection = "host events naming an hlo_op (XLA:CPU)"
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0, ""])
+    for e in chosen:
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        key = str(args.get("hlo_op") or e.get("name", "?"))
+        entry = totals[key]
+        entry[0] += float(e["dur"])
+        entry[1] += 1
+        entry[2] = entry[2] or str(e.get("name", ""))
+    total = sum(v[0] for v in totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"selection": selection, "total_us": total,
+            "top_ops": [{"op": k, "total_us": v[0], "count": v[1], "fraction": v[0] / total if total else 0.0,
+                         "example": v[2][:200]} for k, v in ranked]}
 
 
 def bench_generation(shape: str, repeats: int, *, batch: int = 64, dtype: str = "bfloat16") -> dict[str, Any]:

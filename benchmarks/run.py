@@ -4,6 +4,7 @@
     python -m benchmarks.run --suite cpu --quick      # smoke run: cpu-small, 2 repeats, 16 new tokens
     python -m benchmarks.run --suite cpu --shapes cpu-small --only train_step,generation
     python -m benchmarks.run --suite gpu              # 0.5B-8B shapes, bf16, MFU (needs an accelerator)
+    python -m benchmarks.run --suite gpu --profile DIR  # ... and one profiled train step per row (top ops in the JSON)
 
 Writes `benchmarks/results/<suite>.json` (`<suite>_quick.json` with --quick): machine, versions,
 the measured matmul peak, the command, and one row per comparison (docs/benchmarks.md row names;
@@ -170,7 +171,7 @@ def run_gpu(args, results: dict[str, Any]) -> None:
         for form in () if skip or "train_step" not in args.only else args.attention:
             row = _attempt(errors, "train_step_mfu", shape, lambda: gpu.bench_train_mfu(
                 shape, args.repeats, peak, batch=settings["batch"], seq=settings["seq"], dtype=settings["dtype"],
-                attention=form))
+                attention=form, profile_dir=os.path.join(args.profile, f"{shape}-{form}") if args.profile else None))
             rows.extend([row] if row else [])
             gc.collect()  # a failed attempt's traceback may still hold its device buffers
         if "generation" in args.only:
@@ -205,6 +206,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", default="auto",
                         help="gpu suite: comma-separated attention forms of the train-step rows "
                              "(ModelConfig.attention: auto = packed blockwise, xla = dense masked)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="gpu suite: one more train step per row under jax.profiler.trace(DIR/<shape>-<attention>), "
+                             "after the timed ones; its top ops by time go into the row (benchmarks.gpu.profile_step)")
     parser.add_argument("--baseline-host-memory", choices=["default", "jmarl"], default="default",
                         help="cpu suite: the PyTorch side's allocator: glibc's defaults, as its users run it "
                              "(default), or jmarl's host memory policy (jmarl.host_memory)")

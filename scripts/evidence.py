@@ -407,10 +407,11 @@ def hacpo_columns(models: Sequence[str]) -> tuple[Line, ...]:
         Line("rollouts generated (both models)", "rollouts_generated"),)
 
 
+# both HACPO tables' configs use G = 4: the 2x baseline generates 8 per policy and task
 HACPO_VARIANTS = (
-    Variant("hacpo", "HACPO (shared rollouts)", ("workflow.options.mode=hacpo",)),
-    Variant("gspo", "GSPO alone (the same generated rollouts)", ("workflow.options.mode=gspo",)),
-    Variant("gspo_2x", "GSPO, 2x rollouts", ("workflow.options.mode=gspo_2x",)),
+    Variant("hacpo", "HACPO (shared rollouts)", ("workflow.options.share=true",)),
+    Variant("gspo", "GSPO alone (the same generated rollouts)", ("workflow.options.share=false",)),
+    Variant("gspo_2x", "GSPO, 2x rollouts", ("workflow.options.share=false", "workflow.options.samples_per_policy=8")),
 )
 HACPO_MODELS = ("qwen", "llama")
 HACPO = Table(

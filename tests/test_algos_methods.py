@@ -22,7 +22,7 @@ from jmarl.algos.method import finite_advantages
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
 from jmarl.workflows.base import PlanResult, PlanStats
-from jmarl.workflows.shared import MODES, SharedOptions, SharedStats
+from jmarl.workflows.shared import SharedOptions, SharedStats
 
 SETTINGS = settings(max_examples=20, deadline=None)
 NAMES = sorted(METHODS)
@@ -140,7 +140,7 @@ def learner_batch(seed=0, n=8, t=5, learner=0):
 
 def shared_result(rates):
     """An empty `shared` plan result that reports the per-policy success `rates`."""
-    stats = SharedStats(num_generated=0, mode="hacpo", num_records=0, num_lossy=0, success_rate=tuple(rates),
+    stats = SharedStats(num_generated=0, share=True, samples_per_policy=4, num_records=0, num_lossy=0, success_rate=tuple(rates),
                         reward_mean=tuple(rates))
     return PlanResult((), (), stats)
 
@@ -384,9 +384,9 @@ def test_hacpo_two_agents_hand_worked():
     np.testing.assert_allclose(float(hacpo.METHOD.loss(hacpo.Config(), lp2, b)[0]), (-1 - 0.3362) / 2, rtol=1e-5)
 
 
-def test_naive_sharing_is_not_a_plan_mode():
-    # naive sharing is algo.options (the three switches off), never the shared plan's mode
-    assert "naive" not in MODES
+def test_naive_sharing_is_not_a_plan_option():
+    # naive sharing is algo.options (the three switches off), never an option of the shared plan
+    assert "naive" not in {f.name for f in dataclasses.fields(SharedOptions)}
     with pytest.raises(JmarlError, match="algo.options.capability_baseline/discrepancy/stepwise_clip: false"):
         SharedOptions(mode="naive")
 

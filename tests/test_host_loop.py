@@ -67,7 +67,7 @@ def test_concurrent_stepping_equals_serial_on_joint_and_shared():
             runs.append(_summary(sample_joint(env, [5, 9], (0, 1), ScriptedSampler(_hash_fn), KEY, opts)))
     assert runs[0] == runs[1]
     single = SlowCounterEnv(agents=("a",), turn_order=("a",), max_turns=1)
-    shared = SharedOptions(group_size=3, num_policies=2, mode="gspo")
+    shared = SharedOptions(group_size=3, num_policies=2, share=False)
     runs = []
     for workers in (1, 4):
         with host_loop(workers=workers):

@@ -25,7 +25,7 @@ from jmarl.workflows.shared import SharedStats
 def _device_state(method, cfg):
     state = method.init_state(cfg, MethodContext(num_policies=2, group_size=4))
     if method is hacpo.METHOD:  # HACPO reads the policies' success rates from a shared plan
-        stats = SharedStats(num_generated=0, mode="hacpo", num_records=0, num_lossy=0, success_rate=(0.6, 0.3),
+        stats = SharedStats(num_generated=0, share=True, samples_per_policy=4, num_records=0, num_lossy=0, success_rate=(0.6, 0.3),
                             reward_mean=(0.6, 0.3))
         state, _ = method.after_plan(cfg, state, PlanResult((), (), stats), 0)
     return method.device_state(cfg, state)

@@ -254,18 +254,22 @@ def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
     assert float(metrics["cross_ratio_mean"]) == pytest.approx(0.827, rel=1e-5)
 
 
-@pytest.mark.parametrize("mode, rows, generated", [("hacpo", 16, 16), ("gspo", 8, 16), ("gspo_2x", 16, 32)])
-def test_hacpo_modes_in_the_trainer(tmp_path, monkeypatch, mode, rows, generated):
+@pytest.mark.parametrize("options, rows, generated", [
+    (("workflow.options.share=true",), 16, 16),  # HACPO
+    (("workflow.options.share=false",), 8, 16),  # GSPO alone
+    (("workflow.options.share=false", "workflow.options.samples_per_policy=8"), 16, 32),  # GSPO, 2x rollouts
+])
+def test_hacpo_and_its_baselines_in_the_trainer(tmp_path, monkeypatch, options, rows, generated):
     monkeypatch.chdir(REPO)
     config = load_config(
         REPO / "configs/hacpo/math_tiny.yaml",
-        [f"output_dir={tmp_path}", "workflow.num_tasks=2", f"workflow.options.mode={mode}", "algo.options.discrepancy=false"],
+        [f"output_dir={tmp_path}", "workflow.num_tasks=2", *options, "algo.options.discrepancy=false"],
     )
     trainer = trainer_mod.Trainer(config)
     cfg = trainer.algo_cfg
-    # the plan's mode leaves the mechanisms alone: only the ablation set in algo.options is off
+    # the plan's sharing leaves the mechanisms alone: only the ablation set in algo.options is off
     assert cfg.capability_baseline and cfg.stepwise_clip and not cfg.discrepancy
     # rows per learner per step: 2 tasks x 2 policies x G (sharing) or its own G / 2G only;
-    # rollouts generated per step: 2 tasks x 2 policies x G (2G for gspo_2x)
+    # rollouts generated per step: 2 tasks x 2 policies x S (G, or 2G for the 2x baseline)
     assert trainer.rows_bound() == rows
-    assert 2 * 2 * trainer.plan_opts.samples_per_policy == generated
+    assert 2 * 2 * trainer.plan_opts.per_policy == generated

@@ -24,7 +24,6 @@ from jmarl.config import load_config
 from jmarl.envs.base import StepResult
 from jmarl.algos.hacpo import CapabilityWindow, capabilities, update_capabilities
 from jmarl.workflows import (
-    MODES,
     Completion,
     SharedOptions,
     SharedStats,
@@ -156,9 +155,13 @@ def quiz_fn(policy, prompt, j):
 TOKS = {0: CharTok(), 1: PairTok()}
 
 
+# the paper's settings as options (G = 3): HACPO shares; GSPO does not, with G or 2G answers
+SETTINGS = {"hacpo": {"share": True}, "gspo": {"share": False}, "gspo_2x": {"share": False, "samples_per_policy": 6}}
+
+
 def run(mode, seeds=(4, 9), fn=quiz_fn, **kw):
     sampler = TokSampler(TOKS, fn, kw.pop("truncated", ()))
-    opts = SharedOptions(group_size=3, num_policies=2, mode=mode, tokenizers=TOKS, **kw)
+    opts = SharedOptions(group_size=3, num_policies=2, tokenizers=TOKS, **SETTINGS[mode], **kw)
     return sample_shared(QuizEnv(), list(seeds), (0,), sampler, KEY, opts), sampler
 
 
@@ -206,8 +209,9 @@ def test_hacpo_self_and_cross_samples():
     assert isinstance(out.stats, SharedStats)
     assert out.stats.num_generated == 12 and out.stats.num_records == 24
     assert out.stats.success_rate == pytest.approx((2 / 3, 1 / 3))
-    # the trainer logs the numbers (not the mode or the per-policy tuples) as plan/<name>
-    assert plan_metrics(out.stats) == {"plan/num_generated": 12.0, "plan/num_records": 24.0, "plan/num_lossy": 0.0}
+    # the trainer logs the numbers (not the share flag or the per-policy tuples) as plan/<name>
+    assert plan_metrics(out.stats) == {"plan/num_generated": 12.0, "plan/samples_per_policy": 3.0,
+                                       "plan/num_records": 24.0, "plan/num_lossy": 0.0}
     assert len(out.episodes) == 12 and sum(e.success for e in out.episodes) == 6
 
 
@@ -268,7 +272,7 @@ def test_cross_tokens_truncation_same_tokenizer_and_lossy_text():
 )
 def test_modes_rollout_counts(mode, generated, records, n_call):
     out, sampler = run(mode)
-    assert out.stats.mode == mode
+    assert out.stats.share == SETTINGS[mode]["share"] and out.stats.samples_per_policy == n_call
     assert out.stats.num_generated == generated == sum(len(r) * n for r, n in sampler.calls)
     assert len(out.records) == records and sampler.calls[0][1] == n_call
     groups = {}
@@ -279,9 +283,13 @@ def test_modes_rollout_counts(mode, generated, records, n_call):
         assert all(r.policy == r.source_policy for r in out.records)
 
 
-def test_naive_is_refused_with_the_algo_options_that_replace_it():
-    # naive sharing sampled exactly as hacpo: it is HACPO's three switches, not a plan mode
-    assert "naive" not in MODES
+def test_the_former_modes_are_refused_naming_the_options_that_replace_them():
+    for mode, instead in (("hacpo", "share: true"), ("gspo", "share: false"), ("gspo_2x", "samples_per_policy")):
+        with pytest.raises(JmarlError, match=re.escape(instead)):
+            SharedOptions(mode=mode)
+    with pytest.raises(JmarlError, match="samples_per_policy must be"):
+        SharedOptions(samples_per_policy=-1)
+    # naive sharing sampled exactly as hacpo: it is HACPO's three switches, not a plan option
     hint = "algo.options.capability_baseline/discrepancy/stepwise_clip: false"
     with pytest.raises(JmarlError, match=re.escape(hint)):
         SharedOptions(mode="naive")
@@ -301,11 +309,13 @@ def test_shared_errors_and_registry():
                       TokSampler(TOKS, quiz_fn), KEY, SharedOptions(tokenizers=TOKS))
     with pytest.raises(JmarlError, match="shared.mode"):
         SharedOptions(mode="shared")
+    with pytest.raises(JmarlError, match="share must be"):
+        SharedOptions(share="yes")
     with pytest.raises(JmarlError, match="group_size"):
         SharedOptions(group_size=0)
     # gspo needs no tokenizers
     alone = sample_shared(QuizEnv(), [4], (0,), TokSampler(TOKS, quiz_fn), KEY,
-                          SharedOptions(group_size=3, mode="gspo"))
+                          SharedOptions(group_size=3, share=False))
     assert len(alone.records) == 6
     by_name = run_plan("shared", QuizEnv(), [4, 9], (0,), TokSampler(TOKS, quiz_fn), KEY,
                        group_size=3, tokenizers=TOKS)
@@ -321,13 +331,13 @@ def test_shared_plan_value_binds_run_inputs_and_bounds_rows():
     assert input_fields(SharedOptions) == ("num_policies", "tokenizers")
     bound = plan.bind(SharedOptions(group_size=3), PlanContext(tokenizers=TOKS))
     assert bound.num_policies == len(TOKS) and dict(bound.tokenizers) == dict(TOKS)
-    assert bound.group_size == 3 and bound.mode == "hacpo"
+    assert bound.group_size == 3 and bound.share is True and bound.per_policy == 3
     by_plan = plan.run(QuizEnv(), [4, 9], (0,), TokSampler(TOKS, quiz_fn), KEY, bound)
     direct, _ = run("hacpo")
     assert [r.reward for r in by_plan.records] == [r.reward for r in direct.records]
     # rows per learner: tasks x sources x samples per policy (an upper bound when lossy drops)
     for mode, rows in (("hacpo", 5 * 2 * 3), ("gspo", 5 * 3), ("gspo_2x", 5 * 6)):
-        opts = plan.bind(SharedOptions(group_size=3, mode=mode), PlanContext(tokenizers=TOKS))
+        opts = plan.bind(SharedOptions(group_size=3, **SETTINGS[mode]), PlanContext(tokenizers=TOKS))
         assert plan.rows_per_policy(opts, 5) == rows
     # with 2 tasks the hacpo plan gives each learner 2 x 2 x 3 = 12 records (nothing lossy here)
     per_learner = {k: sum(r.policy == k for r in direct.records) for k in range(2)}

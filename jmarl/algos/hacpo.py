@@ -52,9 +52,10 @@ sg = jax.lax.stop_gradient
 class HACPOConfig(LossConfig):
     """HACPO defaults (authors' code): K=5, alpha 1, delta 0.2, delta_step 0.025, GSPO clip 3e-4/4e-4.
 
-    The group size G is workflow.group_size (8 by default for HACPO); the sharing mode
-    (hacpo, gspo, gspo_2x) is the `shared` plan's workflow.options.mode. Naive sharing (the
-    paper's ablation) is mode hacpo with the three mechanism switches below set to False.
+    The group size G is workflow.group_size (8 by default for HACPO); whether the policies share
+    their samples is the `shared` plan's workflow.options.share (false, with samples_per_policy
+    G or 2G: the paper's GSPO baselines). Naive sharing (the paper's ablation) is share: true
+    with the three mechanism switches below set to False.
     """
 
     capability_window: int = 5

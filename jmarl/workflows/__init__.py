@@ -36,11 +36,10 @@ from jmarl.workflows.memory import (
 )
 from jmarl.workflows.node_wise import NodeGroup, NodeWiseOptions, NodeWiseStats, sample_node_wise
 from jmarl.workflows.plans import PLANS, Plan, PlanContext, get_plan, make_options, run_plan
-from jmarl.workflows.shared import MODES, SharedOptions, SharedStats, TextTokenizer, sample_shared
+from jmarl.workflows.shared import SharedOptions, SharedStats, TextTokenizer, sample_shared
 from jmarl.workflows.tree import TreeOptions, sample_tree
 
 __all__ = [
-    "MODES",
     "PLANS",
     "Completion",
     "EpisodeStats",

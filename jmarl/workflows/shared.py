@@ -24,13 +24,13 @@ Routing. Every completion goes to every learner k:
 Groups. One group per (task, learner): the mixed group of all n*G responses to the task's
 prompt for learner k (`policy = k`). Records are ordered task, learner, source, sample.
 
-Modes (baselines of the paper): `hacpo` shares (every learner gets n*G samples per task);
-`gspo` shares nothing (G self samples per learner); `gspo_2x` shares nothing and samples 2G
-per policy. Rollouts generated per step (`stats.num_generated`): E * n * G (hacpo, gspo) or
-E * n * 2G (gspo_2x), for E tasks; training records: E * n * n * G (hacpo), E * n * G (gspo),
-E * n * 2G (gspo_2x). Naive sharing (the paper's ablation) samples exactly as `hacpo`: it is
-the HACPO method's setting (`algo.options.capability_baseline/discrepancy/stepwise_clip:
-false`), not a mode of this plan.
+Sharing. `share: true` (HACPO): every learner gets all n*S samples of a task; `share: false`
+(the paper's GSPO baselines): each learns from its own S. `samples_per_policy` S: completions
+each policy generates per task (0: G, the group size; 2G is the paper's "GSPO with twice the
+rollouts"). Rollouts generated per step (`stats.num_generated`): E * n * S for E tasks;
+training records: E * n * n * S (sharing) or E * n * S. Naive sharing (the paper's ablation)
+samples exactly as `share: true`: it is the HACPO method's setting
+(`algo.options.capability_baseline/discrepancy/stepwise_clip: false`), not an option here.
 
 Capability (HACPO step 1). `stats.success_rate` holds, per policy, the fraction of its own
 generations this step with reward > 0. The learner pushes it into HACPO's capability window
@@ -68,24 +68,17 @@ from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.stepping import step_all
 
 __all__ = [
-    "MODES", "SharedOptions", "SharedStats", "TextTokenizer", "check_mode", "retokenize", "sample_shared",
-    "seq_logprob",
+    "SharedOptions", "SharedStats", "TextTokenizer", "retokenize", "sample_shared", "seq_logprob",
 ]
 
-MODES = ("hacpo", "gspo", "gspo_2x")
-# a mode no longer offered -> where its setting lives now
-REMOVED_MODES = {
-    "naive": "naive sharing samples exactly as mode hacpo and is HACPO's ablation: set mode: hacpo "
-    "and algo.options.capability_baseline/discrepancy/stepwise_clip: false instead",
+# the former `mode` option's values -> the options that say what they meant
+FORMER_MODES = {
+    "hacpo": "share: true",
+    "gspo": "share: false",
+    "gspo_2x": "share: false, samples_per_policy: twice the group size",
+    "naive": "share: true, with algo.options.capability_baseline/discrepancy/stepwise_clip: false (HACPO's "
+    "naive-sharing ablation)",
 }
-
-
-def check_mode(mode: str) -> None:
-    """Raises a `JmarlError` unless `mode` is one of `MODES`, naming the replacement of a
-    removed mode (`REMOVED_MODES`)."""
-    if mode in REMOVED_MODES:
-        raise JmarlError(f"option shared.mode={mode!r} is no longer a mode: {REMOVED_MODES[mode]}")
-    check_choice("shared.mode", mode, MODES)
 
 
 @runtime_checkable
@@ -111,8 +104,8 @@ class TextTokenizer(Protocol):
 class SharedOptions:
     """Options of the `shared` plan (see the module docstring).
 
-    group_size: G >= 1 completions per policy per task; mode: "hacpo" | "gspo" | "gspo_2x";
-    team_weight/local_weight: reward weights; lossy: "drop" | "keep" for cross
+    group_size: G >= 1; share: whether learners receive each other's samples; samples_per_policy:
+    S, completions each policy generates per task (0: G); team_weight/local_weight: reward weights; lossy: "drop" | "keep" for cross
     samples whose text does not round-trip through the learner's tokenizer. Run inputs
     (metadata `{"input": True}`): num_policies: n >= 1 (policy ids 0..n-1, which is how HACPO's
     capability vector P is indexed); tokenizers: policy id -> `TextTokenizer`, needed by the
@@ -121,44 +114,49 @@ class SharedOptions:
 
     group_size: int = 8
     num_policies: int = input_field(2)
-    mode: str = "hacpo"
+    share: bool = True
+    samples_per_policy: int = 0
     tokenizers: Mapping[int, Any] | None = input_field(None)
     team_weight: float = 1.0
     local_weight: float = 1.0
     lossy: str = "drop"
+    mode: str | None = None  # the former option: refused, naming what replaces it
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise JmarlError(f"shared: group_size must be >= 1, got {self.group_size}")
         if self.num_policies < 1:
             raise JmarlError(f"shared: num_policies must be >= 1, got {self.num_policies}")
-        check_mode(self.mode)
+        if self.mode is not None:
+            instead = FORMER_MODES.get(self.mode, "share: true or false, and samples_per_policy")
+            raise JmarlError(f"option shared.mode={self.mode!r} is gone: say what it meant with {instead}")
+        if not isinstance(self.share, bool):
+            raise JmarlError(f"shared: share must be true or false, got {self.share!r}")
+        if not isinstance(self.samples_per_policy, int) or self.samples_per_policy < 0:
+            raise JmarlError(f"shared: samples_per_policy must be an int >= 0 (0: group_size), got "
+                             f"{self.samples_per_policy!r}")
         check_choice("shared.lossy", self.lossy, ("drop", "keep"))
 
     @property
-    def shares(self) -> bool:
-        """Whether learners receive each other's samples (hacpo)."""
-        return self.mode == "hacpo"
-
-    @property
-    def samples_per_policy(self) -> int:
-        """Completions each policy generates per task: 2G for gspo_2x, else G."""
-        return 2 * self.group_size if self.mode == "gspo_2x" else self.group_size
+    def per_policy(self) -> int:
+        """S, the completions each policy generates per task: `samples_per_policy`, or G when 0."""
+        return self.samples_per_policy or self.group_size
 
 
 @dataclass(frozen=True, kw_only=True)
 class SharedStats(PlanStats):
     """The `shared` plan's step report (`PlanStats` plus the fields below).
 
-    num_generated: E * n * G (E * n * 2G for gspo_2x), every policy's own completions;
-    mode: the plan's mode; num_records: the training records routed to all learners (lossy
+    num_generated: E * n * S, every policy's own completions; share: whether the learners got
+    each other's samples; samples_per_policy: S; num_records: the training records routed to all learners (lossy
     cross samples dropped); num_lossy: cross samples whose text did not round-trip through the
     learner's tokenizer (dropped or kept, per `lossy`); success_rate: per policy (indexed by
     policy id), the fraction of its own completions with reward > 0 (what HACPO's capability
     window takes); reward_mean: per policy, the mean reward of its own completions.
     """
 
-    mode: str
+    share: bool
+    samples_per_policy: int
     num_records: int
     num_lossy: int
     success_rate: tuple[float, ...]
@@ -166,16 +164,16 @@ class SharedStats(PlanStats):
 
 
 def shared_rows(options: SharedOptions, num_tasks: int) -> int:
-    """One learner's samples per step: tasks x policies x G when sharing (hacpo; dropped lossy
-    cross samples make it an upper bound), tasks x G (gspo) or tasks x 2G (gspo_2x) otherwise."""
-    sources = options.num_policies if options.shares else 1
-    return num_tasks * sources * options.samples_per_policy
+    """One learner's samples per step: tasks x policies x S when sharing (dropped lossy cross
+    samples make it an upper bound), else tasks x S (S: `SharedOptions.per_policy`)."""
+    sources = options.num_policies if options.share else 1
+    return num_tasks * sources * options.per_policy
 
 
 def shared_bounds(options: SharedOptions, ctx: BoundsContext) -> PlanBounds:
-    """Rows `shared_rows` per policy, G per prompt (groups may be cut by lossy drops); one call
-    of E x G rows per policy."""
-    g = options.samples_per_policy
+    """Rows `shared_rows` per policy, S per prompt (groups may be cut by lossy drops); one call
+    of E x S rows per policy."""
+    g = options.per_policy
     return PlanBounds(rows=shared_rows(options, ctx.num_tasks), share=g, aligned=False,
                       calls=((tuple(ctx.num_tasks * g for _ in ctx.policy_ids), g),))
 
@@ -194,11 +192,11 @@ def sample_shared(
     learners are policies 0..num_policies-1, each playing that agent.
     """
     check_agent_policy(env, agent_policy)
-    if options.shares and options.num_policies > 1:
+    if options.share and options.num_policies > 1:
         missing = [p for p in range(options.num_policies) if p not in (options.tokenizers or {})]
         if missing:
             raise JmarlError(
-                f"shared: mode={options.mode!r} re-tokenises completions for every learner but "
+                "shared: share=true re-tokenises completions for every learner but "
                 f"no tokenizer is given for policies {missing}; pass tokenizers="
                 "{policy id: tokenizer} for all policies 0..num_policies-1"
             )
@@ -209,7 +207,7 @@ def sample_shared(
         )
     agent_name = env.turn_order[0]
     agent = env.agents.index(agent_name)
-    n, g = options.num_policies, options.samples_per_policy
+    n, g = options.num_policies, options.per_policy
     states = [env.reset(int(s)) for s in seeds]
     prompts = [env.observe(state, agent_name) for state in states]
     requests = [(j, prompt) for prompt in prompts for j in range(n)]
@@ -250,7 +248,7 @@ def sample_shared(
     for e, prompt in enumerate(prompts):
         for k in range(n):
             own_prompt_tokens = answers[e * n + k][0].prompt_tokens
-            sources = range(n) if options.shares else (k,)
+            sources = range(n) if options.share else (k,)
             for j in sources:
                 for i, completion in enumerate(answers[e * n + j]):
                     if j == k:
@@ -285,7 +283,8 @@ def sample_shared(
     success = tuple(float(np.mean(rewards[:, j] > 0)) if seeds else 0.0 for j in range(n))
     stats = SharedStats(
         num_generated=len(seeds) * n * g,
-        mode=options.mode,
+        share=options.share,
+        samples_per_policy=g,
         num_records=len(records),
         num_lossy=num_lossy,
         success_rate=success,

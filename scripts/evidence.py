@@ -136,6 +136,9 @@ class Table:
     # long runs (hours): a run stopped midway continues from its last checkpoint when the table is
     # run again on the same code (`prepare_run_dir`), instead of starting over
     resume: bool = False
+    # the README's sentence on this table, rendered from its result between
+    # `<!-- evidence:<table>:readme:start/end -->` in README.md (None: the table has none)
+    headline: Callable[["Facts"], str] | None = None
 
     def cells(self) -> list[tuple[Line, Line, str, str]]:
         """(row, column, variant name, key) of every cell, row-major."""
@@ -763,6 +766,17 @@ def _recipe_rl_note(f: Facts) -> str:
     return "; ".join(parts) + "."
 
 
+def _recipe_headline(f: Facts) -> str:
+    """The README's sentence on the recipe: full fine-tuning's paired gain, with its code."""
+    st = f.pair("full", "full", "success_after")
+    code = code_line(f.result).removeprefix("code: ")
+    return (f"SmolLM2-135M-Instruct, single-agent GRPO, full fine-tuning, {f.rl_steps()} steps of 64 samples on "
+            f"two-operand addition: held-out greedy success on 128 distinct problems **{st['baseline_mean']:.1%} -> "
+            f"{st['variant_mean']:.1%}, {points(st['difference'])} points** over {st['n']} paired seeds (95% interval "
+            f"{interval_points(st)}, higher on {st['wins']} of {st['n']}, sign-flip p = {st['p']:.3f}: "
+            f"{st['verdict']}; code {code}).")
+
+
 def _recipe_signal_note(f: Facts) -> str:
     """What the recipe's rollouts carried, per variant: samples per step, the share of groups whose
     rewards differ (non-zero group advantage), rollout success and truncation, completion length."""
@@ -800,6 +814,7 @@ REAL_RECIPE = Table(
     notes=(_recipe_rl_note, _recipe_signal_note,
            time_note("full", "A full fine-tuning step (64 samples)", "its",
                      (("generate", "generation"), ("update", "scoring + update")))),
+    headline=_recipe_headline,
     fields=("wall_seconds", "mean:rollout/samples", "mean:rollout/signal_group_fraction", "mean:rollout/success_rate",
             "mean:train/logprob_diff_max", "mean:train/logprob_diff_mean", "mean:train/zero_gradient",
             "mean:rollout/truncated_fraction", "mean:rollout/completion_length_mean", "mean:time/step",
@@ -1524,6 +1539,24 @@ def replace_block(text: str, name: str, block: str) -> str:
     return f"{head}{start}\n{block}{end}{tail}"
 
 
+README = ROOT / "README.md"
+
+
+def headline_text(table: Table, result: dict[str, Any]) -> str | None:
+    """The table's README sentence from its result; None when it has none or lacks the figures."""
+    if table.headline is None:
+        return None
+    try:
+        return table.headline(Facts(table, result))
+    except Missing:
+        return None
+
+
+def replace_headline(text: str, name: str, sentence: str) -> str:
+    """README text with the sentence between the table's readme markers replaced."""
+    return replace_block(text, f"{name}:readme", sentence + "\n")
+
+
 def run_and_render(table: Table, args: argparse.Namespace) -> int:
     """Runs one table (or reads its JSON with --render), writes the JSON and its markdown block;
     0 when every run finished."""
@@ -1546,6 +1579,10 @@ def run_and_render(table: Table, args: argparse.Namespace) -> int:
         readme = Path(args.readme)
         readme.write_text(replace_block(readme.read_text(), table.name, block))
         print(f"updated {readme}")
+        sentence = headline_text(table, result)
+        if sentence is not None:
+            README.write_text(replace_headline(README.read_text(), table.name, sentence))
+            print(f"updated {README}'s sentence on {table.name}")
     return 0 if all("values" in r for v in result["variants"].values() for r in v["runs"]) else 1
 
 

@@ -72,3 +72,20 @@ def test_seeds_sentence_quotes_the_evidence_table():
     reached = sum(r["values"]["success_after"] for r in supervised) / len(supervised)
     lead = sum(by_seed[r["seed"]] - r["values"]["success_after"] for r in supervised) / len(supervised)
     assert f"{100 * reached:.1f}" == control[1] and f"{100 * lead:.1f}" == control[2]
+
+
+def test_every_table_sentence_in_the_readme_is_its_rendered_result():
+    """A table with a README sentence (`Table.headline`) has it between its readme markers, equal
+    to what the committed result renders; an edited figure fails here."""
+    for name, table in evidence.TABLES.items():
+        if table.headline is None:
+            continue
+        result = json.loads((ROOT / "results" / f"evidence_{name}.json").read_text())
+        sentence = evidence.headline_text(table, result)
+        assert sentence, f"{name}: its result renders no README sentence"
+        start, end = f"<!-- evidence:{name}:readme:start -->", f"<!-- evidence:{name}:readme:end -->"
+        assert start in README and end in README, f"README has no {start} ... {end} markers"
+        assert README.split(start, 1)[1].split(end, 1)[0].strip() == sentence
+        assert evidence.replace_headline(README, name, sentence) == README
+        edited = README.replace(sentence, sentence.replace("%", "0%", 1))
+        assert edited.split(start, 1)[1].split(end, 1)[0].strip() != sentence

@@ -23,11 +23,13 @@ at most `--budget-s` seconds (480 by default), as three stages, each a subproces
 
 A stage's time limit is its share of the budget (scaled with `--budget-s`) plus whatever the
 stages before it left unused, never more than the budget has left; a stage for which less than
-20 s is left is not run, and is recorded as such. Each stage's exit code, wall time, output tail
+20 s is left is not run, and is recorded as such. Each stage's status (passed, failed, timeout,
+not_run with the reason, error: this command's own failure), exit code, wall time, output tail
 and the path of its JSON go into `<out-dir>/device.json` (rewritten after every stage, so that a
 command killed from outside still leaves what finished), with the device's name, the JAX version
 and a `jmarl.provenance` record (the commit). Every JSON written here carries that record under
-`provenance`. Files in `<out-dir>`: device.json, tests.json, gpu.json, train.json, device.log
+`provenance` (in a copy of the tree without .git, `JMARL_COMMIT` and `JMARL_DIRTY=1` stand in for
+git's answer). Files in `<out-dir>`: device.json, tests.json, gpu.json, train.json, device.log
 (every stage's output) and the profiled steps' traces (profile-<shape>-<attention>.trace.json.gz,
 at most two, each under 16 MiB); checkpoints, the profiler's folders and pytest's files stay in
 `--work-dir` (a new temporary folder by default), outside `<out-dir>`.
@@ -286,7 +288,7 @@ def resolve_model(path: str | None, dry_run: bool, probe: dict[str, Any], work_d
                 for part in parts:
                     with open(part, "rb") as f:
                         shutil.copyfileobj(f, out, 1 << 20)
-            info["parts"] = [os.path.relpath(p, REPO_ROOT) for p in parts]
+            info["parts"] = parts
             candidate = joined
         info.update(path=candidate, size=os.path.getsize(candidate), sha256=_sha256(candidate))
         info["pinned"] = info["sha256"] == pin.get("sha256")
@@ -427,20 +429,25 @@ def summarise_run(run_dir: str, steps: int) -> dict[str, Any]:
     }
 
 
+def train_overrides(run_dir: str, model: dict[str, Any], steps: int, dry_run: bool) -> list[str]:
+    """The `key=value` overrides of `CONFIG` the train stage runs with (`resolve_model`'s `model`)."""
+    out = [f"output_dir={run_dir}", f"train.steps={steps}", "logging.progress=false", "logging.plots=false",
+           "logging.tensorboard=false", "checkpoint.every=0"]
+    if "preset" in model:
+        out += ["model.path=null", f"model.preset={model['preset']}", f"tokenizer={model['tokenizer']}"]
+    else:
+        out += [f"model.path={model['path']}"]
+    if dry_run:
+        return out + list(DRY_RUN_OVERRIDES)
+    return out + ["model.compute_dtype=bfloat16", "eval.num_episodes=128"]
+
+
 def train_stage(ctx: dict[str, Any], limit_s: float) -> dict[str, Any]:
     """The real-model GRPO recipe (`CONFIG`), small in a dry run; train.json summarises it."""
-    dry, model, steps = ctx["dry_run"], ctx["model"], ctx["steps"]
+    model, steps = ctx["model"], ctx["steps"]
     run_dir = os.path.join(ctx["work_dir"], "train")
-    cmd = [sys.executable, "-m", "jmarl.run", "--config", CONFIG, f"output_dir={run_dir}", f"train.steps={steps}",
-           "logging.progress=false", "logging.plots=false", "logging.tensorboard=false", "checkpoint.every=0"]
-    if "preset" in model:
-        cmd += ["model.path=null", f"model.preset={model['preset']}", f"tokenizer={model['tokenizer']}"]
-    else:
-        cmd += [f"model.path={model['path']}"]
-    if dry:
-        cmd += list(DRY_RUN_OVERRIDES)
-    else:
-        cmd += ["model.compute_dtype=bfloat16", "eval.num_episodes=128"]
+    shutil.rmtree(run_dir, ignore_errors=True)  # an earlier run's summary.json must not pass for this one's
+    cmd = [sys.executable, "-m", "jmarl.run", "--config", CONFIG, *train_overrides(run_dir, model, steps, ctx["dry_run"])]
     got = run_logged(cmd, limit_s, os.path.join(ctx["work_dir"], "train.log"), ctx["env"], "train", ctx["log"])
     summary = summarise_run(run_dir, steps)
     data = {**ctx["header"]("train", cmd), **got, "model": model, "config": CONFIG, **summary}
@@ -547,12 +554,15 @@ def main(argv: list[str] | None = None) -> int:
             blocked[stage] = f"missing Python packages: {', '.join(m for m in NEEDS[stage] if m in missing)}"
     if "train" in args.only and "why" in model:
         blocked["train"] = model["why"]
+    elif "train" in args.only and str(model.get("path", "")).endswith(".gguf") and missing_modules(("gguf",)):
+        blocked["train"] = "missing Python package: gguf (to read the GGUF model; carry its wheel, docs/benchmarks.md)"
     runnable = [s for s in STAGES if s not in blocked]
     profile_dir = None if args.no_profile else os.path.abspath(args.profile or os.path.join(work_dir, "profile"))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(os.path.join(out_dir, "device.log"), "w", errors="replace") as log:
         ctx = {"probe": probe, "dry_run": args.dry_run, "out_dir": out_dir, "work_dir": work_dir, "env": env,
-               "log": log, "header": header, "base": base, "device": device, "model": model, "steps": args.steps, "profile_dir": profile_dir}
+               "log": log, "header": header, "base": base, "device": device, "model": model, "steps": args.steps,
+               "profile_dir": profile_dir}
         for stage in STAGES:
             entry: dict[str, Any] = {"name": stage}
             remaining = deadline - time.monotonic()
@@ -560,13 +570,19 @@ def main(argv: list[str] | None = None) -> int:
             if stage in blocked:
                 entry.update(status="not_run", why=blocked[stage])
             elif limit < MIN_STAGE_S:
-                entry.update(status="not_run", why=f"budget spent: {max(remaining, 0):.0f} s of {args.budget_s:.0f} left")
+                entry.update(status="not_run", why=f"budget spent: {limit:.0f} s for it (under {MIN_STAGE_S:.0f} s), "
+                                                   f"{max(remaining, 0):.0f} s of {args.budget_s:.0f} left")
             else:
                 print(f"[device] stage {stage}: limit {limit:.0f} s", flush=True)
-                got = RUNNERS[stage](ctx, limit)
-                data = got.pop("data", None)
-                if data is not None:
-                    _write_json(os.path.join(out_dir, got["json"]), data)
+                began = time.monotonic()
+                try:
+                    got = RUNNERS[stage](ctx, limit)
+                    data = got.pop("data", None)
+                    if data is not None:
+                        _write_json(os.path.join(out_dir, got["json"]), data)
+                except Exception as e:  # noqa: BLE001 - this command's own failure must not cost the later stages
+                    got = {"status": "error", "error": f"{type(e).__name__}: {e}"[:1000], "exit_code": None,
+                           "wall_s": round(time.monotonic() - began, 1)}
                 entry.update(status=got.pop("status"), limit_s=round(limit, 1), **got)
                 print(f"[device] stage {stage}: {entry['status']} (exit {entry['exit_code']}) in {entry['wall_s']:.0f} s",
                       flush=True)

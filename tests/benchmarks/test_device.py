@@ -58,6 +58,18 @@ def test_model_parts_that_do_not_join_to_the_pinned_file_are_refused(tmp_path):
     assert device.resolve_model(None, True, probe, str(tmp_path))["tokenizer"] == "char"  # dry: the tiny preset
 
 
+def test_train_commands_load_as_configs(tmp_path):
+    from jmarl.config.load import load_config
+
+    config = os.path.join(device.REPO_ROOT, device.CONFIG)
+    real = load_config(config, device.train_overrides(str(tmp_path), {"path": "model.gguf"}, 40, dry_run=False))
+    assert (real.model.path, real.model.compute_dtype, real.train.steps, real.eval.num_episodes) == (
+        "model.gguf", "bfloat16", 40, 128)
+    model = device.resolve_model(None, True, {}, str(tmp_path))
+    dry = load_config(config, device.train_overrides(str(tmp_path), model, 2, dry_run=True))
+    assert dry.model.path is None and dry.tokenizer == "char" and dry.train.steps == 2
+
+
 @pytest.mark.slow
 def test_dry_run_records_every_stage_with_provenance(tmp_path):
     env = dict(os.environ)  # tests/conftest.py's 8 simulated devices: only its own pytest stage adds them back

@@ -177,8 +177,10 @@ def packed_attention(
     and splash's masks cannot say "prompt or own branch", so no kernel form is used here).
     window (with positions int[R,T], each token's position in its own sequence): query t also
     sees only keys less than `window` positions before its own (positions[t] - positions[s] <
-    window), a sliding window over the sequence the continuation belongs to."""
-    _check(q, k, v, impl)
+    window), a sliding window over the sequence the continuation belongs to.
+    impl "split" (opt-in, this argument only; not in IMPLS): the same softmax as two
+    segment-id attentions merged by their log-sum-exps (`jmarl.models.packed_split`)."""
+    _check(q, k, v, "dense" if impl == "split" else impl)
     if q.shape[1] != k.shape[1]:
         raise JmarlError(f"packed attention takes aligned queries and keys; got {q.shape} and {k.shape}")
     segment, branch = jnp.asarray(segment, jnp.int32), jnp.asarray(branch, jnp.int32)
@@ -188,6 +190,11 @@ def packed_attention(
         raise JmarlError("packed attention with a sliding window needs the tokens' positions")
     # the window's extra meta: each slot's position and the window (last in meta; see _Packed)
     extra = (jnp.asarray(positions, jnp.int32), jnp.asarray(window, jnp.int32)) if windowed else ()
+    if impl == "split":
+        from jmarl.models import packed_split
+
+        return packed_split.split_attention(q, k, v, segment, branch, positions=extra[0] if windowed else None,
+                                            window=extra[1] if windowed else None).astype(q.dtype)
     if impl in ("xla", "dense") or (impl == "auto" and t <= PACKED_DENSE_MAX and r * h * t * t <= DENSE_MAX_SCORES):
         idx = jnp.arange(t)
         allowed = _Packed(windowed).allowed((segment, branch) + extra, idx, idx)

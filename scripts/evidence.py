@@ -704,7 +704,7 @@ def _real_pair_signal_note(f: Facts) -> str:
     moved = [f"{m} {both(f'mean:train/{m}/approx_kl'):.1e}" for m in REAL_PAIR_MODELS]
     return ("Training rollouts (temperature 1) succeeded on " + ", ".join(success) + " of each model's own "
             "samples (hacpo/success_i), and were cut at max_new_tokens for " + ", ".join(cut)
-            + " (rollout/<model>/truncated_fraction). The updates were small: the approximate KL between the "
+            + " (rollout/<model>/truncated_fraction). The approximate KL between the "
             "policy that sampled a step's rollouts and the updated one averaged " + ", ".join(moved)
             + " (train/<model>/approx_kl at the config's learning rate; both variants, each run's mean over "
             "its steps).")

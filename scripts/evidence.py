@@ -1044,6 +1044,11 @@ def _row_of(table: Table, variant: Variant, seed: int, out_dir: Path, wall: floa
         row["error"] = f"exit status {code}"
         return row
     summary = json.loads((out_dir / "summary.json").read_text())
+    if int(summary.get("attempts", 1)) > 1:
+        # resumed: the trainer's own count covers every attempt (each up to its last checkpoint,
+        # the last to its end), where this process saw the last attempt alone
+        row.update(wall_seconds=round(float(summary["wall_seconds"]), 1), cpu_seconds=round(float(summary["cpu_seconds"]), 1),
+                   attempts=int(summary["attempts"]))
     metrics = logged_metrics(out_dir / "metrics.jsonl")
     row["values"] = {k: read_value(summary, metrics, k) for k in table.keys_of(variant.name)}
     return row

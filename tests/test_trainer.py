@@ -145,6 +145,11 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from the checkpoint of step {last} in {ckpt}: continuing with step {last + 1} of 6" in resumed.stdout
+    # the run's cost counts both attempts: the first up to its last checkpoint, then the second
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    straight_summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["attempts"] == 2 and straight_summary["attempts"] == 1
+    assert summary["cpu_seconds"] > 0 and summary["wall_seconds"] > 0
     _assert_same_records(_records(tmp_path / "killed"), _records(tmp_path / "straight"))
     a, b = _exported(tmp_path / "straight"), _exported(tmp_path / "killed")
     assert a.keys() == b.keys()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import resource
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -72,6 +73,9 @@ class Trainer:
         """abstract: build the run's device functions over `jax.ShapeDtypeStruct` states (sharded
         like the real ones) and write nothing: what `jmarl.memory_check` compiles; it cannot train."""
         self.config, self.abstract = config, abstract
+        # what the run has cost: this attempt from here, earlier attempts from the checkpoint resumed
+        self.attempt_started = (time.perf_counter(), _process_cpu_seconds())
+        self.spent, self.attempts = {"wall_seconds": 0.0, "cpu_seconds": 0.0}, 1
         self.out = Path(config.output_dir)
         if not abstract:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -174,12 +178,19 @@ class Trainer:
         for i, (g, st) in enumerate(zip(self.policies.groups, tree["groups"])):
             g.state, g.ref = st, tree.get("refs", {}).get(str(i), g.ref)
 
+    def time_spent(self) -> dict[str, float]:
+        """Wall and CPU seconds (this process's, JAX's threads included) the run has cost: the
+        earlier attempts' up to their last checkpoint plus this attempt's so far."""
+        now_cpu = _process_cpu_seconds()
+        return {"wall_seconds": self.spent["wall_seconds"] + time.perf_counter() - self.attempt_started[0],
+                "cpu_seconds": self.spent["cpu_seconds"] + now_cpu - self.attempt_started[1]}
+
     def save(self) -> None:
         meta = {
             "step": self.step, "warm_started": self.warm_started, "config": json.loads(json.dumps(_plain(self.config))),
             "method_state": self.method.state_to_json(self.method_state), "rollouts_generated": self.rollouts_generated,
             "packed_shapes": [sorted(map(list, shapes)) for shapes in self.packed_shapes],
-            "metrics_records": self.metrics_records,
+            "metrics_records": self.metrics_records, "attempts": self.attempts, **self.time_spent(),
         }
         self.checkpointer.save(self.step, self.state_tree(), meta)
         self.checkpointer.wait()
@@ -200,6 +211,8 @@ class Trainer:
         if meta.get("method_state") is not None:
             self.method_state = self.method.state_from_json(self.algo_cfg, meta["method_state"])
         self.rollouts_generated = int(meta.get("rollouts_generated", 0))
+        self.spent = {k: float(meta.get(k, 0.0)) for k in ("wall_seconds", "cpu_seconds")}
+        self.attempts = int(meta.get("attempts", 1)) + 1
         for shapes, saved in zip(self.packed_shapes, meta.get("packed_shapes", [])):
             shapes.update((int(r), int(w)) for r, w in saved)
         log.info("resumed from step %d", self.step)
@@ -371,7 +384,6 @@ class Trainer:
         cfg = self.config
         if self.abstract:
             raise JmarlError("this Trainer was built with abstract=True (for jmarl.memory_check); build Trainer(config) to train")
-        t_start = time.perf_counter()
         self.check_memory()
         (self.out / "config.yaml").write_text(dump_yaml(cfg))
         resumed = self.maybe_resume()
@@ -421,13 +433,19 @@ class Trainer:
         self.export()
         summary = {
             "success_before": before, "success_after": final.get("eval/success_rate", 0.0), "steps": self.step,
-            "wall_seconds": time.perf_counter() - t_start, "rollouts_generated": self.rollouts_generated,
+            **self.time_spent(), "attempts": self.attempts, "rollouts_generated": self.rollouts_generated,
             **{k.replace("eval/", "eval_"): v for k, v in final.items()}, **before_fields, **sandbox_summary(),
         }
         write_summary(self.out, summary)
         self.checkpointer.close()
         print(results_table(summary, cfg, self.out), flush=True)
         return summary
+
+
+def _process_cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def routing_mismatch_metrics(m: dict[str, Any], updated: Sequence[int], counts: Sequence[int],

@@ -35,7 +35,7 @@ def logprob_grad_memory(preset: str, batch: int, tokens: int, remat: str = "auto
     import jax
     import jax.numpy as jnp
 
-    from jmarl.models import model, presets
+    from jmarl.models import logprobs, model, presets
     from jmarl.train.policies import resolve_remat
 
     config = presets.preset_config(preset, param_dtype="float32", compute_dtype="bfloat16", attention=attention)
@@ -45,7 +45,7 @@ def logprob_grad_memory(preset: str, batch: int, tokens: int, remat: str = "auto
     mask = jax.ShapeDtypeStruct((batch, tokens), jnp.bool_)
 
     def loss(p, t, m):
-        return -jnp.sum(model.token_logprobs(config, p, t, m))
+        return -jnp.sum(logprobs.token_logprobs(config, p, t, m))
 
     start = time.perf_counter()
     analysis = jax.jit(jax.grad(loss)).lower(params, tok, mask).compile().memory_analysis()

@@ -30,7 +30,8 @@ import numpy as np
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import Params, prefix_token_logprobs
+from jmarl.models.logprobs import prefix_token_logprobs
+from jmarl.models.model import Params
 from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.train.packing import split_prompts
 

@@ -189,7 +189,7 @@ def test_remat_policies_give_equal_gradients(monkeypatch):
     """remat none / full / dots, and the feed-forward layer in token chunks: the same gradient
     of a long-sequence loss as the plain layers (the blockwise form and the chunked MLP run
     inside the rematerialised layers)."""
-    from jmarl.models import model as model_lib
+    from jmarl.models import layers as layers_lib
 
     config = _tiny(attention="blockwise")
     params = init(config, jax.random.key(1))
@@ -200,7 +200,7 @@ def test_remat_policies_give_equal_gradients(monkeypatch):
         return jax.jit(jax.grad(lambda p: jnp.sum(token_logprobs(config.replace(remat=remat), p, tokens, mask))))(params)
 
     g_none = grad("none")  # 1,200 tokens x F=96: below the chunking threshold
-    monkeypatch.setattr(model_lib, "MLP_CHUNK_ELEMENTS", 256 * 96)  # now 5 chunks of 120 tokens x 2 rows
+    monkeypatch.setattr(layers_lib, "MLP_CHUNK_ELEMENTS", 256 * 96)  # now 5 chunks of 120 tokens x 2 rows
     for remat in ("none", "full", "dots"):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grad(remat), g_none)
 

@@ -18,7 +18,7 @@ from jmarl.errors import JmarlError
 from jmarl.models import ModelConfig, apply, generate, load_hf, save_hf, token_logprobs
 from jmarl.models import attention as attention_lib
 from jmarl.models.hf import _tensor_specs
-from jmarl.models.model import prefix_token_logprobs
+from jmarl.models.logprobs import prefix_token_logprobs
 from jmarl.models.presets import preset_config
 
 VOCAB = 128

@@ -35,7 +35,7 @@ from jmarl.models import apply, load_hf
 from jmarl.models.config import FULL, SLIDING
 from jmarl.models.gguf import gguf_chat_template, gguf_name, load_gguf, load_gguf_config
 from jmarl.models.hf import read_safetensors
-from jmarl.models.model import token_logprobs
+from jmarl.models.logprobs import token_logprobs
 from jmarl.models.sampler import generate
 
 

@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 from _tiny_models import tiny_qwen3
 from jmarl import models, sharding
 from jmarl.models import kv_cache as kv_cache_lib
-from jmarl.models import model as model_lib
+from jmarl.models import layers as layers_lib
 from jmarl.models import sampler as sampler_lib
-from jmarl.models.model import LoraKernel
+from jmarl.models.layers import LoraKernel
 from jmarl.train.lora import attach_lora, init_lora, merge_lora
 from jmarl.train.policies import PolicyGroup
 from jmarl.batch import MODEL_INPUTS
@@ -117,7 +117,7 @@ def test_logits_and_logprobs_equal_merged():
 def test_packed_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch):
     """The learner's path (packed rows, the layer scan with each remat policy, the feed-forward
     layer in token chunks, the chunked LM head): log-probs and the gradient w.r.t. A and B."""
-    monkeypatch.setattr(model_lib, "MLP_CHUNK_ELEMENTS", 4 * TINY.intermediate_size)  # chunks of 4 tokens
+    monkeypatch.setattr(layers_lib, "MLP_CHUNK_ELEMENTS", 4 * TINY.intermediate_size)  # chunks of 4 tokens
     config = TINY.replace(remat=remat)
     batch = _packed_batch(np.random.default_rng(1))
 

@@ -340,7 +340,7 @@ def test_from_hf_reads_legacy_and_transformers5_rope_styles():
 def test_rope_tables_match_transformers_and_hold_no_cos_or_sin_in_the_program():
     """Gathered from trace-time tables (a static bound on the positions) or computed in the
     program (no bound, or tables past the size limit): both equal HF's rotary cos/sin."""
-    from jmarl.models.model import ROPE_TABLE_MAX_BYTES, rope_tables
+    from jmarl.models.rope import ROPE_TABLE_MAX_BYTES, rope_tables
 
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
     hf = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=16, num_hidden_layers=1,

@@ -13,7 +13,7 @@ import transformers
 from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
 from jmarl.errors import JmarlError
 from jmarl.models import ModelConfig, apply, load_hf
-from jmarl.models.model import rope_tables
+from jmarl.models.rope import rope_tables
 
 BASE = dict(model_type="qwen3", vocab_size=10, hidden_size=64, intermediate_size=16, num_hidden_layers=1,
             num_attention_heads=1, head_dim=64, max_position_embeddings=512)

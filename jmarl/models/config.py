@@ -248,7 +248,7 @@ class ModelConfig:
     @property
     def has_mixed_mlps(self) -> bool:
         """Whether the layers mix dense MLPs and mixture-of-experts layers: each layer then holds
-        both, the one it does not use zeros (`jmarl.models.model.DecoderLayer.feed_forward`)."""
+        both, the one it does not use zeros (`jmarl.models.layers.DecoderLayer.feed_forward`)."""
         kinds = set(self.sparse_layers())
         return len(kinds) == 2
 

@@ -20,7 +20,8 @@ from flax import nnx, struct
 from jmarl.models.cached_attention import cached_attention, pooled_cached_attention, prefixed_cached_attention
 from jmarl.models.config import ModelConfig
 from jmarl.models.kv_cache import KVCache
-from jmarl.models.model import Params, bind, rope_tables
+from jmarl.models.model import Params, bind
+from jmarl.models.rope import rope_tables
 
 
 @struct.dataclass

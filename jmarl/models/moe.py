@@ -31,7 +31,7 @@ token (top-k), F = an expert's intermediate size.
                     E < 256, else uint16; the dtype's largest value marks "no record")
 
 The network module that holds the router and the stacked expert weights is
-`jmarl.models.model.SparseMLP`.
+`jmarl.models.layers.SparseMLP`.
 
 Expert parallelism (docs/scaling.md, "Mixture of experts"): the logical axis "expert" of the
 expert weights [E, D, F] is mapped to mesh axes by `jmarl.sharding.ShardingRules` (default:
@@ -78,7 +78,7 @@ GROUPED_TILE = 128
 # chunks of at most this many pairs (`in_chunks`; 32,768 pairs of Qwen3-30B-A3B: 256 MiB of rows
 # in float32), as the dense MLP runs in token chunks.
 PAIRS_PER_CHUNK = 32768
-ACTIVATION_AXES = ("activation_batch",)  # a layer's token rows (as `jmarl.models.model.ACTIVATION_AXES`)
+ACTIVATION_AXES = ("activation_batch",)  # a layer's token rows (as `jmarl.models.layers.ACTIVATION_AXES`)
 EXPERT_WEIGHT_AXES = ("expert", "embed", "mlp")  # gate/up [E, D, F] (`param_axes`, without "layers")
 
 

@@ -55,7 +55,8 @@ from jmarl.models.config import ModelConfig
 from jmarl.models import moe as moe_lib
 from jmarl.models.decode import Ring, decode_step, prefill, ring_mask, ring_prompt, window_block_mask
 from jmarl.models.kv_cache import KVCache, empty_cache, window_capacity
-from jmarl.models.model import Params, cache_axes, is_lora, param_shapes
+from jmarl.models.layers import is_lora
+from jmarl.models.model import Params, cache_axes, param_shapes
 from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length
 from jmarl import sharding
 
@@ -629,7 +630,7 @@ def _run(
     extra = () if policy is None else (jnp.int32(policy),)
     if policy is not None:  # the key the stacked program gives policy p
         rng = jax.random.fold_in(rng, policy)
-    with sharding.mesh_context(mesh):  # the prefill keeps its rows sharded (`jmarl.models.model.batch_sharded`)
+    with sharding.mesh_context(mesh):  # the prefill keeps its rows sharded (`jmarl.models.layers.batch_sharded`)
         generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p), *extra)
     return generation
 

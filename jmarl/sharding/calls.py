@@ -29,7 +29,7 @@ def mesh_of(tree: Any) -> Mesh | None:
 
 def mesh_context(mesh: Mesh | None) -> Any:
     """`jax.set_mesh(mesh)` for a mesh of several devices (programs traced inside see it: see
-    `jmarl.models.model.batch_sharded`), else a no-op context."""
+    `jmarl.models.layers.batch_sharded`), else a no-op context."""
     if mesh is None or mesh.size == 1:
         return contextlib.nullcontext()
     return jax.set_mesh(mesh)

@@ -29,7 +29,7 @@ from jmarl.sharding.rules import BATCH_AXES, DEFAULT_RULES, ShardingRules, is_ax
 Params = Any
 Axes = tuple[str | None, ...]
 _LORA_FACTORS = ("a", "b")  # a LoRA adapter {kernel}/a [in, r], {kernel}/b [r, out] (`lora_axes`)
-_LORA_KERNEL_FIELDS = ("w",) + _LORA_FACTORS  # `jmarl.models.model.LoraKernel`'s array fields
+_LORA_KERNEL_FIELDS = ("w",) + _LORA_FACTORS  # `jmarl.models.layers.LoraKernel`'s array fields
 
 
 def lora_axes(kernel_axes: tuple[str, ...], factor: str) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ are kept) gets A [..., in, rank] (random normal / sqrt(in)) and B [..., rank, ou
 a fresh adapter leaves the model unchanged.
 
 The model runs them unmerged (`attach_lora`): each adapted kernel's slot holds a
-`jmarl.models.model.LoraKernel` (W, A, B, scale) and every product is x W + s (x A) B, so the
+`jmarl.models.layers.LoraKernel` (W, A, B, scale) and every product is x W + s (x A) B, so the
 frozen base is held once for all the adapters of a group (P per-agent adapters on an 8B base
 cost P x the adapters, not P x 8B of merged weights), in sampling and in the update, and no
 gradient is formed for W. `merge_lora` makes real merged weights where they are needed
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jmarl.errors import JmarlError
-from jmarl.models.model import LoraKernel
+from jmarl.models.layers import LoraKernel
 
 Params = Any
 KERNEL_NAMES = ("kernel", "weight")

@@ -55,7 +55,8 @@ from jmarl.batch import PACKED_FIELDS
 from jmarl.errors import JmarlError
 from jmarl.models.attention import PACKED_DENSE_MAX
 from jmarl.models.config import ModelConfig
-from jmarl.models.model import Params, packed_token_logprobs
+from jmarl.models.logprobs import packed_token_logprobs
+from jmarl.models.model import Params
 from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, no_route, row_bucket
 
 MIN_BUDGET = 64

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import importlib.util
 import json
 import os
@@ -70,6 +69,7 @@ import time
 from typing import Any
 
 from jmarl import provenance
+from jmarl.models import fetch as fetch_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/real/grpo_add_full.yaml"
@@ -258,14 +258,6 @@ def is_accelerator(probe: dict[str, Any]) -> bool:
     return "error" not in probe and probe.get("platform") not in (None, "cpu")
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def resolve_model(path: str | None, dry_run: bool, probe: dict[str, Any], work_dir: str) -> dict[str, Any]:
     """What the train stage trains: {"preset": ...} (the dry run without a model path), or
     {"path", "size", "sha256", "pinned"} of a model file (a file at `path`, or its parts
@@ -290,7 +282,7 @@ def resolve_model(path: str | None, dry_run: bool, probe: dict[str, Any], work_d
                         shutil.copyfileobj(f, out, 1 << 20)
             info["parts"] = parts
             candidate = joined
-        info.update(path=candidate, size=os.path.getsize(candidate), sha256=_sha256(candidate))
+        info.update(path=candidate, size=os.path.getsize(candidate), sha256=fetch_lib.sha256_of(candidate))
         info["pinned"] = info["sha256"] == pin.get("sha256")
         if "parts" in info and not info["pinned"]:
             return {"why": f"the parts {info['parts']} join to {info['size']:,} bytes with sha256 "

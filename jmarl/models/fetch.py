@@ -140,7 +140,8 @@ def _stat_key(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: str | os.PathLike) -> str:
+    """The sha256 hex digest of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -160,7 +161,7 @@ def _is_verified(path: Path, entry: RegisteredModel) -> bool:
     except (OSError, ValueError, AttributeError):
         pass
     _log(f"checking the sha256 of {path}")
-    if _sha256(path) != entry.sha256:
+    if sha256_of(path) != entry.sha256:
         return False
     _write_stamp(path, entry)
     return True

@@ -74,7 +74,6 @@ LEGACY = frozenset({
     'results/evidence_quickstart.json',
     'results/evidence_real.json',
     'results/evidence_writing.json',
-    'results/quickstart_output.json',
 })
 
 

@@ -14,7 +14,8 @@ The device is a `FakeSampler`: per `sample` call it tokenises the prompts as the
 sampler does (`jmarl.train.sampling.encode_prompts`, i.e. the tokenizer's `encode_batch`;
 "before": `encode_prompt` one prompt at a time), left-pads them, sleeps `--device-s` (the fixed
 fake device time) and returns plausible Sokoban completions (token ids and log-probs, text
-decoded from the ids). A step is the plan run plus `build_rollouts` of its records; host
+decoded from the ids). A step is the plan run plus the learner's host batch of its records
+(`policy_samples` and `pack` per policy, what `learner_batch` runs); host
 seconds = its wall time minus the fake device time; each setting runs `--repeats` times,
 alternating with the other, and the best run is reported (all are kept: the machine may be
 shared). Two settings per plan:
@@ -32,7 +33,7 @@ nearly free, which isolates the rest of the host loop). The process runs under t
 memory policy (`jmarl.host_memory.apply_on_cpu`) and starts with one unrecorded full-size step,
 so the measured steps reuse host memory as a training run's later steps do. Writes `benchmarks/results/host_loop.json` (with
 `--quick`: `host_loop_quick.json`), each row with the split of the host seconds
-(tokenise, env, build_rollouts, the rest: plan bookkeeping and the sampler's host work) and,
+(tokenise, env, learner_batch, the rest: plan bookkeeping and the sampler's host work) and,
 with `--profile`, the top functions of a cProfile of one extra "after" run (not timed).
 """
 
@@ -55,7 +56,10 @@ from jmarl import envs, host_memory
 from jmarl.models import CharTokenizer, load_tokenizer
 from jmarl.padding import bucket_length
 from jmarl.train.sampling import encode_prompt, encode_prompts, left_pad
-from jmarl.workflows import Completion, build_rollouts
+from jmarl.padding import next_pow2
+from jmarl.train.learner import policy_samples, records_by_policy
+from jmarl.train.packing import pack
+from jmarl.workflows import Completion
 from jmarl.workflows.plans import run_plan
 from jmarl.workflows.stepping import default_workers, host_loop
 
@@ -167,7 +171,7 @@ def workload(plan: str, episodes: int, k: int) -> tuple[int, dict[str, Any]]:
 
 def one_step(plan: str, env: Any, tokenizer: Any, *, episodes: int, k: int, device_s: float, after: bool,
              profile: bool = False) -> dict[str, Any]:
-    """One step (plan + build_rollouts) -> its host seconds and their split."""
+    """One step (plan + the learner's packed batch) -> its host seconds and their split."""
     num_tasks, options = workload(plan, episodes, k)
     seeds = [envs.train_seed(i) for i in range(num_tasks)]
     sampler = FakeSampler(tokenizer, device_s, batch_encode=after)
@@ -179,7 +183,9 @@ def one_step(plan: str, env: Any, tokenizer: Any, *, episodes: int, k: int, devi
     with host_loop(workers=workers) as clock:
         result = run_plan(plan, env, seeds, (0, 1), sampler, jax.random.key(0), **options)
     t_plan = time.perf_counter() - t0
-    rollouts = build_rollouts(result.records, pad_id=tokenizer.pad_id)
+    mine = records_by_policy(result.records, (0, 1))
+    size = next_pow2(max(len(m) for m in mine.values()))
+    batches = pack([policy_samples(m, p, size) for p, m in mine.items()])
     if profiler:
         profiler.disable()
     total = time.perf_counter() - t0
@@ -189,10 +195,10 @@ def one_step(plan: str, env: Any, tokenizer: Any, *, episodes: int, k: int, devi
         "env_workers": workers or default_workers(), "encode": "encode_batch" if after else "encode per prompt",
         "tasks": num_tasks, "episodes": len(result.episodes), "sampler_calls": sampler.calls,
         "completions": len(result.records), "prompt_tokens": sampler.prompt_tokens,
-        "rollout_shape": list(np.asarray(rollouts.tokens).shape),
+        "packed_shape": [len(batches), *np.shape(batches[0]["packed_tokens"])],
         "wall_s": total, "fake_device_s": sampler.device_seconds, "host_s": host,
         "split_s": {
-            "tokenise": sampler.encode_seconds, "env": clock.seconds, "build_rollouts": total - t_plan,
+            "tokenise": sampler.encode_seconds, "env": clock.seconds, "learner_batch": total - t_plan,
             "rest": t_plan - sampler.device_seconds - sampler.encode_seconds - clock.seconds,
         },
     }
@@ -200,7 +206,7 @@ def one_step(plan: str, env: Any, tokenizer: Any, *, episodes: int, k: int, devi
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
         row["profile_top_tottime"] = [line for line in text.getvalue().splitlines() if line.strip()][-22:]
-    del rollouts, result
+    del batches, result
     return row
 
 

@@ -19,7 +19,7 @@ and a side that stops at EOS would do less work). Each row records the completio
 sides produced over the timed repeats (`jmarl_completion_tokens_mean`;
 `baseline_completion_tokens_mean` for TRL, from its `completions/mean_length` log), which show it.
 
-jmarl: `jmarl.train.trainer.Trainer.rl_step` (ModelSampler -> plan -> Rollouts -> advantages ->
+jmarl: `jmarl.train.trainer.Trainer.rl_step` (ModelSampler -> plan -> records -> packed batch -> advantages ->
 jitted update) with `train.recompute_old_logprobs=false` (TRL with one iteration per generation
 likewise takes the old log-probs as the detached current ones; neither side runs an extra
 scoring pass). GRPO: `independent` plan, group 8. MAGRPO: `joint` plan (aligned), two

@@ -4,7 +4,7 @@
 
 Runs each config's trainer (warm start as configured, or `--warm-start` steps; `--steps` RL
 steps; evaluation and checkpoints off) and records every batch the learner builds (each policy
-group's step `Rollouts`). For every recorded batch it lays the samples out both ways:
+group's step records). For every recorded batch it lays the samples out both ways:
 - packed (`jmarl.train.packing`, what the trainer runs): each micro-batch's distinct prompts and
   their continuations in rows of a token budget;
 - shared prefix (`benchmarks.shared_prefix_layout`, the previous layout): distinct prompts
@@ -37,8 +37,9 @@ CONFIGS = {
 
 
 def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple[Any, list[tuple[Any, Any, Any, Any]]]:
-    """(trainer, [(group, group fns, Rollouts, the packed LearnerBatch the trainer built)]) for
-    `steps` RL steps of the config at `path`."""
+    """(trainer, [(group, group fns, the step's sample records, the packed LearnerBatch the
+    trainer built)]) for `steps` RL steps of the config at `path`."""
+    import jmarl.train.learn as learn_mod
     import jmarl.train.trainer as trainer_mod
     from jmarl.config import load_config
 
@@ -48,33 +49,52 @@ def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple
         overrides.append(f"train.warm_start.steps={warm_start}")
     trainer = trainer_mod.Trainer(load_config(path, overrides))
     seen: list[tuple[Any, Any, Any, Any]] = []
-    original = trainer_mod.learner_batch
+    original = learn_mod.learner_batch
 
-    def recording(group, rollouts, *args, **kwargs):
+    def recording(group, records, *args, **kwargs):
         fns = trainer.fns[trainer.policies.groups.index(group)]
-        batch, counts = original(group, rollouts, *args, **kwargs)
-        seen.append((group, fns, rollouts, batch))
+        batch, counts = original(group, records, *args, **kwargs)
+        seen.append((group, fns, records, batch))
         return batch, counts
 
-    trainer_mod.learner_batch = recording
+    learn_mod.learner_batch = recording
     try:
         trainer.run()
     finally:
-        trainer_mod.learner_batch = original
+        learn_mod.learner_batch = original
     return trainer, seen
 
 
-def layouts(trainer: Any, group: Any, rollouts: Any, packed: Any) -> tuple[Any, dict[str, Any], list[int]]:
+def plain_rows(records: Any, size: int) -> dict[str, Any]:
+    """The records as `size` whole sequences in [size, T] rows (prompt then completion,
+    right-padded; loss_mask on the completion; padding rows empty): the shared-prefix layout's input."""
+    import numpy as np
+
+    seqs = [(np.asarray(r.completion.prompt_tokens).reshape(-1), np.asarray(r.completion.completion_tokens).reshape(-1))
+            for r in records]
+    t = max([p.size + c.size for p, c in seqs] + [1])
+    tokens = np.zeros((size, t), np.int32)
+    attn = np.zeros((size, t), bool)
+    loss = np.zeros((size, t), bool)
+    for i, (p, c) in enumerate(seqs):
+        tokens[i, :p.size + c.size] = np.concatenate([p, c])
+        attn[i, :p.size + c.size] = True
+        loss[i, p.size:p.size + c.size] = True
+    return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
+
+
+def layouts(trainer: Any, group: Any, records: Any, packed: Any) -> tuple[Any, dict[str, Any], list[int]]:
     """(the trainer's packed LearnerBatch, the same samples as shared-prefix arrays
     [policy-stacked when the group is], counts)."""
     import numpy as np
 
     from benchmarks.shared_prefix_layout import to_shared_prefix
-    from jmarl.train.learner import batch_rows, policy_rows
+    from jmarl.train.learner import batch_rows, records_by_policy
 
-    counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
+    mine = records_by_policy(records, group.policy_ids)
+    counts = [len(mine[p]) for p in group.policy_ids]
     size = batch_rows(counts, trainer.parts, trainer.rows_bound())
-    shared = to_shared_prefix([policy_rows(rollouts, p, size) for p in group.policy_ids], trainer.parts)
+    shared = to_shared_prefix([plain_rows(mine[p], size) for p in group.policy_ids], trainer.parts)
     keys = ("prefix_tokens", "prefix_mask", "prefix_rows", "tokens", "attention_mask")
     stacked = {k: np.stack([s[k] for s in shared]) if group.stacked else shared[0][k] for k in keys}
     return packed, stacked, counts
@@ -132,8 +152,8 @@ def time_updates(trainer: Any, seen: list, repeats: int) -> dict[str, Any]:
         raise SystemExit("timing compares one update of a single micro-batch: use a config with 1 mini-batch, no accumulation")
     out = {"real_tokens": 0, "packed_s": 0.0, "shared_s": 0.0, "batches": 0}
     updates = {}
-    for group, fns, rollouts, batch in seen:
-        packed, shared, counts = layouts(trainer, group, rollouts, batch)
+    for group, fns, records, batch in seen:
+        packed, shared, counts = layouts(trainer, group, records, batch)
         if not any(counts):
             continue
         full = packed
@@ -188,8 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
         with tempfile.TemporaryDirectory() as out_dir:
             trainer, seen = record(CONFIGS[name], args.steps, args.warm_start, out_dir)
             totals = {"real": 0, "packed_slots": 0, "shared_slots": 0}
-            for group, _, rollouts, batch in seen:
-                packed, shared, counts = layouts(trainer, group, rollouts, batch)
+            for group, _, records, batch in seen:
+                packed, shared, counts = layouts(trainer, group, records, batch)
                 if any(counts):
                     for k, v in utilization(packed, shared, counts, group.stacked).items():
                         totals[k] += v

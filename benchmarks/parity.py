@@ -45,9 +45,9 @@ class GrpoBatch:
     def packed(self) -> dict[str, np.ndarray]:
         """The batch as jmarl's learner lays it out (`jmarl.train.packing`): each distinct prompt
         once with its completions after it, [N, C] completion fields (C = T - prompt length here)."""
-        from jmarl.train.packing import pack
+        from jmarl.train.packing import pack, plain_samples
 
-        return pack([self.as_dict()])[0]
+        return pack([plain_samples(self.as_dict())])[0]
 
 
 def make_batch(vocab_size: int, rows: int, prompt_len: int, new_tokens: int, *, group_size: int = 8,

@@ -139,7 +139,7 @@ def test_token_logprobs_and_gradients_match_torch_autograd(tiny):
 
 
 def test_packed_layout_equals_per_sequence_logprobs(tiny):
-    from jmarl.train.packing import pack, packed_logprobs
+    from jmarl.train.packing import pack, packed_logprobs, plain_samples
 
     config, params, _ = tiny
     rng = np.random.default_rng(3)
@@ -156,7 +156,7 @@ def test_packed_layout_equals_per_sequence_logprobs(tiny):
         plain["attention_mask"][i, :len(p) + len(c)] = True
         plain["loss_mask"][i, len(p):len(p) + len(c)] = True
     full = np.asarray(token_logprobs(config, params, jnp.asarray(plain["tokens"]), jnp.asarray(plain["attention_mask"])))
-    (packed,) = pack([plain], parts=1, width=64)
+    (packed,) = pack([plain_samples(plain)], parts=1, width=64)
     for impl in ("xla", "blockwise"):
         got = np.asarray(packed_logprobs(config.replace(attention=impl), params,
                                          {k: jnp.asarray(v) for k, v in packed.items()}))

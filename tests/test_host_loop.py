@@ -303,7 +303,7 @@ def test_host_loop_benchmark_step_runs_small():
     assert rows[0]["completions"] == rows[1]["completions"] == 3 * 2 * 2 * 2
     assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"]
     for row in rows:
-        assert row["host_s"] > 0 and set(row["split_s"]) == {"tokenise", "env", "build_rollouts", "rest"}
+        assert row["host_s"] > 0 and set(row["split_s"]) == {"tokenise", "env", "learner_batch", "rest"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 5, 9])

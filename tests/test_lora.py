@@ -23,7 +23,7 @@ from jmarl.models.layers import LoraKernel
 from jmarl.train.lora import attach_lora, init_lora, merge_lora
 from jmarl.train.policies import PolicyGroup
 from jmarl.batch import MODEL_INPUTS
-from jmarl.train.packing import pack, packed_logprobs
+from jmarl.train.packing import pack, packed_logprobs, plain_samples
 
 TINY = tiny_qwen3()
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -76,7 +76,7 @@ def _packed_batch(rng):
         tokens[i, :len(p) + len(c)] = p + c
         attn[i, :len(p) + len(c)] = True
         loss[i, len(p):len(p) + len(c)] = True
-    (out,) = pack([{"tokens": tokens, "attention_mask": attn, "loss_mask": loss}])
+    (out,) = pack([plain_samples({"tokens": tokens, "attention_mask": attn, "loss_mask": loss})])
     return {k: out[k] for k in MODEL_INPUTS}
 
 

@@ -20,10 +20,10 @@ from jmarl.config import load_config
 from jmarl.errors import JmarlError
 from jmarl.memory_check import cli
 from jmarl.models import sampler as sampler_lib
-from jmarl.rollouts import make_rollouts
 from jmarl.sharding import device_bytes, mesh_context, mesh_of
 from jmarl.train import programs as programs_lib
 from jmarl.train.learner import learner_batch, score_batch
+from jmarl.workflows.base import Completion, SampleRecord
 from jmarl.train.trainer import Trainer
 from jmarl.workflows.bounds import BoundsContext
 from jmarl.workflows.plans import PLANS
@@ -151,12 +151,13 @@ def test_update_batch_is_the_trainers_batch_at_the_bound(planned, real):
     for r in range(2 * rows):
         tokens[r, :prompt] = 1 + (r // 4) % 50  # a node's K candidates share a prompt
         tokens[r, prompt:] = 2 + r % 7
-    loss = np.zeros(tokens.shape, bool)
-    loss[:, prompt:] = True
-    rollouts = make_rollouts(tokens, loss, np.ones(tokens.shape, bool), np.arange(2 * rows, dtype=np.float32),
-                             np.arange(2 * rows) // 4, policy=np.arange(2 * rows) // rows)
+    records = [SampleRecord(prompt="", completion=Completion(text="", prompt_tokens=tokens[r, :prompt],
+                                                             completion_tokens=tokens[r, prompt:],
+                                                             logprobs=np.zeros(answer, np.float32)),
+                            reward=float(r), group=r // 4, env=0, turn=0, agent=0, policy=r // rows,
+                            source_policy=r // rows) for r in range(2 * rows)]
     group, fns = real.policies.groups[0], real.fns[0]
-    batch, counts = learner_batch(group, rollouts, real.parts, real.rows_bound(), real.rows_per_part(group))
+    batch, counts = learner_batch(group, records, real.parts, real.rows_bound(), real.rows_per_part(group))
     assert counts == [rows, rows]
     scored = score_batch(group, fns, batch, real.method_device_state(), recompute=True, cross=False)
     want = update.args[2]
@@ -208,7 +209,7 @@ def test_fast_cpu_compile_options_leave_the_memory_figures_unchanged():
 def test_packed_bounds_hold_for_the_worst_layout(rows, share, parts, aligned, packed_rows):
     """The plan's (L, M) bound the packed layout of micro-batches whose prompts (6 tokens) and
     completions (4) take the longest lengths, wherever the groups start."""
-    from jmarl.train.packing import pack
+    from jmarl.train.packing import pack, plain_samples
 
     u = programs_lib.prefixes_per_part(rows // parts, share, aligned)
     bound_rows, width, preds = programs_lib.packed_bounds(rows // parts, u, share, 6, 4, packed_rows)
@@ -219,7 +220,7 @@ def test_packed_bounds_hold_for_the_worst_layout(rows, share, parts, aligned, pa
         loss = np.zeros(tokens.shape, bool)
         loss[:, 6:] = True
         batch = {"tokens": tokens, "attention_mask": np.ones(tokens.shape, bool), "loss_mask": loss}
-        (out,) = pack([batch], parts, packed_rows)
+        (out,) = pack([plain_samples(batch)], parts, packed_rows)
         assert out["packed_tokens"].shape[0] // parts <= bound_rows and out["packed_tokens"].shape[1] <= width
         assert out["pred_source"].shape[0] // parts <= preds
         if aligned:
@@ -230,7 +231,7 @@ def test_packed_rows_are_bounded_by_the_segments():
     """Segments as long as a row (a 1024-token prompt and two 512-token continuations, L =
     2048): each row holds one, so 4 distinct prompts take 4 rows, the bound min(2T/L + 1, U)
     says 4 where 2T/L + 1 alone says 9, and the packed batch fits it."""
-    from jmarl.train.packing import pack
+    from jmarl.train.packing import pack, plain_samples
 
     rows, share, prompt_len, new_tokens = 8, 2, 1024, 512
     bound_rows, width, preds = programs_lib.packed_bounds(rows, rows // share, share, prompt_len, new_tokens, 1)
@@ -240,7 +241,7 @@ def test_packed_rows_are_bounded_by_the_segments():
                              np.full((rows, new_tokens), 99, np.int32)], axis=1)
     loss = np.zeros(tokens.shape, bool)
     loss[:, prompt_len:] = True
-    (out,) = pack([{"tokens": tokens, "attention_mask": np.ones(tokens.shape, bool), "loss_mask": loss}])
+    (out,) = pack([plain_samples({"tokens": tokens, "attention_mask": np.ones(tokens.shape, bool), "loss_mask": loss})])
     assert out["packed_tokens"].shape == (4, 2048) and out["pred_source"].shape[0] <= preds
 
 

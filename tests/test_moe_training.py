@@ -17,7 +17,7 @@ from jmarl.models import moe
 from jmarl.train import trainer as trainer_mod
 from jmarl.train.learner import learner_batch, score_batch
 from jmarl.train.packing import packed_logprobs
-from jmarl.workflows import build_rollouts, run_plan
+from jmarl.workflows import run_plan
 
 MOE_PRESET = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
               "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4, "num_experts_per_tok": 2,
@@ -81,8 +81,7 @@ def test_the_router_term_is_its_weight_times_the_load_balancing_loss(tmp_path):
     group, fns = trainer.policies.groups[0], trainer.fns[0]
     t = trainer
     result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, jax.random.key(4), group_size=4)
-    rollouts = build_rollouts(result.records)
-    batch, _ = learner_batch(group, rollouts, trainer.parts)
+    batch, _ = learner_batch(group, result.records, trainer.parts)
     batch = score_batch(group, fns, batch, trainer.method_device_state(), recompute=True, cross=False)
     params = group.state.params
     lp, stats = packed_logprobs(group.model_config, params, batch, trainer.temperature, with_router_stats=True)

@@ -17,7 +17,7 @@ from jmarl.algos import METHODS, MethodContext, hacpo
 from jmarl.config import load_config
 from jmarl.train import trainer as trainer_mod
 from jmarl.train.learner import build_group_fns, learner_batch, sampler_agreement, score_batch
-from jmarl.workflows import build_rollouts, run_plan
+from jmarl.workflows import run_plan
 from jmarl.workflows.base import PlanResult
 from jmarl.workflows.shared import SharedStats
 
@@ -42,7 +42,7 @@ def test_a_step_whose_advantages_are_all_zero_changes_no_parameter(tmp_path, mod
     t = trainer_mod.Trainer(load_config(_config(tmp_path, mode), overrides))
     group = t.policies.groups[0]
     result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, jax.random.key(3), group_size=4)
-    batch, counts = learner_batch(group, build_rollouts(result.records), t.parts)
+    batch, counts = learner_batch(group, result.records, t.parts)
     assert counts == [8, 8]
     real = np.asarray(batch.group) >= 0
     flat = batch.replace(reward=np.where(real, 0.5, np.asarray(batch.reward)).astype(np.float32))

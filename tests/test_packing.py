@@ -13,7 +13,7 @@ from jmarl import algos, models
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
 from jmarl.train.optim import make_optimizer
-from jmarl.train.packing import (ROW_TOKENS, PackShape, pack, packed_logprobs, shape_of, split_prompts, token_budget,
+from jmarl.train.packing import (ROW_TOKENS, PackShape, pack, packed_logprobs, plain_samples, shape_of, split_prompts, token_budget,
                                  token_utilization)
 from jmarl.train.step import init_train_state, make_update, split_minibatches
 
@@ -46,7 +46,7 @@ def test_token_budgets():
 
 def test_layout_by_hand():
     plain = _plain([([5, 6, 7], [8, 9]), ([5, 6, 7], [10]), ([5, 6], [11, 12, 13]), ([], [])], t=6)
-    (out,) = pack([plain], parts=2, width=8, buckets=(4,))
+    (out,) = pack([plain_samples(plain)], parts=2, width=8, buckets=(4,))
     # micro-batch 0: prompt [5 6 7] then its two continuations; micro-batch 1: [5 6] and one
     # continuation (the padding row packs nothing). One row each of L = 64 (the smallest budget
     # holding the longest segment, above width 8); M = R x L = 64; C = 4.
@@ -68,12 +68,12 @@ def test_layout_by_hand():
     assert token_utilization(out) == (11, 128)
     assert shape_of(out, parts=2) == PackShape(rows=1, width=64, predictions=64, length=4)
     with pytest.raises(JmarlError, match="does not split into 3"):
-        pack([plain], parts=3)
+        pack([plain_samples(plain)], parts=3)
 
 
 def test_segments_go_whole_into_the_first_row_with_room():
     rows = [([1] * 30, [2] * 10)] * 2 + [([3] * 20, [4] * 5)] * 3 + [([5] * 8, [6] * 40)]
-    (out,) = pack([_plain(rows, t=64)], parts=1, width=96)
+    (out,) = pack([plain_samples(_plain(rows, t=64))], parts=1, width=96)
     seg, br = out["packed_segment"], out["packed_branch"]
     # segments of 50, 35 and 48 tokens, longest first: 50 + 35 | 48
     assert out["packed_tokens"].shape == (2, 96)
@@ -82,22 +82,22 @@ def test_segments_go_whole_into_the_first_row_with_room():
         for s in set(seg[r][seg[r] > 0].tolist()):
             slots = np.flatnonzero(seg[r] == s)
             assert np.all(np.diff(slots) == 1) and br[r, slots[0]] == 0
-    (out,) = pack([_plain(rows, t=64)], parts=1, width=96, rows_per_part=4)  # one row per data shard at least
+    (out,) = pack([plain_samples(_plain(rows, t=64))], parts=1, width=96, rows_per_part=4)  # one row per data shard at least
     assert out["packed_tokens"].shape == (4, 96) and np.count_nonzero(out["packed_segment"][2:]) == 0
 
 
 def test_rows_are_full_but_the_last_and_a_long_segment_widens_them():
     rows = [([1 + i] * 50, [2] * 30) for i in range(60)]  # 60 segments of 80 tokens: 4800 in all
-    (out,) = pack([_plain(rows, t=80)])
+    (out,) = pack([plain_samples(_plain(rows, t=80))])
     # rows of 1024 would hold 12 segments (960 tokens) each: 5 x 1024 = 5120 slots; rows of 320
     # hold 4 (320 tokens) each, every slot real: 15 x 320 = 4800
     assert out["packed_tokens"].shape == (15, 320)
     assert [int(np.count_nonzero(r)) for r in out["packed_segment"]] == [320] * 15
-    (out,) = pack([_plain(rows, t=80)], known={(5, ROW_TOKENS)})  # a compiled shape within the slack
+    (out,) = pack([plain_samples(_plain(rows, t=80))], known={(5, ROW_TOKENS)})  # a compiled shape within the slack
     assert out["packed_tokens"].shape == (5, ROW_TOKENS)
     assert [int(np.count_nonzero(r)) for r in out["packed_segment"]] == [960] * 5
     long = [([7] * 600, [8] * 500)] * 2  # a segment of 1600 tokens
-    (out,) = pack([_plain(rows[:3] + long, t=1100)])
+    (out,) = pack([plain_samples(_plain(rows[:3] + long, t=1100))])
     assert out["packed_tokens"].shape == (2, token_budget(1600))  # 1600 | 3 x 80
 
 
@@ -150,7 +150,7 @@ def test_same_logprobs_loss_and_gradients_as_the_plain_layout(attention, rows_pe
     plain["old_logprobs"] = plain.pop("behavior_logprobs")
     plain["advantages"] = rng.normal(size=9).astype(np.float32)
     plain = {k: np.concatenate([v, v[-1:] * 0]) for k, v in plain.items()}  # 10 rows: 2 micro-batches of 5
-    (packed,) = pack([plain], parts=2, rows_per_part=rows_per_part, buckets=(8, 16))
+    (packed,) = pack([plain_samples(plain)], parts=2, rows_per_part=rows_per_part, buckets=(8, 16))
 
     full = np.asarray(models.token_logprobs(config, params, plain["tokens"], plain["attention_mask"], 0.8))
     split = split_prompts(plain["tokens"], plain["attention_mask"], plain["loss_mask"])
@@ -205,7 +205,7 @@ def method_inputs():
         learner=np.zeros(n, np.int32), source_policy=np.array([0, 1, 0, 0, 1, 1, 0, 1, 0], np.int32),
         source_seq_logprob=rng.uniform(-3, -1, n).astype(np.float32),
     )
-    (packed,) = pack([plain], parts=1)
+    (packed,) = pack([plain_samples(plain)], parts=1)
 
     def pullback(fn):
         return jax.jit(lambda p, cot: jax.vjp(fn, p)[1](cot)[0])

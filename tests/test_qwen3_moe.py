@@ -307,7 +307,7 @@ def test_every_layout_returns_the_same_router_stats(tiny):
     """Each row with its own prompt: the shared-prefix and packed layouts count the same tokens
     as the plain forward, so their stats (and log-probs) equal token_logprobs', and so do
     apply's. A model without experts answers empty stats (a loss of 0)."""
-    from jmarl.train.packing import pack
+    from jmarl.train.packing import pack, plain_samples
 
     _, config, params, _, _ = tiny
     rng = np.random.default_rng(5)
@@ -329,7 +329,7 @@ def test_every_layout_returns_the_same_router_stats(tiny):
              "behavior_logprobs": np.zeros((n, t), np.float32), "reward": np.zeros((n,), np.float32)}
     for i, (p, c) in enumerate(zip(prompts, conts)):
         plain["loss_mask"][i, len(p):len(p) + len(c)] = True
-    (packed,) = pack([plain], parts=1, width=32)
+    (packed,) = pack([plain_samples(plain)], parts=1, width=32)
     tokens = jnp.asarray(packed["packed_tokens"])
     _, got_packed = packed_token_logprobs(
         config, params, tokens, jnp.asarray(packed["packed_positions"]), jnp.asarray(packed["packed_segment"]),

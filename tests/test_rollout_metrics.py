@@ -1,5 +1,5 @@
 """Per-step rollout metrics: completion lengths and truncation per policy (`rollout_length_metrics`
-on hand-made Rollouts of known lengths) and the sampler's rollout/decode_utilization (static
+on hand-made sample records of known lengths) and the sampler's rollout/decode_utilization (static
 sampler and continuous engine on a tiny model, against the positions their decode loops ran)."""
 
 import types
@@ -10,30 +10,22 @@ import pytest
 
 from _tiny_models import tiny_qwen3
 from jmarl import models
-from jmarl.rollouts import make_rollouts, pad_to
 from jmarl.train.metrics import figure_of, rollout_length_metrics
 from jmarl.train.policies import PolicyGroup, PolicySet, stack
 from jmarl.config import SamplingConfig
 from jmarl.train.sampling import ModelSampler
+from jmarl.workflows.base import Completion, SampleRecord
 
 PROMPT = [2, 40, 41]  # every sample's prompt (3 tokens)
 
 
-def _rollouts(samples):
-    """Rollouts of (policy, source_policy, completion tokens) samples: prompt PROMPT, then the
-    completion (its loss_mask span), right-padded to the longest."""
-    t = len(PROMPT) + max(len(c) for _, _, c in samples)
-    n = len(samples)
-    tokens = np.zeros((n, t), np.int32)
-    loss = np.zeros((n, t), bool)
-    attn = np.zeros((n, t), bool)
-    for i, (_, _, comp) in enumerate(samples):
-        seq = PROMPT + list(comp)
-        tokens[i, : len(seq)] = seq
-        attn[i, : len(seq)] = True
-        loss[i, len(PROMPT) : len(seq)] = True
-    return make_rollouts(tokens, loss, attn, np.zeros(n), np.arange(n),
-                         policy=[p for p, _, _ in samples], source_policy=[s for _, s, _ in samples])
+def _records(samples):
+    """Sample records of (policy, source_policy, completion tokens) samples, each prompted with PROMPT."""
+    return [SampleRecord(prompt="", completion=Completion(text="", prompt_tokens=np.asarray(PROMPT, np.int32),
+                                                          completion_tokens=np.asarray(comp, np.int32),
+                                                          logprobs=np.zeros(len(comp), np.float32)),
+                         reward=0.0, group=i, env=0, turn=0, agent=0, policy=p, source_policy=src)
+            for i, (p, src, comp) in enumerate(samples)]
 
 
 SOLVER_EOS, CRITIC_EOS = 1, 7
@@ -54,7 +46,7 @@ SAMPLES = [
 
 
 def test_lengths_and_truncation_per_policy_and_overall():
-    r = pad_to(_rollouts(SAMPLES), num_samples=12)  # + 3 padding rows (group -1): not counted
+    r = _records(SAMPLES)
     got = rollout_length_metrics(r, ("solver", "critic"), max_new_tokens=8, eos_ids=(SOLVER_EOS, CRITIC_EOS))
     # all 8 generations: lengths 3 8 8 1 | 2 4 5 8 -> sorted 1 2 3 4 5 8 8 8; p90 at index 0.9 * 7 = 6.3: 8
     # solver 1 3 8 8: p90 at index 2.7 -> 8; critic 2 4 5 8: p90 at 2.7 -> 5 + 0.7 * (8 - 5) = 7.1
@@ -83,18 +75,18 @@ def test_lengths_and_truncation_per_policy_and_overall():
 
 def test_one_policy_interpolated_p90_and_no_per_policy_keys():
     lengths = [2, 4, 6, 8, 10, 16]  # p90 at index 0.9 * 5 = 4.5: (10 + 16) / 2 = 13
-    r = _rollouts([(0, 0, [5] * k) for k in lengths])
+    r = _records([(0, 0, [5] * k) for k in lengths])
     got = rollout_length_metrics(r, ("policy",), max_new_tokens=16, eos_ids=(1,))
     assert got == {"rollout/completion_length_mean": 46 / 6, "rollout/completion_length_p90": 13.0,
                    "rollout/completion_length_max": 16.0, "rollout/truncated_fraction": 1 / 6}
 
 
 def test_a_policy_without_generations_gets_no_keys_and_none_at_all_gives_empty():
-    r = _rollouts([(0, 0, [5, 1]), (0, 0, [5, 5, 1])])
+    r = _records([(0, 0, [5, 1]), (0, 0, [5, 5, 1])])
     got = rollout_length_metrics(r, ("a", "b"), max_new_tokens=4, eos_ids=(1, 1))
     assert "rollout/b/completion_length_mean" not in got and got["rollout/a/completion_length_mean"] == 2.5
     assert got["rollout/truncated_fraction"] == 0.0
-    only_cross = _rollouts([(1, 0, [5, 1])])
+    only_cross = _records([(1, 0, [5, 1])])
     assert rollout_length_metrics(only_cross, ("a", "b"), max_new_tokens=4) == {}
 
 

@@ -4,6 +4,7 @@
 differ (a perturbed router, an exact tie), and reports how often it would
 (`learner/<policy>/routing_mismatch`). Tiny random Qwen3-MoE models; the setting's refusals."""
 
+import dataclasses
 import json
 
 import jax
@@ -17,13 +18,11 @@ from jmarl.models import CharTokenizer, ModelConfig, generate, init
 from jmarl.models import engine, moe
 from jmarl.models.model import expert_routing
 from jmarl.models.presets import preset_config
-from jmarl.rollouts import concat, make_rollouts, pad_to
 from jmarl.train import trainer as trainer_mod
-from jmarl.train.learner import learner_batch
+from jmarl.train.learner import learner_batch, own_routing
 from jmarl.train.packing import packed_logprobs
 from jmarl.train.policies import PolicyGroup, build_model
 from jmarl.train.sampling import completion_routing
-from jmarl.workflows import build_rollouts
 from jmarl.workflows.base import Completion, SampleRecord
 
 # layers 0 and 2 sparse, layer 1 dense (a mixed model: replay skips its dense layer); top-2 of 4
@@ -73,10 +72,9 @@ def _sample(params: dict):
                           routing=completion_routing(gen, None, j, prompt.size, length))
         records.append(SampleRecord(prompt="", completion=comp, reward=float(j % 2), group=j // 2, env=0, turn=0,
                                     agent=0, policy=0, source_policy=0))
-    rollouts = build_rollouts(records)
     group = PolicyGroup(name="g", model_config=CONFIG, tokenizer=None, policy_ids=(0,), stacked=False, lora_rank=None,
                         lora_alpha=0.0, base=None, state=None, ref=None)
-    batch, _ = learner_batch(group, rollouts, parts=1)
+    batch, _ = learner_batch(group, records, parts=1)
     return gen, tokens, masks, jax.tree.map(jnp.asarray, batch)
 
 
@@ -112,20 +110,28 @@ def test_recorded_routing_costs_layers_x_top_k_bytes_per_token():
     assert figures == {"qwen3-30b-a3b": 48 * 8, "qwen3-235b-a22b": 94 * 8}
 
 
-def test_rollouts_keep_the_routing_through_padding_and_concatenation():
-    """Rollouts without routing and with ids of another width and dtype concatenate into one
-    array of the widest, every "no record" marker still one."""
-    def rollouts(routing):
-        return make_rollouts(np.ones((2, 3), np.int32), np.zeros((2, 3), bool), np.ones((2, 3), bool),
-                             np.zeros(2), np.zeros(2), routing=routing)
-
-    narrow = np.array([[[1, 2], [3, 255], [255, 255]]] * 2, np.uint8)
-    wide = np.full((2, 3, 4), 300, np.uint16)
-    out = concat([rollouts(narrow), rollouts(None), pad_to(rollouts(wide), seq_len=4)])
-    assert out.routing.dtype == np.uint16 and out.routing.shape == (6, 4, 4)
-    np.testing.assert_array_equal(out.routing[0, :3, :2], np.where(narrow[0] == 255, 65535, narrow[0]))
-    assert np.all(out.routing[:2, :, 2:] == 65535) and np.all(out.routing[2:4] == 65535)
-    assert np.all(out.routing[4:, :3] == 300) and np.all(out.routing[4:, 3] == 65535)
+def test_a_learner_replays_only_its_own_records_in_its_models_dtype():
+    """`own_routing`: a sample the learner drew keeps its recorded experts, cast to the model's
+    routing dtype with the "no record" marker carried over; another policy's sample (a cross
+    sample) and a sample without a record give None; a record narrower than the model's
+    S x k per token is refused."""
+    s, k = CONFIG.num_sparse_layers, CONFIG.num_experts_per_tok
+    recorded = (np.arange(3 * s * k) % CONFIG.num_experts).astype(np.uint16).reshape(3, s, k)
+    recorded[1, 0, 0] = moe.no_route(np.uint16)
+    comp = Completion(text="", prompt_tokens=np.array([1, 2], np.int32), completion_tokens=np.array([3], np.int32),
+                      logprobs=np.zeros(1, np.float32), routing=recorded)
+    own = SampleRecord(prompt="", completion=comp, reward=1.0, group=0, env=0, turn=0, agent=0, policy=0,
+                       source_policy=0)
+    got = own_routing(own, 0, CONFIG)
+    dtype = moe.routing_dtype(CONFIG.num_experts)
+    assert got.dtype == dtype and got.shape == (3, s, k)
+    assert got[1, 0, 0] == moe.no_route(dtype)
+    np.testing.assert_array_equal(got[got != moe.no_route(dtype)], recorded[recorded != moe.no_route(np.uint16)])
+    assert own_routing(dataclasses.replace(own, source_policy=1), 0, CONFIG) is None
+    assert own_routing(dataclasses.replace(own, completion=dataclasses.replace(comp, routing=None)), 0, CONFIG) is None
+    narrow = dataclasses.replace(comp, routing=recorded.reshape(3, -1)[:, :-1])
+    with pytest.raises(JmarlError, match="expert ids per token"):
+        own_routing(dataclasses.replace(own, completion=narrow), 0, CONFIG)
 
 
 def test_the_sampler_records_the_experts_a_plain_forward_picks():

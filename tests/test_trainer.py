@@ -25,7 +25,7 @@ from jmarl.train.learner import active_policies, learner_batch, merge, restrict,
 from jmarl.train.packing import token_utilization
 from jmarl.train.packing import packed_logprobs
 from jmarl.train.step import make_update
-from jmarl.workflows import build_rollouts, run_plan
+from jmarl.workflows import run_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -237,17 +237,16 @@ def test_resume_restores_the_kl_reference_the_warm_start_set(tmp_path):
 def test_nan_reward_batch_skips_one_update_and_training_continues(tmp_path, monkeypatch):
     cfg = load_config(_config(tmp_path, "nan"), ["policies.mode=shared", "optim.weight_decay=0.0"])
     t = trainer_mod.Trainer(cfg)
-    real_build = trainer_mod.build_rollouts
+    real_learn = trainer_mod.learn
     calls = []
 
-    def poisoned(records, **kw):
-        r = real_build(records, **kw)
+    def poisoned(group, fns, records, *args):
         calls.append(1)
-        if len(calls) == 1:
-            r = r.replace(reward=np.full_like(np.asarray(r.reward), np.nan))
-        return r
+        if len(calls) == 1:  # the first step's rewards all NaN
+            records = [dataclasses.replace(r, reward=float("nan")) for r in records]
+        return real_learn(group, fns, records, *args)
 
-    monkeypatch.setattr(trainer_mod, "build_rollouts", poisoned)
+    monkeypatch.setattr(trainer_mod, "learn", poisoned)
     before = jax.tree.map(np.array, t.policies.groups[0].state.params)
     m1 = t.rl_step()
     after_nan = jax.tree.map(np.array, t.policies.groups[0].state.params)
@@ -292,8 +291,7 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
     assert group.stacked and group.policy_ids == (0, 1)
     key = jax.random.key(3)
     result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, key, group_size=4)
-    rollouts = build_rollouts(result.records)
-    batch, counts = learner_batch(group, rollouts, t.parts)
+    batch, counts = learner_batch(group, result.records, t.parts)
     assert counts == [8, 8]
     scored = score_batch(group, fns, batch, None, recompute=True, cross=False)
     assert float(jnp.abs(scored.advantages).sum()) > 0  # the toy env gives varied rewards
@@ -323,8 +321,7 @@ def test_a_stacked_policy_without_samples_is_neither_computed_nor_stepped(tmp_pa
     t = trainer_mod.Trainer(cfg)
     group, fns = t.policies.groups[0], t.fns[0]
     result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, jax.random.key(3), group_size=4)
-    rollouts = build_rollouts([r for r in result.records if r.policy == 0])
-    batch, counts = learner_batch(group, rollouts, t.parts)
+    batch, counts = learner_batch(group, [r for r in result.records if r.policy == 0], t.parts)
     assert counts == [8, 0]
     active = active_policies(counts, group.stacked)
     assert active.tolist() == [0]
@@ -356,7 +353,7 @@ def test_scoring_by_micro_batches_equals_one_pass(tmp_path):
     group, fns = t.policies.groups[0], t.fns[0]
     assert t.parts == 4 and group.stacked
     result = run_plan("independent", t.env, [0, 1], t.policies.agent_policy, t.sampler, jax.random.key(4), group_size=4)
-    batch, _ = learner_batch(group, build_rollouts(result.records), t.parts)
+    batch, _ = learner_batch(group, result.records, t.parts)
     inputs = jax.tree.map(jnp.asarray, batch.model_inputs())
     scored = fns.score(group.state.params, group.base, inputs)
     one_pass = jax.vmap(lambda p, b: packed_logprobs(group.model_config, p, b, t.temperature))

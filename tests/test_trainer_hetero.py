@@ -192,7 +192,8 @@ HAND = [
 def test_hacpo_three_scripted_steps_match_hand_computed_values():
     from test_workflows_shared import TOKS, QuizEnv, TokSampler, seed_of
 
-    from jmarl.workflows import SharedOptions, build_rollouts, sample_shared
+    from jmarl.train.packing import pack
+    from jmarl.workflows import SharedOptions, sample_shared
 
     method, cfg = hacpo.METHOD, hacpo.HACPOConfig(capability_window=2)
     state = method.init_state(cfg, MethodContext(num_policies=2, group_size=2))
@@ -206,10 +207,9 @@ def test_hacpo_three_scripted_steps_match_hand_computed_values():
         state, metrics = method.after_plan(cfg, state, result, step)
         np.testing.assert_allclose(hacpo.capabilities(state.window), hand["P"], rtol=1e-6)
         assert metrics["hacpo/capability_0"] == pytest.approx(hand["P"][0])
-        rollouts = build_rollouts(result.records)
         for k in (0, 1):
-            rows = learner_mod.policy_rows(rollouts, k, 8)
-            batch = learner_mod.LearnerBatch.loss_only(**rows)
+            mine = [r for r in result.records if r.policy == k]
+            batch = learner_mod.LearnerBatch(**pack([learner_mod.policy_samples(mine, k, 8)])[0])
             adv = method.advantages(cfg, batch, method.device_state(cfg, state))
             keep = method.keep_mask(cfg, batch)
             np.testing.assert_array_equal(batch.source_policy[:4], [0, 0, 1, 1])

@@ -1,4 +1,4 @@
-"""Sampling plans (independent, tree, joint) and build_rollouts on a toy env with scripted policies.
+"""Sampling plans (independent, tree, joint) and their records in the learner's batch, on a toy env with scripted policies.
 
 `CounterEnv`: agents add the integer they write to a running total; the target is the seed.
 An agent's local reward is value / 10; the team reward is 1 when its step makes the total hit
@@ -31,8 +31,9 @@ import pytest
 from jmarl import JmarlError
 from jmarl.envs.base import StepResult
 from jmarl.envs.base import make as make_env
-from jmarl.rollouts import select
-from jmarl.padding import bucket_length
+from jmarl.padding import next_pow2
+from jmarl.train.learner import policy_samples, records_by_policy
+from jmarl.train.packing import pack
 from jmarl.workflows import (
     PLANS,
     Completion,
@@ -44,7 +45,6 @@ from jmarl.workflows import (
     SampleRecord,
     SharedOptions,
     TreeOptions,
-    build_rollouts,
     expert_demonstrations,
     get_plan,
     input_fields,
@@ -498,42 +498,50 @@ def test_joint_sample_count_formula(mode, g, turns):
     assert len(out.episodes) == len(seeds) * branching**turns
 
 
-# ---------------------------------------------------------------- build_rollouts
+# ---------------------------------------------------------------- records -> the learner's batch
 
 
-def test_build_rollouts_alignment_and_routing():
+def test_records_pack_straight_into_the_learner_batch():
+    """Each policy's records as the learner packs them (`policy_samples`, `pack`): the
+    completion ids, their behaviour log-probs and the per-sample fields placed once per sample;
+    every completion token predicted from the slot before it in a packed row holding the
+    prompt, then the completion; each distinct prompt of a micro-batch packed once; the plan's
+    groups numbered from 0 in order of first appearance, padding samples -1."""
     out = sample_tree(CounterEnv(), [9, 8], (0, 1), ScriptedSampler(table_fn(TREE_TABLE)), KEY,
                       TreeOptions(group_size=3))
-    recs = out.records
-    ro = build_rollouts(recs)
-    longest = max(
-        r.completion.prompt_tokens.size + r.completion.completion_tokens.size for r in recs
-    )
-    assert ro.tokens.shape == (len(recs), bucket_length(longest))
-    for i, r in enumerate(recs):
-        p, c = r.completion.prompt_tokens.size, r.completion.completion_tokens.size
-        np.testing.assert_array_equal(ro.tokens[i, :p], r.completion.prompt_tokens)
-        np.testing.assert_array_equal(ro.tokens[i, p : p + c], r.completion.completion_tokens)
-        assert ro.tokens[i, p + c - 1] == STOP
-        assert (ro.tokens[i, p + c :] == 0).all()
-        np.testing.assert_array_equal(np.flatnonzero(ro.loss_mask[i]), np.arange(p, p + c))
-        np.testing.assert_array_equal(np.flatnonzero(ro.attention_mask[i]), np.arange(p + c))
-        np.testing.assert_allclose(ro.behavior_logprobs[i, p : p + c], r.completion.logprobs)
-        assert (np.asarray(ro.behavior_logprobs[i])[~np.asarray(ro.loss_mask[i])] == 0).all()
-        assert ro.source_seq_logprob[i] == pytest.approx(r.completion.logprobs.mean())
-        assert (ro.reward[i], ro.group[i], ro.env[i], ro.turn[i], ro.agent[i], ro.policy[i]) == (
-            np.float32(r.reward), r.group, r.env, r.turn, r.agent, r.policy)
-    np.testing.assert_array_equal(np.unique(ro.group), np.arange(out.num_groups))
-    b_only = select(ro, np.asarray(ro.policy) == 1)
-    assert set(np.asarray(b_only.agent).tolist()) == {1}
-    assert b_only.num_samples == sum(r.agent == 1 for r in recs)
-    # a filtered record list is renumbered to contiguous groups
-    sub = build_rollouts([r for r in recs if r.policy == 1])
-    num_b_groups = len({r.group for r in recs if r.policy == 1})
-    np.testing.assert_array_equal(np.unique(sub.group), np.arange(num_b_groups))
+    for pid in (0, 1):
+        mine = [r for r in out.records if r.policy == pid]
+        size = next_pow2(len(mine) + 1)  # at least one padding sample
+        (b,) = pack([policy_samples(mine, pid, size)])
+        flat = b["packed_tokens"].reshape(-1)
+        for i, r in enumerate(mine):
+            prompt, comp = r.completion.prompt_tokens, r.completion.completion_tokens
+            c = comp.size
+            assert comp[-1] == STOP
+            np.testing.assert_array_equal(b["tokens"][i, :c], comp)
+            assert (b["tokens"][i, c:] == 0).all()
+            assert b["loss_mask"][i].sum() == b["attention_mask"][i].sum() == c
+            np.testing.assert_allclose(b["behavior_logprobs"][i, :c], r.completion.logprobs)
+            slots = b["pred_slot"][i, :c]
+            assert (slots >= 0).all() and (b["pred_slot"][i, c:] == -1).all()
+            np.testing.assert_array_equal(b["pred_target"][slots], comp)
+            source = b["pred_source"][slots]
+            assert flat[source[0]] == prompt[-1]
+            np.testing.assert_array_equal(flat[source[1:]], comp[:-1])
+            assert (b["reward"][i], b["agent"][i], b["source_policy"][i], b["learner"][i]) == (
+                np.float32(r.reward), r.agent, r.source_policy, pid)
+            assert b["source_seq_logprob"][i] == pytest.approx(r.completion.logprobs.mean())
+        first: dict[int, int] = {}
+        want = [first.setdefault(r.group, len(first)) for r in mine]
+        assert b["group"].tolist() == want + [-1] * (size - len(mine))
+        prompts = {r.completion.prompt_tokens.tobytes(): r.completion.prompt_tokens.size for r in mine}
+        prompt_slots = (b["packed_segment"] > 0) & (b["packed_branch"] == 0)
+        assert prompt_slots.sum() == sum(prompts.values())  # each distinct prompt once
+        assert (b["packed_segment"] > 0).sum() == sum(prompts.values()) + sum(r.completion.completion_tokens.size
+                                                                             for r in mine)
 
 
-def test_build_rollouts_rejects_bad_records():
+def test_the_learner_batch_refuses_bad_records():
     env = CounterEnv(max_turns=1, agents=("a",), turn_order=("a",))
     sampler = ScriptedSampler(table_fn(TREE_TABLE))
     (r,) = sample_tree(env, [9], (0,), sampler, KEY, TreeOptions(group_size=1)).records
@@ -541,15 +549,15 @@ def test_build_rollouts_rejects_bad_records():
     short = Completion(c.text, c.prompt_tokens, c.completion_tokens, np.zeros(1))
     bad = SampleRecord(**{**r.__dict__, "completion": short})
     with pytest.raises(JmarlError, match="log-probs"):
-        build_rollouts([bad])
+        policy_samples([bad], 0, 1)
     other_policy = SampleRecord(**{**r.__dict__, "policy": 1})
     with pytest.raises(JmarlError, match="one learner policy"):
-        build_rollouts([r, other_policy])
+        records_by_policy([r, other_policy], (0, 1))
+    with pytest.raises(JmarlError, match="do not fit"):
+        policy_samples([r, r], 0, 1)
     other_prompt = SampleRecord(**{**r.__dict__, "prompt": "a|t0|x"})
     with pytest.raises(JmarlError, match="identical prompt"):
         assert_identical_prompts([r, other_prompt])
-    with pytest.raises(JmarlError, match="no sample records"):
-        build_rollouts([])
 
 
 # ---------------------------------------------------------------- errors and plumbing

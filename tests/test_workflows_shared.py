@@ -30,7 +30,6 @@ from jmarl.workflows import (
     TextTokenizer,
     PLANS,
     PlanContext,
-    build_rollouts,
     get_plan,
     input_fields,
     plan_metrics,
@@ -39,6 +38,8 @@ from jmarl.workflows import (
 )
 from jmarl import workflows
 from jmarl.workflows.shared import retokenize, seq_logprob
+from jmarl.train.learner import policy_samples
+from jmarl.train.packing import pack
 
 KEY = jax.random.key(0)
 REPO = Path(__file__).resolve().parents[1]
@@ -215,27 +216,29 @@ def test_hacpo_self_and_cross_samples():
     assert len(out.episodes) == 12 and sum(e.success for e in out.episodes) == 6
 
 
-def test_hacpo_rollouts_carry_source_logprob_and_unknown_behaviour():
+def test_hacpo_records_carry_source_logprob_and_unknown_behaviour():
+    """A cross sample carries its source's mean completion log-prob and unknown (0) behaviour
+    log-probs; the learner's batch places both (`policy_samples`); a learner's group shares one
+    prompt."""
     out, _ = run("hacpo", seeds=(4,))
-    ro = build_rollouts(out.records)
-    np.testing.assert_array_equal(ro.group, [0] * 6 + [1] * 6)
-    np.testing.assert_array_equal(ro.policy, [0] * 6 + [1] * 6)
-    np.testing.assert_array_equal(ro.source_policy, [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1])
-    cross = np.asarray(ro.policy) != np.asarray(ro.source_policy)
-    for i, r in enumerate(out.records):
-        source_lp = next(
-            s.completion.logprobs for s in out.records
-            if s.policy == s.source_policy == r.source_policy
-            and s.completion.text == r.completion.text
-        )
-        assert ro.source_seq_logprob[i] == pytest.approx(source_lp.mean())
-        behaviour = np.asarray(ro.behavior_logprobs[i])[np.asarray(ro.loss_mask[i])]
-        assert (behaviour == 0).all() == bool(cross[i])
-    # the learner's group shares one prompt: identical prompt tokens in every row of a group
+    recs = out.records
+    assert [r.group for r in recs] == [0] * 6 + [1] * 6
+    assert [r.policy for r in recs] == [0] * 6 + [1] * 6
+    assert [r.source_policy for r in recs] == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
     for k in range(2):
-        rows = np.flatnonzero(np.asarray(ro.policy) == k)
-        p = out.records[rows[0]].completion.prompt_tokens.size
-        assert (np.asarray(ro.tokens)[rows, :p] == np.asarray(ro.tokens)[rows[0], :p]).all()
+        mine = [r for r in recs if r.policy == k]
+        (b,) = pack([policy_samples(mine, k, 8)])
+        for i, r in enumerate(mine):
+            source_lp = next(
+                s.completion.logprobs for s in recs
+                if s.policy == s.source_policy == r.source_policy
+                and s.completion.text == r.completion.text
+            )
+            assert b["source_seq_logprob"][i] == pytest.approx(source_lp.mean())
+            behaviour = b["behavior_logprobs"][i][b["loss_mask"][i]]
+            assert (behaviour == 0).all() == (r.policy != r.source_policy)
+        # the learner's group shares one prompt: identical prompt tokens in every sample of a group
+        assert len({r.completion.prompt_tokens.tobytes() for r in mine}) == 1
 
 
 def test_cross_tokens_truncation_same_tokenizer_and_lossy_text():

@@ -1,7 +1,7 @@
 """Group-relative advantages and group filters (docs/algorithms.md section 1).
 
 Groups are arbitrary int ids in [0, num_groups); id -1 (or any id outside that range) marks a
-padding row that belongs to no group (see `jmarl.rollouts.pad_to`). Every statistic is a
+padding row that belongs to no group (`jmarl.train.learner.policy_samples` pads with -1). Every statistic is a
 segment reduction, so any grouping (per prompt, per (env, turn, agent), per tree node) is one
 call with static shapes, and every function is `jax.jit`- and `jax.vmap`-able. The options that
 reproduce verl's, TRL's, CoMLRL's and PettingLLMs' numbers (`eps_mode`, `normalize="batch"`,

@@ -1,8 +1,9 @@
-"""The learner side of a step: `LearnerBatch`es from `Rollouts`, and a policy group's device functions.
+"""The learner side of a step: `LearnerBatch`es from sample records, and a policy group's device functions.
 
-Host side: `learner_batch` turns the step's `Rollouts` into one group's batch (its policies'
-samples padded to N rows, a power of two times the update's parts, in the packed layout of
-`jmarl.train.packing`, stacked [P, ...] for stacked policies); `sft_batch` does the same for
+Host side: `learner_batch` packs a step's `SampleRecord`s straight into one group's batch (each
+policy's records as `packing.Samples`: a prompt and its completion as sampled, log-probs and
+per-sample fields placed once, padded to N samples, a power of two times the update's parts,
+in the packed layout of `jmarl.train.packing`, stacked [P, ...] for stacked policies); `sft_batch` does the same for
 warm-start demonstrations. Device side, per `PolicyGroup` (jitted once, vmapped over stacked policies):
 `score` (log-probs under the current policy, micro-batch by micro-batch), `score_ref`,
 `prepare` (the method's advantages and keep mask) and the two updates (RL and warm start).
@@ -22,14 +23,14 @@ import numpy as np
 
 from jmarl import sharding as sharding_lib
 from jmarl.algos.method import Method, finite_advantages
-from jmarl.batch import PACKED_FIELDS, PRED_FIELDS, ROLLOUT_FIELDS, LearnerBatch, pad_rows
+from jmarl.batch import PACKED_FIELDS, PRED_FIELDS, SAMPLE_FIELDS, LearnerBatch
 from jmarl.errors import JmarlError
 from jmarl.models import moe as moe_lib
-from jmarl.rollouts import Rollouts, select
-from jmarl.padding import bucket_length, next_pow2
+from jmarl.padding import next_pow2
 from jmarl.train.lora import attach_lora
 from jmarl.train.policies import PolicyGroup
-from jmarl.train.packing import pack, packed_logprobs
+from jmarl.train.packing import Routing, Samples, pack, packed_logprobs
+from jmarl.workflows.base import SampleRecord
 from jmarl.train.step import jit_update, make_update, split_minibatches, vmap_update
 
 # the fields of a warm-start batch before the shared-prefix layout
@@ -46,40 +47,101 @@ def batch_rows(counts: Sequence[int], parts: int, min_rows: int = 0) -> int:
     return -(-n // parts) * parts
 
 
-def policy_rows(rollouts: Rollouts, policy_id: int, size: int) -> dict[str, np.ndarray]:
-    """One policy's samples as host arrays padded to `size` rows (`ROLLOUT_FIELDS`), groups
-    renumbered from 0, `learner` = policy_id. Padding rows: empty masks, group -1."""
-    sel = select(rollouts, np.asarray(rollouts.policy) == policy_id)
-    _, group = np.unique(np.asarray(sel.group), return_inverse=True)
-    values = {k: group.reshape(-1) if k == "group" else getattr(sel, k) for k in ROLLOUT_FIELDS}
-    out = {k: pad_rows(values[k], size, fill, dtype) for k, (_, fill, dtype) in ROLLOUT_FIELDS.items()}
-    out["learner"] = np.full((size,), policy_id, np.int32)
-    return out
+def records_by_policy(records: Sequence[SampleRecord], policy_ids: Sequence[int]) -> dict[int, list[SampleRecord]]:
+    """The records of each learner policy, in order. A group must belong to one learner (its
+    advantages are normalised within that learner's batch): a JmarlError otherwise."""
+    policy_of_group: dict[int, int] = {}
+    mine: dict[int, list[SampleRecord]] = {p: [] for p in policy_ids}
+    for r in records:
+        if policy_of_group.setdefault(r.group, r.policy) != r.policy:
+            raise JmarlError(f"group {r.group} holds samples for policies {policy_of_group[r.group]} and {r.policy}; "
+                             "a group must belong to one learner policy (a sampling plan's bug)")
+        if r.policy in mine:
+            mine[r.policy].append(r)
+    return mine
 
 
-def policy_routing(rollouts: Rollouts, policy_id: int, size: int, config: Any) -> np.ndarray:
-    """The recorded expert ids of one policy's samples (routing replay), [size, T, S, k] in
-    `moe.routing_dtype(E)` for the S sparse layers and top k of its model `config`, rows as
-    `policy_rows` lays them out. Only the samples it generated itself (source_policy ==
-    policy_id) keep theirs: another policy's routing is not this model's to replay; they, the
-    padding rows and a batch without routing get the marker `moe.no_route` (the learner routes
-    those tokens itself)."""
-    dtype = moe_lib.routing_dtype(config.num_experts)
+def _flat(x: Any, dtype: Any) -> np.ndarray:
+    return np.asarray(x, dtype).reshape(-1)
+
+
+def own_routing(record: SampleRecord, policy_id: int, config: Any) -> np.ndarray | None:
+    """The experts `record` recorded for its prompt and completion tokens, [P + C, S, k] in
+    `moe.routing_dtype(E)` of the learner's model `config` (S sparse layers, top k), for routing
+    replay; None when it recorded none or another policy sampled it (another model's routing is
+    not this one's to replay: the learner routes those tokens itself). Recorded ids beyond this
+    model's S x k per token mean another model sampled it: a JmarlError."""
+    given = record.completion.routing
+    if given is None or record.source_policy != policy_id:
+        return None
+    given = np.asarray(given)
+    tokens = np.size(record.completion.prompt_tokens) + np.size(record.completion.completion_tokens)
+    if given.shape[0] != tokens:
+        raise JmarlError(f"a sample's routing covers {given.shape[0]} tokens but it has {tokens} (prompt + completion); "
+                         "the sampler records one routing per token")
     width = config.num_sparse_layers * config.num_experts_per_tok
-    mine = np.asarray(rollouts.policy) == policy_id
-    t = rollouts.seq_len
-    out = np.full((size, t, width), moe_lib.no_route(dtype), dtype)
-    if rollouts.routing is not None:
-        recorded = np.asarray(rollouts.routing)[mine]
-        own = (np.asarray(rollouts.source_policy)[mine] == policy_id)[:, None, None]
-        if recorded.shape[-1] < width:
-            raise JmarlError(f"Rollouts.routing holds {recorded.shape[-1]} expert ids per token, and policy {policy_id}'s "
-                             f"model records {width} ({config.num_sparse_layers} sparse layers x top-"
-                             f"{config.num_experts_per_tok}): these rollouts were not sampled by this model")
-        recorded = recorded[..., :width]
-        marked = recorded == moe_lib.no_route(recorded.dtype)
-        out[: recorded.shape[0]] = np.where(own & ~marked, recorded, moe_lib.no_route(dtype)).astype(dtype)
-    return out.reshape(size, t, config.num_sparse_layers, config.num_experts_per_tok)
+    flat = given.reshape(tokens, -1)
+    if flat.shape[1] < width:
+        raise JmarlError(f"a sample's routing holds {flat.shape[1]} expert ids per token, and policy {policy_id}'s model "
+                         f"records {width} ({config.num_sparse_layers} sparse layers x top-{config.num_experts_per_tok}): "
+                         "it was not sampled by this model")
+    dtype = moe_lib.routing_dtype(config.num_experts)
+    flat = flat[:, :width]
+    out = np.where(flat == moe_lib.no_route(flat.dtype), moe_lib.no_route(dtype), flat).astype(dtype)
+    return out.reshape(tokens, config.num_sparse_layers, config.num_experts_per_tok)
+
+
+def policy_samples(records: Sequence[SampleRecord], policy_id: int, size: int, config: Any = None) -> Samples:
+    """One learner policy's records as `size` `Samples` (records first, then padding samples
+    with no tokens and group -1): prompt and completion ids as sampled, each completion token's
+    behaviour log-prob, and per sample reward, group (the plan's groups numbered from 0 in
+    order of first appearance: a batch's group ids index its N rows), agent, source_policy,
+    source_seq_logprob (the record's for a cross sample, else the mean completion log-prob) and
+    learner = policy_id. A model that replays routing (`config.replays_routing`) gets its own
+    samples' recorded experts (`own_routing`), every step, so its programs keep one signature."""
+    if len(records) > size:
+        raise JmarlError(f"{len(records)} samples of policy {policy_id} do not fit a batch of {size} rows")
+    prompts = [_flat(r.completion.prompt_tokens, np.int32) for r in records]
+    completions = [_flat(r.completion.completion_tokens, np.int32) for r in records]
+    logprobs = [_flat(r.completion.logprobs, np.float32) for r in records]
+    for i, (c, lp) in enumerate(zip(completions, logprobs)):
+        if c.shape != lp.shape:
+            raise JmarlError(f"a sample of policy {policy_id} has {c.size} completion tokens but {lp.size} log-probs; "
+                             "the sampler must return one behaviour log-prob per completion token")
+    pad = size - len(records)
+    empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    numbering: dict[int, int] = {}
+    group = [numbering.setdefault(r.group, len(numbering)) for r in records] + [-1] * pad
+
+    def per_sample(values: list, dtype: Any) -> np.ndarray:
+        return np.asarray(values + [0] * pad, dtype)
+
+    routing = None
+    if config is not None and config.replays_routing:
+        routing = Routing([own_routing(r, policy_id, config) for r in records] + [None] * pad,
+                          (config.num_sparse_layers, config.num_experts_per_tok), moe_lib.routing_dtype(config.num_experts))
+    return Samples(
+        prompts=prompts + [empty_i] * pad,
+        continuations=completions + [empty_i] * pad,
+        per_token={"behavior_logprobs": logprobs + [empty_f] * pad},
+        per_sample={
+            "reward": per_sample([r.reward for r in records], np.float32),
+            "group": np.asarray(group, np.int32),
+            "agent": per_sample([r.agent for r in records], np.int32),
+            "source_policy": per_sample([r.source_policy for r in records], np.int32),
+            "source_seq_logprob": per_sample([_seq_logprob(r, lp) for r, lp in zip(records, logprobs)], np.float32),
+            "learner": np.full((size,), policy_id, np.int32),
+        },
+        routing=routing,
+    )
+
+
+def _seq_logprob(record: SampleRecord, logprobs: np.ndarray) -> float:
+    """The source's mean completion log-prob: the record's (a cross sample, whose log-probs are
+    not the source's), else the mean of its log-probs (0 for an empty completion)."""
+    if record.source_seq_logprob is not None:
+        return float(record.source_seq_logprob)
+    return float(logprobs.mean()) if logprobs.size else 0.0
 
 
 def _stacked(group: PolicyGroup, parts: list[dict[str, np.ndarray]]) -> LearnerBatch:
@@ -89,24 +151,21 @@ def _stacked(group: PolicyGroup, parts: list[dict[str, np.ndarray]]) -> LearnerB
 
 
 def learner_batch(
-    group: PolicyGroup, rollouts: Rollouts, parts: int, min_rows: int = 0, rows_per_part: int = 1,
+    group: PolicyGroup, records: Sequence[SampleRecord], parts: int, min_rows: int = 0, rows_per_part: int = 1,
     known: Collection[tuple[int, int]] = (),
 ) -> tuple[LearnerBatch, list[int]]:
-    """The group's `LearnerBatch` (host arrays) and each policy's sample count. N is a power of
-    two times `parts` (`batch_rows`); `min_rows`, a bound on any policy's samples per step
-    known from the plan (0: none), fixes N across steps; each micro-batch packs into R rows of L
-    slots, R a multiple of `rows_per_part` (one per data shard), (R, L) the fewest slots of a
-    few widths or a shape of `known` (the group's earlier steps) that costs little more, so the
-    update compiles for a few shapes (`packing.pack`, `packing.row_shape`). A group whose model
-    replays routing (`ModelConfig.replays_routing`) also gets `packed_routing` (`policy_routing`:
-    every step, recorded or not, so the programs keep one signature)."""
-    counts = [int(np.sum(np.asarray(rollouts.policy) == p)) for p in group.policy_ids]
+    """The group's `LearnerBatch` (host arrays) from a step's sample records, and each of its
+    policies' sample count. N is a power of two times `parts` (`batch_rows`); `min_rows`, a
+    bound on any policy's samples per step known from the plan (0: none), fixes N across steps;
+    each micro-batch packs into R rows of L slots, R a multiple of `rows_per_part` (one per data
+    shard), (R, L) the fewest slots of a few widths or a shape of `known` (the group's earlier
+    steps) that costs little more, so the update compiles for a few shapes (`packing.pack`,
+    `packing.row_shape`). Records of policies outside the group are ignored."""
+    mine = records_by_policy(records, group.policy_ids)
+    counts = [len(mine[p]) for p in group.policy_ids]
     size = batch_rows(counts, parts, min_rows)
-    rows = [policy_rows(rollouts, p, size) for p in group.policy_ids]
-    if group.model_config.replays_routing:
-        for p, r in zip(group.policy_ids, rows):
-            r["routing"] = policy_routing(rollouts, p, size, group.model_config)
-    return _stacked(group, pack(rows, parts, rows_per_part, known=known)), counts
+    samples = [policy_samples(mine[p], p, size, group.model_config) for p in group.policy_ids]
+    return _stacked(group, pack(samples, parts, rows_per_part, known=known)), counts
 
 
 def sft_batch(
@@ -118,21 +177,16 @@ def sft_batch(
     `rows_per_part` rows (a shape of `known` where it costs little more); None without rows."""
     if not rows:
         return None
-    t = bucket_length(max(len(p) + len(c) for _, p, c in rows))
-    per = [[r for r in rows if r[0] == pid] for pid in group.policy_ids]
+    per = [[(np.asarray(p, np.int32).reshape(-1), np.asarray(c, np.int32).reshape(-1)) for pid, p, c in rows
+            if pid == policy] for policy in group.policy_ids]
     size = next_pow2(max(len(x) for x in per))
+    empty = np.zeros(0, np.int32)
 
-    def arrays(policy_rows_: list) -> dict[str, np.ndarray]:
-        tokens = np.zeros((size, t), np.int32)
-        attn = np.zeros((size, t), bool)
-        loss = np.zeros((size, t), bool)
-        for j, (_, p, c) in enumerate(policy_rows_):
-            tokens[j, : len(p) + len(c)] = list(p) + list(c)
-            attn[j, : len(p) + len(c)] = True
-            loss[j, len(p) : len(p) + len(c)] = True
-        return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss}
+    def samples(pairs: list) -> Samples:
+        pad = [(empty, empty)] * (size - len(pairs))
+        return Samples([p for p, _ in pairs + pad], [c for _, c in pairs + pad])
 
-    return _stacked(group, pack([arrays(x) for x in per], rows_per_part=rows_per_part, known=known))
+    return _stacked(group, pack([samples(x) for x in per], rows_per_part=rows_per_part, known=known))
 
 
 def abstract_learner_batch(
@@ -145,11 +199,9 @@ def abstract_learner_batch(
     lead = (len(group.policy_ids),) if group.stacked else ()
     out = {
         k: jax.ShapeDtypeStruct(lead + ((rows, length) if per_token else (rows,)), dtype)
-        for k, (per_token, _, dtype) in ROLLOUT_FIELDS.items()
+        for k, (per_token, dtype) in SAMPLE_FIELDS.items()
         if not sft or k in SFT_FIELDS
     }
-    if not sft:
-        out["learner"] = jax.ShapeDtypeStruct(lead + (rows,), np.int32)
     for k, dtype in PACKED_FIELDS.items():
         out[k] = jax.ShapeDtypeStruct(lead + (packed_rows, width), dtype)
     for k, dtype in PRED_FIELDS.items():

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from jmarl.rollouts import Rollouts
+    from jmarl.workflows.base import SampleRecord
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -101,19 +101,17 @@ def write_summary(output_dir: str | Path, summary: Mapping[str, Any]) -> Path | 
 
 
 def rollout_length_metrics(
-    rollouts: "Rollouts",
+    records: Sequence["SampleRecord"],
     policy_names: Sequence[str],
     max_new_tokens: int,
     eos_ids: Sequence[int | None] | None = None,
 ) -> dict[str, float]:
     """Completion lengths and truncation of one step's generations, all policies and per policy.
 
-    rollouts: N samples, of which only the generated ones count: rows whose learner is their
-    generator (`policy == source_policy`; a `shared`/HACPO cross sample is a re-tokenised copy
-    of another policy's completion, counted once as its source's self sample) and that belong to
-    a group (`group >= 0`; `jmarl.rollouts.pad_to`'s padding rows are -1). A sample's completion
-    is its `loss_mask` tokens (bool[N, T], the span `build_rollouts` marks: the sampled tokens,
-    stop token included), so its length is `loss_mask.sum(-1)` (int[N]).
+    records: a step's samples, of which only the generated ones count: those whose learner is
+    their generator (`policy == source_policy`; a `shared`/HACPO cross sample is a re-tokenised
+    copy of another policy's completion, counted once as its source's self sample). A sample's
+    completion is its `completion.completion_tokens` (the sampled tokens, stop token included).
 
     A completion is truncated when it was cut at the generation budget: length >=
     `max_new_tokens` and its last token is not its policy's stop token `eos_ids[policy]` (the
@@ -131,20 +129,19 @@ def rollout_length_metrics(
     `<family>/<policy name>/<metric>` convention of the trainer's train/<group>/ and
     evaluation's eval/<policy>/ keys). {} when there is no generated sample.
     """
-    loss_mask = np.asarray(rollouts.loss_mask, bool)
-    tokens = np.asarray(rollouts.tokens)
-    policy = np.asarray(rollouts.policy, np.int64)
-    keep = (policy == np.asarray(rollouts.source_policy, np.int64)) & (np.asarray(rollouts.group) >= 0)
-    if not keep.any():
+    generated = [r for r in records if r.policy == r.source_policy]
+    if not generated:
         return {}
-    lengths = loss_mask.sum(axis=1)
+    completions = [np.asarray(r.completion.completion_tokens).reshape(-1) for r in generated]
+    policy = np.array([r.policy for r in generated], np.int64)
+    lengths = np.array([c.size for c in completions], np.int64)
     truncated = lengths >= int(max_new_tokens)
     if eos_ids is not None:  # a completion that ends in its policy's stop token stopped, at any length
-        n, t = loss_mask.shape
-        last = tokens[np.arange(n), t - 1 - np.argmax(loss_mask[:, ::-1], axis=1)]  # the last completion token
-        eos_of = np.full(max(len(eos_ids), int(policy.max(initial=0)) + 1), -1, np.int64)  # -1: no stop token
-        eos_of[: len(eos_ids)] = [-1 if e is None else int(e) for e in eos_ids]
-        truncated &= ~((lengths > 0) & (last == eos_of[np.maximum(policy, 0)]))
+        last = np.array([int(c[-1]) if c.size else -1 for c in completions], np.int64)
+        eos_of = np.full(max(len(eos_ids), int(policy.max(initial=0)) + 1), -2, np.int64)  # -2: no stop token
+        eos_of[: len(eos_ids)] = [-2 if e is None else int(e) for e in eos_ids]
+        truncated &= ~((lengths > 0) & (last == eos_of[policy]))
+    keep = np.ones(len(generated), bool)
 
     def four(rows: np.ndarray) -> dict[str, float]:
         got = lengths[rows].astype(np.float64)

@@ -12,8 +12,9 @@ The LM head runs over M prediction slots (one per continuation token that has a 
 it, the rest padding), gathered from the packed hidden states; `pred_slot` maps them back to the per-sample
 [N, C] arrays the loss reads, which keep their meaning (and normalisers) unchanged.
 
-Host side (NumPy). A sample's prompt is its real tokens before its first loss token (all of
-them when it has none); its continuation is the rest of its real tokens. Output fields:
+Host side (NumPy). The input is one `Samples` per learner: sample i is a prompt (token ids)
+and the continuation that extends it (the tokens trained on), with per-token and per-sample
+fields. Output fields:
 
     packed_tokens, packed_positions  int32[parts * R, L]  tokens; each token's place in its own
                                                           sequence (prompt + continuation)
@@ -25,13 +26,15 @@ them when it has none); its continuation is the rest of its real tokens. Output 
     pred_slot                        int32[N, C]          the prediction of continuation token
                                                           j of sample n, -1 = none
     tokens, attention_mask           [N, C]               continuations, right-padded
-    any other [N, T] field           [N, C]               (loss_mask, behavior_logprobs) cut the
-                                                          same way
-    packed_routing            [parts * R, L, S, k]        from a "routing" field [N, T, S, k]
-                                                          (routing replay): each slot's recorded
+    loss_mask                        bool[N, C]           the continuation's tokens (and a given
+                                                          per-token loss_mask)
+    each per-token field             [N, C]               (behavior_logprobs) right-padded with 0
+    each per-sample field            [N]                  as given
+    packed_routing            [parts * R, L, S, k]        routing replay: each slot's recorded
                                                           experts, laid out as packed_tokens
-                                                          (the marker `moe.no_route` in padding;
-                                                          a prompt's from the first of its
+                                                          (the marker `moe.no_route` in padding
+                                                          and where none was recorded; a
+                                                          prompt's from the first of its
                                                           samples that has them)
 
 pred_source and pred_slot index the whole batch; read inside a micro-batch they are taken
@@ -45,6 +48,7 @@ few compiled programs (mostly one per row count). [N] fields pass through.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
 import jax
@@ -73,8 +77,41 @@ def token_budget(tokens: int, minimum: int = MIN_BUDGET) -> int:
     return int(-(-n // step) * step)
 
 
+class Routing(NamedTuple):
+    """The recorded experts of N samples (routing replay): per_sample[i] uint[P_i + C_i, S, k]
+    for the prompt and continuation tokens of sample i, or None where none was recorded; (S, k)
+    the learner model's sparse layers and top k, dtype its `moe.routing_dtype`."""
+
+    per_sample: Sequence[np.ndarray | None]
+    shape: tuple[int, int]
+    dtype: Any
+
+
+@dataclass(frozen=True)
+class Samples:
+    """N samples of one learner, as `pack` reads them: sample i is the prompt ids prompts[i]
+    (int32[P_i]) followed by its continuation continuations[i] (int32[C_i], the tokens trained
+    on; empty for a padding sample, which packs nothing). per_token[name][i]: one value per
+    continuation token ([C_i]; e.g. behavior_logprobs, or a loss_mask narrower than the
+    continuation); per_sample[name]: one value per sample ([N]); routing: `Routing` (routing
+    replay) or None."""
+
+    prompts: Sequence[np.ndarray]
+    continuations: Sequence[np.ndarray]
+    per_token: Mapping[str, Sequence[np.ndarray]] = field(default_factory=dict)
+    per_sample: Mapping[str, np.ndarray] = field(default_factory=dict)
+    routing: Routing | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """N."""
+        return len(self.prompts)
+
+
 def split_prompts(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """For each row of [N, T] arrays: (prompt token ids, column indices of its continuation)."""
+    """For each row of [N, T] arrays: (prompt token ids, column indices of its continuation):
+    the prompt is the row's real tokens before its first loss token (all of them when it has
+    none), the continuation the rest of its real tokens."""
     out = []
     for tok, real, loss in zip(tokens, attention_mask.astype(bool), loss_mask.astype(bool)):
         cols = np.flatnonzero(real)
@@ -84,14 +121,36 @@ def split_prompts(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.
     return out
 
 
-def _segments(samples: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, list[int]]]:
-    """One micro-batch's samples -> [(prompt, [sample indices continuing it])] in first-seen
-    order; samples without a continuation are left out (nothing of theirs is predicted)."""
+def plain_samples(batch: Mapping[str, np.ndarray]) -> Samples:
+    """`Samples` from sequences laid out whole in [N, T] rows (as a test or a benchmark writes
+    them): tokens, attention_mask and loss_mask [N, T] (`split_prompts`); every other [N, T]
+    field cut to the continuations (per-token, loss_mask included), every [N] field per sample,
+    "routing" [N, T, S, k] (routing replay) the real tokens' recorded experts."""
+    tokens = np.asarray(batch["tokens"])
+    n, t = tokens.shape
+    split = split_prompts(tokens, np.asarray(batch["attention_mask"]), np.asarray(batch["loss_mask"]))
+    per_token = {k: [np.asarray(x)[i, cols] for i, (_, cols) in enumerate(split)]
+                 for k, x in batch.items() if k not in ("tokens", "attention_mask", "routing") and np.shape(x) == (n, t)}
+    per_sample = {k: np.asarray(x) for k, x in batch.items() if np.shape(x) == (n,)}
+    routing = None
+    if batch.get("routing") is not None:
+        rec = np.asarray(batch["routing"])
+        real = np.asarray(batch["attention_mask"], bool)
+        routing = Routing([rec[i, np.flatnonzero(real[i])] for i in range(n)], rec.shape[2:], rec.dtype)
+    return Samples([p for p, _ in split], [tokens[i, cols].astype(np.int32) for i, (_, cols) in enumerate(split)],
+                   per_token, per_sample, routing)
+
+
+def _segments(samples: Samples, start: int, stop: int) -> list[tuple[np.ndarray, list[int]]]:
+    """The samples [start, stop) of a micro-batch -> [(prompt, [indices of the samples
+    continuing it])] in first-seen order; samples without a continuation are left out (nothing
+    of theirs is predicted)."""
     seen: dict[bytes, int] = {}
     out: list[tuple[np.ndarray, list[int]]] = []
-    for i, (prompt, rest) in enumerate(samples):
-        if not rest.size:
+    for i in range(start, stop):
+        if not samples.continuations[i].size:
             continue
+        prompt = samples.prompts[i]
         key = prompt.tobytes()
         if key not in seen:
             seen[key] = len(out)
@@ -181,12 +240,12 @@ def shape_of(batch: Any, parts: int = 1) -> PackShape:
 
 
 def pack(
-    batches: Sequence[dict[str, np.ndarray]], parts: int = 1, rows_per_part: int = 1, width: int = ROW_TOKENS,
+    batches: Sequence[Samples], parts: int = 1, rows_per_part: int = 1, width: int = ROW_TOKENS,
     buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, known: Collection[tuple[int, int]] = (),
 ) -> list[dict[str, np.ndarray]]:
-    """Plain batches (tokens/attention_mask/loss_mask [N, T], N a multiple of `parts`) -> the
-    packed layout of the module docstring, with R, L, M and C common to all of them (so the
-    results stack, e.g. one per policy of a stacked group).
+    """`Samples` (N of each a multiple of `parts`) -> the packed layout of the module docstring,
+    with R, L, M and C common to all of them (so the results stack, e.g. one per policy of a
+    stacked group).
 
     L starts at `width`, or the `token_budget` of the longest segment when one is longer; R and
     L are then chosen by `row_shape` (the fewest slots R x L over a few narrower widths, a
@@ -196,49 +255,39 @@ def pack(
     So a run compiles for a few shapes rather than one per change of length, and rows are full
     but for the last one: attention skips the tiles outside a segment, so a row costs about
     what its segments hold, and several rows per micro-batch keep attention's tiles batched."""
-    plans = []  # per batch: (samples, per micro-batch: (segments, their sizes))
+    plans = []  # per batch, per micro-batch: (segments, their sizes)
     longest_rest, longest_segment = 1, 1
     for b in batches:
-        n = b["tokens"].shape[0]
+        n = b.num_samples
         if n % parts:
             raise JmarlError(f"batch of {n} samples does not split into {parts} micro-batches")
-        samples = split_prompts(b["tokens"], b["attention_mask"], b["loss_mask"])
         per_part = n // parts
         micro = []
         for m in range(parts):
-            local = samples[m * per_part:(m + 1) * per_part]
-            segments = _segments(local)
-            sizes = [p.size + sum(local[i][1].size for i in idx) for p, idx in segments]
+            segments = _segments(b, m * per_part, (m + 1) * per_part)
+            sizes = [p.size + sum(b.continuations[i].size for i in idx) for p, idx in segments]
             longest_segment = max([longest_segment] + sizes)
             micro.append((segments, sizes))
-        longest_rest = max([longest_rest] + [rest.size for _, rest in samples])
-        plans.append((samples, micro))
+        longest_rest = max([longest_rest] + [c.size for c in b.continuations])
+        plans.append(micro)
     width = max(width, token_budget(longest_segment))
-    rows, width = row_shape([sizes for _, micro in plans for _, sizes in micro], width, rows_per_part, known)
-    for _, micro in plans:
-        for i, (segments, sizes) in enumerate(micro):
-            micro[i] = (segments, _first_fit(sizes, width))
-    return [_fill(b, samples, micro, parts, rows, width, rows * width, bucket_length(longest_rest, buckets))
-            for b, (samples, micro) in zip(batches, plans)]
+    rows, width = row_shape([sizes for micro in plans for _, sizes in micro], width, rows_per_part, known)
+    c_len = bucket_length(longest_rest, buckets)
+    return [_fill(b, [(segments, _first_fit(sizes, width)) for segments, sizes in micro], parts, rows, width, c_len)
+            for b, micro in zip(batches, plans)]
 
 
-def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows: int, width: int, m_len: int,
-          c_len: int) -> dict[str, np.ndarray]:
-    """One batch's packed arrays (see `pack`)."""
-    n, t = b["tokens"].shape
-    per_part = n // parts
+def _fill(b: Samples, micro: list, parts: int, rows: int, width: int, c_len: int) -> dict[str, np.ndarray]:
+    """One batch's packed arrays (see `pack`): micro[m] = (segments, the row of each)."""
+    n, m_len = b.num_samples, rows * width
     packed = {k: np.zeros((parts * rows, width), dtype) for k, dtype in PACKED_FIELDS.items()}
-    routing = b.get("routing")  # [N, T, S, k] recorded expert ids (routing replay), or None
+    routing = b.routing
     if routing is not None:
-        routing = np.asarray(routing)
         marker = no_route(routing.dtype)  # no recorded experts
-        packed["packed_routing"] = np.full((parts * rows, width) + routing.shape[2:], marker, routing.dtype)
-        real = np.asarray(b["attention_mask"], bool)
+        packed["packed_routing"] = np.full((parts * rows, width) + tuple(routing.shape), marker, routing.dtype)
     source = np.zeros((parts * m_len,), np.int32)
     target = np.zeros((parts * m_len,), np.int32)
     pred_slot = np.full((n, c_len), -1, np.int32)
-    gather = np.zeros((n, c_len), np.int64)  # column of the [N, T] row each continuation slot reads
-    valid = np.zeros((n, c_len), bool)
     for m, (segments, where) in enumerate(micro):
         fill = [0] * rows  # next free slot of each row
         next_id = [1] * rows
@@ -251,44 +300,46 @@ def _fill(b: dict[str, np.ndarray], samples: list, micro: list, parts: int, rows
             packed["packed_positions"][row, at:at + p] = np.arange(p)
             packed["packed_segment"][row, at:at + p] = seg
             if routing is not None and p:  # the prompt's experts: the first sample that recorded them
-                rows_of = [m * per_part + i for i in members]
-                src_row = next((j for j in rows_of if routing[j, np.flatnonzero(real[j])[0]].flat[0] != marker), rows_of[0])
-                packed["packed_routing"][row, at:at + p] = routing[src_row, np.flatnonzero(real[src_row])[:p]]
+                src = next((routing.per_sample[i] for i in members if routing.per_sample[i] is not None), None)
+                if src is not None:
+                    packed["packed_routing"][row, at:at + p] = src[:p]
             last_prompt = row * width + at + p - 1
             at += p
             for branch, i in enumerate(members, start=1):
-                cols = samples[m * per_part + i][1]
-                c = cols.size
-                toks = b["tokens"][m * per_part + i, cols]
+                toks = b.continuations[i]
+                c = toks.size
                 packed["packed_tokens"][row, at:at + c] = toks
                 packed["packed_positions"][row, at:at + c] = p + np.arange(c)
                 packed["packed_segment"][row, at:at + c] = seg
                 packed["packed_branch"][row, at:at + c] = branch
-                if routing is not None:
-                    packed["packed_routing"][row, at:at + c] = routing[m * per_part + i, cols]
+                if routing is not None and routing.per_sample[i] is not None:
+                    packed["packed_routing"][row, at:at + c] = routing.per_sample[i][p:p + c]
                 src = row * width + at + np.arange(-1, c - 1)
                 src[0] = last_prompt
                 first = 0 if p else 1  # with no prompt the first token has nothing before it
                 count = c - first
                 source[m * m_len + k:m * m_len + k + count] = src[first:]
                 target[m * m_len + k:m * m_len + k + count] = toks[first:]
-                pred_slot[m * per_part + i, first:c] = m * m_len + k + np.arange(count)
+                pred_slot[i, first:c] = m * m_len + k + np.arange(count)
                 k += count
                 at += c
             fill[r], next_id[r] = at, seg + 1
-    for i, (_, cols) in enumerate(samples):
-        gather[i, :cols.size] = cols
-        valid[i, :cols.size] = True
-    out: dict[str, np.ndarray] = {**packed, "pred_source": source, "pred_target": target, "pred_slot": pred_slot}
-    for key, x in b.items():
-        if key == "routing":  # packed above (packed_routing), not cut per sample
-            continue
-        x = np.asarray(x)
-        if x.shape == (n, t):
-            out[key] = np.where(valid, np.take_along_axis(x, gather, axis=1), np.zeros((), x.dtype))
-        else:
-            out[key] = x
-    out["attention_mask"] = valid
+    valid = np.arange(c_len)[None, :] < np.array([c.size for c in b.continuations], np.int64)[:, None]
+    out: dict[str, np.ndarray] = {**packed, "pred_source": source, "pred_target": target, "pred_slot": pred_slot,
+                                  "tokens": _right_padded(b.continuations, c_len, np.int32), "attention_mask": valid}
+    for key, values in b.per_token.items():
+        out[key] = _right_padded(values, c_len)
+    out["loss_mask"] = valid & out["loss_mask"].astype(bool) if "loss_mask" in out else valid
+    out.update({key: np.asarray(x) for key, x in b.per_sample.items()})
+    return out
+
+
+def _right_padded(values: Sequence[np.ndarray], length: int, dtype: Any = None) -> np.ndarray:
+    """[N, length]: row i holds values[i] ([C_i], C_i <= length) then zeros (of values' dtype)."""
+    dtype = dtype or (np.asarray(values[0]).dtype if len(values) else np.float32)
+    out = np.zeros((len(values), length), dtype)
+    for i, v in enumerate(values):
+        out[i, :np.size(v)] = v
     return out
 
 

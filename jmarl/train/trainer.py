@@ -2,8 +2,9 @@
 
 Per step (host layer, calling the device layer with fixed-shape batches):
 
-    seeds -> sampling plan (env + ModelSampler) -> records -> method.after_plan -> Rollouts
-          -> per policy group: LearnerBatch -> old / reference log-probs, advantages [device]
+    seeds -> sampling plan (env + ModelSampler) -> records -> method.after_plan
+          -> per policy group (`jmarl.train.learn.learn`): packed LearnerBatch
+          -> old / reference log-probs, advantages [device]
           -> jitted update over mini-batches (vmapped over stacked policies) [device]
           -> metrics (JSONL, TensorBoard, progress bar), checkpoint, evaluation
 
@@ -22,7 +23,7 @@ import logging
 import resource
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,8 @@ from jmarl.train.build import build_policies, init_state
 from jmarl.train.checkpoint import Checkpointer
 from jmarl.train.evaluate import evaluate
 from jmarl.train.host_loop import run_rollout
-from jmarl.train.learner import (active_policies, build_group_fns, learner_batch, merge, policy_axis_size, restrict,
-                                 score_batch, sft_batch)
+from jmarl.train.learn import LearnSettings, learn
+from jmarl.train.learner import build_group_fns, policy_axis_size, sft_batch
 from jmarl.train.metrics import (
     METRICS_FILE,
     MetricsLogger,
@@ -55,12 +56,11 @@ from jmarl.train.metrics import (
     write_summary,
 )
 from jmarl.train.optim import make_optimizer
-from jmarl.train.packing import policy_token_utilization, shape_of, token_utilization
+from jmarl.train.packing import shape_of
 from jmarl.train.programs import trainer_programs
-from jmarl.train.step import FIRST_UPDATE_METRICS
 from jmarl.train.progress import ProgressBar, say
 from jmarl.train.sampling import ModelSampler, encode_prompt
-from jmarl.workflows import build_rollouts, plan_metrics, summarize
+from jmarl.workflows import plan_metrics, summarize
 from jmarl.workflows.plans import PlanContext, get_plan
 
 log = logging.getLogger(__name__)
@@ -275,59 +275,39 @@ class Trainer:
                         "rollout/new_tokens_per_s": self.sampler.new_tokens / max(timings["time/generate"], 1e-9)})
         if not result.records:
             return metrics
-        rollouts = build_rollouts(result.records, pad_id=self.policies.groups[0].tokenizer.pad_id)
-        rewards = np.asarray(rollouts.reward)
+        records = result.records
+        rewards = np.asarray([r.reward for r in records], np.float64)
         finite = rewards[np.isfinite(rewards)]
         metrics["rollout/reward_mean"] = float(np.mean(finite)) if finite.size else float("nan")
         metrics["rollout/reward_std"] = float(np.std(finite)) if finite.size else float("nan")
         metrics["rollout/nonfinite_rewards"] = float(rewards.size - finite.size)
         names = self.policies.policy_names
-        metrics.update(signal_metrics([r.group for r in result.records], [r.policy for r in result.records],
-                                      [r.reward for r in result.records], names))
+        metrics.update(signal_metrics([r.group for r in records], [r.policy for r in records],
+                                      [r.reward for r in records], names))
         metrics.update(rollout_length_metrics(
-            rollouts, names, cfg.sampling.max_new_tokens,
+            records, names, cfg.sampling.max_new_tokens,
             eos_ids=[self.policies.group_of(p).tokenizer.eos_id for p in range(len(names))]))
-        t_score = t_update = 0.0
-        real_tokens = token_slots = 0
+        learned = []
         for group, fns, shapes in zip(self.policies.groups, self.fns, self.packed_shapes):
-            batch, counts = learner_batch(group, rollouts, self.parts, self.rows_bound(), self.rows_per_part(group),
-                                          known=shapes)
-            if not any(counts):
-                continue
-            packed = shape_of(batch, self.parts)
-            shapes.add((packed.rows, packed.width))
-            t1 = time.perf_counter()
-            active = active_policies(counts, group.stacked, policy_axis_size(self.mesh))
-            view, batch = (group, batch) if active is None else restrict(group, batch, active)
-            real, slots = token_utilization(batch)
-            real_tokens, token_slots = real_tokens + real, token_slots + slots
-            if len(self.policies.policy_names) > 1:
-                for pid, (p_real, p_slots) in zip(view.policy_ids, policy_token_utilization(batch, view.stacked)):
-                    metrics[f"learner/{self.policies.policy_names[pid]}/token_utilization"] = p_real / max(p_slots, 1)
-            cross = bool(np.any(batch.source_policy != batch.learner))
-            batch = score_batch(view, fns, batch, self.method_device_state(), recompute=cfg.train.recompute_old_logprobs, cross=cross)
-            batch = jax.block_until_ready(batch)
-            t_score += time.perf_counter() - t1
-            t2 = time.perf_counter()
-            state, m = fns.update(view.state, group.base, batch)
-            if active is None:
-                group.state = state
-            else:
-                merge(group, active, state)
-            m = jax.device_get(m)
-            t_update += time.perf_counter() - t2
-            metrics.update(routing_mismatch_metrics(m, view.policy_ids, counts, group.policy_ids, names))
-            for k, v in m.items():
-                metrics[f"train/{k}" if len(self.policies.groups) == 1 else f"train/{group.name}/{k}"] = float(np.mean(v))
-                if k in FIRST_UPDATE_METRICS:  # per policy: the learner against its own sampler
-                    for pid, x in zip(view.policy_ids, np.reshape(v, -1)):
-                        metrics[f"train/{names[pid]}/{k}"] = float(x)
-            metrics["train/skipped_updates"] = metrics.get("train/skipped_updates", 0.0) + float(np.sum(jax.device_get(group.state.skipped)))
-        metrics.update({"time/score": t_score, "time/update": t_score + t_update, "time/step": time.perf_counter() - t0})
-        metrics["perf/train_tokens_per_s"] = float(np.sum(np.asarray(rollouts.attention_mask))) / max(t_score + t_update, 1e-9)
+            prefix = "train/" if len(self.policies.groups) == 1 else f"train/{group.name}/"
+            settings = LearnSettings(self.parts, self.rows_bound(), self.rows_per_part(group),
+                                     policy_axis_size(self.mesh), cfg.train.recompute_old_logprobs, names, prefix)
+            out = learn(group, fns, records, self.method_device_state(), settings, shapes)
+            if out.updated:
+                metrics.update(out.metrics)
+                metrics["train/skipped_updates"] = (metrics.get("train/skipped_updates", 0.0)
+                                                    + float(np.sum(jax.device_get(group.state.skipped))))
+            learned.append(out)
+        t_score = sum(x.score_seconds for x in learned)
+        t_learn = t_score + sum(x.update_seconds for x in learned)
+        metrics.update({"time/score": t_score, "time/update": t_learn, "time/step": time.perf_counter() - t0})
+        sequence_tokens = sum(np.size(r.completion.prompt_tokens) + np.size(r.completion.completion_tokens)
+                              for r in records)
+        metrics["perf/train_tokens_per_s"] = float(sequence_tokens) / max(t_learn, 1e-9)
+        real_tokens, token_slots = sum(x.real_tokens for x in learned), sum(x.token_slots for x in learned)
         if token_slots:
             metrics["learner/token_utilization"] = real_tokens / token_slots
-            metrics["learner/real_tokens_per_s"] = real_tokens / max(t_update, 1e-9)
+            metrics["learner/real_tokens_per_s"] = real_tokens / max(t_learn - t_score, 1e-9)
         return metrics
 
     # ---- evaluation and export
@@ -446,20 +426,6 @@ def _process_cpu_seconds() -> float:
     """User + system CPU seconds of this process so far (every thread)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def routing_mismatch_metrics(m: dict[str, Any], updated: Sequence[int], counts: Sequence[int],
-                             policy_ids: Sequence[int], names: Sequence[str]) -> dict[str, float]:
-    """learner/<policy>/routing_mismatch of an update's metrics `m` (routing replay; its
-    "routing_mismatch" entry is removed from m): one value per updated policy (`updated`: the
-    policy ids on the update's policy axis, or the one policy of an unstacked group) that had
-    samples (`counts[i]` of `policy_ids[i]`); {} without replay."""
-    values = m.pop("routing_mismatch", None)
-    if values is None:
-        return {}
-    had = {pid for pid, c in zip(policy_ids, counts) if c}
-    values = np.asarray(values).reshape(len(updated), -1)  # [policies, ...] (one row when unstacked)
-    return {f"learner/{names[pid]}/routing_mismatch": float(np.mean(v)) for pid, v in zip(updated, values) if pid in had}
 
 
 def resume_message(resumed_step: int | None, total_steps: int, checkpoints: Path, dropped: int) -> str:

@@ -3,8 +3,8 @@
 Plans (`independent`, `tree` for AT-GRPO, `joint` for MAGRPO, `node_wise` for JoyAgents-R1,
 `shared` for HACPO) drive an env through a `Sampler` and return host-side `SampleRecord`s plus
 `EpisodeStats` and typed plan stats (`PlanStats`, extended per plan: `SharedStats`,
-`NodeWiseStats`); `build_rollouts` turns the records into `Rollouts`, which the learner
-packs into the batches a method reads. `PLANS` maps each name to its `Plan` (function, options dataclass and
+`NodeWiseStats`); the learner packs the records straight into the batches a method reads
+(`jmarl.train.learner.learner_batch`). `PLANS` maps each name to its `Plan` (function, options dataclass and
 what the learner needs to know about it); every options dataclass names its group size
 `group_size`. `memory` holds JoyAgents-R1's per-agent memory (its threshold math included);
 `expert_demonstrations` plays expert episodes with the plans' episode loop.
@@ -21,7 +21,6 @@ from jmarl.workflows.base import (
     plan_metrics,
     summarize,
 )
-from jmarl.workflows.build import build_rollouts
 from jmarl.workflows.episodes import expert_demonstrations
 from jmarl.workflows.independent import IndependentOptions, sample_independent
 from jmarl.workflows.joint import JointOptions, joint_sample_bound, sample_joint
@@ -62,7 +61,6 @@ __all__ = [
     "SharedStats",
     "TextTokenizer",
     "TreeOptions",
-    "build_rollouts",
     "check_group_size",
     "expert_demonstrations",
     "get_plan",

@@ -5,7 +5,7 @@ completion is applied to, and which reward and group every sample gets. It is ho
 it talks to the model only through a `Sampler` and to the task only through the env protocol
 (`jmarl.envs.base.Env`, immutable states). Its output is a `PlanResult`: a list of
 `SampleRecord`s (one per completion), one `EpisodeStats` per finished episode and the step's
-`PlanStats`; `jmarl.workflows.build.build_rollouts` turns the records into a `Rollouts` batch.
+`PlanStats`; the learner packs the records into its batches (`jmarl.train.learner.learner_batch`).
 
 Sampler calls. A plan batches every request it can into one `Sampler.sample` call: all agents
 of a turn of every live episode when the env is `parallel`, and all live episodes for each

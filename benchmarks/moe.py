@@ -10,7 +10,7 @@ tiny all-sparse Qwen3-MoE (E experts, top-k, expert width Fe) against a dense Qw
 width is k x Fe, so a token runs the same number of weights in both (the MoE adds its router,
 D x E per layer: listed). Three forms, interleaved A B C per repeat, medians:
 
-    moe (tiled)       the library's CPU form of the grouped products (`moe.grouped_matmul`:
+    moe (tiled)       the library's CPU form of the grouped products (`jmarl.models.grouped_matmul`:
                       a scan over row tiles, each tile's groups only)
     moe (ragged_dot)  `jax.lax.ragged_dot` as XLA:CPU lowers it: one dense product over every
                       expert, through an [N x k, E x D] masked copy of the rows

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from jmarl import sharding
 from jmarl.models import ModelConfig, generate, init, param_axes, token_logprobs
+from jmarl.models import grouped_matmul as grouped
 from jmarl.models import moe
 from jmarl.sharding.rules import DEFAULT_RULES, fit
 
@@ -102,7 +103,7 @@ def test_expert_layout_of_the_default_and_other_rules():
 def test_tiled_grouped_matmul_equals_ragged_dot(monkeypatch, tile):
     """Value and both gradients, with empty groups, groups across tile edges and rows past the
     groups (zeros), in several row tiles (tile 4) and in one."""
-    monkeypatch.setattr(moe, "GROUPED_TILE", tile)
+    monkeypatch.setattr(grouped, "GROUPED_TILE", tile)
     rng = np.random.default_rng(0)
     m, g = 23, 6
     x = jnp.asarray(rng.normal(size=(m, 5)), jnp.float32)
@@ -113,13 +114,13 @@ def test_tiled_grouped_matmul_equals_ragged_dot(monkeypatch, tile):
     def loss(f):
         return lambda x, w: jnp.sum(f(x, w, sizes) * probe)
 
-    want, got = jax.lax.ragged_dot(x, w, sizes), jax.jit(moe.tiled_grouped_matmul)(x, w, sizes)
+    want, got = jax.lax.ragged_dot(x, w, sizes), jax.jit(grouped.tiled_grouped_matmul)(x, w, sizes)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert not np.any(np.asarray(got)[20:])
-    for a, b in zip(jax.grad(loss(jax.lax.ragged_dot), (0, 1))(x, w), jax.grad(loss(moe.tiled_grouped_matmul), (0, 1))(x, w)):
+    for a, b in zip(jax.grad(loss(jax.lax.ragged_dot), (0, 1))(x, w), jax.grad(loss(grouped.tiled_grouped_matmul), (0, 1))(x, w)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     # the platform's form (the tiled one here) inside expert_ffn
-    np.testing.assert_allclose(jax.jit(moe.grouped_matmul)(x, w, sizes), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(grouped.grouped_matmul)(x, w, sizes), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("form", ["tiled_grouped_matmul", "ragged_grouped_matmul"])
@@ -127,7 +128,7 @@ def test_grouped_products_vmap_with_shared_weights(form):
     """Rows stacked over policies, weights shared (a LoRA base under the policies' vmap, which
     ragged_dot's own batching rule refuses) or stacked: value and gradients equal a loop of
     ragged_dot."""
-    f = getattr(moe, form)
+    f = getattr(grouped, form)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(2, 23, 5)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(6, 5, 3)), jnp.float32)
@@ -153,7 +154,7 @@ def test_grouped_matmul_on_cpu_compiles_no_dense_copy_over_the_groups():
     args = (jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((g, k, n), jnp.float32),
             jax.ShapeDtypeStruct((g,), jnp.int32))
     dense = jax.jit(jax.lax.ragged_dot).lower(*args).compile().memory_analysis().temp_size_in_bytes
-    tiled = jax.jit(moe.grouped_matmul).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    tiled = jax.jit(grouped.grouped_matmul).lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert dense >= m * g * k * 4
     assert tiled < 4 * m * (k + n) * 4
 

@@ -14,12 +14,12 @@ import torch
 import transformers
 
 from _tiny_models import left_padded
+from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
 from jmarl.models import apply, generate, load_hf, save_hf, token_logprobs
 from jmarl.models import attention as attention_lib
 from jmarl.models.hf import _tensor_specs
 from jmarl.models.hf_config import config_from_hf, config_to_hf
-from jmarl.models.logprobs import prefix_token_logprobs
 from jmarl.models.presets import preset_config
 
 VOCAB = 128

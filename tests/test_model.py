@@ -11,8 +11,9 @@ import torch
 import transformers
 
 from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model, padded_batch
+from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
-from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill, prefix_token_logprobs,
+from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill,
                           save_hf, token_logprobs)
 from jmarl.models.model import bind
 from jmarl.models.hf import read_safetensors, write_safetensors

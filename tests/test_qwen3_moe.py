@@ -17,9 +17,10 @@ import torch
 import transformers
 
 from _tiny_models import left_padded
+from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
 from jmarl.models import (apply, generate, load_hf, packed_token_logprobs, param_axes, param_shapes,
-                          prefix_token_logprobs, save_hf, token_logprobs)
+                          save_hf, token_logprobs)
 from jmarl.models import moe
 from jmarl.models.hf import _tensor_specs, read_safetensors, write_safetensors
 from jmarl.models.hf_config import config_from_hf, config_to_hf

@@ -1,11 +1,11 @@
 """Attention: one entry point, exact, and never O(T x S) in memory for long sequences.
 
-Every attention of the model (training, scoring, prefill, the shared-prefix learner) goes
-through `attention` (or `prefixed_attention`, which adds a group's shared prompt). The layout
-is fixed: queries q [B, T, H, hd], keys/values k, v [B, S, KV, hd] (grouped-query: H a
-multiple of KV), rows RIGHT-padded, so the valid keys of row b are the slots s < lengths[b]
-(`jmarl.models.model` compacts any padding to this layout first). With `causal`, query t also
-sees only keys s <= t. Scores, softmax and log-sum-exps are float32.
+Every attention of the model over rows (scoring, prefill) goes through `attention`, the packed
+learner's through `packed_attention`. The layout of `attention` is fixed: queries q [B, T, H, hd],
+keys/values k, v [B, S, KV, hd] (grouped-query: H a multiple of KV), rows RIGHT-padded, so the
+valid keys of row b are the slots s < lengths[b] (`jmarl.models.model` compacts any padding to
+this layout first). With `causal`, query t also sees only keys s <= t. Scores, softmax and
+log-sum-exps are float32.
 
 Forms (`impl`, `ModelConfig.attention`):
 
@@ -36,6 +36,12 @@ t - W < s <= t (`attention`; slots are positions in the right-padded layout) or 
 than W positions before it (`packed_attention`, by the `positions` of each token). With a window
 only the dense and blockwise forms run (the kernel forms are not given the window): blockwise
 skips the key tiles wholly before a query tile's window as well as those above its diagonal.
+
+Partial attentions (`partial_attention`: the dense or blockwise form with each query's
+log-sum-exp) over disjoint key sets merge exactly into the attention over their union
+(`merge_attentions`); with `rows` a query row reads its keys from a shared row of the key
+array, block by block (the shared-prefix layout of `benchmarks.shared_prefix_model` reads a
+group's prompt this way, without a copy per row).
 """
 
 from __future__ import annotations
@@ -113,44 +119,31 @@ def attention(
     )
 
 
-def prefixed_attention(
+def partial_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     lengths: jax.Array,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_lengths: jax.Array,
-    rows: jax.Array,
     *,
-    impl: str = "auto",
+    causal: bool,
+    form: str,
+    rows: jax.Array | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
-) -> jax.Array:
-    """Continuations that also attend to a shared prompt. q [N,C,H,hd] and own k/v [N,C,KV,hd]
-    (causal, lengths int[N]); prefixes prefix_k/prefix_v [U,P,KV,hd] with prefix_lengths int[U]
-    (right-padded, all visible); rows int[N] in [0, U): the prefix of each continuation.
-    -> [N,C,H,hd]: one softmax over the prefix's keys and the row's own, as if the N rows were
-    prefix + continuation, computed as two attentions merged by their log-sum-exps. The
-    blockwise form reads each prefix block by `rows` as it goes: no [N, P] copy of the prefix
-    keys/values is made or kept for the backward pass (its gradient sums over the rows)."""
-    _check(q, k, v, impl)
-    lengths = jnp.maximum(lengths.astype(jnp.int32), 1)
-    rows = rows.astype(jnp.int32)
-    p_len = prefix_lengths.astype(jnp.int32)[rows]
-    n, c, h, _ = q.shape
-    p = prefix_k.shape[1]
-    small = n * h * c * (c + p) <= DENSE_MAX_SCORES
-    dense = impl in ("xla", "dense") or (impl == "auto" and small)
-    if dense:
-        own = _dense(q, k, v, lengths, None, True)
-        pre = _dense(q, prefix_k, prefix_v, p_len, rows, False)
-    else:
-        own = _blockwise(q, k, v, lengths, None, True, block_q, block_k)
-        pre = _blockwise(q, prefix_k, prefix_v, p_len, rows, False, block_q, block_k)
-    # a row whose prefix is empty: its prefix part holds only masked scores, weight exp(-huge) = 0
-    pre_lse = jnp.where((p_len > 0)[:, None, None], pre[1], -jnp.inf)
-    return _merge(own, (pre[0], pre_lse)).astype(q.dtype)
+) -> tuple[jax.Array, jax.Array]:
+    """(out [B,T,H,hd] in q's dtype, lse float32 [B,T,H]): `attention` by the form "dense" or
+    "blockwise" over the keys s < lengths[b] (taken as given: a row with none has only masked
+    scores), with each query's log-sum-exp of its scores, so that attentions over disjoint key
+    sets merge into one softmax (`merge_attentions`). rows int[B]: k/v [U,S,KV,hd] are shared,
+    query row b reading key row rows[b]; the blockwise form reads them block by block (no
+    [B, S] copy is made or kept for the backward pass) and their gradients sum over the rows
+    that read them."""
+    if form not in ("dense", "blockwise"):
+        raise JmarlError(f"partial_attention: form must be 'dense' or 'blockwise', got {form!r}")
+    _check(q, k, v, form)
+    if form == "dense":
+        return _dense(q, k, v, lengths, rows, causal)
+    return _blockwise(q, k, v, lengths, rows, causal, block_q, block_k)
 
 
 def packed_attention(
@@ -292,9 +285,9 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> None:
         raise JmarlError(f"attention expects q [B,T,H,hd] and k/v [B,S,KV,hd] with KV dividing H; got {q.shape}, {k.shape}, {v.shape}")
 
 
-def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Two attentions over disjoint key sets (out [B,T,H,hd], lse [B,T,H]) -> the attention over
-    their union."""
+def merge_attentions(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Two attentions over disjoint key sets (out [B,T,H,hd], lse [B,T,H]; `partial_attention`)
+    -> the attention over their union, float32 [B,T,H,hd]. A part whose lse is -inf weighs 0."""
     (oa, la), (ob, lb) = a, b
     lse = jnp.logaddexp(la, lb)
     wa, wb = jnp.exp(la - lse)[..., None], jnp.exp(lb - lse)[..., None]
@@ -411,7 +404,7 @@ class _Mask:
 class _RightPadded(_Mask):
     """meta = (lengths int[B], rows int[B] or int[0]) (+ window int32[] when `windowed`): keys
     s < lengths[b] are valid (and, with causal, s <= t; windowed, s > t - window); non-empty
-    rows read the keys of row rows[b] of a shared key array (the shared-prefix layout), whose
+    rows read the keys of row rows[b] of a shared key array (`partial_attention`), whose
     gradients then sum over the rows that read them. Windowed, the key tiles wholly before a
     query tile's window (and the query tiles wholly past a key tile's) are skipped."""
 

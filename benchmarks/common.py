@@ -137,13 +137,15 @@ def weights_of(shape: str) -> str:
 
 def hf_config(shape: str, **overrides: Any):
     """The `transformers` config of `shape`: a random shape's `Qwen2Config` (special ids of the
-    char tokenizer); a real model's own (`ModelConfig.to_hf`, the config.json `write_checkpoint`
+    char tokenizer); a real model's own (`jmarl.models.hf_config.config_to_hf`, the config.json `write_checkpoint`
     writes for it)."""
     import transformers
 
+    from jmarl.models.hf_config import config_to_hf
+
     _check_shape(shape)
     if shape in REAL_MODELS:
-        fields = real_model_config(shape).to_hf()
+        fields = config_to_hf(real_model_config(shape))
         fields.update(overrides)
         return transformers.AutoConfig.for_model(**fields)
     fields = dict(SHAPES[shape], max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=False,

@@ -74,9 +74,9 @@ def measure_bf16_peak(n: int = 8192, repeats: int = 5) -> dict[str, Any]:
 
 def jmarl_config(shape: str, dtype: str):
     """jmarl `ModelConfig` of a reference shape in `dtype` (remat from 1.5B parameters up)."""
-    from jmarl.models import ModelConfig
+    from jmarl.models.hf_config import config_from_hf
 
-    config = ModelConfig.from_hf(hf_config(shape).to_dict(), param_dtype=dtype, compute_dtype=dtype)
+    config = config_from_hf(hf_config(shape).to_dict(), param_dtype=dtype, compute_dtype=dtype)
     return config.replace(remat=config.num_params() > 1.2e9)
 
 

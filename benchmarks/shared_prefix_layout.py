@@ -3,7 +3,7 @@
 
 A GRPO group's G samples share their prompt, so the learner runs each distinct prompt through
 the model once per micro-batch and each sample's completion against it
-(`jmarl.models.prefix_token_logprobs`): the same log-probs and gradients as the plain [N, T]
+(`benchmarks.shared_prefix_model.prefix_token_logprobs`): the same log-probs and gradients as the plain [N, T]
 forward, with the prompt's share of the work divided by G.
 
 Host side (NumPy). A sample's prompt is its real tokens before its first loss token (all of
@@ -28,9 +28,9 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
-from jmarl.models.logprobs import prefix_token_logprobs
 from jmarl.models.model import Params
 from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, next_pow2
 from jmarl.train.packing import split_prompts

@@ -1,6 +1,6 @@
 """The attention entry point: exact against transformers at long lengths (every family, left
-and right padding), every form equal (values and gradients), the shared-prefix learner equal
-to the plain layout, and programs exported for CUDA / TPU carrying those platforms' kernels."""
+and right padding), every form equal (values and gradients), the shared-prefix layout (the
+packing benchmark's baseline, `benchmarks.shared_prefix_model`) equal to the plain layout, and programs exported for CUDA / TPU carrying those platforms' kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +10,10 @@ import torch
 from jax import export
 
 from _tiny_models import FAMILIES, VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
+from benchmarks.shared_prefix_model import prefix_token_logprobs, prefixed_attention
 from jmarl.errors import JmarlError
 from jmarl.models import attention as attn
-from jmarl.models import load_hf, prefix_token_logprobs, sampler, token_logprobs
+from jmarl.models import load_hf, sampler, token_logprobs
 from jmarl.models.config import ModelConfig
 from jmarl.models.kv_cache import empty_cache
 from jmarl.models.model import init
@@ -106,13 +107,13 @@ def test_prefixed_attention_equals_attention_over_joined_keys():
 
     ref = jax.jit(joined)(q, k, v, pk, pv)
     for impl in ("xla", "blockwise"):
-        fn = jax.jit(lambda *a, impl=impl: attn.prefixed_attention(*a, impl=impl, block_q=8, block_k=8))
+        fn = jax.jit(lambda *a, impl=impl: prefixed_attention(*a, impl=impl, block_q=8, block_k=8))
         out = fn(q, k, v, own_len, pk, pv, prefix_len, rows)
         for i in range(n):
             np.testing.assert_allclose(out[i, : own_list[i]], ref[i], atol=1e-5)
 
     def loss(q, k, v, pk, pv):
-        out = attn.prefixed_attention(q, k, v, own_len, pk, pv, prefix_len, rows, impl="blockwise", block_q=8, block_k=8)
+        out = prefixed_attention(q, k, v, own_len, pk, pv, prefix_len, rows, impl="blockwise", block_q=8, block_k=8)
         return sum(jnp.sum(jnp.sin(out[i, : own_list[i]])) for i in range(n))
 
     args = (q, k, v, pk, pv)

@@ -14,11 +14,12 @@ import torch
 import transformers
 
 from _tiny_models import left_padded
+from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
-from jmarl.models import ModelConfig, apply, generate, load_hf, save_hf, token_logprobs
+from jmarl.models import apply, generate, load_hf, save_hf, token_logprobs
 from jmarl.models import attention as attention_lib
 from jmarl.models.hf import _tensor_specs
-from jmarl.models.logprobs import prefix_token_logprobs
+from jmarl.models.hf_config import config_from_hf, config_to_hf
 from jmarl.models.presets import preset_config
 
 VOCAB = 128
@@ -93,9 +94,9 @@ def test_config_reads_the_gemma3_settings(tiny):
     assert config.query_pre_attn_scalar == 24 and config.tie_word_embeddings
     # the older style: sliding_window_pattern instead of layer_types; a multimodal config's text part
     old = dict(_hf_config().to_dict(), layer_types=None, sliding_window_pattern=2, rope_parameters=None)
-    assert ModelConfig.from_hf(old).layer_types == ("sliding_attention", "full_attention") * 2
+    assert config_from_hf(old).layer_types == ("sliding_attention", "full_attention") * 2
     outer = {"model_type": "gemma3", "text_config": dict(_hf_config().to_dict())}
-    assert ModelConfig.from_hf(outer) == config.replace(param_dtype="float32", compute_dtype="float32")
+    assert config_from_hf(outer) == config.replace(param_dtype="float32", compute_dtype="float32")
 
 
 @pytest.mark.parametrize("impl", ["xla", "blockwise"])
@@ -231,14 +232,14 @@ def test_save_hf_round_trip_loads_in_transformers(tiny, tmp_path):
 def test_softcapping_is_refused(key):
     hf = dict(_hf_config().to_dict(), **{key: 30.0})
     with pytest.raises(JmarlError, match=key):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
 
 
 def test_other_refusals(tiny):
     with pytest.raises(JmarlError, match="use_bidirectional_attention"):
-        ModelConfig.from_hf(dict(_hf_config().to_dict(), use_bidirectional_attention=True))
+        config_from_hf(dict(_hf_config().to_dict(), use_bidirectional_attention=True))
     with pytest.raises(JmarlError, match="hidden_activation"):
-        ModelConfig.from_hf(dict(_hf_config().to_dict(), hidden_activation="gelu"))
+        config_from_hf(dict(_hf_config().to_dict(), hidden_activation="gelu"))
     with pytest.raises(JmarlError, match="gemma3_text only"):
         preset_config("qwen3-0.6b", sliding_window=4)
     # the shared-prefix layout past the window: refused; within it: exact
@@ -299,8 +300,8 @@ def test_presets(name, params_m, window):
     assert (config.rope_type, config.rope_factor if config.rope_type == "linear" else None) == (
         ("linear", 8.0) if window == 1024 else ("default", None))
     assert abs(config.num_params() / 1e6 - params_m) / params_m < 0.001
-    hf = transformers.Gemma3TextConfig(**{k: v for k, v in config.to_hf().items() if k not in ("architectures", "model_type")})
-    assert ModelConfig.from_hf(hf.to_dict()) == config
+    hf = transformers.Gemma3TextConfig(**{k: v for k, v in config_to_hf(config).items() if k not in ("architectures", "model_type")})
+    assert config_from_hf(hf.to_dict()) == config
     with torch.device("meta"):
         reference = transformers.Gemma3ForCausalLM(hf)
     assert config.num_params() == sum(p.numel() for p in reference.parameters())

@@ -11,11 +11,14 @@ import torch
 import transformers
 
 from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model, padded_batch
+from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
-from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill, prefix_token_logprobs,
+from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill,
                           save_hf, token_logprobs)
 from jmarl.models.model import bind
 from jmarl.models.hf import read_safetensors, write_safetensors
+from jmarl.models.hf_config import config_from_hf, config_to_hf
+from jmarl.models.rope import inv_frequencies
 
 VARIANTS = [
     ("llama", False),
@@ -233,7 +236,7 @@ def test_save_hf_loads_in_transformers_and_round_trips_bitwise(variant, tmp_path
 
 
 def test_bfloat16_save_load_round_trip_is_bitwise(tmp_path):
-    config = ModelConfig.from_hf(make_tiny_checkpoint(tmp_path, "qwen3"))
+    config = config_from_hf(make_tiny_checkpoint(tmp_path, "qwen3"))
     config = config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
     params = init(config, jax.random.key(3))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
@@ -320,21 +323,21 @@ def test_token_logprobs_never_holds_full_vocab_logits_for_all_positions():
     assert full >= b * t * config.vocab_size  # the check above is able to see a full block
 
 
-def test_from_hf_reads_legacy_and_transformers5_rope_styles():
+def test_config_from_hf_reads_legacy_and_transformers5_rope_styles():
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
                 num_hidden_layers=1, num_attention_heads=2)
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-    legacy = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
-    older = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
-    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    legacy = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
+    older = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
+    new = config_from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
     assert legacy == older == new
     assert new.rope_type == "llama3" and new.rope_theta == 5e5 and new.num_kv_heads == 2 and new.head_dim == 4
     hf_inv = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](
         transformers.LlamaConfig(**{**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}),
         "cpu",
     )[0]
-    np.testing.assert_allclose(new.inv_frequencies(), hf_inv.numpy(), rtol=1e-6)
-    assert ModelConfig.from_hf(new.to_hf()) == new
+    np.testing.assert_allclose(inv_frequencies(new), hf_inv.numpy(), rtol=1e-6)
+    assert config_from_hf(config_to_hf(new)) == new
 
 
 def test_rope_tables_match_transformers_and_hold_no_cos_or_sin_in_the_program():
@@ -345,7 +348,7 @@ def test_rope_tables_match_transformers_and_hold_no_cos_or_sin_in_the_program():
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
     hf = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=16, num_hidden_layers=1,
               num_attention_heads=2, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **scaling})
-    config = ModelConfig.from_hf(hf)
+    config = config_from_hf(hf)
     positions = np.array([[0, 1, 2, 99], [7, 50, 98, 3]], np.int32)
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(transformers.LlamaConfig(**hf))
     want = [t.numpy() for t in rotary(torch.zeros(1, dtype=torch.float32), torch.tensor(positions, dtype=torch.long))]
@@ -402,7 +405,7 @@ def test_bad_checkpoints_raise_jmarl_error_naming_the_problem(qwen2_dir, tmp_pat
     with pytest.raises(JmarlError, match="model.safetensors"):
         load_hf(no_weights)
     with pytest.raises(JmarlError, match="config.json"):
-        ModelConfig.from_hf(tmp_path / "empty_dir_that_does_not_exist")
+        config_from_hf(tmp_path / "empty_dir_that_does_not_exist")
 
 
 def test_sharded_index_checkpoint_loads(qwen2_dir, tmp_path):

@@ -28,6 +28,7 @@ from jmarl.config import (
 )
 from jmarl.errors import JmarlError
 from jmarl.models.config import ATTENTION_IMPLS, REMAT_AUTO_MIN_PARAMS, REMAT_POLICIES, ModelConfig
+from jmarl.models.hf_config import config_from_hf, config_to_hf
 from jmarl.models.presets import preset_names
 from jmarl.train import policies
 from jmarl.train.lora import init_lora, merge_lora
@@ -219,7 +220,7 @@ def test_model_config_default_remat_is_auto_by_parameter_count():
     assert _shape(remat="none").remat == "none" and _shape(remat=False).remat == "none"
     assert tiny.replace(remat="dots").remat == "dots"
     assert big.replace(num_layers=1, vocab_size=64, remat="auto").remat == "none"
-    assert models.ModelConfig.from_hf(big.to_hf()).remat == "full"
+    assert config_from_hf(config_to_hf(big)).remat == "full"
     with pytest.raises(JmarlError, match=r"^ModelConfig.remat: must be auto, none, full, dots, true or false; got 'ful'"):
         _shape(remat="ful")
 

@@ -17,11 +17,13 @@ import torch
 import transformers
 
 from _tiny_models import left_padded
+from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
-from jmarl.models import (ModelConfig, apply, generate, load_hf, packed_token_logprobs, param_axes, param_shapes,
-                          prefix_token_logprobs, save_hf, token_logprobs)
+from jmarl.models import (apply, generate, load_hf, packed_token_logprobs, param_axes, param_shapes,
+                          save_hf, token_logprobs)
 from jmarl.models import moe
 from jmarl.models.hf import _tensor_specs, read_safetensors, write_safetensors
+from jmarl.models.hf_config import config_from_hf, config_to_hf
 from jmarl.models.presets import preset_config
 from jmarl.sharding.rules import DEFAULT_RULES, is_axes
 
@@ -131,22 +133,22 @@ def test_config_reads_the_moe_settings_and_counts_transformers_parameters(tiny):
         sparse = np.array(config.sparse_layers())
         assert not np.any(np.asarray(params["layers"]["mlp"]["gate_proj"]["kernel"])[sparse])
         assert not np.any(np.asarray(params["layers"]["moe"]["experts"]["down_proj"])[~sparse])
-    assert ModelConfig.from_hf(config.to_hf()) == config
+    assert config_from_hf(config_to_hf(config)) == config
     # transformers 5 writes num_experts as num_local_experts; released configs say num_experts
     written = model.config.to_dict()
-    assert "num_local_experts" in written and ModelConfig.from_hf(written) == config.replace(
+    assert "num_local_experts" in written and config_from_hf(written) == config.replace(
         param_dtype="float32", compute_dtype="float32")
 
 
 def test_refusals_and_validation():
     hf = transformers.Qwen3MoeConfig(**{**BASE, **MIXED}).to_dict()
     with pytest.raises(JmarlError, match="shared expert"):
-        ModelConfig.from_hf({**hf, "shared_expert_intermediate_size": 64})
+        config_from_hf({**hf, "shared_expert_intermediate_size": 64})
     with pytest.raises(JmarlError, match="shared expert"):
-        ModelConfig.from_hf({**hf, "model_type": "qwen2_moe"})
+        config_from_hf({**hf, "model_type": "qwen2_moe"})
     with pytest.raises(JmarlError, match="use_sliding_window"):
-        ModelConfig.from_hf({**hf, "use_sliding_window": True})
-    config = ModelConfig.from_hf(hf)
+        config_from_hf({**hf, "use_sliding_window": True})
+    config = config_from_hf(hf)
     with pytest.raises(JmarlError, match="num_experts_per_tok"):
         config.replace(num_experts_per_tok=9)
     with pytest.raises(JmarlError, match="qwen3_moe only"):
@@ -473,9 +475,9 @@ def test_presets_have_the_published_shapes_and_transformers_parameter_count(name
     assert config.norm_topk_prob and not config.tie_word_embeddings and config.rope_theta == 1e6
     assert all(config.sparse_layers()) and not config.has_mixed_mlps
     assert round(config.num_params() / 1e9, 2) == billions
-    fields = {k: v for k, v in config.to_hf().items() if k not in ("architectures", "model_type")}
+    fields = {k: v for k, v in config_to_hf(config).items() if k not in ("architectures", "model_type")}
     hf = transformers.Qwen3MoeConfig(**fields)
-    assert ModelConfig.from_hf(hf.to_dict()) == config
+    assert config_from_hf(hf.to_dict()) == config
     with torch.device("meta"):
         reference = transformers.Qwen3MoeForCausalLM(hf)
     assert config.num_params() == sum(p.numel() for p in reference.parameters())

@@ -12,8 +12,9 @@ import transformers
 
 from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
 from jmarl.errors import JmarlError
-from jmarl.models import ModelConfig, apply, load_hf
-from jmarl.models.rope import rope_tables
+from jmarl.models import apply, load_hf
+from jmarl.models.hf_config import config_from_hf, config_to_hf
+from jmarl.models.rope import inv_frequencies, rope_attention_scaling, rope_tables
 
 BASE = dict(model_type="qwen3", vocab_size=10, hidden_size=64, intermediate_size=16, num_hidden_layers=1,
             num_attention_heads=1, head_dim=64, max_position_embeddings=512)
@@ -36,23 +37,23 @@ def _hf_config(rope: dict) -> transformers.Qwen3Config:
 def test_inverse_frequencies_and_attention_factor_match_transformers(option):
     rope = {**YARN, **OPTIONS[option]}
     inv_freq, factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](_hf_config(rope), "cpu")
-    config = ModelConfig.from_hf({**BASE, "rope_parameters": rope})
+    config = config_from_hf({**BASE, "rope_parameters": rope})
     assert config.rope_type == "yarn" and config.rope_factor == rope["factor"]
-    np.testing.assert_allclose(config.inv_frequencies(), inv_freq.numpy(), rtol=1e-6)
-    np.testing.assert_allclose(config.rope_attention_scaling(), factor, rtol=1e-12)
-    assert config.rope_attention_scaling(local=True) == 1.0
-    assert ModelConfig.from_hf(config.to_hf()) == config
+    np.testing.assert_allclose(inv_frequencies(config), inv_freq.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(rope_attention_scaling(config), factor, rtol=1e-12)
+    assert rope_attention_scaling(config, local=True) == 1.0
+    assert config_from_hf(config_to_hf(config)) == config
 
 
 def test_legacy_rope_scaling_and_a_missing_factor_read_as_transformers_does():
-    legacy = ModelConfig.from_hf({**BASE, "rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0,
+    legacy = config_from_hf({**BASE, "rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                                               "original_max_position_embeddings": 32}})
-    assert legacy == ModelConfig.from_hf({**BASE, "rope_parameters": YARN})
+    assert legacy == config_from_hf({**BASE, "rope_parameters": YARN})
     # no original_max_position_embeddings: max_position_embeddings (then the factor only blends nothing in)
-    no_original = ModelConfig.from_hf({**BASE, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    no_original = config_from_hf({**BASE, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     assert no_original.rope_original_max_position == 512
     # factor null: max_position_embeddings / original
-    implied = ModelConfig.from_hf({**BASE, "rope_parameters": {**YARN, "factor": None}})
+    implied = config_from_hf({**BASE, "rope_parameters": {**YARN, "factor": None}})
     assert implied.rope_factor == 512 / 32
 
 
@@ -61,7 +62,7 @@ def test_rope_tables_match_transformers_rotary_with_the_attention_factor():
     cos/sin, which carry the attention factor."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    config = ModelConfig.from_hf({**BASE, "rope_parameters": YARN})
+    config = config_from_hf({**BASE, "rope_parameters": YARN})
     positions = np.array([[0, 1, 31, 32, 200], [7, 64, 128, 3, 511]], np.int32)
     rotary = Qwen3RotaryEmbedding(_hf_config(YARN))
     want = [t.numpy() for t in rotary(torch.zeros(1, dtype=torch.float32), torch.tensor(positions, dtype=torch.long))]
@@ -103,9 +104,9 @@ def test_logits_match_transformers_past_the_original_context(family, tmp_path):
                                   {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}])
 def test_other_rope_types_are_still_refused(rope):
     with pytest.raises(JmarlError, match="unsupported RoPE scaling type"):
-        ModelConfig.from_hf({**BASE, "rope_parameters": rope})
+        config_from_hf({**BASE, "rope_parameters": rope})
 
 
 def test_partial_rotary_yarn_is_refused():
     with pytest.raises(JmarlError, match="partial_rotary_factor"):
-        ModelConfig.from_hf({**BASE, "rope_parameters": {**YARN, "partial_rotary_factor": 0.5}})
+        config_from_hf({**BASE, "rope_parameters": {**YARN, "partial_rotary_factor": 0.5}})

@@ -62,7 +62,7 @@ def resolve_models(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     `ArchConfig` mapping; its tokenizer still read from the directory), a missing one -> the
     preset its directory name matches (JmarlError when none does). A preset model without a
     usable tokenizer directory gets the char tokenizer (token ids do not change memory)."""
-    from jmarl.models.config import ModelConfig
+    from jmarl.models.hf_config import config_from_hf
     from jmarl.models.presets import preset_for_checkpoint_name, preset_names
 
     data = copy.deepcopy(data)
@@ -77,7 +77,7 @@ def resolve_models(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if isinstance(preset, str):
             check_preset_name(preset, f"{where}.preset")
         elif path is not None and os.path.isdir(str(path)):
-            spec["path"], spec["preset"] = None, _arch(ModelConfig.from_hf(str(path)))
+            spec["path"], spec["preset"] = None, _arch(config_from_hf(str(path)))
             tok = str(path) if tok is None else tok
             notes.append(f"{where}.path {path}: planned from its config.json (no weights read)")
         elif path is not None and (gguf := _gguf_file(str(path))) is not None:

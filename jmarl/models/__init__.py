@@ -6,7 +6,7 @@ from jmarl.models.gguf import gguf_chat_template, load_gguf, load_gguf_config, l
 from jmarl.models.hf import load_hf, save_hf
 from jmarl.models.decode import decode_step, prefill
 from jmarl.models.kv_cache import KVCache, init_cache
-from jmarl.models.logprobs import packed_token_logprobs, prefix_token_logprobs, token_logprobs
+from jmarl.models.logprobs import packed_token_logprobs, token_logprobs
 from jmarl.models.model import Params, apply, init, param_axes, param_shapes, positions_from_mask
 from jmarl.models.sampler import Generation, generate, generate_stacked, num_compiled_programs, sample_token
 from jmarl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -48,7 +48,6 @@ __all__ = [
     "positions_from_mask",
     "prefill",
     "packed_token_logprobs",
-    "prefix_token_logprobs",
     "resolve_model",
     "sample_token",
     "save_hf",

@@ -1,11 +1,11 @@
 """Attention: one entry point, exact, and never O(T x S) in memory for long sequences.
 
-Every attention of the model (training, scoring, prefill, the shared-prefix learner) goes
-through `attention` (or `prefixed_attention`, which adds a group's shared prompt). The layout
-is fixed: queries q [B, T, H, hd], keys/values k, v [B, S, KV, hd] (grouped-query: H a
-multiple of KV), rows RIGHT-padded, so the valid keys of row b are the slots s < lengths[b]
-(`jmarl.models.model` compacts any padding to this layout first). With `causal`, query t also
-sees only keys s <= t. Scores, softmax and log-sum-exps are float32.
+Every attention of the model over rows (scoring, prefill) goes through `attention`, the packed
+learner's through `packed_attention`. The layout of `attention` is fixed: queries q [B, T, H, hd],
+keys/values k, v [B, S, KV, hd] (grouped-query: H a multiple of KV), rows RIGHT-padded, so the
+valid keys of row b are the slots s < lengths[b] (`jmarl.models.model` compacts any padding to
+this layout first). With `causal`, query t also sees only keys s <= t. Scores, softmax and
+log-sum-exps are float32.
 
 Forms (`impl`, `ModelConfig.attention`):
 
@@ -26,6 +26,8 @@ Forms (`impl`, `ModelConfig.attention`):
                shape or dtype a kernel refuses. A program exported for another platform carries
                that platform's form.
 
+The two kernel forms, and what each takes, are `jmarl.models.attention_kernels`.
+
 Exactness: every form computes the same softmax(q k^T / sqrt(hd)) v over the same keys; they
 differ only in float rounding (blockwise accumulates in float32 and normalises at the end).
 A query with no valid key (a padding row) gets a finite average instead of NaN.
@@ -36,19 +38,25 @@ t - W < s <= t (`attention`; slots are positions in the right-padded layout) or 
 than W positions before it (`packed_attention`, by the `positions` of each token). With a window
 only the dense and blockwise forms run (the kernel forms are not given the window): blockwise
 skips the key tiles wholly before a query tile's window as well as those above its diagonal.
+
+Partial attentions (`partial_attention`: the dense or blockwise form with each query's
+log-sum-exp) over disjoint key sets merge exactly into the attention over their union
+(`merge_attentions`); with `rows` a query row reads its keys from a shared row of the key
+array, block by block (the shared-prefix layout of `benchmarks.shared_prefix_model` reads a
+group's prompt this way, without a copy per row).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmarl.errors import JmarlError
+from jmarl.models.attention_kernels import cudnn_or, splash_or
 
 IMPLS: tuple[str, ...] = ("auto", "xla", "dense", "cudnn", "splash", "blockwise")
 # auto: dense when B * H * T * S float32 scores take at most 256 MiB
@@ -101,56 +109,43 @@ def attention(
         return _blockwise(q, k, v, lengths, None, causal, block_q, block_k)[0]
     blockwise = functools.partial(_blockwise_out, causal=causal, block_q=block_q, block_k=block_k)
     if form == "cudnn":
-        return _cudnn_or(blockwise, q, k, v, lengths, causal)
+        return cudnn_or(blockwise, q, k, v, lengths, causal)
     if form == "splash":
-        return _splash_or(blockwise, q, k, v, lengths, causal)
+        return splash_or(blockwise, q, k, v, lengths, causal)
     # auto on long sequences: the platform's kernel, chosen when the program is lowered
     return jax.lax.platform_dependent(
         q, k, v, lengths,
-        cuda=functools.partial(_cudnn_or, blockwise, causal=causal),
-        tpu=functools.partial(_splash_or, blockwise, causal=causal),
+        cuda=functools.partial(cudnn_or, blockwise, causal=causal),
+        tpu=functools.partial(splash_or, blockwise, causal=causal),
         default=blockwise,
     )
 
 
-def prefixed_attention(
+def partial_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     lengths: jax.Array,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prefix_lengths: jax.Array,
-    rows: jax.Array,
     *,
-    impl: str = "auto",
+    causal: bool,
+    form: str,
+    rows: jax.Array | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
-) -> jax.Array:
-    """Continuations that also attend to a shared prompt. q [N,C,H,hd] and own k/v [N,C,KV,hd]
-    (causal, lengths int[N]); prefixes prefix_k/prefix_v [U,P,KV,hd] with prefix_lengths int[U]
-    (right-padded, all visible); rows int[N] in [0, U): the prefix of each continuation.
-    -> [N,C,H,hd]: one softmax over the prefix's keys and the row's own, as if the N rows were
-    prefix + continuation, computed as two attentions merged by their log-sum-exps. The
-    blockwise form reads each prefix block by `rows` as it goes: no [N, P] copy of the prefix
-    keys/values is made or kept for the backward pass (its gradient sums over the rows)."""
-    _check(q, k, v, impl)
-    lengths = jnp.maximum(lengths.astype(jnp.int32), 1)
-    rows = rows.astype(jnp.int32)
-    p_len = prefix_lengths.astype(jnp.int32)[rows]
-    n, c, h, _ = q.shape
-    p = prefix_k.shape[1]
-    small = n * h * c * (c + p) <= DENSE_MAX_SCORES
-    dense = impl in ("xla", "dense") or (impl == "auto" and small)
-    if dense:
-        own = _dense(q, k, v, lengths, None, True)
-        pre = _dense(q, prefix_k, prefix_v, p_len, rows, False)
-    else:
-        own = _blockwise(q, k, v, lengths, None, True, block_q, block_k)
-        pre = _blockwise(q, prefix_k, prefix_v, p_len, rows, False, block_q, block_k)
-    # a row whose prefix is empty: its prefix part holds only masked scores, weight exp(-huge) = 0
-    pre_lse = jnp.where((p_len > 0)[:, None, None], pre[1], -jnp.inf)
-    return _merge(own, (pre[0], pre_lse)).astype(q.dtype)
+) -> tuple[jax.Array, jax.Array]:
+    """(out [B,T,H,hd] in q's dtype, lse float32 [B,T,H]): `attention` by the form "dense" or
+    "blockwise" over the keys s < lengths[b] (taken as given: a row with none has only masked
+    scores), with each query's log-sum-exp of its scores, so that attentions over disjoint key
+    sets merge into one softmax (`merge_attentions`). rows int[B]: k/v [U,S,KV,hd] are shared,
+    query row b reading key row rows[b]; the blockwise form reads them block by block (no
+    [B, S] copy is made or kept for the backward pass) and their gradients sum over the rows
+    that read them."""
+    if form not in ("dense", "blockwise"):
+        raise JmarlError(f"partial_attention: form must be 'dense' or 'blockwise', got {form!r}")
+    _check(q, k, v, form)
+    if form == "dense":
+        return _dense(q, k, v, lengths, rows, causal)
+    return _blockwise(q, k, v, lengths, rows, causal, block_q, block_k)
 
 
 def packed_attention(
@@ -292,9 +287,9 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> None:
         raise JmarlError(f"attention expects q [B,T,H,hd] and k/v [B,S,KV,hd] with KV dividing H; got {q.shape}, {k.shape}, {v.shape}")
 
 
-def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Two attentions over disjoint key sets (out [B,T,H,hd], lse [B,T,H]) -> the attention over
-    their union."""
+def merge_attentions(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Two attentions over disjoint key sets (out [B,T,H,hd], lse [B,T,H]; `partial_attention`)
+    -> the attention over their union, float32 [B,T,H,hd]. A part whose lse is -inf weighs 0."""
     (oa, la), (ob, lb) = a, b
     lse = jnp.logaddexp(la, lb)
     wa, wb = jnp.exp(la - lse)[..., None], jnp.exp(lb - lse)[..., None]
@@ -411,7 +406,7 @@ class _Mask:
 class _RightPadded(_Mask):
     """meta = (lengths int[B], rows int[B] or int[0]) (+ window int32[] when `windowed`): keys
     s < lengths[b] are valid (and, with causal, s <= t; windowed, s > t - window); non-empty
-    rows read the keys of row rows[b] of a shared key array (the shared-prefix layout), whose
+    rows read the keys of row rows[b] of a shared key array (`partial_attention`), whose
     gradients then sum over the rows that read them. Windowed, the key tiles wholly before a
     query tile's window (and the query tiles wholly past a key tile's) are skipped."""
 
@@ -586,99 +581,3 @@ def _flash_bwd(mask, bq, bk, residuals, cotangents):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-# ---------------------------------------------------------------------------------- kernels
-def cudnn_supports(q: jax.Array, k: jax.Array) -> bool:
-    """Whether cuDNN flash attention takes these shapes/dtypes (bf16/f16, head_dim <= 128, a
-    multiple of 8)."""
-    hd = q.shape[-1]
-    return q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and hd <= 128 and hd % 8 == 0
-
-
-def _cudnn_or(fallback: Callable, q, k, v, lengths, causal: bool):
-    """cuDNN flash attention where it applies, else `fallback(q, k, v, lengths)`."""
-    if not cudnn_supports(q, k):
-        return fallback(q, k, v, lengths)
-    b, t = q.shape[:2]
-    # computed from lengths so that it is batched like them under jax.vmap (a stacked policy
-    # axis): JAX's cuDNN batching rule needs both sequence-length arrays batched
-    q_lengths = lengths * 0 + t
-    kwargs = dict(is_causal=causal, query_seq_lengths=q_lengths, key_value_seq_lengths=lengths, implementation="cudnn")
-    with _cudnn_version_for_lowering() as available:
-        if not available:
-            return fallback(q, k, v, lengths)
-        return jax.nn.dot_product_attention(q, k, v, **kwargs)
-
-
-class _cudnn_version_for_lowering:
-    """Lets the cuDNN form be lowered for CUDA from a process without cuDNN (AOT compilation or
-    `jax.export` from a CPU host): JAX asks cuDNN for its version while tracing, so there the
-    version is taken as ASSUMED_CUDNN_VERSION (9.8). On a GPU host nothing is changed. Yields
-    False when this JAX has no such hook (the caller then falls back to blockwise)."""
-
-    ASSUMED_CUDNN_VERSION = 90800
-
-    def __enter__(self) -> bool:
-        self._module, self._saved = None, None
-        try:
-            from jax._src.cudnn import fused_attention_stablehlo as module
-        except ImportError:
-            return False
-        try:
-            module.check_cudnn_version()
-            return True
-        except RuntimeError:
-            pass
-        if not hasattr(module, "check_cudnn_version"):
-            return False
-        self._module, self._saved = module, module.check_cudnn_version
-        module.check_cudnn_version = lambda: self.ASSUMED_CUDNN_VERSION
-        return True
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._module is not None:
-            self._module.check_cudnn_version = self._saved
-
-
-def _splash_block(n: int) -> int | None:
-    """The largest splash block (512, 256, 128) dividing n, or None."""
-    return next((blk for blk in (512, 256, 128) if n % blk == 0), None)
-
-
-def splash_supports(q: jax.Array, k: jax.Array) -> bool:
-    """Whether the splash kernel takes these shapes (T and S multiples of 128, head_dim a
-    multiple of 128 or 64)."""
-    return _splash_block(q.shape[1]) is not None and _splash_block(k.shape[1]) is not None and q.shape[-1] % 64 == 0
-
-
-def _splash_or(fallback: Callable, q, k, v, lengths, causal: bool):
-    """Pallas splash attention (TPU) where it applies, else `fallback(q, k, v, lengths)`."""
-    if not splash_supports(q, k):
-        return fallback(q, k, v, lengths)
-    try:
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
-    except ImportError:
-        return fallback(q, k, v, lengths)
-    b, t, h, hd = q.shape
-    s, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
-    bq, bk = _splash_block(t), _splash_block(s)
-    one = mask_lib.CausalMask((t, s)) if causal else mask_lib.FullMask((t, s))
-    blocks = kernel_lib.BlockSizes(
-        block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
-        block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk,
-    )
-    kernel = kernel_lib.make_splash_mqa_single_device(mask_lib.MultiHeadMask([one] * g), block_sizes=blocks)
-    # padding as segment ids: valid slots 1, padding 0 (a query sees keys of its own segment)
-    q_seg = (jnp.arange(t)[None] < lengths[:, None]).astype(jnp.int32) if causal else jnp.ones((b, t), jnp.int32)
-    kv_seg = (jnp.arange(s)[None] < lengths[:, None]).astype(jnp.int32)
-
-    def one_head_group(qh, kh, vh, qs, ks):  # [G,T,hd], [S,hd], [S,hd]
-        return kernel(qh, kh, vh, segment_ids=kernel_lib.SegmentIds(q=qs, kv=ks))
-
-    qg = (q * jnp.asarray(hd**-0.5, q.dtype)).reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4)
-    per_group = jax.vmap(one_head_group, in_axes=(0, 0, 0, None, None))
-    out = jax.vmap(per_group)(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_seg, kv_seg)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd).astype(q.dtype)

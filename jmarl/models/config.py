@@ -1,17 +1,16 @@
-"""`ModelConfig`: the static description of a decoder-only LM (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3).
+"""`ModelConfig`: the schema of a decoder-only LM (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3).
 
-One frozen, hashable dataclass, so it can be a static argument of `jax.jit` and a cache key.
-`ModelConfig.from_hf` reads a Hugging Face `config.json` in both styles: `rope_theta` +
-`rope_scaling` (as in released checkpoints) and `rope_parameters` (as transformers 5 writes).
+One frozen, hashable dataclass, so it can be a static argument of `jax.jit` and a cache key: its
+fields, their validation, and what follows from them alone (sparse and sliding layers, parameter
+count, remat policy). Its neighbours depend on it, never the reverse: the translation from and
+to a Hugging Face `config.json` is `jmarl.models.hf_config`, the RoPE frequencies and their
+scaling (linear, Llama 3, YaRN) are `jmarl.models.rope`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -35,13 +34,6 @@ REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots")
 # parameters up (real sizes, whose per-layer activations would not fit) and "none" below (tiny
 # models, where remat only costs time).
 REMAT_AUTO_MIN_PARAMS = 100_000_000
-_HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
 # Gemma 3's per-layer attention kinds (HF `layer_types`): a sliding layer attends to the
 # `sliding_window` most recent positions (itself included), a full layer to every earlier one.
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -57,7 +49,7 @@ class ModelConfig:
     `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_position`) or "yarn"
     (`rope_factor`, `rope_original_max_position`, `rope_beta_fast`, `rope_beta_slow`,
     `rope_truncate`, and `rope_attention_factor`: the factor on cos/sin, None for transformers'
-    default 0.1 ln(factor) + 1; see `inv_frequencies` and `rope_attention_scaling`).
+    default 0.1 ln(factor) + 1; see `jmarl.models.rope.inv_frequencies` and `rope_attention_scaling`).
     `param_dtype` is how parameters are stored, `compute_dtype` how matmuls run; norms,
     softmax and log-probs always run in float32. `remat` is what each layer keeps for the
     backward pass: one of REMAT_POLICIES, True ("full"), False ("none") or "auto" (the default:
@@ -80,7 +72,7 @@ class ModelConfig:
     `num_experts_per_tok` most probable experts (SwiGLU MLPs of `moe_intermediate_size`; the
     top-k probabilities renormalised to sum to 1 when `norm_topk_prob`; `jmarl.models.moe`).
     `router_aux_loss_coef` is the weight transformers gives the load-balancing loss in training.
-    No shared expert (Qwen2-MoE style): refused by `from_hf`. `routing_replay` (one of
+    No shared expert (Qwen2-MoE style): refused by `jmarl.models.hf_config.config_from_hf`. `routing_replay` (one of
     ROUTING_REPLAY; "replay" needs experts): "replay" makes the sampler record each token's
     experts (`jmarl.models.sampler.Generation.routing`) and the learner run them
     (`jmarl.models.moe.replay_route`); a training setting, not written to config.json.
@@ -302,148 +294,6 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + mlps + d + head
 
-    def inv_frequencies(self, local: bool = False) -> np.ndarray:
-        """RoPE inverse frequencies float32[head_dim // 2], scaled as `rope_type` says. local: those
-        of the sliding-window layers (theta `rope_local_theta`, never scaled)."""
-        exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim
-        if local:
-            theta = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
-            return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
-        inv_freq = (1.0 / (np.float32(self.rope_theta) ** exponents)).astype(np.float32)
-        if self.rope_type == "linear":
-            return (inv_freq / np.float32(self.rope_factor)).astype(np.float32)
-        if self.rope_type == "llama3":
-            return _llama3_scaled(inv_freq, self)
-        if self.rope_type == "yarn":
-            return _yarn_inv_freq(self)
-        return inv_freq
-
-    def rope_attention_scaling(self, local: bool = False) -> float:
-        """The factor transformers puts on RoPE's cos and sin (its `attention_scaling`): YaRN's
-        attention factor (`rope_attention_factor`, by default 0.1 ln(factor) + 1 for factor > 1),
-        1.0 for every other type and for the sliding-window layers (local)."""
-        if local or self.rope_type != "yarn":
-            return 1.0
-        if self.rope_attention_factor is not None:
-            return float(self.rope_attention_factor)
-        return yarn_mscale(self.rope_factor)
-
-    # ----------------------------------------------------------------------------- HF interop
-    @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> "ModelConfig":
-        """Reads a HF config (a dict, a checkpoint directory, or a config.json path).
-
-        `overrides` set jmarl-only fields such as `param_dtype`, `compute_dtype`, `remat`.
-        """
-        hf = _read_hf_dict(path_or_dict)
-        if hf.get("model_type") == "gemma3" and isinstance(hf.get("text_config"), Mapping):
-            hf = dict(hf["text_config"], model_type="gemma3_text")  # the text part of a multimodal config
-        model_type = hf.get("model_type")
-        if model_type == "qwen2_moe" or hf.get("shared_expert_intermediate_size"):
-            raise JmarlError(
-                f"HF config ({model_type}) has a shared expert (Qwen2-MoE style: shared_expert_intermediate_size="
-                f"{hf.get('shared_expert_intermediate_size')}), which jmarl does not implement; jmarl's mixture of "
-                "experts is qwen3_moe (routed experts only)"
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise JmarlError(
-                f"unsupported model_type {model_type!r} in the HF config; jmarl supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        try:
-            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-            fields: dict[str, Any] = dict(
-                model_type=model_type,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-            )
-        except KeyError as missing:
-            raise JmarlError(f"HF config is missing the required key {missing}") from None
-        fields["num_kv_heads"] = int(hf.get("num_key_value_heads") or heads)
-        fields["head_dim"] = int(hf.get("head_dim") or hidden // heads)
-        fields["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
-        fields["max_position_embeddings"] = int(hf.get("max_position_embeddings", 32768))
-        fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-        attention_bias = bool(hf.get("attention_bias", False))
-        if model_type == "gemma3_text":
-            fields.update(_gemma3_fields(hf, fields["num_layers"]))
-            fields.update(overrides)
-            return cls(**fields)
-        fields["qkv_bias"] = model_type == "qwen2" or attention_bias
-        fields["o_bias"] = model_type != "qwen2" and attention_bias
-        fields["qk_norm"] = model_type in ("qwen3", "qwen3_moe")
-        if model_type == "qwen3_moe":
-            fields.update(_moe_fields(hf))
-        if hf.get("mlp_bias"):
-            raise JmarlError("HF config sets mlp_bias=True, which jmarl does not support")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise JmarlError(f"HF config has hidden_act={hf['hidden_act']!r}; jmarl supports 'silu' only")
-        if hf.get("use_sliding_window"):
-            raise JmarlError("HF config enables use_sliding_window; jmarl supports full attention only")
-        fields.update(_rope_fields(hf))
-        for key in ("bos_token_id", "pad_token_id"):
-            if isinstance(hf.get(key), int):
-                fields[key] = hf[key]
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, int):
-            fields["eos_token_id"] = eos
-        elif isinstance(eos, list) and eos:
-            fields["eos_token_id"] = tuple(int(e) for e in eos)
-        fields.update(overrides)
-        return cls(**fields)
-
-    def to_hf(self) -> dict[str, Any]:
-        """The HF `config.json` dict (transformers 4 and 5 both read it)."""
-        if self.is_gemma3:
-            return _gemma3_to_hf(self)
-        rope = _rope_to_hf(self)
-        hf: dict[str, Any] = {
-            "architectures": [_HF_ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_type == "default" else dict(rope),
-            "rope_parameters": rope,
-            "torch_dtype": self.param_dtype,
-            "dtype": self.param_dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-        }
-        if self.model_type == "llama":
-            hf["attention_bias"] = self.o_bias
-            hf["mlp_bias"] = False
-        elif self.model_type in ("qwen3", "qwen3_moe"):
-            hf["attention_bias"] = self.o_bias
-            hf["use_sliding_window"] = False
-            if self.model_type == "qwen3_moe":
-                hf.update(
-                    num_experts=self.num_experts,
-                    num_experts_per_tok=self.num_experts_per_tok,
-                    moe_intermediate_size=self.moe_intermediate_size,
-                    norm_topk_prob=self.norm_topk_prob,
-                    decoder_sparse_step=self.decoder_sparse_step,
-                    mlp_only_layers=list(self.mlp_only_layers),
-                    router_aux_loss_coef=self.router_aux_loss_coef,
-                    output_router_logits=False,
-                )
-        else:
-            hf["use_sliding_window"] = False
-        return hf
-
 
 def resolve_remat(remat: bool | str, num_params: int, *, setting: str = "model.remat") -> str:
     """The layer remat policy (one of REMAT_POLICIES) of a remat setting for a model of
@@ -459,258 +309,7 @@ def resolve_remat(remat: bool | str, num_params: int, *, setting: str = "model.r
     return remat
 
 
-def _read_hf_dict(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(path_or_dict, Mapping):
-        return dict(path_or_dict)
-    path = os.fspath(path_or_dict)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise JmarlError(f"HF config not found: {path} (expected a checkpoint directory with config.json)")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as err:
-        raise JmarlError(f"HF config {path} is not valid JSON: {err}") from None
-
-
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
     """Gemma 3's interleaving (HF `sliding_window_pattern`): pattern - 1 sliding layers, then one
     full layer, repeated; layer i is full iff (i + 1) % pattern == 0."""
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
-
-
-def _gemma3_fields(hf: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """The ModelConfig fields of a Gemma 3 text config beyond the common ones; JmarlError for
-    anything it asks that jmarl does not implement."""
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise JmarlError(
-                f"HF config sets {key}={hf[key]!r}: jmarl's gemma3_text does not implement logit soft-capping "
-                f"(Gemma 2 style); set {key} to null (Gemma 3 checkpoints do)"
-            )
-    if hf.get("use_bidirectional_attention"):
-        raise JmarlError("HF config sets use_bidirectional_attention=True (EmbeddingGemma); jmarl's gemma3_text "
-                         "is causal only: set it to false")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise JmarlError(f"HF config has hidden_activation={act!r}; jmarl's gemma3_text supports 'gelu_pytorch_tanh' only")
-    if hf.get("attention_bias"):
-        raise JmarlError("HF config sets attention_bias=True, which jmarl's gemma3_text does not support")
-    if float(hf.get("attention_dropout") or 0.0) != 0.0:
-        raise JmarlError("HF config sets attention_dropout != 0, which jmarl does not implement; set it to 0.0")
-    window = hf.get("sliding_window", 4096)
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        layer_types = gemma3_layer_types(num_layers, int(hf.get("sliding_window_pattern", 6)))
-    layer_types = tuple(layer_types)
-    # RoPE per layer type: `rope_parameters` {sliding_attention: {...}, full_attention: {...}}
-    # (transformers 5), else rope_theta + rope_scaling (full layers) and rope_local_base_freq
-    params = hf.get("rope_parameters")
-    if isinstance(params, Mapping) and (SLIDING in params or FULL in params):
-        full = dict(params.get(FULL) or {})
-        local = dict(params.get(SLIDING) or {})
-    else:
-        full = dict(hf.get("rope_scaling") or {})
-        if isinstance(params, Mapping):  # a flat rope_parameters: the full layers'
-            full.update(params)
-        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
-        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
-    full.setdefault("rope_theta", 1_000_000.0)
-    local_type = local.get("rope_type", local.get("type", "default")) or "default"
-    if local_type != "default":
-        raise JmarlError(f"HF config scales the sliding layers' RoPE ({local_type!r}); jmarl supports scaling on "
-                         "the full-attention layers only")
-    fields = _rope_fields({"rope_parameters": full,
-                           "max_position_embeddings": hf.get("max_position_embeddings", 131_072)})
-    fields.update(
-        qkv_bias=False, o_bias=False, qk_norm=True,
-        sliding_window=None if window is None else int(window),
-        layer_types=layer_types,
-        rope_local_theta=float(local.get("rope_theta", 10_000.0)),
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
-    )
-    for key, default in (("bos_token_id", 2), ("pad_token_id", 0)):
-        value = hf.get(key, default)
-        if isinstance(value, int):
-            fields[key] = value
-    eos = hf.get("eos_token_id", 1)
-    if isinstance(eos, int):
-        fields["eos_token_id"] = eos
-    elif isinstance(eos, list) and eos:
-        fields["eos_token_id"] = tuple(int(e) for e in eos)
-    return fields
-
-
-def _gemma3_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """The HF `Gemma3TextConfig` dict of a gemma3_text ModelConfig: RoPE both as transformers 5's
-    per-layer-type `rope_parameters` and as the older rope_theta / rope_scaling /
-    rope_local_base_freq keys."""
-    full = _rope_to_hf(c)
-    local_theta = c.rope_theta if c.rope_local_theta is None else c.rope_local_theta
-    layer_types = list(c.layer_types) if c.layer_types is not None else [FULL] * c.num_layers
-    qpas = c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim
-    return {
-        "architectures": [_HF_ARCHITECTURES[c.model_type]],
-        "model_type": c.model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": c.rms_norm_eps,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "query_pre_attn_scalar": int(qpas) if float(qpas).is_integer() else qpas,
-        "sliding_window": c.sliding_window,
-        "layer_types": layer_types,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-        "use_bidirectional_attention": False,
-        "rope_theta": c.rope_theta,
-        "rope_local_base_freq": local_theta,
-        "rope_scaling": None if c.rope_type == "default" else dict(full),
-        "rope_parameters": {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": local_theta}},
-        "torch_dtype": c.param_dtype,
-        "dtype": c.param_dtype,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id,
-        "pad_token_id": c.pad_token_id,
-    }
-
-
-def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a qwen3_moe config (transformers 5 writes num_experts as
-    num_local_experts). Defaults are transformers' Qwen3MoeConfig's."""
-    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
-    return dict(
-        num_experts=int(experts or 0),
-        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-    )
-
-
-def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """The HF `rope_parameters` dict of a config's (full-attention layers') RoPE."""
-    rope: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
-    if c.rope_type == "linear":
-        rope["factor"] = c.rope_factor
-    elif c.rope_type == "llama3":
-        rope.update(factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
-                    high_freq_factor=c.rope_high_freq_factor,
-                    original_max_position_embeddings=c.rope_original_max_position)
-    elif c.rope_type == "yarn":
-        rope.update(factor=c.rope_factor, original_max_position_embeddings=c.rope_original_max_position,
-                    beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow, truncate=c.rope_truncate)
-        if c.rope_attention_factor is not None:
-            rope["attention_factor"] = c.rope_attention_factor
-    return rope
-
-
-def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """RoPE fields from either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-    params = hf.get("rope_parameters")
-    scaling = dict(params) if isinstance(params, Mapping) else dict(hf.get("rope_scaling") or {})
-    theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise JmarlError(
-            f"unsupported RoPE scaling type {rope_type!r} in the HF config; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
-    if rope_type in ("linear", "llama3"):
-        fields["rope_factor"] = float(scaling.get("factor", 1.0))
-    if rope_type == "llama3":
-        fields["rope_low_freq_factor"] = float(scaling.get("low_freq_factor", 1.0))
-        fields["rope_high_freq_factor"] = float(scaling.get("high_freq_factor", 4.0))
-        fields["rope_original_max_position"] = int(
-            scaling.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
-        )
-    if rope_type == "yarn":
-        fields.update(_yarn_fields(hf, scaling))
-    return fields
-
-
-def _yarn_fields(hf: Mapping[str, Any], scaling: Mapping[str, Any]) -> dict[str, Any]:
-    """The YaRN fields of a `rope_type: yarn` scaling dict, resolved as transformers'
-    `_compute_yarn_parameters` resolves them: original_max_position_embeddings (a top-level key
-    first, else the scaling's, else max_position_embeddings), factor (None: max positions /
-    original), beta_fast / beta_slow (missing or 0: 32 / 1), truncate (default True), and the
-    attention factor (given; else from DeepSeek's mscale / mscale_all_dim when both are set; else
-    None: 0.1 ln(factor) + 1 at use)."""
-    if float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise JmarlError("HF config sets partial_rotary_factor != 1, which jmarl's RoPE does not implement")
-    original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-    original = int(original or hf.get("max_position_embeddings", 32768))
-    factor = scaling.get("factor")
-    factor = float(hf.get("max_position_embeddings", 32768)) / original if factor is None else float(factor)
-    attention = scaling.get("attention_factor")
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if attention is None and mscale and mscale_all_dim:
-        attention = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
-    return dict(
-        rope_factor=factor,
-        rope_original_max_position=original,
-        rope_beta_fast=float(scaling.get("beta_fast") or 32.0),
-        rope_beta_slow=float(scaling.get("beta_slow") or 1.0),
-        rope_truncate=bool(scaling.get("truncate", True)),
-        rope_attention_factor=None if attention is None else float(attention),
-    )
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention factor for a context `factor` (transformers' `get_mscale`):
-    0.1 * mscale * ln(factor) + 1, or 1 when factor <= 1."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn_inv_freq(config: ModelConfig) -> np.ndarray:
-    """YaRN inverse frequencies float32[head_dim // 2], transformers' `_compute_yarn_parameters`
-    step by step in float32: the frequencies that turn fewer than beta_slow times over the
-    original context are interpolated (divided by factor), those that turn more than beta_fast
-    times are kept (extrapolated), and a linear ramp over the dimensions blends the two between."""
-    dim, base = config.head_dim, float(config.rope_theta)
-    original = config.rope_original_max_position
-
-    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
-    if config.rope_truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no division by zero
-    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
-    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
-    interpolation = (np.float32(1.0) / (np.float32(config.rope_factor) * pos_freqs)).astype(np.float32)
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    keep = (np.float32(1.0) - ramp).astype(np.float32)  # 1: extrapolated (kept), 0: interpolated
-    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
-
-
-def _llama3_scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short ones kept,
-    a smooth blend in between."""
-    factor = np.float32(config.rope_factor)
-    low, high = np.float32(config.rope_low_freq_factor), np.float32(config.rope_high_freq_factor)
-    old_len = np.float32(config.rope_original_max_position)
-    wavelen = np.float32(2 * math.pi) / inv_freq
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, blended, scaled).astype(np.float32)

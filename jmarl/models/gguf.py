@@ -61,6 +61,7 @@ from jmarl.errors import JmarlError
 from jmarl.models.config import FULL, SLIDING, ModelConfig, gemma3_layer_types
 from jmarl.models.hf import _get, _tensor_specs, place
 from jmarl.models.model import Params, param_shapes
+from jmarl.models.rope import inv_frequencies
 from jmarl.models.tokenizer import HFTokenizer
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
@@ -476,7 +477,7 @@ def _llama3_fit(divisors: np.ndarray, theta: float, head_dim: int, path: str) ->
         probe = ModelConfig(model_type="llama", vocab_size=2, hidden_size=head_dim, intermediate_size=2,
                             num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta,
                             **fields)
-        if np.allclose(probe.inv_frequencies(), target, rtol=1e-5, atol=0):
+        if np.allclose(inv_frequencies(probe), target, rtol=1e-5, atol=0):
             return fields
     raise JmarlError(
         f"GGUF file {path}: its rope_freqs.weight (RoPE frequency divisors {np.round(d, 4).tolist()}) "

@@ -27,6 +27,7 @@ import numpy as np
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import ModelConfig
+from jmarl.models.hf_config import config_from_hf, config_to_hf
 from jmarl.models.model import Params, param_shapes
 
 _SAFETENSORS_DTYPES: dict[str, Any] = {
@@ -273,7 +274,7 @@ def load_hf(
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise JmarlError(f"checkpoint directory not found: {path}")
-    config = ModelConfig.from_hf(path)
+    config = config_from_hf(path)
     tensors = _checkpoint_tensors(path)
     if config.is_moe:
         tensors = _unfused_experts(tensors)
@@ -319,7 +320,7 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, params: Params) -> Non
         value = _get(host, path_)
         value = value if index is None else value[index]
         tensors[name] = np.ascontiguousarray(value.T if transposed else value)
-    hf = config.to_hf()
+    hf = config_to_hf(config)
     hf["torch_dtype"] = hf["dtype"] = dtype.name
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)

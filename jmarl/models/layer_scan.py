@@ -1,6 +1,8 @@
 """The layer stack: one `jax.lax.scan` over the stacked decoder layers, with per-layer flags
-(sliding window, dense or sparse MLP, recorded experts), for the three layouts the model runs
-(right-padded rows, shared prefixes, packed rows), and the remat that bounds its memory.
+(sliding window, dense or sparse MLP, recorded experts), for the two layouts the model runs
+(right-padded rows, packed rows), and the remat that bounds its memory. Another layout builds
+its own step from the same pieces (`split_xs`, `layer_kind`, `run_layer`; e.g. the packing
+benchmark's shared-prefix baseline, `benchmarks.shared_prefix_model`) and runs it with `scan_layers`.
 
 Shallow models run the scan unrolled (`UNROLL_MAX_LAYERS`), deeper ones rolled, so compile time
 stays flat in depth. `config.remat` wraps each layer in `jax.checkpoint` with its policy; "full"
@@ -56,7 +58,7 @@ def empty_router_stats(wanted: bool) -> moe_lib.RouterStats | None:
     return moe_lib.RouterStats.zeros(0) if wanted else None
 
 
-def _run_layer(layer_def: Any, state: Any, flags: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
+def run_layer(layer_def: Any, state: Any, flags: dict[str, jax.Array], x: jax.Array, cos: jax.Array,
                sin: jax.Array, attend: AttendFn, valid: jax.Array | None) -> tuple[jax.Array, Any, Any]:
     """One decoder layer (`DecoderLayer.run`) on x [B,T,D]: -> (x, attend's aux, router stats or
     None); `valid` bool[B,T] asks for the stats over those tokens; the layer's recorded expert
@@ -92,36 +94,8 @@ def decoder_step(layer_def: Any, impl: str, carry: Any, xs: Any, consts: tuple,
 
     x, acc = carry if stats else (carry, None)
     valid = (jnp.arange(x.shape[1])[None] < lengths[:, None]) if stats else None
-    x, _, layer_stats = _run_layer(layer_def, state, flags, x, cos, sin, attend, valid)
+    x, _, layer_stats = run_layer(layer_def, state, flags, x, cos, sin, attend, valid)
     return (x, acc.plus(layer_stats)) if stats else x
-
-
-def prefixed_step(layer_def: Any, impl: str, carry: tuple, xs: Any, consts: tuple, stats: bool = False) -> tuple:
-    """One decoder layer of the shared-prefix layout: the U prefixes [U,P,D], then the N
-    continuations [N,C,D] attending to their prefix's keys/values and to themselves. stats: the
-    carry has a third item, the `moe.RouterStats` (prefixes and continuations added)."""
-    p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows = consts[:7]
-    state, flags = split_xs(xs)
-    if len(consts) > 7:  # sliding-window layers: their own RoPE (no window: sequences within it)
-        p_local, s_local = consts[7][:2], consts[7][2:]
-        s_cos, s_sin, _ = layer_kind(flags, s_cos, s_sin, s_local, 0)
-        p_cos, p_sin, _ = layer_kind(flags, p_cos, p_sin, p_local, 0)
-    xp, xs_ = carry[0], carry[1]
-    p_valid = (jnp.arange(xp.shape[1])[None] < prefix_len[:, None]) if stats else None
-    s_valid = (jnp.arange(xs_.shape[1])[None] < own_len[:, None]) if stats else None
-
-    def attend_prefix(q, k, v):
-        return attention_lib.attention(q, k, v, prefix_len, causal=True, impl=impl), (k, v)
-
-    xp, (kp, vp), p_stats = _run_layer(layer_def, state, flags, xp, p_cos, p_sin, attend_prefix, p_valid)
-
-    def attend_continuation(q, k, v):
-        return attention_lib.prefixed_attention(q, k, v, own_len, kp, vp, prefix_len, rows, impl=impl), None
-
-    xs_, _, s_stats = _run_layer(layer_def, state, flags, xs_, s_cos, s_sin, attend_continuation, s_valid)
-    if not stats:
-        return xp, xs_
-    return xp, xs_, carry[2].plus(p_stats).plus(s_stats)
 
 
 def packed_step(layer_def: Any, impl: str, carry: Any, xs: Any, consts: tuple,
@@ -139,7 +113,7 @@ def packed_step(layer_def: Any, impl: str, carry: Any, xs: Any, consts: tuple,
                                               positions=positions), None
 
     x, acc = carry if stats else (carry, None)
-    x, _, layer_stats = _run_layer(layer_def, state, flags, x, cos, sin, attend, (segment != 0) if stats else None)
+    x, _, layer_stats = run_layer(layer_def, state, flags, x, cos, sin, attend, (segment != 0) if stats else None)
     return (x, acc.plus(layer_stats)) if stats else x
 
 

@@ -1,5 +1,5 @@
-"""Log-prob heads: the log-probabilities of given tokens under the model, in each of the three
-layouts it runs (right- or left-padded rows, shared prefixes, packed rows), without the float32
+"""Log-prob heads: the log-probabilities of given tokens under the model, in each of the two
+layouts it runs (right- or left-padded rows, packed rows), without the float32
 [tokens, vocabulary] logits of a whole batch in memory at once (`chunked_logprobs`).
 """
 
@@ -49,45 +49,6 @@ def token_logprobs(
     has_context = mask & (positions_from_mask(attention_mask) > 0)
     out = jnp.where(has_context, out, 0.0)
     return (out, stats) if with_router_stats else out
-
-
-def prefix_token_logprobs(
-    config: ModelConfig,
-    params: Params,
-    prefix_tokens: jax.Array,
-    prefix_mask: jax.Array,
-    rows: jax.Array,
-    tokens: jax.Array,
-    mask: jax.Array,
-    temperature: float | jax.Array = 1.0,
-    *,
-    chunk_size: int | None = None,
-    with_router_stats: bool = False,
-) -> jax.Array | tuple[jax.Array, moe_lib.RouterStats]:
-    """float32[N,C]: out[n, j] = log p(tokens[n, j] | prefix rows[n], tokens[n, :j]) under
-    softmax(logits / T), for U shared prefixes prefix_tokens/prefix_mask [U,P] (left-padded: each
-    real prefix ends in slot P-1), rows int[N] in [0, U), and continuations tokens/mask [N,C]
-    (right-padded).
-
-    The same numbers as `token_logprobs` on the N concatenated rows (prefix rows[n] + tokens[n]),
-    at the cost of running each distinct prefix once: a GRPO group's G samples share their
-    prompt, so its forward (and backward) pass runs once per group instead of G times. The
-    continuation attends to its prefix's keys/values (gathered per row; their gradients sum
-    over the rows that share them). out is 0 where mask is False or no real token precedes.
-    with_router_stats: (out, `moe.RouterStats` over the real tokens, each prefix counted once).
-    """
-    model = bind(config, params)
-    rows = rows.astype(jnp.int32)
-    prefix_last, h, *stats = model.hidden_prefixed(prefix_tokens, prefix_mask, rows, tokens, mask,
-                                                   router_stats=with_router_stats)
-    h_in = jnp.concatenate([prefix_last[rows][:, None], h[:, :-1]], axis=1)  # [N, C, D]
-    lp = chunked_logprobs(model.head_master(), h_in, tokens, temperature, chunk_size=chunk_size,
-                          compute_dtype=config.compute_dtype)
-    prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)[rows]
-    mask = mask.astype(bool)
-    has_context = mask & (prefix_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), axis=-1) > 1)
-    out = jnp.where(has_context, lp, 0.0)
-    return (out, stats[0]) if with_router_stats else out
 
 
 def packed_token_logprobs(

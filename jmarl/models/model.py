@@ -37,7 +37,7 @@ The model by concept, one module each: the layers (`jmarl.models.layers`: norms,
 unmerged LoRA kernels, attention, dense and mixture-of-experts MLPs, one decoder layer), the
 layer stack and its remat (`jmarl.models.layer_scan`), rotary embeddings (`jmarl.models.rope`),
 the log-prob heads (`jmarl.models.logprobs`); this module holds the `Transformer` (embedding,
-stacked layers, final norm, head, and the three layouts it runs), the logical axes of every
+stacked layers, final norm, head, and the two layouts it runs: right-padded rows, packed rows), the logical axes of every
 array it defines, and the pure API. Token positions are `cumsum(attention_mask) - 1`, so left-
 and right-padded batches are exact.
 
@@ -67,7 +67,7 @@ from jmarl.models import moe as moe_lib
 from jmarl.models.config import ModelConfig
 from jmarl.models.kv_cache import KVCache
 from jmarl.models.layer_scan import (UNROLL_MAX_LAYERS, decoder_step, empty_router_stats, layer_kind,
-                                     packed_step, prefixed_step, split_xs, per_layer_routing, scan_layers)
+                                     packed_step, split_xs, per_layer_routing, scan_layers)
 from jmarl.models.layers import (DecoderLayer, LoraKernel, make_linear, make_norm, normal_init, batch_sharded, cast_kernel,
                                  dense)
 from jmarl.models.rope import rope_tables
@@ -234,52 +234,6 @@ class Transformer(nnx.Module):
         if return_kv:
             kv = jax.tree.map(lambda a, b: restore_rows(jnp.concatenate([a, b[None]]), dest, axis=2), kv, kv_last)
         return self.final_norm(x), kv
-
-    def hidden_prefixed(
-        self, prefix_tokens: jax.Array, prefix_mask: jax.Array, rows: jax.Array, tokens: jax.Array, mask: jax.Array,
-        *, router_stats: bool = False,
-    ) -> tuple[jax.Array, ...]:
-        """Shared prefixes [U,P] (any padding), rows int[N] into them, continuations [N,C] (any
-        padding) -> (final-normed hidden of each prefix's last real token [U,D], final-normed
-        hidden of the continuations [N,C,D]). Each layer runs the U prefixes, then the N
-        continuations attending to their prefix's keys/values (read in place through `rows`,
-        never copied per row) and to themselves (causally). router_stats: a third item, the
-        `moe.RouterStats` over the real tokens (each prefix counted once)."""
-        c = self.config
-        p, t = prefix_tokens.shape[1], tokens.shape[1]
-        if c.window_exceeded(p + t):
-            raise JmarlError(
-                f"the shared-prefix layout does not implement sliding-window attention: prefixes of {p} plus "
-                f"continuations of {t} slots exceed sliding_window={c.sliding_window}; score these sequences with "
-                "token_logprobs or the packed layout (packed_token_logprobs), which are exact"
-            )
-        p_dest, prefix_len = compaction(prefix_mask)
-        s_dest, own_len = compaction(mask)
-        p_positions = jnp.arange(p, dtype=jnp.int32)[None]
-        p_cos, p_sin = rope_tables(c, p_positions, p)
-        s_positions = prefix_len[rows][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        s_cos, s_sin = rope_tables(c, s_positions, p + t)
-
-        layer_def, layer_state = nnx.split(self.layers)
-        stats = router_stats and c.is_moe
-        step = functools.partial(prefixed_step, layer_def, c.attention, stats=stats)
-        consts = (p_cos, p_sin, s_cos, s_sin, prefix_len, own_len, rows.astype(jnp.int32))
-        if c.has_sliding_window:  # no window to apply (checked above), only the local layers' RoPE
-            consts = consts + (self.local_rope(p_positions, p) + self.local_rope(s_positions, p + t),)
-        carry = (self.embed_tokens(compact_rows(prefix_tokens, p_dest)), self.embed_tokens(compact_rows(tokens, s_dest)))
-        if stats:
-            carry = carry + (moe_lib.RouterStats.zeros(c.num_experts),)
-        unroll = c.num_layers <= UNROLL_MAX_LAYERS
-        carry = scan_layers(step, carry, self.layer_xs(layer_state), consts, remat=c.remat, policy=c.remat_policy(),
-                            unroll=unroll)
-        xp, xs = carry[:2]
-        last = jnp.maximum(prefix_len - 1, 0)[:, None, None]
-        xp_last = jnp.take_along_axis(xp, last, axis=1)[:, 0]
-        out = (self.final_norm(xp_last), restore_rows(self.final_norm(xs), s_dest))
-        if not router_stats:
-            return out
-        return out + (carry[2] if stats else empty_router_stats(True),)
-
 
     def hidden_packed(self, tokens: jax.Array, positions: jax.Array, segment: jax.Array, branch: jax.Array, *,
                       router_stats: bool = False, routing: jax.Array | None = None

@@ -144,7 +144,8 @@ def real_model_and_reference(name: str) -> tuple[Any, ...]:
     import transformers
 
     from jmarl.models import fetch as fetch_lib
-    from jmarl.models.gguf import load_gguf, load_gguf_tokenizer
+    from jmarl.models.gguf import load_gguf
+    from jmarl.models.gguf_tokenizer import load_gguf_tokenizer
 
     try:
         path = fetch_lib.fetch(name)

@@ -33,7 +33,8 @@ from _tiny_models import TOKENIZER_CORPUS, real_model_and_reference
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf
 from jmarl.models.config import FULL, SLIDING
-from jmarl.models.gguf import gguf_chat_template, gguf_name, load_gguf, load_gguf_config
+from jmarl.models.gguf import gguf_name, load_gguf, load_gguf_config
+from jmarl.models.gguf_tokenizer import gguf_chat_template
 from jmarl.models.hf import read_safetensors
 from jmarl.models.logprobs import token_logprobs
 from jmarl.models.sampler import generate

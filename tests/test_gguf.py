@@ -25,7 +25,8 @@ from _tiny_models import TOKENIZER_CORPUS, make_tiny_checkpoint, padded_batch, r
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf, load_tokenizer, save_hf
 from jmarl.models import fetch as fetch_lib
-from jmarl.models.gguf import gguf_chat_template, gguf_name, load_gguf, load_gguf_tokenizer
+from jmarl.models.gguf import gguf_name, load_gguf
+from jmarl.models.gguf_tokenizer import gguf_chat_template, load_gguf_tokenizer
 from jmarl.models.hf import read_safetensors
 from jmarl.models.rope import inv_frequencies
 

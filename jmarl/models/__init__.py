@@ -2,7 +2,8 @@
 API, HF checkpoint interop, tokenizers and a KV-cache sampler."""
 
 from jmarl.models.config import ModelConfig
-from jmarl.models.gguf import gguf_chat_template, load_gguf, load_gguf_config, load_gguf_tokenizer
+from jmarl.models.gguf import load_gguf, load_gguf_config
+from jmarl.models.gguf_tokenizer import gguf_chat_template, load_gguf_tokenizer
 from jmarl.models.hf import load_hf, save_hf
 from jmarl.models.decode import decode_step, prefill
 from jmarl.models.kv_cache import KVCache, init_cache

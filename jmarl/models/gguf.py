@@ -42,9 +42,7 @@ mmproj file):
 * the embedding keeps only the tokenizer's rows (262,144 of the checkpoint's 262,208), so the
   vocabulary is the file's; logit soft-capping (`gemma3.final_logit_softcapping`) is refused.
 
-`load_gguf_tokenizer(path)` builds the tokenizer described by the file's `tokenizer.*` metadata
-(transformers' own GGUF tokenizer conversion, fed from the `gguf` reader, so no torch) behind
-jmarl's `HFTokenizer`; `gguf_chat_template(path)` is the chat template the file carries.
+The tokenizer a GGUF file describes: `jmarl.models.gguf_tokenizer`.
 """
 
 from __future__ import annotations
@@ -62,7 +60,6 @@ from jmarl.models.config import FULL, SLIDING, ModelConfig, gemma3_layer_types
 from jmarl.models.hf import _get, _tensor_specs, place
 from jmarl.models.model import Params, param_shapes
 from jmarl.models.rope import inv_frequencies
-from jmarl.models.tokenizer import HFTokenizer
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 # ggml tensor types whose values `gguf.quants.dequantize` recovers (names of GGMLQuantizationType;
@@ -135,8 +132,8 @@ def gguf_name(hf_name: str, model_type: str = "llama") -> str:
 
 
 # ------------------------------------------------------------------------------ reading
-def _open(path: str | os.PathLike) -> "_File":
-    """The `_File` of `path`, shared by calls on the same unchanged file: the gguf reader parses
+def open_gguf(path: str | os.PathLike) -> "GGUFFile":
+    """The `GGUFFile` of `path`, shared by calls on the same unchanged file: the gguf reader parses
     all metadata when it opens a file, a tokenizer's vocabulary element by element (seconds for a
     large vocabulary), so `load_gguf`, `load_gguf_tokenizer` and `gguf_chat_template` share it."""
     path = os.fspath(path)
@@ -148,14 +145,14 @@ def _open(path: str | os.PathLike) -> "_File":
     if key not in _OPEN:
         while len(_OPEN) >= 2:
             _OPEN.pop(next(iter(_OPEN)))
-        _OPEN[key] = _File(path)
+        _OPEN[key] = GGUFFile(path)
     return _OPEN[key]
 
 
-_OPEN: dict[tuple, "_File"] = {}
+_OPEN: dict[tuple, "GGUFFile"] = {}
 
 
-class _File:
+class GGUFFile:
     """One opened GGUF file: metadata values on demand, tensors by name."""
 
     def __init__(self, path: str | os.PathLike):
@@ -230,7 +227,7 @@ def _supported_types() -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------ config
-def _int_hparam(f: _File, arch: str, key: str, default: Any = _MISSING) -> Any:
+def _int_hparam(f: GGUFFile, arch: str, key: str, default: Any = _MISSING) -> Any:
     value = f.value(f"{arch}.{key}", default)
     if isinstance(value, list):  # per-layer lists (hybrid models): jmarl needs them uniform
         if len(set(value)) != 1:
@@ -240,7 +237,7 @@ def _int_hparam(f: _File, arch: str, key: str, default: Any = _MISSING) -> Any:
     return value
 
 
-def _gguf_config(f: _File) -> tuple[ModelConfig, bool]:
+def _gguf_config(f: GGUFFile) -> tuple[ModelConfig, bool]:
     """(the ModelConfig of the file, whether q/k rows are in llama.cpp's permuted order)."""
     arch = f.value("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -307,7 +304,7 @@ def _gguf_config(f: _File) -> tuple[ModelConfig, bool]:
     return ModelConfig(**fields), arch == "llama"
 
 
-def _token_ids(f: _File) -> dict[str, Any]:
+def _token_ids(f: GGUFFile) -> dict[str, Any]:
     """bos / eos (with the end-of-turn token, if another) / pad ids from the tokenizer metadata."""
     fields: dict[str, Any] = {}
     bos = f.value("tokenizer.ggml.bos_token_id", None)
@@ -323,7 +320,7 @@ def _token_ids(f: _File) -> dict[str, Any]:
     return fields
 
 
-def _shape_fields(f: _File, arch: str, hidden: int, vocab: int, num_layers: int, num_heads: int,
+def _shape_fields(f: GGUFFile, arch: str, hidden: int, vocab: int, num_layers: int, num_heads: int,
                   num_kv_heads: int, head_dim: int, *, context: int) -> dict[str, Any]:
     """The ModelConfig fields every architecture reads alike: sizes (the MLP's from its gate
     tensor [D, F]), the norms' epsilon, the context length (`context` when the file has none)
@@ -343,7 +340,7 @@ def _shape_fields(f: _File, arch: str, hidden: int, vocab: int, num_layers: int,
     )
 
 
-def _gemma3_config(f: _File, hidden: int, vocab: int, num_layers: int, num_heads: int, num_kv_heads: int,
+def _gemma3_config(f: GGUFFile, hidden: int, vocab: int, num_layers: int, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> ModelConfig:
     """The gemma3_text ModelConfig of a llama.cpp "gemma3" file (shapes already checked)."""
     arch, t = "gemma3", f.tensors
@@ -401,7 +398,7 @@ def _gemma3_config(f: _File, hidden: int, vocab: int, num_layers: int, num_heads
     return ModelConfig(**fields)
 
 
-def _rope_fields(f: _File, arch: str, head_dim: int, default_theta: float = 10000.0) -> dict[str, Any]:
+def _rope_fields(f: GGUFFile, arch: str, head_dim: int, default_theta: float = 10000.0) -> dict[str, Any]:
     theta = float(f.value(f"{arch}.rope.freq_base", default_theta))
     fields: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
     scaling = f.value(f"{arch}.rope.scaling.type", "none")
@@ -509,7 +506,7 @@ def load_gguf(
     `load_hf`). Raises JmarlError for other architectures and for ggml types jmarl cannot
     dequantise (`SUPPORTED_TENSOR_TYPES`).
     """
-    f = _open(path)
+    f = open_gguf(path)
     config, permuted = _gguf_config(f)
     try:
         dtype_name = jnp.dtype(param_dtype if param_dtype is not None else "float32").name
@@ -556,113 +553,4 @@ def load_gguf(
 
 def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a GGUF file (float32 parameters), without reading its weights."""
-    return _gguf_config(_open(path))[0]
-
-
-# ------------------------------------------------------------------------------ tokenizer
-# tokenizer.* metadata key -> transformers' tokenizer_dict key (as its GGUF tokenizer mapping has it)
-_TOKENIZER_KEYS = {
-    "tokenizer.ggml.model": "tokenizer_type",
-    "tokenizer.ggml.pre": "pre_tokenizer_type",
-    "tokenizer.ggml.tokens": "tokens",
-    "tokenizer.ggml.scores": "scores",
-    "tokenizer.ggml.token_type": "token_type",
-    "tokenizer.ggml.merges": "merges",
-    "tokenizer.ggml.precompiled_charsmap": "precompiled_charsmap",
-    "tokenizer.ggml.bos_token_id": "bos_token_id",
-    "tokenizer.ggml.eos_token_id": "eos_token_id",
-    "tokenizer.ggml.unknown_token_id": "unk_token_id",
-    "tokenizer.ggml.padding_token_id": "pad_token_id",
-    "tokenizer.ggml.add_space_prefix": "add_prefix_space",
-}
-_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unk_token_id",
-                "pad_token": "pad_token_id"}
-
-
-def gguf_chat_template(path: str | os.PathLike) -> str | None:
-    """The chat template (`tokenizer.chat_template`) a GGUF file carries, or None."""
-    return _open(path).value("tokenizer.chat_template", None)
-
-
-def _convert_tokenizer(architecture: str, tokenizer_dict: dict) -> tuple[Any, dict]:
-    """transformers' GGUF tokenizer conversion: `tokenizers.Tokenizer` + extra init kwargs."""
-    try:  # transformers 5
-        from transformers.integrations.gguf import convert_gguf_tokenizer
-    except ImportError:  # transformers 4
-        from transformers.integrations.ggml import convert_gguf_tokenizer
-    return convert_gguf_tokenizer(architecture, tokenizer_dict)
-
-
-def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
-    """The tokenizer a GGUF file describes, with its chat template, as a jmarl `HFTokenizer`.
-
-    Built by transformers' GGUF tokenizer conversion (the one `AutoTokenizer.from_pretrained(dir,
-    gguf_file=...)` runs) from metadata read here with the `gguf` package, so no torch is needed.
-    `tokenizer.hf.save_pretrained(dir)` writes it beside a `save_hf` export.
-    """
-    f = _open(path)
-    if f.value("tokenizer.ggml.tokens", None) is None:
-        raise JmarlError(f"GGUF file {f.path} carries no tokenizer (no tokenizer.ggml.tokens)")
-    tokenizer_dict = {}
-    for key, name in _TOKENIZER_KEYS.items():
-        value = f.value(key, None)
-        if value is not None:
-            tokenizer_dict[name] = value
-    architecture = f.value("general.architecture")
-    try:
-        backend, extra = _convert_tokenizer(architecture, tokenizer_dict)
-    except (KeyError, ValueError) as err:
-        raise JmarlError(
-            f"cannot build the tokenizer of GGUF file {f.path} (tokenizer.ggml.model "
-            f"{tokenizer_dict.get('tokenizer_type')!r}): {err}"
-        ) from None
-    tokens = tokenizer_dict["tokens"]
-    backend = _drop_foreign_tokens(backend, len(tokens))
-    _fix_pre_tokenizer(backend, tokenizer_dict.get("pre_tokenizer_type"))
-    from transformers import PreTrainedTokenizerFast
-
-    specials = {}
-    for kwarg, key in _SPECIAL_IDS.items():
-        index = tokenizer_dict.get(key)
-        if index is not None and 0 <= int(index) < len(tokens):
-            specials[kwarg] = tokens[int(index)]
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **specials, **extra)
-    template = f.value("tokenizer.chat_template", None)
-    if template:
-        hf.chat_template = template
-    return HFTokenizer(hf)
-
-
-def _drop_foreign_tokens(backend: Any, vocab_size: int) -> Any:
-    """`backend` without added tokens beyond the file's vocabulary: the conversion's GPT-2
-    tokenizer adds its default `<|endoftext|>` when the vocabulary has none, an id the model
-    does not embed."""
-    import json
-
-    from tokenizers import Tokenizer
-
-    spec = json.loads(backend.to_str())
-    added = spec.get("added_tokens") or []
-    kept = [t for t in added if int(t["id"]) < vocab_size]
-    if len(kept) == len(added):
-        return backend
-    spec["added_tokens"] = kept
-    return Tokenizer.from_str(json.dumps(spec))
-
-
-def _fix_pre_tokenizer(backend: Any, pre: str | None) -> None:
-    """llama.cpp pre-tokenizer types transformers' conversion leaves at GPT-2's default split.
-
-    "smollm" (SmolLM/SmolLM2) splits every digit on its own before the GPT-2 split, as the
-    model's own tokenizer.json does (`Digits(individual_digits=True)`, then `ByteLevel`)."""
-    if pre != "smollm":
-        return
-    from tokenizers import pre_tokenizers
-
-    current = backend.pre_tokenizer
-    if current is not None and "Digits" in repr(current):
-        return
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    return _gguf_config(open_gguf(path))[0]

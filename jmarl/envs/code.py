@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
-from jmarl.envs import code_problems
+from jmarl.envs import code_jsonl, code_problems
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
 from jmarl.envs.code_coder_tester import CoderTester
 from jmarl.envs.code_harness import ProgramCheck, run_tests
@@ -249,7 +249,7 @@ class Code:
 
 @functools.lru_cache(maxsize=16)
 def _load_cached(path: str, mtime: float, size: int) -> tuple[Problem, ...]:
-    return code_problems.load_jsonl(path)
+    return code_jsonl.load_jsonl(path)
 
 
 def _load(path: str) -> tuple[Problem, ...]:

@@ -220,14 +220,9 @@ def run(
     continuous batching, decoded as `spec` says (`GenerationSpec`: sampling, slots and budget,
     mesh). `params` stacked [P, ...] with `policy` given: that policy's parameters.
     `limits[r]`: at most that many new tokens for request r (<= spec.max_new_tokens; default
-    spec.max_new_tokens). Slots and pool entries: see `plan_slots`; on a mesh `params` are used
-    as placed (see the module docstring).
-
-    A run whose completions all fit the slots at once (and whose prompts one prefill call
-    holds) runs as one program (`programs.fused_program`) until its tail can shrink (or it ends); other
-    runs alternate refills (prefill / start programs) and decode chunks. A decode call's outputs
-    are fetched together with those of the refill before it (one host sync per chunk).
-    `start(...).result()`: see `start` to overlap host work with the first program."""
+    spec.max_new_tokens). Slots and pool entries: see `budget.plan_slots`; on a mesh `params`
+    are used as placed (`jmarl.models.generation.layout`). The programs run: see the module
+    docstring. `start(...).result()`: see `start` to overlap host work with the first program."""
     return start(config, params, prompts, n, rng, spec, limits=limits, policy=policy).result()
 
 

@@ -17,9 +17,10 @@ The programs are pure and jitted, one per static shape and settings (`num_traces
 - the chunk program (`chunk_program`, `decode_slots`) runs up to K decode steps for all S slots
   (a `lax.while_loop` that also stops as soon as every slot is done). Each layer's attention
   reads the slot's pool entry (gathered one layer at a time, `jmarl.models.kv_cache.take_rows`)
-  followed by the slot's own cache; while every request asks the same G completions and each request's busy slots are the G
-  consecutive slots i G .. i G + G - 1 reading entry i (counted per device), the slots read their
-  prompts in groups instead, in place, with the static sampler's group attention (no gather);
+  followed by the slot's own cache; while every request asks the same G completions and each
+  request's busy slots are the G consecutive slots i G .. i G + G - 1 reading entry i (counted
+  per device), the slots read their prompts in groups instead, in place, with the static
+  sampler's group attention (no gather);
 - a run whose completions all fit the slots at once (nothing queued after the first admission,
   its prompts within one prefill call) is one fused program: state, prefill, start and drain,
   with the policy's parameters selected and cast inside it (no separate cast program). It

@@ -1,4 +1,4 @@
-"""Continuous batching (`jmarl.models.engine`) vs the static sampler on a long-tail workload.
+"""Continuous batching (`jmarl.models.generation.engine`) vs the static sampler on a long-tail workload.
 
     python -m benchmarks.engine [--quick] [--repeats 1] [--quickstart-repeats 15]
 
@@ -71,6 +71,7 @@ def run_static(config, params, prompts, lengths, rng) -> tuple[float, dict[str, 
     output), decoded positions (each call's rows x the steps its decode loop ran: its longest
     output, every row decoding until the last one stops) and the useful new tokens kept."""
     from jmarl import models
+    from jmarl.models import GenerationSpec
     from jmarl.train.sampling import left_pad
 
     start = time.perf_counter()
@@ -79,8 +80,8 @@ def run_static(config, params, prompts, lengths, rng) -> tuple[float, dict[str, 
         part = prompts[b:b + SLOTS]
         longest = int(lengths[b:b + SLOTS].max())
         tokens, mask = left_pad(part, SLOTS, PROMPT_LEN, 0)
-        gen = models.generate(config, params, tokens, mask, jax.random.fold_in(rng, b), max_new_tokens=longest,
-                              temperature=1.0)
+        gen = models.generate(config, params, tokens, mask, jax.random.fold_in(rng, b),
+                              GenerationSpec(max_new_tokens=longest, temperature=1.0))
         jax.block_until_ready(gen.tokens)
         outputs.append((len(part), gen.lengths))
     seconds = time.perf_counter() - start
@@ -96,11 +97,12 @@ def run_static(config, params, prompts, lengths, rng) -> tuple[float, dict[str, 
 
 def run_engine(config, params, prompts, lengths, rng):
     """Seconds, `EngineStats` and the completions returned of the continuous side."""
-    from jmarl.models import engine
+    from jmarl.models.generation import engine
+    from jmarl.models.generation.spec import GenerationSpec
 
     start = time.perf_counter()
-    spec = engine.EngineSpec(max_new_tokens=int(lengths.max()), temperature=1.0, num_slots=SLOTS,
-                             chunk_steps=CHUNK_STEPS)
+    spec = GenerationSpec(max_new_tokens=int(lengths.max()), temperature=1.0, num_slots=SLOTS,
+                          chunk_steps=CHUNK_STEPS)
     res = engine.run(config, params, prompts, 1, rng, spec, limits=lengths.tolist())
     seconds = time.perf_counter() - start
     made = sum(len(c[0][0]) for c in res.completions)
@@ -155,13 +157,13 @@ def quickstart(steps: int = 2, repeats: int = 3) -> dict:
             sampler.sample(requests, n, rng)
         return time.perf_counter() - start
 
-    from jmarl.models import engine
+    from jmarl.models.generation.spec import EngineStats
 
     for sampler in samplers.values():  # warm-up: compiles
         replay(sampler)
         sampler.take_stats()
         sampler.new_tokens = 0
-        sampler.engine_stats = engine.EngineStats()
+        sampler.engine_stats = EngineStats()
     seconds = {name: [] for name in samplers}
     for _ in range(repeats):
         for name, sampler in samplers.items():

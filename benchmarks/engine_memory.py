@@ -6,7 +6,7 @@
 For a model preset (bf16 compute), a prompt bucket P, N new tokens, requests of K completions
 each (a GRPO group, a tree node's candidates) and a KV budget per device:
 
-- slots that fit the budget (`jmarl.models.engine.slots_for_budget`): with the prompt pool, S
+- slots that fit the budget (`jmarl.models.generation.budget.slots_for_budget`): with the prompt pool, S
   slots of G = N - 1 generated tokens and Q = `entries_for`(S, K) prompt entries; against a copy
   of the prompt in every slot (the engine before the pool: S x (P + N - 1) tokens), which is the
   same rule with one entry per slot (K = 1). The engine rounds S down to a power of two, so the
@@ -43,10 +43,11 @@ def unrounded_slots(config, prompt_len: int, new_tokens: int, budget: int, share
     """(S, Q): the largest S of any size whose slots and `entries_for`(S, share) entries fit
     `budget` (what `slots_for_budget` would give without rounding S down to a power of two or
     capping it at the rows asked); (0, 0) when not one fits."""
-    from jmarl.models import engine
+    from jmarl.models.generation import budget as budget_lib
 
     def fits(slots: int) -> bool:
-        return engine.engine_bytes(config, slots, engine.entries_for(slots, share), prompt_len, new_tokens) <= budget
+        return budget_lib.engine_bytes(config, slots, budget_lib.entries_for(slots, share), prompt_len,
+                                       new_tokens) <= budget
 
     if not fits(1):
         return 0, 0
@@ -56,18 +57,20 @@ def unrounded_slots(config, prompt_len: int, new_tokens: int, budget: int, share
     while hi - lo > 1:  # fits(lo), not fits(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, engine.entries_for(lo, share)
+    return lo, budget_lib.entries_for(lo, share)
 
 
 def program_memory(config, slots: int, entries: int, prompt_len: int, new_tokens: int, max_prefill: int) -> dict:
     """Argument and temporary bytes of the engine's compiled prefill and decode-chunk programs."""
     from jmarl import models
-    from jmarl.models import engine
+    from jmarl.models.generation import budget as budget_lib
+    from jmarl.models.generation import engine
+    from jmarl.models.generation.spec import GenerationSpec
 
     params = jax.eval_shape(lambda: models.init(config, jax.random.key(0)))
     out = {"slots": slots, "entries": entries, "max_prefill": max_prefill,
-           "state_bytes": engine.engine_bytes(config, slots, entries, prompt_len, new_tokens)}
-    spec = engine.EngineSpec(max_new_tokens=new_tokens, max_prefill=max_prefill)
+           "state_bytes": budget_lib.engine_bytes(config, slots, entries, prompt_len, new_tokens)}
+    spec = GenerationSpec(max_new_tokens=new_tokens, max_prefill=max_prefill)
     for name, fn, args in engine.planned_programs(config, params, spec, slots=slots, entries=entries,
                                                   prompt_len=prompt_len):
         t0 = time.perf_counter()
@@ -91,21 +94,22 @@ def main(argv: list[str] | None = None) -> dict:
     header = results_header("benchmarks.engine_memory", argv)  # date and load average at the start
 
     from jmarl.config import parse_bytes
-    from jmarl.models import engine, presets
+    from jmarl.models import presets
+    from jmarl.models.generation import budget as budget_lib
 
     config = presets.preset_config(args.model, param_dtype="bfloat16", compute_dtype="bfloat16")
     f32_config = presets.preset_config(args.model, param_dtype="float32", compute_dtype="float32")
     budget = parse_bytes(args.budget)
     p, n, k = args.prompt_len, args.new_tokens, args.share
-    shared = engine.slots_for_budget(config, p, n, budget, args.rows, share=k)
-    copied = engine.slots_for_budget(config, p, n, budget, args.rows, share=1)
+    shared = budget_lib.slots_for_budget(config, p, n, budget, args.rows, share=k)
+    copied = budget_lib.slots_for_budget(config, p, n, budget, args.rows, share=1)
     shared_any, copied_any = unrounded_slots(config, p, n, budget, k), unrounded_slots(config, p, n, budget, 1)
     result = {
         **header,
         "settings": {"model": args.model, "prompt_len": p, "new_tokens": n, "share": k, "budget_bytes": budget,
                      "rows": args.rows, "dtype": "bfloat16"},
-        "bytes": {"slot": engine.slot_bytes(config, n), "entry": engine.entry_bytes(config, p),
-                  "copied_slot": engine.engine_bytes(config, 1, 1, p, n)},
+        "bytes": {"slot": budget_lib.slot_bytes(config, n), "entry": budget_lib.entry_bytes(config, p),
+                  "copied_slot": budget_lib.engine_bytes(config, 1, 1, p, n)},
         "slots": {"shared": {"slots": shared[0], "entries": shared[1]},
                   "copied": {"slots": copied[0], "entries": copied[1]},
                   "ratio": shared[0] / copied[0],
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{shared_any[0]} + {shared_any[1]} vs {copied_any[0]}, {shared_any[0] / copied_any[0]:.2f}x)")
     if not args.no_compile:
         s, q = shared
-        u = engine.prefill_prompts(config, p, budget)  # as a run in bf16 caps its prefill calls
+        u = budget_lib.prefill_prompts(config, p, budget)  # as a run in bf16 caps its prefill calls
         pooled = program_memory(f32_config, s, q, p, n, u)
         per_slot = program_memory(f32_config, s, s, p, n, u)
         print(f"  a prefill call runs at most {u} prompts (a quarter of the budget in their keys/values)")

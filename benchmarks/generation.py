@@ -47,7 +47,7 @@ def check_parity(config, params, torch_model, prompts: np.ndarray) -> dict[str, 
     `stop_tokens=()`): a real model may pick EOS greedily. Returns the logit error and scale."""
     import torch
 
-    from jmarl.models import apply, generate
+    from jmarl.models import GenerationSpec, apply, generate
 
     small = prompts[:4]
     mask = np.ones_like(small, bool)
@@ -64,8 +64,8 @@ def check_parity(config, params, torch_model, prompts: np.ndarray) -> dict[str, 
     # 1e-3 absolute for logits of magnitude <= 1 (random weights); a trained model's logits reach
     # tens, and fp32 rounding grows with them, so the bound scales with the largest logit
     tol = 1e-3 * max(1.0, scale)
-    ours = np.asarray(generate(config, params, small, mask, jax.random.key(0), max_new_tokens=8, temperature=0.0,
-                               stop_tokens=(), pad_id=pad).tokens)
+    ours = np.asarray(generate(config, params, small, mask, jax.random.key(0),
+                               GenerationSpec(max_new_tokens=8, temperature=0.0, stop_tokens=(), pad_id=pad)).tokens)
     if max_err > tol or not np.array_equal(ours, ref_tokens):
         raise SystemExit(f"parity gate failed: max logit error {max_err} (tolerance {tol}), "
                          f"greedy tokens equal: {np.array_equal(ours, ref_tokens)}")
@@ -99,7 +99,7 @@ def hf_generate_runner(checkpoint: str, prompts_file: str, new_tokens: int):
 def bench_shape(shape: str, repeats: int, new_tokens: int, batches: tuple[int, ...], *,
                 baseline_host_memory: str = "default") -> list[dict[str, Any]]:
     """Paired timings for one model shape (HF in a `BaselineProcess`); returns the result rows."""
-    from jmarl.models import generate, load_hf
+    from jmarl.models import GenerationSpec, generate, load_hf
 
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -116,8 +116,8 @@ def bench_shape(shape: str, repeats: int, new_tokens: int, batches: tuple[int, .
 
             def run_jmarl(seed: int) -> float:
                 start = time.perf_counter()
-                out = generate(config, params, prompts, mask, jax.random.key(seed), max_new_tokens=new_tokens,
-                               temperature=1.0, stop_tokens=())
+                out = generate(config, params, prompts, mask, jax.random.key(seed),
+                               GenerationSpec(max_new_tokens=new_tokens, temperature=1.0, stop_tokens=()))
                 jax.block_until_ready(out.tokens)
                 return time.perf_counter() - start
 

@@ -237,8 +237,8 @@ def bench_generation(shape: str, repeats: int, *, batch: int = 64, dtype: str = 
 
     def run_jmarl(i: int) -> float:
         def go():
-            out = models.generate(config, params, prompts, mask, jax.random.key(i), max_new_tokens=NEW_TOKENS,
-                                  temperature=1.0, stop_tokens=())
+            out = models.generate(config, params, prompts, mask, jax.random.key(i),
+                                  models.GenerationSpec(max_new_tokens=NEW_TOKENS, temperature=1.0, stop_tokens=()))
             jax.block_until_ready(out.tokens)
         return timed(go)
 

@@ -13,7 +13,8 @@ from _tiny_models import FAMILIES, VOCAB_SIZE, make_tiny_checkpoint, make_tiny_t
 from benchmarks.shared_prefix_model import prefix_token_logprobs, prefixed_attention
 from jmarl.errors import JmarlError
 from jmarl.models import attention as attn
-from jmarl.models import load_hf, sampler, token_logprobs
+from jmarl.models import load_hf, token_logprobs
+from jmarl.models.generation import static
 from jmarl.models.config import ModelConfig
 from jmarl.models.kv_cache import empty_cache
 from jmarl.models.model import init
@@ -264,7 +265,7 @@ def test_exported_programs_carry_the_platforms_attention(platform, marker):
         assert marker not in _exported_text(fn, args, "cpu"), name
 
     # generate's device program (the host part pads and aligns prompts): prefill + decode loop
-    program = sampler._program(config, False, 4, False, 0, False, (), 0)
+    program = static._program(config, False, 4, False, 0, False, (), 0)
     prompt = jax.ShapeDtypeStruct((2, 4096), jnp.int32)
     prompt_mask = jax.ShapeDtypeStruct((2, 4096), jnp.bool_)
     cache = jax.eval_shape(lambda: empty_cache(config, (2,), 4096 + 3))

@@ -1,4 +1,4 @@
-"""Continuous-batching engine (`jmarl.models.engine`): greedy equal to the static sampler,
+"""Continuous-batching engine (`jmarl.models.generation.engine`): greedy equal to the static sampler,
 sampled log-probs equal to re-scoring, reproducible across slot counts, refills, shared
 prompts prefilled once, the KV budget, the ModelSampler integration and its stats, and the engine on
 a mesh of 8 simulated devices (slots split over data x fsdp, equal to one device; its planned programs)."""
@@ -14,7 +14,9 @@ from _tiny_models import tiny_qwen3
 from jmarl import models
 from jmarl.errors import JmarlError
 from jmarl.padding import bucket_length
-from jmarl.models import engine
+from jmarl.models.generation import budget, engine, engine_programs, static
+from jmarl.models.generation.layout import make_layout
+from jmarl.models.generation.spec import GenerationSpec
 from jmarl.train.policies import PolicyGroup, PolicySet, stack
 from jmarl.config import SamplingConfig
 from jmarl.train.sampling import ModelSampler, left_pad
@@ -31,7 +33,7 @@ def _prompts(count, seed=0, low=2, high=9):
 
 def _static(prompt, **kwargs):
     tokens, mask = left_pad([prompt], 1, 8, 0)
-    g = jax.device_get(models.generate(TINY, PARAMS, tokens, mask, jax.random.key(0), **kwargs))
+    g = jax.device_get(models.generate(TINY, PARAMS, tokens, mask, jax.random.key(0), GenerationSpec(**kwargs)))
     n = int(g.lengths[0])
     return g.tokens[0, :n], g.logprobs[0, :n]
 
@@ -45,7 +47,7 @@ def _stop_token():
 def _count_shrinks(monkeypatch) -> list[int]:
     """From now on, every call of the engine's tail shrink appends its new slot count to the list."""
     shrinks: list[int] = []
-    real = engine._shrink_program
+    real = engine_programs.shrink_program
 
     def build(slots, *static):
         fn = real(slots, *static)
@@ -56,14 +58,14 @@ def _count_shrinks(monkeypatch) -> list[int]:
 
         return call
 
-    monkeypatch.setattr(engine, "_shrink_program", build)
+    monkeypatch.setattr(engine_programs, "shrink_program", build)
     return shrinks
 
 
 def test_greedy_equals_static_sampler_with_refills_and_stops():
     prompts = _prompts(6)
     stop = _stop_token()
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), num_slots=4, chunk_steps=4)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), num_slots=4, chunk_steps=4)
     res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1), spec)
     assert res.stats.prefills > 1 and res.stats.rows == 6
     lengths = []
@@ -86,7 +88,7 @@ def _rescored(prompt, completion, temperature):
 
 def test_sampled_logprobs_equal_rescoring_under_truncation():
     prompts = _prompts(3, seed=1)
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.7, top_k=5, top_p=0.9, num_slots=4, chunk_steps=4)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.7, top_k=5, top_p=0.9, num_slots=4, chunk_steps=4)
     res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(2), spec)
     for r, prompt in enumerate(prompts):
         for tokens, logprobs in res.completions[r]:
@@ -102,8 +104,8 @@ def test_same_seed_same_outputs_whatever_the_slots(monkeypatch):
     shrinks = _count_shrinks(monkeypatch)
 
     def sample(slots, chunk, shrink=True):
-        spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=slots, chunk_steps=chunk,
-                                 shrink=shrink)
+        spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=slots, chunk_steps=chunk,
+                              shrink=shrink)
         return engine.run(TINY, PARAMS, prompts, 3, jax.random.key(7), spec, limits=limits)
 
     runs = [sample(4, 2)]
@@ -117,7 +119,7 @@ def test_same_seed_same_outputs_whatever_the_slots(monkeypatch):
     # the completions of one request differ (their draws are their own)
     assert any(not np.array_equal(runs[0].completions[0][0][0], c[0]) for c in runs[0].completions[0][1:])
     different = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(8),
-                           engine.EngineSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4), limits=limits)
+                           GenerationSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4), limits=limits)
     assert any(not np.array_equal(a[0][0], b[0][0]) for a, b in zip(runs[0].completions, different.completions))
 
 
@@ -125,7 +127,7 @@ def test_more_requests_than_slots_all_served_with_per_request_limits():
     prompts = _prompts(9, seed=3)
     limits = [1 + (3 * r) % N_NEW for r in range(9)]
     res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(3),
-                     engine.EngineSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4), limits=limits)
+                     GenerationSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4), limits=limits)
     st = res.stats
     assert st.rows == 18 and st.slots == 4 and st.prefills >= 3
     for r in range(9):
@@ -141,7 +143,7 @@ def test_with_the_queue_empty_one_drain_runs_until_the_state_can_shrink(monkeypa
     the run. The completions are the same either way (draws depend on the seed only)."""
     prompts = _prompts(8, seed=4)
     limits = [1, 2, 2, 3, 3, 4, N_NEW, N_NEW]  # two long rows: the tail
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, num_slots=8, chunk_steps=2)
+    spec = GenerationSpec(max_new_tokens=N_NEW, num_slots=8, chunk_steps=2)
     whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(5), dataclasses.replace(spec, shrink=False),
                        limits=limits)
     assert whole.stats.chunks == 1
@@ -157,9 +159,9 @@ def test_with_the_queue_empty_one_drain_runs_until_the_state_can_shrink(monkeypa
 def _count_programs(monkeypatch) -> list[str]:
     """From now on, every call of an engine program appends its name to the list."""
     names: list[str] = []
-    for name in ("_prepare_program", "_init_program", "_prefill_program", "_start_program", "_chunk_program",
-                 "_fused_program", "_shrink_program"):
-        real = getattr(engine, name)
+    for name in ("prepare_program", "init_program", "prefill_program", "start_program", "chunk_program",
+                 "fused_program", "shrink_program"):
+        real = getattr(engine_programs, name)
 
         def build(*static, real=real, name=name):
             fn = real(*static)
@@ -170,7 +172,7 @@ def _count_programs(monkeypatch) -> list[str]:
 
             return call
 
-        monkeypatch.setattr(engine, name, build)
+        monkeypatch.setattr(engine_programs, name, build)
     return names
 
 
@@ -181,7 +183,7 @@ def test_a_run_that_fits_the_slots_is_one_program(monkeypatch):
     request's completions sit in consecutive slots and read their prompt in a group."""
     prompts = _prompts(4, seed=12)
     limits = [N_NEW, 3, N_NEW, 6]
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=8, chunk_steps=2, shrink=False)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=8, chunk_steps=2, shrink=False)
     names = _count_programs(monkeypatch)
     fused = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(9), spec, limits=limits)
     assert names == ["fused"]
@@ -217,8 +219,8 @@ def test_grouped_prompts_equal_a_gather_per_slot(monkeypatch):
     static sampler's."""
     prompts = _prompts(6, seed=13)
     # many stop tokens: a request's two completions end at different steps
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=4, chunk_steps=2,
-                             stop_tokens=tuple(range(3, 30)))
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=4, chunk_steps=2,
+                          stop_tokens=tuple(range(3, 30)))
     runs = {}
     for name, layout in (("grouped", engine.group_size), ("gathered", lambda config, counts: 0)):
         monkeypatch.setattr(engine, "group_size", layout)
@@ -248,7 +250,7 @@ def test_start_returns_at_the_first_dispatch():
     """`start` returns once the first program is dispatched; `jax.block_until_ready` on the run does
     the rest of its device work, `result()` gives what `run` gives. Argument errors come at `start`."""
     prompts = _prompts(5, seed=14)
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=4, chunk_steps=2)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=4, chunk_steps=2)
     pending = engine.start(TINY, PARAMS, prompts, 2, jax.random.key(3), spec)
     assert isinstance(pending, engine.EngineRun)
     assert jax.block_until_ready(pending) is pending
@@ -271,7 +273,7 @@ def test_fused_program_holds_no_more_than_the_planned_prefill():
 
     stacked = stack([PARAMS, PARAMS])
     s, q, p = 64, 16, 64
-    spec = engine.EngineSpec(max_new_tokens=32)
+    spec = GenerationSpec(max_new_tokens=32)
     planned = dict((name, (fn, args)) for name, fn, args in
                    engine.planned_programs(TINY, stacked, spec, slots=s, entries=q, prompt_len=p, select=True))
     fn, args = planned["engine_prefill"]
@@ -280,7 +282,7 @@ def test_fused_program_holds_no_more_than_the_planned_prefill():
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     fused_args = (stacked, np.int32(1), i32(u, p), jax.ShapeDtypeStruct((u, p), bool), i32(u)) + (i32(s),) * 5 + (
         jax.random.key(0), np.float32(1), np.float32(1), np.int32(0))
-    fused = engine._fused_program(TINY, s, q, p, 32, 32, *spec.program_sampling(), 0, None, 0, True).lower(
+    fused = engine_programs.fused_program(TINY, s, q, p, 32, 32, *spec.program_sampling(), 0, None, 0, True).lower(
         *fused_args).compile().memory_analysis()
     assert fused.temp_size_in_bytes + fused.output_size_in_bytes <= (
         prefill.argument_size_in_bytes + prefill.temp_size_in_bytes)
@@ -289,40 +291,40 @@ def test_fused_program_holds_no_more_than_the_planned_prefill():
 def test_shared_prompt_prefilled_once():
     prompt = _prompts(1, seed=4)
     res = engine.run(TINY, PARAMS, prompt, 4, jax.random.key(4),
-                     engine.EngineSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4))
+                     GenerationSpec(max_new_tokens=N_NEW, num_slots=4, chunk_steps=4))
     assert res.stats.prefills == 1 and res.stats.prompts_prefilled == 1
     assert len(res.completions[0]) == 4
 
 
 def test_budget_caps_slots_and_entries_and_refuses_a_request_that_cannot_fit():
     p = bucket_length(8)
-    per_slot, per_entry = engine.slot_bytes(TINY, N_NEW), engine.entry_bytes(TINY, p)
+    per_slot, per_entry = budget.slot_bytes(TINY, N_NEW), budget.entry_bytes(TINY, p)
     assert per_slot == 2 * 2 * 2 * 8 * (N_NEW - 1) * 4  # a slot holds its generated tokens only
     assert per_entry == 2 * 2 * 2 * 8 * p * 4 + 4 * TINY.vocab_size  # a prompt's cache and its logits
     # requests of 4 completions: Q = ceil(2 S / 4) entries for S slots
-    assert [engine.entries_for(s, 4) for s in (1, 2, 4, 8)] == [1, 1, 2, 4]
-    assert [engine.entries_for(s, 1) for s in (1, 8)] == [1, 8]  # unshared prompts: one entry per slot
+    assert [budget.entries_for(s, 4) for s in (1, 2, 4, 8)] == [1, 1, 2, 4]
+    assert [budget.entries_for(s, 1) for s in (1, 8)] == [1, 8]  # unshared prompts: one entry per slot
     fits4 = 4 * per_slot + 2 * per_entry
-    assert engine.slots_for_budget(TINY, p, N_NEW, fits4, rows=100, share=4) == (4, 2)
-    assert engine.slots_for_budget(TINY, p, N_NEW, fits4 - 1, rows=100, share=4) == (2, 1)
-    assert engine.slots_for_budget(TINY, p, N_NEW, 64 * fits4, rows=3, share=4) == (4, 2)  # no more than the rows
+    assert budget.slots_for_budget(TINY, p, N_NEW, fits4, rows=100, share=4) == (4, 2)
+    assert budget.slots_for_budget(TINY, p, N_NEW, fits4 - 1, rows=100, share=4) == (2, 1)
+    assert budget.slots_for_budget(TINY, p, N_NEW, 64 * fits4, rows=3, share=4) == (4, 2)  # no more than the rows
     # the same budget holds more slots when prompts are shared than when they are not
-    assert engine.slots_for_budget(TINY, p, N_NEW, fits4, rows=100, share=1)[0] < 4
+    assert budget.slots_for_budget(TINY, p, N_NEW, fits4, rows=100, share=1)[0] < 4
     res = engine.run(TINY, PARAMS, _prompts(3), 4, jax.random.key(0),
-                     engine.EngineSpec(max_new_tokens=N_NEW, kv_budget_bytes=fits4, chunk_steps=4))
+                     GenerationSpec(max_new_tokens=N_NEW, kv_budget_bytes=fits4, chunk_steps=4))
     assert (res.stats.slots, res.stats.entries, res.stats.rows) == (4, 2, 12)
     assert res.stats.prompts_prefilled == 3  # one entry per request
     with pytest.raises(JmarlError, match="sampling.kv_budget_bytes"):
         engine.run(TINY, PARAMS, _prompts(3), 2, jax.random.key(0),
-                   engine.EngineSpec(max_new_tokens=N_NEW, kv_budget_bytes=per_slot + per_entry - 1))
-    assert engine.default_kv_budget() > 0
+                   GenerationSpec(max_new_tokens=N_NEW, kv_budget_bytes=per_slot + per_entry - 1))
+    assert budget.default_kv_budget() > 0
 
 
 def test_a_refill_prefills_at_most_max_prefill_prompts_per_call():
     """More new prompts than one prefill call may hold: several calls, the same tokens; the
     default cap keeps a call's prompts' keys/values within a quarter of the budget."""
     prompts = _prompts(7, seed=11)
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
     whole = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), spec)
     split = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(6), dataclasses.replace(spec, max_prefill=2))
     assert whole.stats.prefills == 1 and split.stats.prefills == 4  # 7 prompts: 2 + 2 + 2 + 1
@@ -331,9 +333,9 @@ def test_a_refill_prefills_at_most_max_prefill_prompts_per_call():
         np.testing.assert_array_equal(a[0][0], b[0][0])
         np.testing.assert_allclose(a[0][1], b[0][1], atol=1e-5)
     p = bucket_length(8)
-    prompt_kv = engine.kv_bytes(TINY, p)
-    assert engine.prefill_prompts(TINY, p, 4 * 3 * prompt_kv) == 2  # 3 fit a quarter: a power of two, 2
-    assert engine.prefill_prompts(TINY, p, prompt_kv) == 1  # at least one
+    prompt_kv = budget.kv_bytes(TINY, p)
+    assert budget.prefill_prompts(TINY, p, 4 * 3 * prompt_kv) == 2  # 3 fit a quarter: a power of two, 2
+    assert budget.prefill_prompts(TINY, p, prompt_kv) == 1  # at least one
 
 
 def test_completions_share_their_prompt_entry_and_wait_for_a_free_one():
@@ -341,7 +343,7 @@ def test_completions_share_their_prompt_entry_and_wait_for_a_free_one():
     the queue waits for one to be given back, and the tokens are those of a roomy pool."""
     prompts = _prompts(6, seed=9)
     limits = [2, N_NEW, 3, 1, N_NEW, 5]
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=2, num_slots=4)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=2, num_slots=4)
     roomy = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), dataclasses.replace(spec, num_entries=4),
                        limits=limits)
     tight = engine.run(TINY, PARAMS, prompts, 3, jax.random.key(5), dataclasses.replace(spec, num_entries=1),
@@ -442,8 +444,8 @@ def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
     for ca, cb in zip(a, b):  # sampling keys follow (request, completion): the same tokens with fewer slots
         for x, y in zip(ca, cb):
             np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
-    assert engine.planned_slots(TINY, 64, 8, 2, engine.EngineSpec(max_new_tokens=6, kv_budget_bytes=1 << 20,
-                                                                  max_slots=3)) == (2, 2)
+    assert budget.planned_slots(TINY, 64, 8, 2, GenerationSpec(max_new_tokens=6, kv_budget_bytes=1 << 20,
+                                                               max_slots=3)) == (2, 2)
 
 
 def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
@@ -452,14 +454,14 @@ def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
     policies = _policy_set()
     requests = [(1, "hi"), (1, "hello there"), (1, "abc"), (1, "x"), (1, "yz")]
     events = []
-    real_generate = sampling_mod.models.generate
+    real_generate = sampling_mod.static.generate
 
     def generate(*args, **kwargs):
         events.append(("dispatch", len([e for e in events if e[0] == "dispatch"])))
         return real_generate(*args, **kwargs)
 
     real_wait, real_finish = sampling_mod._Call.wait, sampling_mod._Call.finish
-    monkeypatch.setattr(sampling_mod.models, "generate", generate)
+    monkeypatch.setattr(sampling_mod.static, "generate", generate)
     monkeypatch.setattr(sampling_mod._Call, "wait", lambda self: (events.append(("wait",)), real_wait(self))[1])
     monkeypatch.setattr(sampling_mod._Call, "finish", lambda self: (events.append(("finish",)), real_finish(self))[1])
     chunked = ModelSampler(policies, SamplingConfig(max_new_tokens=6, temperature=0.0, max_rows_per_call=4))
@@ -468,7 +470,7 @@ def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
     # built while call k+1 decodes
     assert events == [("dispatch", 0), ("wait",), ("dispatch", 1), ("finish",), ("wait",), ("dispatch", 2),
                       ("finish",), ("finish",)]
-    monkeypatch.setattr(sampling_mod.models, "generate", real_generate)
+    monkeypatch.setattr(sampling_mod.static, "generate", real_generate)
     whole = ModelSampler(policies, SamplingConfig(max_new_tokens=6, temperature=0.0)).sample(requests, 2, jax.random.key(0))
     for ca, cb in zip(got, whole):  # greedy: the same tokens whatever the calls
         assert [c.text for c in ca] == [c.text for c in cb]
@@ -507,10 +509,10 @@ def _decode_compiled(mesh, params, slots, group_size=0):
 
     from jmarl.sharding import mesh_context
 
-    gen = engine._prepare_program(TINY, False)(params)
-    layout = engine.make_layout(TINY, mesh, gen)
-    fn = engine._chunk_program(TINY, 4, True, 0, False, (), 0, layout, group_size)
-    state = engine._init_program(TINY, slots, slots, 8, N_NEW, layout)()
+    gen = engine_programs.prepare_program(TINY, False)(params)
+    layout = make_layout(TINY, mesh, gen)
+    fn = engine_programs.chunk_program(TINY, 4, True, 0, False, (), 0, layout, group_size)
+    state = engine_programs.init_program(TINY, slots, slots, 8, N_NEW, layout)()
     with mesh_context(mesh):
         return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.int32(0)).compile()
 
@@ -521,7 +523,7 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
 
     prompts = _prompts(12, seed=5)
     stop = _stop_token()
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), chunk_steps=4, num_slots=8)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), chunk_steps=4, num_slots=8)
     want = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(1), spec)
     mesh = sharding.make_mesh(**axes)
     params = sharding.shard_params(models.param_axes(TINY), PARAMS, mesh)  # as the trainer places them (fsdp, tensor)
@@ -533,7 +535,7 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
             np.testing.assert_allclose(lb, la, atol=1e-5)
     rows = axes.get("data", 1) * axes.get("fsdp", 1)
     assert got.stats.slots == 8 and got.stats.slots_per_device == 8 // rows
-    assert got.stats.entries == rows * engine.entries_for(8 // rows, 2)
+    assert got.stats.entries == rows * budget.entries_for(8 // rows, 2)
     assert got.stats.prefills > 1  # slots were refilled
     if rows == 8:  # one slot per device: a request's second completion reads a copy of its prompt on another device
         assert got.stats.prompts_prefilled > len(prompts)
@@ -560,7 +562,7 @@ def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
     from jmarl.train.policies import stack
 
     prompts = _prompts(12, seed=7)
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
     stacked = stack([PARAMS, models.init(TINY, jax.random.key(1))])
     want = engine.run(TINY, stacked, prompts, 2, jax.random.key(2), spec, policy=1)
     mesh = sharding.make_mesh(policy=2, data=2, fsdp=2)
@@ -584,8 +586,8 @@ def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
             np.testing.assert_allclose(lb, la, atol=1e-5)
     from jmarl.sharding import mesh_context
 
-    layout = engine.make_layout(TINY, mesh, placed, select=True)
-    fused = engine._fused_program(TINY, 8, 8, 16, N_NEW, N_NEW, False, 0, False, (), 0, layout, 0, True)
+    layout = make_layout(TINY, mesh, placed, select=True)
+    fused = engine_programs.fused_program(TINY, 8, 8, 16, N_NEW, N_NEW, False, 0, False, (), 0, layout, 0, True)
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     with mesh_context(mesh):
         text = fused.lower(placed, np.int32(1), i32(4, 16), np.ones((4, 16), bool), i32(4), *(i32(8),) * 5,
@@ -599,11 +601,11 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
 
     mesh = sharding.make_mesh(data=8)
     prompts = _prompts(10, seed=6)
-    per_row = engine.engine_bytes(TINY, 1, 1, bucket_length(8), N_NEW)
+    per_row = budget.engine_bytes(TINY, 1, 1, bucket_length(8), N_NEW)
     # budget per device: one slot and one entry each -> 8 slots on 8 devices (one device: 1 slot)
     res = engine.run(TINY, PARAMS, prompts, 1, jax.random.key(1),
-                     engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, kv_budget_bytes=per_row, chunk_steps=4,
-                                       mesh=mesh))
+                     GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, kv_budget_bytes=per_row, chunk_steps=4,
+                                    mesh=mesh))
     assert res.stats.slots == 8 and res.stats.slots_per_device == 1 and res.stats.entries == 8
     for r, prompt in enumerate(prompts):
         tokens, logprobs = _static(prompt, max_new_tokens=N_NEW, temperature=0.0)
@@ -646,9 +648,9 @@ def test_planned_programs_are_the_ones_run_calls(monkeypatch):
 
         return build
 
-    monkeypatch.setattr(engine, "_prefill_program", recording("engine_prefill", engine._prefill_program))
-    monkeypatch.setattr(engine, "_chunk_program", recording("engine_decode", engine._chunk_program))
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=8, chunk_steps=N_NEW, mesh=mesh)
+    for name, program in (("engine_prefill", "prefill_program"), ("engine_decode", "chunk_program")):
+        monkeypatch.setattr(engine_programs, program, recording(name, getattr(engine_programs, program)))
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=8, chunk_steps=N_NEW, mesh=mesh)
     # 8 requests x 2 completions in 8 slots (one per device): queued, so refills and drains run (a run
     # that fits the slots at once is one fused program instead, `test_a_run_that_fits_the_slots_is_one_program`),
     # and a request's two completions cannot share a one-slot device's prompts in a group
@@ -656,11 +658,11 @@ def test_planned_programs_are_the_ones_run_calls(monkeypatch):
     assert res.stats.fused == 0 and res.stats.grouped_chunks == 0
     monkeypatch.undo()
     p = bucket_length(8)  # the prompts' bucket
-    per_row = engine.engine_bytes(TINY, 1, 1, p, N_NEW)
+    per_row = budget.engine_bytes(TINY, 1, 1, p, N_NEW)
     # one slot and one entry per device's budget
     budgeted = dataclasses.replace(spec, num_slots=None, kv_budget_bytes=per_row)
-    assert engine.planned_slots(TINY, p, 8, 1, budgeted) == (8, 8)
-    assert engine.planned_slots(TINY, p, 8, 1, spec) == (8, 8)  # num_slots given: as run takes it
+    assert budget.planned_slots(TINY, p, 8, 1, budgeted) == (8, 8)
+    assert budget.planned_slots(TINY, p, 8, 1, spec) == (8, 8)  # num_slots given: as run takes it
     planned = engine.planned_programs(TINY, params, spec, slots=8, entries=8, prompt_len=p)
     assert [name for name, _, _ in planned] == ["engine_prefill", "engine_decode"]
     for name, fn, args in planned:
@@ -725,3 +727,20 @@ def test_trainer_trains_with_the_engine(tmp_path):
     steps = [x for x in lines if "train/loss" in x]
     assert [x["step"] for x in steps] == [1, 2] and all(np.isfinite(x["train/loss"]) for x in steps)
     assert all(x["rollout/row_utilization"] == 1.0 and 0 < x["rollout/slot_utilization"] <= 1 for x in steps)
+
+
+def test_both_engines_take_one_spec_and_agree_greedy():
+    """One `GenerationSpec` (the trainer's one per run) drives the static sampler and the
+    continuous engine; greedy, they give the same completions and log-probs."""
+    prompts = _prompts(5, seed=21)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(_stop_token(),), num_slots=2,
+                          chunk_steps=3)
+    res = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(11), spec)
+    tokens, mask = left_pad([p for p in prompts for _ in range(2)], 10, 8, spec.pad_id)
+    gen = jax.device_get(static.generate(TINY, PARAMS, tokens, mask, jax.random.key(11), spec))
+    for r in range(len(prompts)):
+        for j, (got_tokens, got_lp) in enumerate(res.completions[r]):
+            row = 2 * r + j
+            n = int(gen.lengths[row])
+            np.testing.assert_array_equal(got_tokens, gen.tokens[row, :n])
+            np.testing.assert_allclose(got_lp, gen.logprobs[row, :n], atol=1e-5)

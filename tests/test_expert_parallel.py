@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from jmarl import sharding
-from jmarl.models import ModelConfig, generate, init, param_axes, token_logprobs
+from jmarl.models import GenerationSpec, ModelConfig, generate, init, param_axes, token_logprobs
 from jmarl.models import grouped_matmul as grouped
 from jmarl.models import moe
 from jmarl.sharding.rules import DEFAULT_RULES, fit
@@ -289,9 +289,10 @@ def test_greedy_generation_with_experts_split_equals_one_device():
     params = _params(config, seed=3)
     tokens, mask = _batch(8, 10, seed=4)
     kwargs = dict(max_new_tokens=8, temperature=0.0, pad_id=0)
-    want = generate(config, params, tokens, mask, jax.random.key(0), **kwargs)
+    want = generate(config, params, tokens, mask, jax.random.key(0), GenerationSpec(**kwargs))
     mesh = sharding.make_mesh(data=2, fsdp=4)
-    got = generate(config, _placed(config, params, mesh), tokens, mask, jax.random.key(0), mesh=mesh, **kwargs)
+    got = generate(config, _placed(config, params, mesh), tokens, mask, jax.random.key(0),
+                   GenerationSpec(mesh=mesh, **kwargs))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 

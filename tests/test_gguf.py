@@ -441,7 +441,8 @@ def test_smollm2_gguf_matches_transformers(smollm2):
     the three short ones."""
     import torch
 
-    from jmarl.models import engine, generate, token_logprobs
+    from jmarl.models import GenerationSpec, generate, token_logprobs
+    from jmarl.models.generation import engine
 
     _, config, params, tok, model, _ = smollm2
     assert (config.model_type, config.num_layers, config.tie_word_embeddings) == ("llama", 30, True)
@@ -475,9 +476,9 @@ def test_smollm2_gguf_matches_transformers(smollm2):
         p_tokens[i, width - len(row):], p_mask[i, width - len(row):] = row, True
     eos = config.eos_token_id
     gen = generate(config, params, jnp.asarray(p_tokens), jnp.asarray(p_mask), jax.random.key(0),
-                   max_new_tokens=32, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id)
+                   GenerationSpec(max_new_tokens=32, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id))
     res = engine.run(config, params, prompts, 1, jax.random.key(0),
-                     engine.EngineSpec(max_new_tokens=32, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id))
+                     GenerationSpec(max_new_tokens=32, temperature=0.0, stop_tokens=(eos,), pad_id=tok.pad_id))
     for i, row in enumerate(prompts):
         with torch.no_grad():
             out = model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row), dtype=torch.long),

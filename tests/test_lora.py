@@ -18,7 +18,8 @@ from _tiny_models import tiny_qwen3
 from jmarl import models, sharding
 from jmarl.models import kv_cache as kv_cache_lib
 from jmarl.models import layers as layers_lib
-from jmarl.models import sampler as sampler_lib
+from jmarl.models import GenerationSpec
+from jmarl.models.generation import layout, static
 from jmarl.models.layers import LoraKernel
 from jmarl.train.lora import attach_lora, init_lora, merge_lora
 from jmarl.train.policies import PolicyGroup
@@ -149,8 +150,8 @@ def test_greedy_generation_equals_merged():
     grouped = np.repeat(prompts[:2], 2, axis=0), np.repeat(mask[:2], 2, axis=0)  # a group's shared prompt cache
     kw = dict(max_new_tokens=6, temperature=0.0)
     for toks, msk in ((prompts, mask), grouped):
-        got = models.generate(TINY, _attached(BASE, AD), toks, msk, jax.random.key(0), **kw)
-        want = models.generate(TINY, _merged(BASE, AD), toks, msk, jax.random.key(0), **kw)
+        got = models.generate(TINY, _attached(BASE, AD), toks, msk, jax.random.key(0), GenerationSpec(**kw))
+        want = models.generate(TINY, _merged(BASE, AD), toks, msk, jax.random.key(0), GenerationSpec(**kw))
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
         _close(got.logprobs, want.logprobs)
 
@@ -179,17 +180,17 @@ def test_stacked_generation_with_one_base():
     policy's merged weights do."""
     ads = [AD, _adapters(BASE, 2)]
     attached = _attached(BASE, _stack(*ads))  # the base once, adapters [2, ...]: what PolicyGroup.full_params gives
-    axes = sampler_lib.policy_axes(TINY, attached)
+    axes = layout.policy_axes(TINY, attached)
     assert axes["layers"]["attn"]["q_proj"]["kernel"] == LoraKernel(None, 0, 0, ALPHA / RANK)
     assert axes["embed"]["embedding"] is None
     rng = np.random.default_rng(5)
     prompts = rng.integers(3, TINY.vocab_size, (2, 4, 6)).astype(np.int32)
     mask = np.ones_like(prompts, bool)
     kw = dict(max_new_tokens=5, temperature=0.0)
-    got = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), **kw)
-    one = models.generate(TINY, attached, prompts[1], mask[1], jax.random.key(0), policy=1, **kw)
+    got = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), GenerationSpec(**kw))
+    one = models.generate(TINY, attached, prompts[1], mask[1], jax.random.key(0), GenerationSpec(**kw), policy=1)
     for i, ad in enumerate(ads):
-        want = models.generate(TINY, _merged(BASE, ad), prompts[i], mask[i], jax.random.key(0), **kw)
+        want = models.generate(TINY, _merged(BASE, ad), prompts[i], mask[i], jax.random.key(0), GenerationSpec(**kw))
         np.testing.assert_array_equal(np.asarray(got.tokens[i]), np.asarray(want.tokens))
         _close(got.logprobs[i], want.logprobs)
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(got.tokens[1]))
@@ -234,10 +235,10 @@ def test_sharding_of_attached_adapters_and_sharded_generation():
     prompts = rng.integers(3, TINY.vocab_size, (2, 8, 6)).astype(np.int32)
     mask = np.arange(6) >= rng.integers(0, 3, (2, 8, 1))
     kw = dict(max_new_tokens=5, temperature=0.0)
-    want = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), **kw)
+    want = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), GenerationSpec(**kw))
     mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
     placed = sharding.shard_params(models.param_axes(TINY), attached, mesh)
-    got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), mesh=mesh, **kw)
+    got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), GenerationSpec(mesh=mesh, **kw))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     _close(got.logprobs, want.logprobs)
 
@@ -286,7 +287,7 @@ def _update_bytes(join, policies: int) -> int:
 def _generation_bytes(params, policies: int) -> int:
     """Argument + temporary bytes (less the KV cache) of the stacked sampler program over
     `policies` policies run with `params`."""
-    program = sampler_lib._program(WIDE, True, 3, True, 0, False, (1,), 0)
+    program = static._program(WIDE, True, 3, True, 0, False, (1,), 0)
     cache = jax.eval_shape(lambda: kv_cache_lib.empty_cache(WIDE, (policies, 2), 6))
     s = jax.ShapeDtypeStruct
     stats = _stats(program, params, cache, s((policies, 2, 4), jnp.int32), s((policies, 2, 4), jnp.bool_), None,

@@ -19,7 +19,7 @@ from jmarl import memory_check
 from jmarl.config import load_config
 from jmarl.errors import JmarlError
 from jmarl.memory_check import cli
-from jmarl.models import sampler as sampler_lib
+from jmarl.models.generation import budget, static
 from jmarl.sharding import device_bytes, mesh_context, mesh_of
 from jmarl.train import programs as programs_lib
 from jmarl.train.learner import learner_batch, score_batch
@@ -247,11 +247,11 @@ def test_packed_rows_are_bounded_by_the_segments():
 
 def test_generation_program_is_the_samplers_call(real, monkeypatch):
     statics, calls = [], []
-    real_program = sampler_lib._program
+    real_program = static._program
 
-    def recording(*static):
-        statics.append(static)
-        program = real_program(*static)
+    def recording(*settings):
+        statics.append(settings)
+        program = real_program(*settings)
 
         def call(*args):
             calls.append(args)
@@ -259,7 +259,7 @@ def test_generation_program_is_the_samplers_call(real, monkeypatch):
 
         return call
 
-    monkeypatch.setattr(sampler_lib, "_program", recording)
+    monkeypatch.setattr(static, "_program", recording)
     group = real.policies.groups[0]
     # two prompts cut to sampling.max_prompt_len (their ends differ), K=4 answers each: tree's call for agent a
     real.sampler.sample([(0, "x" * 80 + f" task {i}") for i in range(2)], 4, jax.random.key(0))
@@ -344,7 +344,6 @@ def test_trainer_checks_memory_before_step_0(run_yaml, real):
 
 
 def test_continuous_engine_plans_its_prefill_and_decode_programs(run_yaml):
-    from jmarl.models import engine
 
     config, _ = cli.load_config_for_check(str(run_yaml), [f"output_dir={run_yaml.parent / 'engine'}",
                                                       "sampling.engine=continuous", "sampling.kv_budget_bytes=64KiB"])
@@ -357,14 +356,14 @@ def test_continuous_engine_plans_its_prefill_and_decode_programs(run_yaml):
     state = decode.args[1]
     model = trainer.policies.groups[0].model_config
     entries = decode.shapes["entries"]
-    assert entries == engine.entries_for(slots // 4, decode.shapes["share"]) * 4  # per device, for K per prompt
+    assert entries == budget.entries_for(slots // 4, decode.shapes["share"]) * 4  # per device, for K per prompt
     assert decode.shapes["share"] > 1 and entries < slots  # the tree's K candidates share their prompt's entry
     assert state.cache.keys[0].shape[0] == slots and state.cache.values[0].shape[2] == decode.shapes["G"]
     assert state.pool.cache.keys[0].shape[0] == entries and state.pool.cache.values[0].shape[2] == decode.shapes["P"]
     for buf in (state.cache.keys[0], state.pool.cache.keys[0]):  # slots and entries over data x fsdp
         assert buf.sharding.shard_shape(buf.shape)[0] == buf.shape[0] // 4
     figures = [memory_check.analyse(p) for p in programs]
-    kv_per_device = (slots * engine.slot_bytes(model, decode.shapes["G"] + 1)
-                     + entries * engine.entry_bytes(model, decode.shapes["P"])) // 4
+    kv_per_device = (slots * budget.slot_bytes(model, decode.shapes["G"] + 1)
+                     + entries * budget.entry_bytes(model, decode.shapes["P"])) // 4
     for f in figures:
         assert f.state >= kv_per_device and f.peak > f.resident > 0

@@ -24,7 +24,7 @@ TINY = models.ModelConfig(
 
 
 def _plain(rows: list[tuple[list[int], list[int]]], t: int) -> dict[str, np.ndarray]:
-    """Right-padded [N, T] batch of (prompt, completion) rows, as `build_rollouts` lays them out."""
+    """Right-padded [N, T] batch of (prompt, completion) rows, each sequence laid out whole (`plain_samples` reads them)."""
     n = len(rows)
     tokens = np.zeros((n, t), np.int32)
     attn = np.zeros((n, t), bool)

@@ -19,8 +19,8 @@ import transformers
 from _tiny_models import left_padded
 from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
-from jmarl.models import (apply, generate, load_hf, packed_token_logprobs, param_axes, param_shapes,
-                          save_hf, token_logprobs)
+from jmarl.models import (GenerationSpec, apply, generate, load_hf, packed_token_logprobs, param_axes,
+                          param_shapes, save_hf, token_logprobs)
 from jmarl.models import moe
 from jmarl.models.hf import _tensor_specs, read_safetensors, write_safetensors
 from jmarl.models.hf_config import config_from_hf, config_to_hf
@@ -367,7 +367,8 @@ def test_greedy_generation_matches_transformers(kind, tmp_path_factory):
     with torch.no_grad():
         ref = model.generate(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
                              do_sample=False, max_new_tokens=N_NEW, pad_token_id=0)[:, tokens.shape[1]:].numpy()
-    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    out = generate(config, params, tokens, mask, jax.random.key(0),
+                   GenerationSpec(max_new_tokens=N_NEW, temperature=0.0))
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     full = np.concatenate([tokens, np.asarray(out.tokens)], 1)
     full_mask = np.concatenate([mask, np.asarray(out.mask)], 1)

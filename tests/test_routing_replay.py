@@ -14,8 +14,9 @@ import pytest
 
 from jmarl.config import ArchConfig, ModelSpec, config_from_dict
 from jmarl.errors import JmarlError
-from jmarl.models import CharTokenizer, ModelConfig, generate, init
-from jmarl.models import engine, moe
+from jmarl.models import CharTokenizer, GenerationSpec, ModelConfig, generate, init
+from jmarl.models import moe
+from jmarl.models.generation import engine
 from jmarl.models.model import expert_routing
 from jmarl.models.presets import preset_config
 from jmarl.train import trainer as trainer_mod
@@ -63,7 +64,7 @@ def _sample(params: dict):
     (one sample per row), laid out for the learner as the trainer lays them out."""
     mask = PROMPTS > 0
     tokens, masks = np.repeat(PROMPTS, 2, axis=0), np.repeat(mask, 2, axis=0)
-    gen = jax.device_get(generate(CONFIG, params, tokens, masks, jax.random.key(3), max_new_tokens=NEW))
+    gen = jax.device_get(generate(CONFIG, params, tokens, masks, jax.random.key(3), GenerationSpec(max_new_tokens=NEW)))
     records = []
     for j in range(tokens.shape[0]):
         prompt, length = tokens[j][masks[j]], int(gen.lengths[j])
@@ -223,7 +224,7 @@ def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
     with pytest.raises(JmarlError, match=r"policies.models.x.model.routing_replay: replay .* no expert layer"):
         build_model(spec, CharTokenizer(), jax.random.key(0), setting="policies.models.x.model")
     with pytest.raises(JmarlError, match="the continuous engine does not record"):
-        engine.run(CONFIG, None, [[1, 2, 3]], 1, jax.random.key(0), engine.EngineSpec(max_new_tokens=2))
+        engine.run(CONFIG, None, [[1, 2, 3]], 1, jax.random.key(0), GenerationSpec(max_new_tokens=2))
     assert _run_config(tmp_path, routing_replay=False).model.routing_replay == "off"  # YAML's off
 
 

@@ -12,6 +12,7 @@ import torch
 from _tiny_models import VOCAB_SIZE, left_padded, make_tiny_checkpoint, make_tiny_torch_model
 from jmarl.errors import JmarlError
 from jmarl.models import (
+    GenerationSpec,
     apply,
     generate,
     generate_stacked,
@@ -21,8 +22,9 @@ from jmarl.models import (
     sample_token,
     token_logprobs,
 )
-from jmarl.models import sampler as sampler_mod
-from jmarl.models.sampler import contiguous_group_size, inverse_cdf_sample, left_align, unique_prompts
+from jmarl.models.generation import sampling, static
+from jmarl.models.generation.sampling import inverse_cdf_sample
+from jmarl.models.generation.static import contiguous_group_size, left_align, unique_prompts
 
 N_NEW = 12
 
@@ -67,13 +69,14 @@ def _hf_greedy(model, tokens, mask, n, stop=None):
 def test_greedy_matches_transformers_with_left_padding_and_stop_token(tiny):
     _, config, params, model = tiny
     tokens, mask = _prompts([9, 4, 7, 1], 9)
-    free = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    free = generate(config, params, tokens, mask, jax.random.key(0),
+                    GenerationSpec(max_new_tokens=N_NEW, temperature=0.0))
     np.testing.assert_array_equal(np.asarray(free.tokens), _hf_greedy(model, tokens, mask, N_NEW))
     assert np.asarray(free.mask).all() and (np.asarray(free.lengths) == N_NEW).all()
     # Stop on the token row 0 emits at step 4 (other rows may or may not emit it).
     stop = int(free.tokens[0, 4])
-    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0,
-                   stop_tokens=(stop,), pad_id=0)
+    out = generate(config, params, tokens, mask, jax.random.key(0),
+                   GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), pad_id=0))
     ref = _hf_greedy(model, tokens, mask, N_NEW, stop=stop)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     got_tokens, got_mask, lengths = np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.lengths)
@@ -93,15 +96,15 @@ def test_greedy_matches_transformers_with_left_padding_and_stop_token(tiny):
 
 
 def test_continuous_engine_greedy_matches_transformers(tiny):
-    """The same parity through `jmarl.models.engine` (2 slots for 4 prompts: refills happen)."""
-    from jmarl.models import engine
+    """The same parity through `jmarl.models.generation.engine` (2 slots for 4 prompts: refills happen)."""
+    from jmarl.models.generation import engine
 
     _, config, params, model = tiny
     tokens, mask = _prompts([9, 4, 7, 1], 9)
     ref = _hf_greedy(model, tokens, mask, N_NEW)
     prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
     res = engine.run(config, params, prompts, 1, jax.random.key(0),
-                     engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=2, chunk_steps=4))
+                     GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=2, chunk_steps=4))
     assert res.stats.prefills > 1
     np.testing.assert_array_equal(np.stack([c[0][0] for c in res.completions]), ref)
 
@@ -114,9 +117,11 @@ def test_repeated_prompts_share_one_prefill_and_match_transformers(tiny):
     tokens, mask = distinct[rows], distinct_mask[rows]
     _, unique_mask, index = unique_prompts(*left_align(tokens, mask, 8, 0))
     assert unique_mask.shape == (4, 8) and index.shape == (10,)
-    out = generate(config, params, tokens, mask, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    out = generate(config, params, tokens, mask, jax.random.key(0),
+                   GenerationSpec(max_new_tokens=N_NEW, temperature=0.0))
     np.testing.assert_array_equal(np.asarray(out.tokens), _hf_greedy(model, tokens, mask, N_NEW))
-    sampled = generate(config, params, tokens, mask, jax.random.key(3), max_new_tokens=N_NEW, temperature=1.0)
+    sampled = generate(config, params, tokens, mask, jax.random.key(3),
+                       GenerationSpec(max_new_tokens=N_NEW, temperature=1.0))
     full = np.concatenate([tokens, np.asarray(sampled.tokens)], 1)
     full_mask = np.concatenate([mask, np.asarray(sampled.mask)], 1)
     rescored = np.asarray(token_logprobs(config, params, full, full_mask, 1.0))[:, 6:]
@@ -129,8 +134,8 @@ def test_sampled_logprobs_equal_rescoring_and_truncation_is_respected(qwen2, top
     _, config, params, _ = qwen2
     tokens, mask = _prompts([6, 3, 8, 8, 5, 2], 8, seed=1)
     temperature = 0.7
-    out = generate(config, params, tokens, mask, jax.random.key(5), max_new_tokens=N_NEW,
-                   temperature=temperature, top_k=top_k, top_p=top_p)
+    out = generate(config, params, tokens, mask, jax.random.key(5),
+                   GenerationSpec(max_new_tokens=N_NEW, temperature=temperature, top_k=top_k, top_p=top_p))
     full = np.concatenate([tokens, np.asarray(out.tokens)], 1)
     full_mask = np.concatenate([mask, np.asarray(out.mask)], 1)
     # Log-probs are under the untruncated softmax(logits / T): re-scoring reproduces them.
@@ -217,7 +222,7 @@ def _truncate(scaled: np.ndarray, top_k: int, top_p: float, candidates: int) -> 
     """(weights exp(scaled - max) float32[B,V], `truncated_weights` of them) from JAX."""
     x = jnp.asarray(scaled, jnp.float32)
     weights = jnp.exp(x - x.max(-1, keepdims=True))
-    out = sampler_mod.truncated_weights(x, weights, jnp.float32(top_p), top_k=top_k, use_top_p=top_p < 1.0,
+    out = sampling.truncated_weights(x, weights, jnp.float32(top_p), top_k=top_k, use_top_p=top_p < 1.0,
                                         candidates=candidates)
     return np.asarray(weights), np.asarray(out)
 
@@ -260,7 +265,7 @@ def test_no_full_vocabulary_sort_per_token():
     x = jnp.zeros((4, 64), jnp.float32)
 
     def fn(top_k, axis_name=None):
-        return lambda lg: sampler_mod.truncated_weights(lg, jnp.exp(lg), jnp.float32(0.9), top_k=top_k,
+        return lambda lg: sampling.truncated_weights(lg, jnp.exp(lg), jnp.float32(0.9), top_k=top_k,
                                                         use_top_p=True, candidates=8, axis_name=axis_name)
 
     def primitives(jaxpr):
@@ -277,7 +282,7 @@ def test_no_full_vocabulary_sort_per_token():
     # Compiled: XLA keeps `lax.top_k` as a top-k (the k-th value read as a slice [:, -1:] of its
     # values instead turned it into a sort of the whole vocabulary, 50x slower at V = 152k).
     for top_k, use_top_p in ((5, True), (5, False)):
-        compiled = jax.jit(lambda lg: sampler_mod.truncated_weights(
+        compiled = jax.jit(lambda lg: sampling.truncated_weights(
             lg, jnp.exp(lg), jnp.float32(0.9), top_k=top_k, use_top_p=use_top_p, candidates=8)).lower(x).compile()
         assert re.search(r"= \S+ sort\(", compiled.as_text()) is None, (top_k, use_top_p)
 
@@ -285,7 +290,7 @@ def test_no_full_vocabulary_sort_per_token():
 def test_sample_token_with_a_large_vocabulary_draws_as_the_full_sort_did():
     """Above TOP_P_CANDIDATES entries, the same key draws the same token as inverse-CDF sampling
     of the full-sort reference weights (peaked and flat rows; top-p alone and with top-k)."""
-    v = sampler_mod.TOP_P_CANDIDATES * 2 + 3
+    v = sampling.TOP_P_CANDIDATES * 2 + 3
     rng = np.random.default_rng(7)
     logits = np.concatenate([rng.standard_normal((6, v)) * 6.0, rng.standard_normal((2, v)) * 0.1]).astype(np.float32)
     temperature = 0.9
@@ -298,7 +303,7 @@ def test_sample_token_with_a_large_vocabulary_draws_as_the_full_sort_did():
         weights = np.asarray(jnp.exp(scaled - scaled.max(-1, keepdims=True)))
         keep = _reference_keep(np.asarray(scaled), weights, top_k, top_p)
         if top_k == 0:
-            assert keep[6:].sum(-1).min() > sampler_mod.TOP_P_CANDIDATES  # flat rows: the fallback's case
+            assert keep[6:].sum(-1).min() > sampling.TOP_P_CANDIDATES  # flat rows: the fallback's case
         want = inverse_cdf_sample(jnp.asarray(np.where(keep, weights, 0.0)), jax.random.uniform(key, (8,)))
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
         assert keep[np.arange(8), np.asarray(tokens)].all()
@@ -308,9 +313,9 @@ def test_same_rng_same_output_and_padding_side_does_not_matter(qwen2):
     _, config, params, _ = qwen2
     tokens, mask = _prompts([5, 2, 7], 7, seed=2)
     kw = dict(max_new_tokens=N_NEW, temperature=1.0)
-    a = generate(config, params, tokens, mask, jax.random.key(7), **kw)
-    b = generate(config, params, tokens, mask, jax.random.key(7), **kw)
-    c = generate(config, params, tokens, mask, jax.random.key(8), **kw)
+    a = generate(config, params, tokens, mask, jax.random.key(7), GenerationSpec(**kw))
+    b = generate(config, params, tokens, mask, jax.random.key(7), GenerationSpec(**kw))
+    c = generate(config, params, tokens, mask, jax.random.key(8), GenerationSpec(**kw))
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
@@ -321,7 +326,7 @@ def test_same_rng_same_output_and_padding_side_does_not_matter(qwen2):
         n = mask[i].sum()
         right[i, :n] = tokens[i, mask[i]]
         right_mask[i, :n] = True
-    d = generate(config, params, right, right_mask, jax.random.key(7), **kw)
+    d = generate(config, params, right, right_mask, jax.random.key(7), GenerationSpec(**kw))
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(d.tokens))
 
 
@@ -344,8 +349,8 @@ def test_varied_prompt_lengths_reuse_bucketed_programs(qwen2):
         lengths = rng.integers(1, 31, size=4)
         width = int(lengths.max()) + int(rng.integers(0, 3))
         tokens, mask = _prompts(lengths, width, seed=i)
-        out = generate(config, params, tokens, mask, jax.random.key(i), max_new_tokens=4, temperature=1.0,
-                       buckets=buckets)
+        out = generate(config, params, tokens, mask, jax.random.key(i),
+                       GenerationSpec(max_new_tokens=4, temperature=1.0, buckets=buckets))
         assert out.tokens.shape == (4, 4)
         used.add(min(b for b in buckets if b >= lengths.max()))
     assert num_compiled_programs() - before <= len(used) <= len(buckets)
@@ -365,10 +370,10 @@ def test_stacked_policies_equal_separate_calls(qwen2):
     assert unique_prompts(*left_align(tokens, mask, 8, 0))[2].shape == (2, 4)  # shared prefill in use
     rng = jax.random.key(21)
     kw = dict(max_new_tokens=N_NEW, temperature=0.9, stop_tokens=(5, 6, 7))
-    both = generate_stacked(config, stacked, tokens, mask, rng, **kw)
+    both = generate_stacked(config, stacked, tokens, mask, rng, GenerationSpec(**kw))
     assert both.tokens.shape == (2, 4, N_NEW) and both.lengths.shape == (2, 4)
     for p, single_params in enumerate([params, other]):
-        alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(rng, p), **kw)
+        alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(rng, p), GenerationSpec(**kw))
         for field in ("tokens", "mask", "lengths"):
             np.testing.assert_array_equal(np.asarray(getattr(both, field)[p]), np.asarray(getattr(alone, field)))
         np.testing.assert_allclose(np.asarray(both.logprobs[p]), np.asarray(alone.logprobs), atol=1e-5)
@@ -382,14 +387,15 @@ def test_stacked_policy_that_finishes_first_waits_correctly(qwen2):
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)
     t0, m0 = _prompts([4, 6, 2, 5], 6, seed=5)
     tokens, mask = np.stack([t0, t0]), np.stack([m0, m0])
-    first = generate(config, params, t0, m0, jax.random.key(0), max_new_tokens=1, temperature=0.0)
+    first = generate(config, params, t0, m0, jax.random.key(0), GenerationSpec(max_new_tokens=1, temperature=0.0))
     stops = tuple(sorted({int(t) for t in np.asarray(first.tokens)[:, 0]}))  # policy 0 stops at once
     kw = dict(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=stops)
-    both = generate_stacked(config, stacked, tokens, mask, jax.random.key(1), **kw)
+    both = generate_stacked(config, stacked, tokens, mask, jax.random.key(1), GenerationSpec(**kw))
     lengths = np.asarray(both.lengths)
     assert lengths[0].max() == 1 and lengths[1].max() > 1
     for p, single_params in enumerate([params, other]):
-        alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(jax.random.key(1), p), **kw)
+        alone = generate(config, single_params, tokens[p], mask[p], jax.random.fold_in(jax.random.key(1), p),
+                         GenerationSpec(**kw))
         for field in ("tokens", "mask", "lengths"):
             np.testing.assert_array_equal(np.asarray(getattr(both, field)[p]), np.asarray(getattr(alone, field)))
 
@@ -404,9 +410,9 @@ def test_one_policy_of_a_stack_equals_its_stacked_rows(qwen2):
     t1, m1 = _prompts([3, 6, 6, 1], 6, seed=7)
     tokens, mask = np.stack([t0, t1]), np.stack([m0, m1])
     kw = dict(max_new_tokens=N_NEW, temperature=0.8, stop_tokens=(5, 6))
-    both = generate_stacked(config, stacked, tokens, mask, jax.random.key(2), **kw)
+    both = generate_stacked(config, stacked, tokens, mask, jax.random.key(2), GenerationSpec(**kw))
     for p in (0, 1):
-        one = generate(config, stacked, tokens[p], mask[p], jax.random.key(2), policy=p, **kw)
+        one = generate(config, stacked, tokens[p], mask[p], jax.random.key(2), GenerationSpec(**kw), policy=p)
         for field in ("tokens", "mask", "lengths"):
             np.testing.assert_array_equal(np.asarray(getattr(one, field)), np.asarray(getattr(both, field)[p]))
         np.testing.assert_allclose(np.asarray(one.logprobs), np.asarray(both.logprobs[p]), atol=1e-5)
@@ -438,10 +444,10 @@ def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):
     t, m = _prompts([5, 2, 7], 8, seed=6)
     tokens, mask = np.repeat(t, 4, axis=0), np.repeat(m, 4, axis=0)  # B = 12, G = 4
     kw = dict(max_new_tokens=N_NEW, temperature=0.9, stop_tokens=tuple(range(5, 25)))
-    grouped = generate(config, params, tokens, mask, jax.random.key(3), **kw)
+    grouped = generate(config, params, tokens, mask, jax.random.key(3), GenerationSpec(**kw))
     calls = []
-    monkeypatch.setattr(sampler_mod, "contiguous_group_size", lambda *a: calls.append(1) or 1)
-    per_row = generate(config, params, tokens, mask, jax.random.key(3), **kw)
+    monkeypatch.setattr(static, "contiguous_group_size", lambda *a: calls.append(1) or 1)
+    per_row = generate(config, params, tokens, mask, jax.random.key(3), GenerationSpec(**kw))
     assert calls  # the second call really took the per-row path
     for field in ("tokens", "mask", "lengths"):
         np.testing.assert_array_equal(np.asarray(getattr(grouped, field)), np.asarray(getattr(per_row, field)))
@@ -450,8 +456,8 @@ def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):
     monkeypatch.undo()
     order = np.arange(12).reshape(3, 4).T.reshape(-1)  # interleaved: p0 p1 p2 p0 ...
     greedy = dict(max_new_tokens=N_NEW, temperature=0.0)
-    a = generate(config, params, tokens, mask, jax.random.key(0), **greedy)
-    b = generate(config, params, tokens[order], mask[order], jax.random.key(0), **greedy)
+    a = generate(config, params, tokens, mask, jax.random.key(0), GenerationSpec(**greedy))
+    b = generate(config, params, tokens[order], mask[order], jax.random.key(0), GenerationSpec(**greedy))
     np.testing.assert_array_equal(np.asarray(a.tokens)[order], np.asarray(b.tokens))
     np.testing.assert_allclose(np.asarray(a.logprobs)[order], np.asarray(b.logprobs), atol=1e-5)
 
@@ -468,15 +474,17 @@ def test_two_phase_decode_equals_one_phase(qwen2, monkeypatch, n_new):
     kw = dict(max_new_tokens=n_new, temperature=0.9, stop_tokens=tuple(range(5, 25)))
 
     def run(two_phases_from):
-        monkeypatch.setattr(sampler_mod, "TWO_PHASES_FROM", two_phases_from)
-        out = [generate(config, params, tokens, mask, jax.random.key(3), **kw) for tokens, mask in (grouped, (t, m))]
+        monkeypatch.setattr(static, "TWO_PHASES_FROM", two_phases_from)
+        out = [generate(config, params, tokens, mask, jax.random.key(3),
+                        GenerationSpec(**kw)) for tokens, mask in (grouped, (t, m))]
         stacked_params = jax.tree.map(lambda a: jnp.stack([a, a * 1.01]), params)
-        out.append(generate_stacked(config, stacked_params, np.stack([t, t]), np.stack([m, m]), jax.random.key(4), **kw))
+        out.append(generate_stacked(config, stacked_params, np.stack([t, t]), np.stack([m, m]), jax.random.key(4),
+                                    GenerationSpec(**kw)))
         return out
 
-    assert sampler_mod.first_phase_slots(n_new - 1) == 0  # the default: one phase at these lengths
+    assert static.first_phase_slots(n_new - 1) == 0  # the default: one phase at these lengths
     one, two = run(10**9), run(4)
-    assert sampler_mod.first_phase_slots(n_new - 1) == 6
+    assert static.first_phase_slots(n_new - 1) == 6
     for a, b in zip(one, two):
         for field in ("tokens", "mask", "lengths"):
             np.testing.assert_array_equal(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)))
@@ -521,12 +529,12 @@ def test_bad_options_raise(qwen2):
     tokens, mask = _prompts([3], 3)
     key = jax.random.key(0)
     with pytest.raises(JmarlError, match="max_new_tokens"):
-        generate(config, params, tokens, mask, key, max_new_tokens=0)
+        generate(config, params, tokens, mask, key, GenerationSpec(max_new_tokens=0))
     with pytest.raises(JmarlError, match="top_p"):
-        generate(config, params, tokens, mask, key, max_new_tokens=2, top_p=0.0)
+        generate(config, params, tokens, mask, key, GenerationSpec(max_new_tokens=2, top_p=0.0))
     with pytest.raises(JmarlError, match="temperature"):
-        generate(config, params, tokens, mask, key, max_new_tokens=2, temperature=-1.0)
+        generate(config, params, tokens, mask, key, GenerationSpec(max_new_tokens=2, temperature=-1.0))
     with pytest.raises(JmarlError, match=r"\[B, S\]"):
-        generate(config, params, tokens[0], mask[0], key, max_new_tokens=2)
+        generate(config, params, tokens[0], mask[0], key, GenerationSpec(max_new_tokens=2))
     with pytest.raises(JmarlError, match="vocabulary"):
-        generate(config, params, tokens + VOCAB_SIZE, mask, key, max_new_tokens=2)
+        generate(config, params, tokens + VOCAB_SIZE, mask, key, GenerationSpec(max_new_tokens=2))

@@ -370,12 +370,13 @@ def test_sharded_greedy_sampling_matches_unsharded():
     prompts = rng.integers(3, TINY.vocab_size, (2, 8, 6)).astype(np.int32)
     mask = np.arange(6) >= rng.integers(0, 3, (2, 8, 1))  # left padding of 0-2 tokens
     kw = dict(max_new_tokens=6, temperature=0.0)
-    want = models.generate_stacked(TINY, stacked, prompts, mask, jax.random.key(0), **kw)
+    want = models.generate_stacked(TINY, stacked, prompts, mask, jax.random.key(0), models.GenerationSpec(**kw))
 
     # two policies on (policy, data, tensor): parameters, prompt rows and the KV cache sharded
     mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
     placed = sharding.shard_params(TINY_AXES, stacked, mesh)
-    got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), mesh=mesh, **kw)
+    got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0),
+                                  models.GenerationSpec(mesh=mesh, **kw))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
     assert tuple(got.tokens.sharding.spec)[:2] == ("policy", "data")
@@ -387,7 +388,7 @@ def test_sharded_greedy_sampling_matches_unsharded():
     first = jax.tree.map(lambda x: x[0], stacked)
     mesh = sharding.make_mesh(data=4, tensor=2)
     got = models.generate(TINY, sharding.shard_params(TINY_AXES, first, mesh), prompts[0], mask[0], jax.random.key(0),
-                          mesh=mesh, **kw)
+                          models.GenerationSpec(mesh=mesh, **kw))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens[0]))
     assert got.tokens.sharding.spec[0] == "data"
     # (the trainer's sampler makes these calls; test_trainer_runs_sharded_from_config runs it)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from _tiny_models import left_padded
-from jmarl.models import ModelConfig, apply, engine, generate, generate_stacked, init
-from jmarl.models import sampler as sampler_lib
+from jmarl.models import GenerationSpec, ModelConfig, apply, generate, generate_stacked, init
+from jmarl.models.generation import budget, engine, engine_programs, static
 from jmarl.models.kv_cache import empty_cache, layer_capacities
 
 W = 4
@@ -87,11 +87,11 @@ def test_buffers_hold_the_window_on_sliding_layers_only():
     assert layer_capacities(CONFIG, 20) == (20, 20, 20)
     assert layer_capacities(CONFIG, 20, windowed=True) == (W, 20, W)
     assert layer_capacities(CONFIG, 3, windowed=True) == (3, 3, 3)  # shorter than the window: all of it
-    cache = jax.eval_shape(lambda: sampler_lib._empty_cache(CONFIG, (5,), WIDTH + N_NEW - 1))
+    cache = jax.eval_shape(lambda: static._empty_cache(CONFIG, (5,), WIDTH + N_NEW - 1))
     assert [k.shape for k in cache.keys] == [(5, 1, 16, W), (5, 1, 16, 20), (5, 1, 16, W)]
     assert [v.shape for v in cache.values] == [(5, 1, W, 16), (5, 1, 20, 16), (5, 1, W, 16)]
     assert cache.capacity == 20 and cache.capacities == (W, 20, W)
-    state = jax.eval_shape(lambda: engine._empty_state(CONFIG, 4, 2, 16, N_NEW))
+    state = jax.eval_shape(lambda: engine_programs.empty_state(CONFIG, 4, 2, 16, N_NEW))
     assert state.cache.capacities == (W, N_NEW - 1, W)  # the slots' generated tokens
     assert state.pool.cache.capacities == (W, 16, W)  # the prompts' last W slots
     assert empty_cache(CONFIG, (2,), 20).capacities == (20, 20, 20)  # the default keeps every slot
@@ -100,15 +100,16 @@ def test_buffers_hold_the_window_on_sliding_layers_only():
 def test_static_sampler_equals_full_recomputation_past_the_window():
     tokens, mask = left_padded(LENGTHS, WIDTH, VOCAB, seed=1)
     # greedy, one decode phase
-    out = generate(CONFIG, _params(), tokens, mask, jax.random.key(1), max_new_tokens=N_NEW, temperature=0.0)
+    out = generate(CONFIG, _params(), tokens, mask, jax.random.key(1),
+                   GenerationSpec(max_new_tokens=N_NEW, temperature=0.0))
     assert np.asarray(out.lengths).min() == N_NEW
     _check_static(out, tokens, mask, greedy=True)
     # sampled, two decode phases (35 generated slots), repeated prompts in no group order: each
     # distinct prompt prefilled once and copied to its rows (`unique_prompts`' rows)
     rows = np.array([0, 1, 2, 3, 0, 1, 2, 3, 4, 0])
-    assert sampler_lib.unique_prompts(tokens[rows], mask[rows])[2] is not None
-    out = generate(CONFIG, _params(), tokens[rows], mask[rows], jax.random.key(2), max_new_tokens=36,
-                   temperature=1.0)
+    assert static.unique_prompts(tokens[rows], mask[rows])[2] is not None
+    out = generate(CONFIG, _params(), tokens[rows], mask[rows], jax.random.key(2),
+                   GenerationSpec(max_new_tokens=36, temperature=1.0))
     rescored = _check_static(out, tokens[rows], mask[rows], greedy=False)
     # the window matters here: without it the same tokens score very differently
     wide = _check_static(out, tokens[rows], mask[rows], greedy=False, config=CONFIG.replace(sliding_window=64),
@@ -121,8 +122,8 @@ def test_static_sampler_with_shared_prompt_caches_equals_full_recomputation():
     sliding layers) in both decode phases."""
     tokens, mask = left_padded(LENGTHS[:4], WIDTH, VOCAB, seed=2)
     rows = np.repeat(np.arange(4), 2)
-    out = generate(CONFIG, _params(), tokens[rows], mask[rows], jax.random.key(3), max_new_tokens=36,
-                   temperature=1.0)
+    out = generate(CONFIG, _params(), tokens[rows], mask[rows], jax.random.key(3),
+                   GenerationSpec(max_new_tokens=36, temperature=1.0))
     _check_static(out, tokens[rows], mask[rows], greedy=False)
 
 
@@ -132,7 +133,7 @@ def test_stacked_policies_equal_full_recomputation():
     other = jax.tree.map(lambda a: a * 1.1, _params())
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), _params(), other)
     out = generate_stacked(CONFIG, stacked, np.stack([tokens, tokens]), np.stack([mask, mask]), jax.random.key(4),
-                           max_new_tokens=N_NEW, temperature=1.0)
+                           GenerationSpec(max_new_tokens=N_NEW, temperature=1.0))
     for p, params in enumerate((_params(), other)):
         _check_static(jax.tree.map(lambda a, p=p: a[p], out), tokens, mask, greedy=False, params=params)
 
@@ -147,14 +148,14 @@ def test_continuous_engine_equals_full_recomputation_with_slots_refilled():
     tokens, mask = left_padded(LENGTHS, WIDTH, VOCAB, seed=4)
     prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
     limits = [N_NEW, 5, N_NEW, 9, N_NEW]  # completions end at different steps: slots refilled mid-run
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=2, chunk_steps=3,
-                             buckets=(WIDTH,))
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, num_slots=2, chunk_steps=3,
+                          buckets=(WIDTH,))
     result = engine.run(CONFIG, _params(), prompts, 2, jax.random.key(5), spec, limits=limits)
     assert result.stats.fused == 0 and result.stats.chunks > 3 and result.stats.rows == 10
     assert [len(c[0][0]) for c in result.completions] == limits
     _check_engine(result, prompts, greedy=False)
     # every completion fits the slots at once: one fused program (the aligned drain), greedy
-    greedy = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, buckets=(WIDTH,))
+    greedy = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, buckets=(WIDTH,))
     result = engine.run(CONFIG, _params(), prompts, 2, jax.random.key(6), greedy)
     assert result.stats.fused == 1
     _check_engine(result, prompts, greedy=True)
@@ -166,8 +167,8 @@ def test_continuous_engine_on_a_mesh_equals_full_recomputation():
 
     tokens, mask = left_padded(LENGTHS[:4], WIDTH, VOCAB, seed=5)
     prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
-    spec = engine.EngineSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=4, chunk_steps=4, buckets=(WIDTH,),
-                             mesh=sharding.make_mesh(data=2), shrink=False)
+    spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=4, chunk_steps=4, buckets=(WIDTH,),
+                          mesh=sharding.make_mesh(data=2), shrink=False)
     result = engine.run(CONFIG, _params(), prompts, 2, jax.random.key(7), spec, limits=[N_NEW, 6, N_NEW, 8])
     assert result.stats.slots_per_device == 2 and result.stats.fused == 0
     _check_engine(result, prompts, greedy=True)
@@ -179,17 +180,17 @@ def test_engine_budget_holds_more_slots_with_the_window():
     window), and the planned slots follow."""
     full = CONFIG.replace(sliding_window=None)  # the same shapes, every position on every layer
     p, n = 64, 257
-    assert engine.slot_bytes(CONFIG, n) == engine.kv_bytes(CONFIG, n - 1, windowed=True)
+    assert budget.slot_bytes(CONFIG, n) == budget.kv_bytes(CONFIG, n - 1, windowed=True)
     per_token = 2 * CONFIG.num_kv_heads * CONFIG.head_dim * 4  # keys and values, float32
-    assert engine.slot_bytes(CONFIG, n) == per_token * (2 * W + (n - 1))
-    assert engine.slot_bytes(full, n) == per_token * 3 * (n - 1)
-    assert engine.entry_bytes(CONFIG, p) == per_token * (2 * W + p) + 4 * VOCAB
-    budget = engine.engine_bytes(full, 16, engine.entries_for(16, 4), p, n)
-    before, _ = engine.slots_for_budget(full, p, n, budget, rows=1024, share=4)
-    after, _ = engine.slots_for_budget(CONFIG, p, n, budget, rows=1024, share=4)
+    assert budget.slot_bytes(CONFIG, n) == per_token * (2 * W + (n - 1))
+    assert budget.slot_bytes(full, n) == per_token * 3 * (n - 1)
+    assert budget.entry_bytes(CONFIG, p) == per_token * (2 * W + p) + 4 * VOCAB
+    kv_budget = budget.engine_bytes(full, 16, budget.entries_for(16, 4), p, n)
+    before, _ = budget.slots_for_budget(full, p, n, kv_budget, rows=1024, share=4)
+    after, _ = budget.slots_for_budget(CONFIG, p, n, kv_budget, rows=1024, share=4)
     assert before == 16 and after == 32
-    spec = engine.EngineSpec(max_new_tokens=n, kv_budget_bytes=budget)
-    assert engine.planned_slots(CONFIG, p, 1024, 4, spec)[0] == after
+    spec = GenerationSpec(max_new_tokens=n, kv_budget_bytes=kv_budget)
+    assert budget.planned_slots(CONFIG, p, 1024, 4, spec)[0] == after
 
 
 @pytest.mark.slow
@@ -198,5 +199,6 @@ def test_a_window_of_one_token():
     never read."""
     config = CONFIG.replace(sliding_window=1)
     tokens, mask = left_padded([9, 1], WIDTH, VOCAB, seed=6)
-    out = generate(config, _params(), tokens, mask, jax.random.key(8), max_new_tokens=6, temperature=1.0)
+    out = generate(config, _params(), tokens, mask, jax.random.key(8),
+                   GenerationSpec(max_new_tokens=6, temperature=1.0))
     _check_static(out, tokens, mask, greedy=False, config=config)

@@ -287,7 +287,7 @@ class SamplingConfig:
     # consecutive calls, which bounds the KV cache (see python -m jmarl.memory_check); null: one call
     max_rows_per_call: int | None = _field(None, ge=1)
     # static: one fixed batch per call (every row keeps its slot until the longest ends);
-    # continuous: the slot engine (jmarl.models.engine): a finished row's slot takes the next
+    # continuous: the slot engine (jmarl.models.generation.engine): a finished row's slot takes the next
     # queued completion, rows in flight capped by kv_budget_bytes (docs/scaling.md, "Rollout engine")
     engine: Literal["static", "continuous"] = "static"
     # KV-cache bytes per device for the continuous engine's slots and shared prompt entries:

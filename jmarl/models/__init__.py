@@ -9,7 +9,9 @@ from jmarl.models.decode import decode_step, prefill
 from jmarl.models.kv_cache import KVCache, init_cache
 from jmarl.models.logprobs import packed_token_logprobs, token_logprobs
 from jmarl.models.model import Params, apply, init, param_axes, param_shapes, positions_from_mask
-from jmarl.models.sampler import Generation, generate, generate_stacked, num_compiled_programs, sample_token
+from jmarl.models.generation.sampling import sample_token
+from jmarl.models.generation.spec import Generation, GenerationSpec
+from jmarl.models.generation.static import generate, generate_stacked, num_compiled_programs
 from jmarl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
@@ -26,6 +28,7 @@ def __getattr__(name: str):
 __all__ = [
     "CharTokenizer",
     "Generation",
+    "GenerationSpec",
     "HFTokenizer",
     "KVCache",
     "ModelConfig",

@@ -74,7 +74,7 @@ class ModelConfig:
     `router_aux_loss_coef` is the weight transformers gives the load-balancing loss in training.
     No shared expert (Qwen2-MoE style): refused by `jmarl.models.hf_config.config_from_hf`. `routing_replay` (one of
     ROUTING_REPLAY; "replay" needs experts): "replay" makes the sampler record each token's
-    experts (`jmarl.models.sampler.Generation.routing`) and the learner run them
+    experts (`jmarl.models.generation.spec.Generation.routing`) and the learner run them
     (`jmarl.models.moe.replay_route`); a training setting, not written to config.json.
     """
 

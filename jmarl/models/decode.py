@@ -114,7 +114,7 @@ def decode_step(
     key_mask bool[B,C] is True (the slot itself included). Returns (float32 logits [B,V], updated cache).
 
     `earlier`: a read-only cache whose C0 slots come before `cache`'s (key_mask is then
-    bool[B, C0 + C]): the first phase's block of a decode loop in two phases (`jmarl.models.sampler`).
+    bool[B, C0 + C]): the first phase's block of a decode loop in two phases (`jmarl.models.generation.static`).
     With `earlier_rows` int[B], `earlier` holds Q rows (a pool of prompt caches) and row b reads
     its row earlier_rows[b] in place (`pooled_cached_attention`; `earlier_groups`: the pool's
     groups, e.g. one per device: the continuous engine's prompts shared by their completions).

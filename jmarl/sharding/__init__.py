@@ -54,7 +54,7 @@ Modules, one per concern: `mesh` (meshes), `rules` (`ShardingRules`: logical axe
 `specs` (specs of parameter / state / batch / cache trees), `placement` (put, shard_*,
 device_bytes, to_host), `calls` (`ShardedFn`, `sharded_jit`, `sharded_update`, a policy group's
 `GroupShardings` with `group_shardings` / `place_group`, `mesh_context`), `distributed` (multi-host start-up). Sampling on a mesh is the sampler's own:
-`jmarl.models.generate(..., mesh=mesh)` shards the KV cache and prompt rows; place the
+`jmarl.models.generate(..., GenerationSpec(..., mesh=mesh))` shards the KV cache and prompt rows; place the
 parameters with `shard_params` first.
 
 Memory: `python -m jmarl.memory_check --config X.yaml --devices 8 --device-memory 80GiB` compiles the run's

@@ -102,7 +102,7 @@ def attach_lora(base: Params, adapters: Params, *, rank: int, alpha: float) -> P
     adapted kernel W [..., in, out] becomes `LoraKernel(W, A, B, alpha / rank)` (the model then
     computes x W + s (x A) B), other leaves are the base's own arrays. Nothing is computed or
     copied: W is the base's array. Adapters may carry a leading policy axis [P, ...] that the
-    base does not (`policy_axes` of `jmarl.models.sampler` reads it); under `jax.vmap` over
+    base does not (`policy_axes` of `jmarl.models.generation.layout` reads it); under `jax.vmap` over
     adapters with the base unmapped, each policy reads the one base."""
     scale = alpha / rank
 

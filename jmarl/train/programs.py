@@ -66,12 +66,12 @@ import jax
 
 from jmarl.errors import JmarlError
 from jmarl.memory_check import Program
-from jmarl.models import engine as engine_lib
+from jmarl.models.generation import budget, engine
 from jmarl.padding import bucket_length, next_pow2
 from jmarl.sharding import ShardedFn, batch_shardings, device_bytes, put
 from jmarl.train.learner import abstract_learner_batch, batch_rows, score_batch
 from jmarl.train.packing import ROW_TOKENS, token_budget
-from jmarl.train.sampling import engine_spec, full_params_shapes
+from jmarl.train.sampling import full_params_shapes, generation_spec
 from jmarl.workflows.base import resolve_max_turns
 from jmarl.workflows.bounds import BoundsContext, PlanBounds
 
@@ -245,20 +245,21 @@ def engine_programs(trainer: Any, group: Any, calls: Sequence[tuple[tuple[int, .
     """The continuous engine's prefill and decode-chunk programs (`sampling.engine: continuous`)
     for the largest engine run of the step's sampler `calls`: a stacked group runs one pass per
     policy (its rows), another group one pass of all rows; S slots and Q prompt entries as
-    `jmarl.models.engine.run` picks them with the sampler's `engine_spec` (sampling.kv_budget_bytes, on
-    the trainer's mesh) for that call's completions per prompt, P = the bucket of max_prompt_len.
+    `jmarl.models.generation.engine.run` picks them with the sampler's `generation_spec`
+    (sampling.kv_budget_bytes, on the trainer's mesh) for that call's completions per prompt,
+    P = the bucket of max_prompt_len.
     [(name, jitted, abstract args, shapes)]."""
 
     s = trainer.sampler.settings
-    spec = engine_spec(s, group.tokenizer, trainer.mesh, trainer.sampler.buckets)
+    spec = generation_spec(s, group.tokenizer, trainer.mesh, trainer.sampler.buckets)
     rows, share = max(((max(r) if group.stacked else sum(r)), share) for r, share in calls)
     prompt_len = bucket_length(max(1, s.max_prompt_len), spec.buckets)
-    slots, entries = engine_lib.planned_slots(group.model_config, prompt_len, rows, share, spec)
-    max_prefill = engine_lib.planned_prefill(group.model_config, prompt_len, spec)
-    programs = engine_lib.planned_programs(group.model_config, _abstract(params), spec, slots=slots, entries=entries,
-                                           prompt_len=prompt_len, select=group.stacked)
+    slots, entries = budget.planned_slots(group.model_config, prompt_len, rows, share, spec)
+    max_prefill = budget.planned_prefill(group.model_config, prompt_len, spec)
+    programs = engine.planned_programs(group.model_config, _abstract(params), spec, slots=slots, entries=entries,
+                                       prompt_len=prompt_len, select=group.stacked)
     shapes = {"rows": rows, "share": share, "slots": slots, "entries": entries, "P": prompt_len,
-              "G": engine_lib.generated_capacity(s.max_new_tokens)}
+              "G": budget.generated_capacity(s.max_new_tokens)}
     u = next_pow2(min(slots, entries, max_prefill))
     return [(name, jitted, args, dict(shapes, U=u) if name == "engine_prefill" else dict(shapes))
             for name, jitted, args in programs]

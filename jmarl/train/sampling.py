@@ -5,9 +5,11 @@ Two engines (`jmarl.config.SamplingConfig.engine`, the run's `sampling` section)
   one call: a stacked group generates [P, B, S] prompts with `generate_stacked`, so a whole
   multi-agent turn is one program. Batch sizes are rounded up to a power of two and prompt
   lengths to a length bucket, so varied turns reuse a handful of compiled programs;
-- continuous: `jmarl.models.engine`: slots capped by the KV budget, a queue, refills between
-  decode chunks; one engine run per asked policy of a group (each run decodes that policy's
-  rows only, so no policy's rows are padding).
+- continuous: `jmarl.models.generation.engine`: slots capped by the KV budget, a queue, refills
+  between decode chunks; one engine run per asked policy of a group (each run decodes that
+  policy's rows only, so no policy's rows are padding).
+
+Both take the one `GenerationSpec` the run's `sampling` section gives (`generation_spec`).
 
 `ModelSampler.take_stats()` returns (and resets) the rollout figures since its last call.
 """
@@ -19,14 +21,12 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jmarl import models
 from jmarl.config import SamplingConfig
-from jmarl.models import engine as engine_lib
-from jmarl.models import kv_cache
-from jmarl.models import sampler as sampler_lib
+from jmarl.models.generation import engine as engine_lib
+from jmarl.models.generation import static
+from jmarl.models.generation.spec import EngineResult, EngineStats, GenerationSpec
 from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
 from jmarl.train.policies import PolicyGroup, PolicySet
 from jmarl.workflows.base import Completion
@@ -39,13 +39,14 @@ def stop_tokens(sampling: SamplingConfig, tokenizer: Any) -> tuple[int, ...]:
     return () if sampling.ignore_eos else tuple(int(i) for i in getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
 
 
-def engine_spec(sampling: SamplingConfig, tokenizer: Any, mesh: Any = None,
-                buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> engine_lib.EngineSpec:
-    """The continuous engine's settings for a run's `sampling` section (`sampling.engine:
-    continuous`): its sampling options, `stop_tokens` and the tokenizer's pad id, the KV budget
-    (`kv_budget()`), `engine_chunk_steps` and `max_rows_per_call` (the most slots), on `mesh`
-    with the sampler's prompt-length `buckets`; slots, entries and prefill calls as the budget allows."""
-    return engine_lib.EngineSpec(
+def generation_spec(sampling: SamplingConfig, tokenizer: Any, mesh: Any = None,
+                    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> GenerationSpec:
+    """The generation settings of a run's `sampling` section, for whichever engine it names:
+    its sampling options, `stop_tokens` and the tokenizer's pad id, on `mesh` with the sampler's
+    prompt-length `buckets`; for the continuous engine also the KV budget (`kv_budget()`),
+    `engine_chunk_steps` and `max_rows_per_call` (the most slots); slots, entries and prefill
+    calls as the budget allows."""
+    return GenerationSpec(
         max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
         top_k=sampling.top_k, stop_tokens=stop_tokens(sampling, tokenizer), pad_id=tokenizer.pad_id,
         kv_budget_bytes=sampling.kv_budget(), max_slots=sampling.max_rows_per_call,
@@ -110,10 +111,10 @@ class _EngineRuns:
     but the last, whose completions `finish` builds while the sampler's next call decodes."""
 
     def __init__(self, first: engine_lib.EngineRun, rest: Sequence[Callable[[], engine_lib.EngineRun]],
-                 collect: Callable[[int, engine_lib.EngineResult], None]) -> None:
+                 collect: Callable[[int, EngineResult], None]) -> None:
         self._pending: engine_lib.EngineRun | None = first
         self._rest, self._collect = list(rest), collect
-        self._results: list[engine_lib.EngineResult] = []
+        self._results: list[EngineResult] = []
 
     def block_until_ready(self) -> "_EngineRuns":
         while self._pending is not None:
@@ -142,7 +143,7 @@ class ModelSampler:
         self.buckets = tuple(buckets)
         self.new_tokens = 0
         self.mesh = mesh
-        self.engine_stats = engine_lib.EngineStats()  # the continuous engine's counters, all calls
+        self.engine_stats = EngineStats()  # the continuous engine's counters, all calls
         self._reset_stats()
 
     def _reset_stats(self) -> None:
@@ -232,15 +233,7 @@ class ModelSampler:
         if s.engine == "continuous":
             return self._engine_call(group, requests, prompts, n, rng)
         length = bucket_length(max(len(p) for p in prompts), self.buckets)
-        kwargs = dict(
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            stop_tokens=stop_tokens(s, tok),
-            pad_id=tok.pad_id,
-            mesh=self.mesh,
-        )
+        spec = generation_spec(s, tok, self.mesh, self.buckets)
         params = group.full_params
         # rows[k] = (request index, prompt ids); each request repeated n times
         if group.stacked:
@@ -252,21 +245,21 @@ class ModelSampler:
             if len(active) == 1:  # one policy asked (a tree node's agent): decode its rows only
                 only = active[0]
                 toks, masks = left_pad([prompts[r] for r in per_policy[only]], batch, length, tok.pad_id)
-                launch = lambda: models.generate(  # noqa: E731
-                    group.model_config, params(), toks, masks, rng, policy=only, **kwargs)
+                launch = lambda: static.generate(  # noqa: E731
+                    group.model_config, params(), toks, masks, rng, spec, policy=only)
                 located = [(r, None, j) for j, r in enumerate(per_policy[only])]
                 decoded = batch
             else:
                 toks, masks = zip(*(left_pad([prompts[r] for r in rows], batch, length, tok.pad_id) for rows in per_policy))
-                launch = lambda: models.generate_stacked(  # noqa: E731
-                    group.model_config, params(), np.stack(toks), np.stack(masks), rng, **kwargs)
+                launch = lambda: static.generate_stacked(  # noqa: E731
+                    group.model_config, params(), np.stack(toks), np.stack(masks), rng, spec)
                 located = [(r, pi, j) for pi, rows in enumerate(per_policy) for j, r in enumerate(rows)]
                 decoded = batch * len(per_policy)
         else:
             rows = [r for r in range(len(requests)) for _ in range(n)]
             batch = row_bucket(len(rows), self._row_devices(False))
             toks, masks = left_pad([prompts[r] for r in rows], batch, length, tok.pad_id)
-            launch = lambda: models.generate(group.model_config, params(), toks, masks, rng, **kwargs)  # noqa: E731
+            launch = lambda: static.generate(group.model_config, params(), toks, masks, rng, spec)  # noqa: E731
             located = [(r, None, j) for j, r in enumerate(rows)]
             decoded = batch
         self._stats["decoded_rows"] += decoded
@@ -307,7 +300,7 @@ class ModelSampler:
         the device); a finished run's completions are built while the next run, or the
         sampler's next call, decodes (`_EngineRuns`)."""
         tok = group.tokenizer
-        spec = engine_spec(self.settings, tok, self.mesh, self.buckets)
+        spec = generation_spec(self.settings, tok, self.mesh, self.buckets)
         if group.stacked:
             by_policy: dict[int, list[int]] = {}
             for r, (p, _) in enumerate(requests):
@@ -322,7 +315,7 @@ class ModelSampler:
 
         out: list[list[Completion]] = [[] for _ in requests]
 
-        def collect(k: int, result: engine_lib.EngineResult) -> None:
+        def collect(k: int, result: EngineResult) -> None:
             self._engine_completions(tok, prompts, runs[k][2], result, out)
 
         def complete(gen: _EngineRuns) -> list[list[Completion]]:
@@ -334,7 +327,7 @@ class ModelSampler:
         return _Call(launch, complete)
 
     def _engine_completions(self, tok: Any, prompts: list[Sequence[int]], idx: Sequence[int],
-                            result: engine_lib.EngineResult, out: list[list[Completion]]) -> None:
+                            result: EngineResult, out: list[list[Completion]]) -> None:
         """A finished engine run's completions into `out` at its requests `idx` (the run's
         request i is the call's request idx[i]), and its counters into the rollout figures."""
         st = result.stats
@@ -365,11 +358,10 @@ class ModelSampler:
         """(jitted program, abstract arguments) of one `sample` call that gives `rows[i]` rows to
         the i-th policy of `group`, as requests asking n = `share` completions of distinct
         prompts of settings.max_prompt_len tokens (blocks of `share` consecutive rows share a
-        prompt). The layout is decided by the sampler's own host code (`left_align`,
-        `contiguous_group_size`, `unique_prompts`) on such prompts, then the KV-cache capacity
-        and program settings follow `jmarl.models.sampler._run`: [(P,) B, S] prompts with
-        B = `row_bucket`(max(rows)), S the prompt's length bucket. `params`: what to lower with
-        (default: the shapes of the group's `full_params`). Nothing is allocated on a device.
+        prompt): [(P,) B, S] prompts with B = `row_bucket`(max(rows)), S the prompt's length
+        bucket, laid out by the static sampler's own host prep (`static.program_and_args`).
+        `params`: what to lower with (default: the shapes of the group's `full_params`). Nothing
+        is allocated on a device.
         """
         s = self.settings
         tok = group.tokenizer
@@ -390,40 +382,11 @@ class ModelSampler:
             blocks = [blocks[only]]
         tokens = np.stack([b[0] for b in blocks]) if stacked else blocks[0][0]
         mask = np.stack([b[1] for b in blocks]) if stacked else blocks[0][1]
-        length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), DEFAULT_LENGTH_BUCKETS)
-        tokens, mask = sampler_lib.left_align(tokens, mask, length, tok.pad_id)
-        batch_shape = tokens.shape[:-1]
-        size = sampler_lib.contiguous_group_size(tokens, mask)
-        if size > 1:
-            tokens, mask, prompt_rows = tokens[..., ::size, :], mask[..., ::size, :], None
-            capacity = max(int(s.max_new_tokens) - 1, 1)
-        else:
-            tokens, mask, prompt_rows = sampler_lib.unique_prompts(tokens, mask)
-            capacity = length + int(s.max_new_tokens) - 1
-        greedy = float(s.temperature) == 0.0
-        program = sampler_lib._program(
-            group.model_config, stacked, int(s.max_new_tokens), greedy, int(s.top_k), float(s.top_p) < 1.0,
-            stop_tokens(s, tok), int(tok.pad_id), size,
-            sampler_lib.first_phase_slots(capacity - (0 if size > 1 else length)), only is not None,
-        )
         if params is None:
             params = full_params_shapes(group)
-        cache = jax.eval_shape(lambda: kv_cache.empty_cache(group.model_config, batch_shape, capacity, windowed=True))
-        prompt_sh: tuple = (None, None, None)
-        if self.mesh is not None and self.mesh.size > 1:  # as `jmarl.models.sampler._run` places them
-            cache_sh, prompt_sh = sampler_lib.generation_shardings(
-                group.model_config, self.mesh, stacked, batch_shape, capacity, (tokens, mask, prompt_rows))
-            cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache, cache_sh)
-
-        def shape(x, sh=None):
-            return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-
-        args = (
-            params, cache, shape(tokens, prompt_sh[0]), shape(mask, prompt_sh[1]), shape(prompt_rows, prompt_sh[2]),
-            jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.float32),
-            jax.ShapeDtypeStruct((), jnp.float32),
-        ) + (() if only is None else (jax.ShapeDtypeStruct((), jnp.int32),))
-        return program, args
+        spec = generation_spec(s, tok, self.mesh, self.buckets)
+        return static.program_and_args(group.model_config, params, tokens, mask, spec, stacked=stacked,
+                                       select=only is not None)
 
 
 def completion_routing(gen: Any, policy: int | None, row: int, prompt_len: int, length: int) -> np.ndarray | None:

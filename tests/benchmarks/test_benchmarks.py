@@ -425,7 +425,7 @@ def test_table_names_the_runs_commit():
 
 def test_engine_utilizations_from_the_counters():
     from benchmarks.engine import utilizations
-    from jmarl.models.engine import EngineStats
+    from jmarl.models.generation.spec import EngineStats
 
     # static: 2 calls of 64 rows, 100 real; decoded positions 64 x 10 + 64 x 5; 700 useful tokens
     static = {"rows": 100, "decoded_rows": 128, "decoded_positions": 960, "useful_tokens": 700}
@@ -463,15 +463,16 @@ def test_engine_benchmark_sides_count_what_they_decode():
 
 def test_unrounded_slots_are_the_largest_that_fit():
     from benchmarks.engine_memory import unrounded_slots
-    from jmarl.models import engine, presets
+    from jmarl.models import presets
+    from jmarl.models.generation import budget as budget_lib
 
     config = presets.preset_config("qwen3-1.7b", param_dtype="bfloat16", compute_dtype="bfloat16")
     budget = 20 << 30
     for share in (1, 4):
         s, q = unrounded_slots(config, 4096, 512, budget, share)
-        assert engine.engine_bytes(config, s, q, 4096, 512) <= budget
-        assert engine.engine_bytes(config, s + 1, engine.entries_for(s + 1, share), 4096, 512) > budget
-        rounded, _ = engine.slots_for_budget(config, 4096, 512, budget, 4096, share=share)
+        assert budget_lib.engine_bytes(config, s, q, 4096, 512) <= budget
+        assert budget_lib.engine_bytes(config, s + 1, budget_lib.entries_for(s + 1, share), 4096, 512) > budget
+        rounded, _ = budget_lib.slots_for_budget(config, 4096, 512, budget, 4096, share=share)
         assert rounded <= s < 2 * rounded
     assert unrounded_slots(config, 4096, 512, 1 << 20, 4) == (0, 0)
 

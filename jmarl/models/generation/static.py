@@ -1,4 +1,7 @@
-"""KV-cache sampler: `generate` (one policy) and `generate_stacked` (P policies, one call).
+"""The static KV-cache sampler: `generate` (one policy) and `generate_stacked` (P policies, one call).
+
+Every row of a call keeps its place until the call's longest row ends (no refill: the continuous
+engine, `jmarl.models.generation.engine`, refills finished rows' slots instead).
 
 One compiled program per static settings and input shape (batch size, bucketed prompt length,
 number of distinct prompts rounded up to a power of two): prefill writes
@@ -21,212 +24,50 @@ min(C, W) positions of each row (the prompt's last slots, then the generated tok
 them), and a group's shared prompt cache keeps its last min(S, W) slots there.
 From 32 generated slots on, the decode loop runs in two phases over two cache blocks: the
 first half of the steps attends to the first block only (`first_phase_slots`).
-Sampling draws one uniform per row and inverts the CDF (top-k/top-p applied to the weights
-first), which is much cheaper on CPU than a Gumbel variate per vocabulary entry. Top-p works on
-the `lax.top_k` candidates (`truncated_weights`), not a sort of the whole vocabulary per token.
-
-Log-probs: `Generation.logprobs[:, i]` is the log-probability of the sampled token under
-softmax(logits / temperature) BEFORE top-k/top-p truncation, i.e. exactly what
-`token_logprobs(..., temperature=T)` gives when re-scoring the same tokens. That is the
-behaviour-policy probability the importance ratio pi_new / pi_old needs: the learner scores
-tokens without truncation, so the sampler reports the same quantity. With `temperature=0`
-(greedy, argmax) the log-probs are taken under temperature 1.
 
 Many policies: `generate_stacked` takes parameters stacked on a leading policy axis [P, ...]
 and prompts [P, B, S]; the program is `jax.vmap`ped over policies, so a whole multi-agent turn
 is one device call. Leaves without the policy axis are shared by every policy (`policy_axes`):
 per-agent LoRA adapters [P, ...] attached to one base (`jmarl.train.lora.attach_lora`) decode
-with that base read once, not P merged copies of it. Policy p draws its randomness from `jax.random.fold_in(rng, p)`: its rows
-equal `generate(config, params_p, prompts_p, masks_p, jax.random.fold_in(rng, p), ...)`.
+with that base read once, not P merged copies of it. Policy p draws its randomness from
+`jax.random.fold_in(rng, p)`: its rows equal
+`generate(config, params_p, prompts_p, masks_p, jax.random.fold_in(rng, p), spec)`.
+
+Host prep (`lay_out`): the prompts are bucketed, left-aligned (`left_align`), their groups found
+(`contiguous_group_size`) or their duplicates removed (`unique_prompts`), and the program chosen
+for that layout; `program_and_args` gives the same program with abstract arguments (the memory
+planner's view of a call, `jmarl.train.sampling.ModelSampler.generation_program`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jmarl.errors import JmarlError
-from jmarl.models.config import ModelConfig
-from jmarl.models import moe as moe_lib
-from jmarl.models.decode import Ring, decode_step, prefill, ring_mask, ring_prompt, window_block_mask
-from jmarl.models.kv_cache import KVCache, empty_cache, window_capacity
-from jmarl.models.layers import is_lora
-from jmarl.models.model import Params, cache_axes, param_shapes
-from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length
 from jmarl import sharding
+from jmarl.errors import JmarlError
+from jmarl.models import moe as moe_lib
+from jmarl.models.config import ModelConfig
+from jmarl.models.decode import Ring, decode_step, prefill, ring_mask, ring_prompt, window_block_mask
+from jmarl.models.generation.layout import (generation_params, generation_shardings, placed_on_mesh, policy_axes,
+                                            select_policy)
+from jmarl.models.generation.sampling import sample_token
+from jmarl.models.generation.spec import Generation, GenerationSpec
+from jmarl.models.kv_cache import KVCache, empty_cache, window_capacity
+from jmarl.models.model import Params
+from jmarl.padding import bucket_length
 
 _TRACES = {"count": 0}
 
 
-@struct.dataclass
-class Generation:
-    """Sampled completions. tokens int32[..., B, N] (pad_id after a stop), logprobs
-    float32[..., B, N] (0 where masked), mask bool[..., B, N] (True up to and including the stop
-    token), lengths int32[..., B] (number of True in mask).
-
-    Routing replay (`ModelConfig.replays_routing`; None otherwise: nothing is recorded): the
-    experts each token ran in each of the S sparse layers, ids in `moe.routing_dtype`:
-    routing [..., B, N, S, k] of the generated tokens (token i's as the decode step that read
-    it ran them; the marker `moe.no_route` where none did: a row's last token, which no step
-    reads, and the slots after it), prompt_routing [..., U, S_p, S, k] of the U prefilled
-    prompts (left-aligned to S_p slots, real tokens last, as `_run` lays them out) and
-    prompt_row int32[..., B], the prompt of each row."""
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    mask: jax.Array
-    lengths: jax.Array
-    routing: jax.Array | None = None
-    prompt_routing: jax.Array | None = None
-    prompt_row: jax.Array | None = None
-
-
 def num_compiled_programs() -> int:
-    """How many generation programs have been traced (= compiled) in this process so far."""
+    """How many static generation programs have been traced (= compiled) in this process so far."""
     return _TRACES["count"]
-
-
-# ---------------------------------------------------------------------------------- sampling
-TOP_P_CANDIDATES = 1024  # top-p looks at this many most likely entries (top_k's when set) before a full sort
-
-
-def sample_token(
-    logits: jax.Array,
-    rng: jax.Array,
-    temperature: jax.Array,
-    top_p: jax.Array,
-    *,
-    greedy: bool,
-    top_k: int,
-    use_top_p: bool,
-    axis_name: str | None = None,
-    uniform: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """logits float32[B,V] -> (token int32[B], log-prob float32[B] under softmax(logits / T),
-    before truncation). Greedy: argmax, log-prob at T=1. Else top-k, then top-p (the smallest
-    set of most likely tokens whose probability reaches top_p; `truncated_weights`), then one
-    draw per row by inverse-CDF sampling (one uniform per row instead of a Gumbel per vocabulary
-    entry). axis_name: the `jax.vmap` axis this runs under, if any (generate_stacked's policies),
-    so that top-p's rare full-sort fallback is decided once for all of them, not a select that
-    runs the sort every token. uniform float32[B] in [0, 1): the rows' draws, given (drawn from
-    rng otherwise; the engine draws each completion's own, `jmarl.models.engine`)."""
-    logits = logits.astype(jnp.float32)
-    scaled = logits if greedy else logits / temperature
-    peak = jnp.max(scaled, axis=-1, keepdims=True)
-    weights = jnp.exp(scaled - peak)  # unnormalized softmax(scaled)
-    log_normalizer = peak[:, 0] + jnp.log(jnp.sum(weights, axis=-1))
-    if greedy:
-        token = first_argmax(scaled)
-    else:
-        weights = truncated_weights(scaled, weights, top_p, top_k=top_k, use_top_p=use_top_p,
-                                    candidates=TOP_P_CANDIDATES, axis_name=axis_name)
-        if uniform is None:
-            uniform = jax.random.uniform(rng, (logits.shape[0],), jnp.float32)
-        token = inverse_cdf_sample(weights, uniform)
-    picked = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
-    return token, picked - log_normalizer
-
-
-def candidate_count(vocab: int, top_k: int, candidates: int) -> int:
-    """How many most likely entries top-p looks at first: top_k when it truncates
-    (0 < top_k < vocab), else min(vocab, candidates)."""
-    return top_k if 0 < top_k < vocab else min(vocab, candidates)
-
-
-def top_p_threshold(descending: jax.Array, total: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The top-p cut for weights sorted in descending order, descending float32[B,C] (the C
-    largest weights of each row, C up to V), total float32[B,1] (each row's whole mass) ->
-    float32[B,1]: the smallest weight among the entries whose mass before them (in that order)
-    is below top_p * total. Entries with weight >= it are kept. Exact when the entries beyond
-    the C given hold no kept entry (their mass before them, the sum of the C, reaches
-    top_p * total)."""
-    mass_before = jnp.cumsum(descending, axis=-1) - descending
-    kept = mass_before < top_p * total
-    return jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
-
-
-def truncated_weights(
-    scaled: jax.Array,
-    weights: jax.Array,
-    top_p: jax.Array,
-    *,
-    top_k: int,
-    use_top_p: bool,
-    candidates: int = TOP_P_CANDIDATES,
-    axis_name: str | None = None,
-) -> jax.Array:
-    """scaled float32[B,V] (logits / T), weights float32[B,V] (exp(scaled - row max)) ->
-    float32[B,V]: the weights with the entries outside top-k (0 < top_k < V: scaled below the
-    k-th largest; ties with it are kept), then outside top-p (`top_p_threshold`), set to 0.
-
-    No full-vocabulary sort per token: `jax.lax.top_k` takes the C = `candidate_count` most
-    likely entries and top-p's cumulative sum runs over those. That is exact when top_k
-    truncates (nothing else has weight, bar ties with the k-th, which share its weight) or when
-    the cut falls before the last candidate (the others hold at least top_p of the mass); only
-    when top_k is off and it does not (a flat distribution) does one `jax.lax.cond` sort the
-    whole vocabulary instead, for every row of the batch (and every policy along `axis_name`)
-    at once, as this function did for every token before."""
-    vocab = scaled.shape[-1]
-    truncating = 0 < top_k < vocab
-    if not truncating and not use_top_p:
-        return weights
-    c = candidate_count(vocab, top_k, candidates)
-    values, indices = jax.lax.top_k(scaled, c)
-    if truncating:  # the k-th largest as a min over all k: XLA:CPU keeps a TopK, whereas [:, -1:] makes a full sort
-        weights = jnp.where(scaled >= jnp.min(values, axis=-1, keepdims=True), weights, 0.0)
-    if not use_top_p:
-        return weights
-    descending = jnp.take_along_axis(weights, indices, axis=-1)  # the c largest weights, largest first
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    threshold = top_p_threshold(descending, total, top_p)
-    if not truncating and c < vocab:
-        # The cut reaches the last candidate (the candidates before it hold less than top_p): it may lie beyond.
-        short = jnp.sum((threshold[:, 0] <= descending[:, -1]).astype(jnp.int32))
-        if axis_name is not None:
-            short = jax.lax.psum(short, axis_name)
-        threshold = jax.lax.cond(
-            short > 0,
-            lambda: top_p_threshold(-jnp.sort(-weights, axis=-1), total, top_p),
-            lambda: threshold,
-        )
-    return jnp.where(weights >= threshold, weights, 0.0)
-
-
-def first_argmax(x: jax.Array) -> jax.Array:
-    """int32[B]: the first index of the maximum of each row of x [B,V] (two plain reductions,
-    which XLA:CPU runs much faster than argmax's (value, index) reduction)."""
-    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    is_max = x == jnp.max(x, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(is_max, iota, x.shape[-1]), axis=-1).astype(jnp.int32)
-
-
-def inverse_cdf_sample(weights: jax.Array, uniform: jax.Array, block: int = 256) -> jax.Array:
-    """Index i drawn with probability weights[b, i] / sum(weights[b]) for weights float32[B,V]
-    >= 0 and uniform float32[B] in [0, 1) -> int32[B]. Entries of weight 0 are never drawn.
-
-    Two levels: a cumulative sum over blocks of `block` entries picks the block, a cumulative
-    sum inside that block picks the entry (no full-vocabulary scan)."""
-    b, v = weights.shape
-    block = min(block, v)
-    num_blocks = -(-v // block)
-    blocks = jnp.pad(weights, ((0, 0), (0, num_blocks * block - v))).reshape(b, num_blocks, block)
-    block_mass = jnp.sum(blocks, axis=-1)
-    cum = jnp.cumsum(block_mass, axis=-1)
-    target = uniform * cum[:, -1]
-    block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
-    chosen = jnp.sum(cum <= target[:, None], axis=-1).astype(jnp.int32)
-    last_nonempty = jnp.max(jnp.where(block_mass > 0, block_ids, 0), axis=-1)
-    chosen = jnp.minimum(chosen, last_nonempty)  # only reachable through rounding at the top end
-    before = jnp.where(chosen > 0, jnp.take_along_axis(cum, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    inside = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]
-    entry = jnp.sum(jnp.cumsum(inside, axis=-1) <= (target - before)[:, None], axis=-1).astype(jnp.int32)
-    last_positive = jnp.max(jnp.where(inside > 0, jnp.arange(block, dtype=jnp.int32), 0), axis=-1)
-    return chosen * block + jnp.minimum(entry, last_positive)
 
 
 TWO_PHASES_FROM = 32  # generated slots from which the decode loop runs in two phases
@@ -299,7 +140,7 @@ def _generate_one(
     half > 0: the decode loop runs in two phases, the first over `half` generated slots
     (`first_phase_slots`).
 
-    The cache is windowed (`jmarl.models.kv_cache`; `_run` allocates it so): on sliding-window
+    The cache is windowed (`jmarl.models.kv_cache`; `lay_out` sizes it so): on sliding-window
     layers it holds a ring of R = min(C, W) slots, C its full layers' capacity; with groups,
     the prompts' cache keeps their last min(S, W) slots there. The decode steps write and read
     those layers as `decode.Ring` says; in two phases each ring is carried through both.
@@ -431,36 +272,6 @@ def _generate_one(
     return generation, cache
 
 
-def generation_params(config: ModelConfig, params: Params) -> Params:
-    """The parameters generation reads: floating leaves in the compute dtype, cast once per call
-    (every layer casts its weights to it before use, so the numbers are the same; float32
-    masters are then not read, nor gathered over an FSDP mesh, at every decode step). The cast
-    is per leaf, so params of any layout (one policy, stacked over policies, LoRA adapters over
-    a shared base) keep their shapes and structure."""
-    dtype = jnp.dtype(config.compute_dtype)
-    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-
-
-def policy_axes(config: ModelConfig, params: Params) -> Params:
-    """The policy axis of each leaf of params stacked over policies (a `jax.vmap` in_axes tree,
-    params' structure): 0 where a leaf has one axis more than `config`'s parameter at its path,
-    None where it has not (held once for every policy: the base of per-agent LoRA adapters,
-    whose `LoraKernel`s then have w None and a, b 0)."""
-
-    def axes(shape: jax.ShapeDtypeStruct, leaf: Any) -> Any:
-        stacked = lambda x: 0 if x.ndim > len(shape.shape) else None  # noqa: E731
-        return jax.tree.map(stacked, leaf) if is_lora(leaf) else stacked(leaf)
-
-    return jax.tree.map(axes, param_shapes(config), params)
-
-
-def select_policy(config: ModelConfig, params: Params, policy: jax.Array) -> Params:
-    """Policy `policy`'s parameters (int32 scalar) of params stacked over policies: its slice of
-    each stacked leaf (read in place), the shared leaves as they are (`policy_axes`)."""
-    return jax.tree.map(lambda p, axis: p if axis is None else jax.lax.dynamic_index_in_dim(p, policy, keepdims=False),
-                        params, policy_axes(config, params))
-
-
 @functools.lru_cache(maxsize=None)
 def _program(
     config: ModelConfig,
@@ -504,7 +315,6 @@ def _program(
 _empty_cache = jax.jit(functools.partial(empty_cache, windowed=True), static_argnums=(0, 1, 2))
 
 
-# ---------------------------------------------------------------------------------- host side
 def left_align(
     tokens: np.ndarray, mask: np.ndarray, length: int, pad_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -565,37 +375,78 @@ def contiguous_group_size(tokens: np.ndarray, mask: np.ndarray) -> int:
     blocks = rows.reshape(rows.shape[0], b // g, g, 2 * s)
     return g if bool(np.all(blocks == blocks[:, :, :1])) else 1
 
+@dataclass(frozen=True)
+class StaticCall:
+    """One static call laid out on the host (`lay_out`): the prompts left-aligned to S slots and,
+    with groups, one row per group (tokens/mask [(P,) U, S], rows int32[(P,) B] or None: row b
+    continues prompt rows[b]; None with groups or no duplicates), the batch shape [(P,) B] of the
+    KV cache, its capacity C (slots per row), and the jitted program for that layout. The program
+    takes (params, cache, tokens, mask, rows, rng, temperature, top_p[, policy])."""
 
-def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
-    if int(max_new_tokens) < 1:
-        raise JmarlError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise JmarlError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise JmarlError(f"top_p must be in (0, 1], got {top_p}")
-    if int(top_k) < 0:
-        raise JmarlError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    program: Callable
+    tokens: np.ndarray
+    mask: np.ndarray
+    rows: np.ndarray | None
+    batch_shape: tuple[int, ...]
+    capacity: int
 
 
-def _run(
-    config: ModelConfig,
-    params: Params,
-    prompt_tokens,
-    prompt_mask,
-    rng: jax.Array,
-    *,
-    stacked: bool,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    stop_tokens: Sequence[int],
-    pad_id: int,
-    buckets: Sequence[int],
-    mesh: Any = None,
-    policy: int | None = None,
-) -> Generation:
-    _check_options(max_new_tokens, temperature, top_p, top_k)
+def lay_out(config: ModelConfig, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, spec: GenerationSpec, *,
+            stacked: bool, select: bool = False) -> StaticCall:
+    """The host prep of a call of prompts tokens/mask [(P,) B, S'] (any padding side): bucketed
+    to S = the bucket of the longest prompt (`spec.buckets`), left-aligned, groups of G identical
+    consecutive rows kept as one prompt row each (`contiguous_group_size`: the prompt's cache is
+    shared, C = max(N - 1, 1) generated slots per row), else duplicates prefilled once
+    (`unique_prompts`, C = S + N - 1). `select`: params stacked [P, ...], one policy generated."""
+    tokens = np.asarray(prompt_tokens)
+    mask = np.asarray(prompt_mask).astype(bool)
+    new_tokens = int(spec.max_new_tokens)
+    length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), spec.buckets)
+    tokens, mask = left_align(tokens, mask, length, spec.pad_id)
+    batch_shape = tokens.shape[:-1]
+    group = contiguous_group_size(tokens, mask)
+    if group > 1:  # groups of identical consecutive prompts: one shared prompt cache per group
+        tokens, mask, rows = tokens[..., ::group, :], mask[..., ::group, :], None
+        capacity = max(new_tokens - 1, 1)
+    else:
+        tokens, mask, rows = unique_prompts(tokens, mask)
+        capacity = length + new_tokens - 1
+    greedy, top_k, use_top_p, stop_tokens = spec.program_sampling()
+    program = _program(
+        config, stacked, new_tokens, greedy, top_k, use_top_p, stop_tokens, int(spec.pad_id), group,
+        first_phase_slots(capacity - (0 if group > 1 else length)), select,
+    )
+    return StaticCall(program, tokens, mask, rows, batch_shape, capacity)
+
+
+def program_and_args(config: ModelConfig, params: Any, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+                     spec: GenerationSpec, *, stacked: bool, select: bool = False) -> tuple[Callable, tuple]:
+    """(jitted program, abstract arguments) of the call `generate` (`stacked` False) or
+    `generate_stacked` makes for these prompts [(P,) B, S'] (`lay_out`), its KV cache and prompts
+    with the shardings `spec.mesh` gives them (`generation_shardings`). params: arrays or
+    ShapeDtypeStructs, as the call would get them. Nothing is allocated on a device."""
+    call = lay_out(config, prompt_tokens, prompt_mask, spec, stacked=stacked, select=select)
+    cache = jax.eval_shape(lambda: empty_cache(config, call.batch_shape, call.capacity, windowed=True))
+    prompts = (call.tokens, call.mask, call.rows)
+    prompt_sh: tuple = (None, None, None)
+    if spec.mesh is not None and spec.mesh.size > 1:
+        cache_sh, prompt_sh = generation_shardings(config, spec.mesh, stacked, call.batch_shape, call.capacity,
+                                                   prompts)
+        cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache, cache_sh)
+
+    def shape(x: np.ndarray | None, sh: Any) -> jax.ShapeDtypeStruct | None:
+        return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    args = (params, cache, *(shape(x, sh) for x, sh in zip(prompts, prompt_sh)),
+            jax.eval_shape(lambda: jax.random.key(0)), f32, f32)
+    return call.program, args + ((jax.ShapeDtypeStruct((), jnp.int32),) if select else ())
+
+
+def _run(config: ModelConfig, params: Params, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+         spec: GenerationSpec, *, stacked: bool, policy: int | None = None) -> Generation:
+    """Checks the prompts [(P,) B, S], lays the call out (`lay_out`), places its cache and prompts
+    (on `spec.mesh` when it has several devices) and runs its program."""
     tokens = np.asarray(prompt_tokens)
     mask = np.asarray(prompt_mask).astype(bool)
     want = 3 if stacked else 2
@@ -606,111 +457,39 @@ def _run(
         )
     if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
         raise JmarlError(f"prompt token ids must be in [0, {config.vocab_size}), the model's vocabulary")
-    length = bucket_length(max(int(mask.sum(axis=-1).max(initial=0)), 1), buckets)
-    tokens, mask = left_align(tokens, mask, length, pad_id)
-    batch_shape = tokens.shape[:-1]
-    group = contiguous_group_size(tokens, mask)
-    if group > 1:  # groups of identical consecutive prompts: one shared prompt cache per group
-        tokens, mask, rows = tokens[..., ::group, :], mask[..., ::group, :], None
-        capacity = max(int(max_new_tokens) - 1, 1)
-    else:
-        tokens, mask, rows = unique_prompts(tokens, mask)
-        capacity = length + int(max_new_tokens) - 1
-    greedy = float(temperature) == 0.0
-    program = _program(
-        config, stacked, int(max_new_tokens), greedy, int(top_k), float(top_p) < 1.0,
-        tuple(int(t) for t in stop_tokens), int(pad_id), group,
-        first_phase_slots(capacity - (0 if group > 1 else length)), policy is not None,
-    )
+    call = lay_out(config, tokens, mask, spec, stacked=stacked, select=policy is not None)
+    prompts = (call.tokens, call.mask, call.rows)
+    mesh = spec.mesh
     if mesh is not None and mesh.size > 1:
-        cache, (tokens, mask, rows) = placed_on_mesh(config, mesh, stacked, batch_shape, capacity, (tokens, mask, rows))
+        cache, prompts = placed_on_mesh(config, mesh, stacked, call.batch_shape, call.capacity, prompts)
     else:
-        cache = _empty_cache(config, batch_shape, capacity)
-    temp = jnp.float32(1.0 if greedy else temperature)
+        cache = _empty_cache(config, call.batch_shape, call.capacity)
+    temp = jnp.float32(1.0 if spec.greedy else spec.temperature)
     extra = () if policy is None else (jnp.int32(policy),)
     if policy is not None:  # the key the stacked program gives policy p
         rng = jax.random.fold_in(rng, policy)
     with sharding.mesh_context(mesh):  # the prefill keeps its rows sharded (`jmarl.models.layers.batch_sharded`)
-        generation, _ = program(params, cache, tokens, mask, rows, rng, temp, jnp.float32(top_p), *extra)
+        generation, _ = call.program(params, cache, *prompts, rng, temp, jnp.float32(spec.top_p), *extra)
     return generation
 
 
-def generation_shardings(config: ModelConfig, mesh: Any, stacked: bool, batch_shape: tuple[int, ...], capacity: int,
-                         prompts: tuple) -> tuple[Any, tuple]:
-    """(KV cache shardings, shardings of the prompt arrays) of a generation call on `mesh`: cache
-    and prompt rows over the batch axes (data, fsdp), key/value heads over tensor, a stacked
-    policy axis over policy. None for an absent prompt array."""
-    abstract = jax.eval_shape(lambda: empty_cache(config, batch_shape, capacity, windowed=True))
-    cache_sh = sharding.shardings(mesh, sharding.cache_specs(cache_axes(abstract, stacked=stacked), abstract, mesh))
-    prompt_sh = tuple(
-        None if x is None else jax.sharding.NamedSharding(mesh, sharding.batch_spec(np.shape(x), mesh, stacked=stacked))
-        for x in prompts)
-    return cache_sh, prompt_sh
+def generate(config: ModelConfig, params: Params, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+             spec: GenerationSpec, *, policy: int | None = None) -> Generation:
+    """Samples up to spec.max_new_tokens per prompt. prompt_tokens int[B,S], prompt_mask bool[B,S]
+    (any padding side) -> Generation with [B, max_new_tokens] fields. spec.temperature 0 = greedy;
+    top_k 0 and top_p 1 disable truncation; a row stops after emitting any of spec.stop_tokens.
+    `spec.mesh` (a `jax.sharding.Mesh` of several devices): the KV cache and prompt rows are
+    sharded over its batch axes (data, fsdp) and key/value heads over tensor, so each device
+    decodes its own rows; params keep whatever placement they have. `policy`: params are stacked
+    [P, ...] per-agent policies and policy p's are used, with the key `generate_stacked` gives it
+    (the same tokens as its rows there), without decoding the other policies' (padding) rows. The
+    engine-only fields of `spec` (slots, budget, chunks) are not used."""
+    return _run(config, params, prompt_tokens, prompt_mask, rng, spec, stacked=False, policy=policy)
 
 
-def placed_on_mesh(config: ModelConfig, mesh: Any, stacked: bool, batch_shape: tuple[int, ...], capacity: int,
-                   prompts: tuple) -> tuple[KVCache, tuple]:
-    """An empty KV cache created sharded on `mesh` and the prompt arrays placed there (see
-    `generation_shardings`): every device holds and decodes only its rows."""
-    cache_sh, prompt_sh = generation_shardings(config, mesh, stacked, batch_shape, capacity, prompts)
-    cache = jax.jit(lambda: empty_cache(config, batch_shape, capacity, windowed=True), out_shardings=cache_sh)()
-    placed = tuple(None if x is None else sharding.put(np.asarray(x), sh) for x, sh in zip(prompts, prompt_sh))
-    return cache, placed
-
-
-def generate(
-    config: ModelConfig,
-    params: Params,
-    prompt_tokens,
-    prompt_mask,
-    rng: jax.Array,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_tokens: Sequence[int] = (),
-    pad_id: int = 0,
-    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
-    mesh: Any = None,
-    policy: int | None = None,
-) -> Generation:
-    """Samples up to max_new_tokens per prompt. prompt_tokens int[B,S], prompt_mask bool[B,S]
-    (any padding side) -> Generation with [B, max_new_tokens] fields. temperature 0 = greedy;
-    top_k 0 and top_p 1 disable truncation; a row stops after emitting any of stop_tokens.
-    `mesh` (a `jax.sharding.Mesh` of several devices): the KV cache and prompt rows are sharded
-    over its batch axes (data, fsdp) and key/value heads over tensor, so each device decodes its
-    own rows; params keep whatever placement they have. `policy`: params are stacked [P, ...]
-    per-agent policies and policy p's are used, with the key `generate_stacked` gives it (the
-    same tokens as its rows there), without decoding the other policies' (padding) rows."""
-    return _run(
-        config, params, prompt_tokens, prompt_mask, rng, stacked=False,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets, mesh=mesh, policy=policy,
-    )
-
-
-def generate_stacked(
-    config: ModelConfig,
-    stacked_params: Params,
-    prompt_tokens,
-    prompt_mask,
-    rng: jax.Array,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_tokens: Sequence[int] = (),
-    pad_id: int = 0,
-    buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
-    mesh: Any = None,
-) -> Generation:
+def generate_stacked(config: ModelConfig, stacked_params: Params, prompt_tokens: Any, prompt_mask: Any,
+                     rng: jax.Array, spec: GenerationSpec) -> Generation:
     """P policies of one architecture in one device call: stacked_params with a leading [P]
     axis, prompt_tokens/prompt_mask [P,B,S] -> Generation with [P, B, max_new_tokens] fields.
-    Policy p uses jax.random.fold_in(rng, p). `mesh`: see `generate`."""
-    return _run(
-        config, stacked_params, prompt_tokens, prompt_mask, rng, stacked=True,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop_tokens=stop_tokens, pad_id=pad_id, buckets=buckets, mesh=mesh,
-    )
+    Policy p uses jax.random.fold_in(rng, p). `spec`: see `generate`."""
+    return _run(config, stacked_params, prompt_tokens, prompt_mask, rng, spec, stacked=True)

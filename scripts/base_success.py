@@ -3,6 +3,8 @@
     python scripts/base_success.py                           # SmolLM2-135M-Instruct, every task
     python scripts/base_success.py --tasks math_d1 router    # some tasks only
     python scripts/base_success.py --render                  # the table again from the JSON
+    python scripts/base_success.py --table tiers --tasks add_small add_two_digit two_ops \
+        --episodes 128 --max-new-tokens 48                   # a second table of other settings
 
 Each cell (task, decoding) builds the trainer of the task's config with the model swapped in
 (float32, one shared policy for every agent, no warm start) and runs its held-out evaluation
@@ -11,6 +13,8 @@ temperature 1. results/base_success_<model>.json is rewritten after every cell w
 the cell ran on, its settings, seconds and every eval/* figure; a cell already there for the same
 code and settings is not run again, so an interrupted table continues where it stopped. The
 table goes into docs/models.md between `<!-- base-success:<model>:start -->` and its `end` marker.
+`--table NAME` keeps a table of other settings beside it (results/base_success_<model>_<NAME>.json,
+markers `<!-- base-success:<model>:<NAME>:start -->`); a table lists the tasks it has cells of.
 A checkpoint without a chat template (gemma3-270m) takes `--chat-template` (`model.chat_template`).
 """
 
@@ -47,6 +51,15 @@ TASKS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "router": ("configs/joyagents/router.yaml", (), "Router (master + sub-agents)"),
     "writing": ("configs/magrpo/writing.yaml", (), "Writing (two writers)"),
     "code": ("configs/at_grpo/code.yaml", (), "code (coder + tester)"),
+    # the arithmetic tiers of the real-model recipe (one solver, one turn; 128+ distinct held-out problems)
+    "add_small": ("configs/real/grpo_add_full.yaml", (), "two-operand addition, operands 0-49 (the recipe's task)"),
+    "add_two_digit": ("configs/real/grpo_add_full.yaml", ("env.options.tier=add_two_digit",),
+                      "two-operand addition, two-digit operands"),
+    "two_ops": ("configs/real/grpo_add_full.yaml", ("env.options.tier=two_ops",), "two operations"),
+    "add_small_4shot": ("configs/real/grpo_add_full.yaml", ("env.options.examples=4",),
+                        "two-operand addition, operands 0-49, 4 solved examples in the prompt"),
+    "two_ops_4shot": ("configs/real/grpo_add_full.yaml", ("env.options.tier=two_ops", "env.options.examples=4"),
+                      "two operations, 4 solved examples in the prompt"),
 }
 DECODING = {"greedy": ("eval.greedy=true",), "t1": ("eval.greedy=false", "sampling.temperature=1.0")}
 
@@ -99,6 +112,8 @@ def render(result: dict) -> str:
              f"commits {', '.join(sorted({c['commit'] for c in cells.values()}))}):", "",
              "| task | greedy [95% interval] | temperature 1 | seconds (greedy + T=1) |", "|---|---|---|---|"]
     for name, (_, _, what) in TASKS.items():
+        if not any(f"{name}/{dec}" in cells for dec in DECODING):
+            continue
         row = [what]
         secs = 0.0
         for dec in DECODING:
@@ -124,13 +139,15 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def write_docs(table: str, model: str, docs: Path = ROOT / "docs" / "models.md") -> None:
-    """`table` into `docs` between the model's markers `<!-- base-success:<model>:start/end -->`
+def write_docs(table: str, model: str, docs: Path = ROOT / "docs" / "models.md", name: str | None = None) -> None:
+    """`table` into `docs` between the markers `<!-- base-success:<model>[:<name>]:start/end -->`
     (appended under a heading of its own the first time)."""
     text = docs.read_text()
-    start, end = f"<!-- base-success:{model}:start -->", f"<!-- base-success:{model}:end -->"
+    key = model if name is None else f"{model}:{name}"
+    start, end = f"<!-- base-success:{key}:start -->", f"<!-- base-success:{key}:end -->"
     if start not in text:
-        text = text.rstrip("\n") + f"\n\n## Base success of {model}\n\n{start}\n{end}\n"
+        title = model if name is None else f"{model} ({name})"
+        text = text.rstrip("\n") + f"\n\n## Base success of {title}\n\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     docs.write_text(head + start + "\n" + table + "\n" + end + rest.split(end, 1)[1])
 
@@ -147,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--render", action="store_true", help="only re-render the table from the JSON")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--fresh", action="store_true", help="start a new table when the settings differ")
+    parser.add_argument("--table", default=None, help="a named table of its own settings beside the model's main one")
     args = parser.parse_args(argv)
-    path = ROOT / "results" / f"base_success_{args.model}.json"
+    path = ROOT / "results" / f"base_success_{args.model}{'' if args.table is None else '_' + args.table}.json"
     result = json.loads(path.read_text()) if path.exists() else {}
     same = (result.get("model"), result.get("episodes"), result.get("max_new_tokens"), result.get("chat_template")) == (
         args.model, args.episodes, args.max_new_tokens, args.chat_template)
@@ -184,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     table = render(result)
     print(table)
     if not args.no_docs:
-        write_docs(table, args.model)
+        write_docs(table, args.model, name=args.table)
 
 
 if __name__ == "__main__":

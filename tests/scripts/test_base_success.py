@@ -46,3 +46,20 @@ def test_table_names_the_template_and_goes_under_each_models_markers(script, tmp
     assert "<!-- base-success:other:start -->\nnew\n<!-- base-success:other:end -->\n\ntail\n" in text
     assert text.endswith("## Base success of gemma3-270m\n\n<!-- base-success:gemma3-270m:start -->\n" + table
                          + "\n<!-- base-success:gemma3-270m:end -->\n")
+
+
+def test_a_table_lists_only_its_tasks_and_a_named_table_has_its_own_markers(script, tmp_path):
+    """A table's rows are the tasks it has cells of; `--table NAME` writes between its own markers
+    and leaves the model's main table as it was."""
+    result = {"model": "m", "episodes": 128, "max_new_tokens": 48, "cells": {
+        "add_small/t1": {"metrics": {"eval/success_rate": 0.5}, "seconds": 3.0, "commit": "abc1234"}}}
+    table = script.render(result)
+    assert "| two-operand addition, operands 0-49 (the recipe's task) | not run | 50.0% [41-59] | 3 |" in table
+    assert "Plan-Path" not in table and "two operations" not in table
+    docs = tmp_path / "models.md"
+    docs.write_text("<!-- base-success:m:start -->\nmain\n<!-- base-success:m:end -->\n")
+    script.write_docs(table, "m", docs, name="tiers")
+    text = docs.read_text()
+    assert text.startswith("<!-- base-success:m:start -->\nmain\n<!-- base-success:m:end -->\n")
+    assert text.endswith("## Base success of m (tiers)\n\n<!-- base-success:m:tiers:start -->\n" + table
+                         + "\n<!-- base-success:m:tiers:end -->\n")

@@ -5,12 +5,14 @@ answer on a fully masked query row (why the module overwrites those), and the wh
 attention, forward and gradient in q, k, v, on ragged rows (several segments a row,
 continuations of different lengths, a prompt-only segment, a padded tail, a row of padding
 only; T not a multiple of 128, two key blocks), grouped-query heads, with and without a
-sliding window."""
+sliding window. And the programs exported from this CPU: the packed update's gradient for TPU
+carries the splash kernels and no blockwise loop; what the GPU forms do when lowered for CUDA."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from jmarl.models import attention as attention_lib
 from jmarl.models import packed_split as ps
@@ -130,3 +132,89 @@ def test_splash_split_with_a_window_equals_dense(window, local_window):
     """A layer scan's traced window: NO_WINDOW (splash unwindowed), the kernel's local_window
     (own part on LocalMask, prompt part dense), another window (both parts dense)."""
     _check_split_against_dense(window, local_window)
+
+
+# ---------------------------------------------------------------------------------- export
+_TRITON = "__gpu$xla.gpu.triton"
+
+
+def _export(fn, args, platform: str, allow: tuple[str, ...] = ()) -> str:
+    checks = [export.DisabledSafetyCheck.custom_call(target) for target in allow]
+    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args).mlir_module()
+
+
+def _packed_logprob_grad_text(attention: str, platform: str) -> str:
+    """The gradient of the summed packed log-probs of a tiny 2-layer model (bf16, head_dim 64,
+    GQA 4:2; 2 rows of 512 slots: past the dense form's width) exported for `platform`."""
+    from jmarl.models import ModelConfig, init
+    from jmarl.train.packing import packed_logprobs
+
+    config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True, max_position_embeddings=4096,
+                         compute_dtype="bfloat16", attention=attention)
+    params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    batch = {"packed_tokens": i32(2, 512), "packed_positions": i32(2, 512), "packed_segment": i32(2, 512),
+             "packed_branch": i32(2, 512), "pred_source": i32(256), "pred_target": i32(256), "pred_slot": i32(4, 64)}
+    grad = jax.grad(lambda p, b: jnp.sum(packed_logprobs(config, p, b)))
+    return _export(grad, (params, batch), platform)
+
+
+def test_exported_packed_update_carries_splash_on_tpu_and_blockwise_elsewhere():
+    """Lowered on this CPU: for TPU, attention auto puts both parts on splash (forward 2
+    kernels, backward dkv + dq for each part: 6 Mosaic calls in the scanned layer) and no
+    blockwise loop (as many while loops as the dense form's: the layer scan); for CPU and CUDA
+    the blockwise loops and no kernel: no GPU kernel takes the packed parts yet (see
+    test_gpu_kernel_forms_for_the_parts_lower_for_cuda_or_say_why)."""
+    loops = {}
+    for platform in ("tpu", "cpu", "cuda"):
+        text = _packed_logprob_grad_text("auto", platform)
+        loops[platform] = text.count("stablehlo.while")
+        dense_loops = _packed_logprob_grad_text("xla", platform).count("stablehlo.while")
+        if platform == "tpu":
+            assert text.count("tpu_custom_call") == 6
+            assert loops[platform] == dense_loops == 1
+        else:
+            assert "tpu_custom_call" not in text and "__cudnn" not in text and _TRITON not in text
+            assert loops[platform] > dense_loops
+    assert loops["cpu"] == loops["cuda"]
+
+
+def test_gpu_kernel_forms_for_the_parts_lower_for_cuda_or_say_why():
+    """The GPU forms packed_split's docstring names, lowered for CUDA on this CPU, one part's
+    shape (2 rows x 512 slots, 4 query and 2 key heads of 64, bf16):
+
+    cuDNN's packed (THD) layout, the one that takes a part's sequences as offsets: its trace
+        asks the local GPU's compute capability (`check_compute_capability("9.0")`), so without
+        a GPU it refuses: NotImplementedError "Packed layout requires a GPU with at least
+        Hopper architecture." (the trace stops there, before any lowering).
+    Pallas GPU `mha` (Triton), own part by segment ids: lowers, forward with its residuals and
+        gradient, to the `__gpu$xla.gpu.triton` custom call, which jax.export refuses to
+        serialize unless that target's check is disabled (no compatibility guarantee)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_lib
+    from jax.experimental.pallas.ops.gpu import attention as triton_lib
+
+    b, t, h, kv, d, m = 2, 512, 4, 2, 64, 8
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+
+    def cudnn(q, k, v, q_len, kv_len, q_off, kv_off):
+        with attention_lib._cudnn_version_for_lowering():
+            return cudnn_lib.dot_product_attention(q, k, v, None, None, q_len, kv_len, q_off, kv_off, scale=d**-0.5,
+                                                   mask_type=cudnn_lib.MaskType.PADDING_CAUSAL, return_residual=True)
+
+    with pytest.raises(NotImplementedError, match=r"^Packed layout requires a GPU with at least Hopper architecture\."):
+        _export(cudnn, (bf16(b, t, h, d), bf16(b, t, kv, d), bf16(b, t, kv, d), i32(b, m), i32(b, m),
+                        i32(b, m + 1), i32(b, m + 1)), "cuda",
+                allow=("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"))
+
+    def triton(q, k, v, seg):
+        out, res = triton_lib.mha(q, k, v, seg, sm_scale=d**-0.5, causal=True, return_residuals=True)
+        grad = jax.grad(lambda q, k, v: jnp.sum(triton_lib.mha(q, k, v, seg, sm_scale=d**-0.5, causal=True)
+                                                .astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+        return out, res, grad
+
+    args = (bf16(b, t, h, d), bf16(b, t, h, d), bf16(b, t, h, d), i32(b, t))  # one segment-id array: K/V per head
+    assert _export(triton, args, "cuda", allow=(_TRITON,)).count(_TRITON) >= 3  # forward, dq/dkv backward
+    with pytest.raises(ValueError, match="Cannot serialize code with custom calls whose targets have no compatibility"):
+        _export(triton, args, "cuda")

@@ -42,13 +42,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmarl.errors import JmarlError
+
+if TYPE_CHECKING:
+    from jmarl.models.packed_split import PartKernel
 
 IMPLS: tuple[str, ...] = ("auto", "xla", "dense", "cudnn", "splash", "blockwise")
 # auto: dense when B * H * T * S float32 scores take at most 256 MiB
@@ -165,6 +168,7 @@ def packed_attention(
     block_k: int | None = None,
     window: int | jax.Array | None = None,
     positions: jax.Array | None = None,
+    kernel: PartKernel | None = None,
 ) -> jax.Array:
     """Attention inside packed rows. q [R,T,H,hd], k/v [R,T,KV,hd] (one slot per token, keys and
     queries aligned); segment int[R,T]: 0 = padding, else the id of a contiguous run of slots
@@ -173,13 +177,16 @@ def packed_attention(
     segment, and s is on branch 0 or on t's branch: each continuation attends to its prompt
     and to itself, never to its siblings. -> [R,T,H,hd] in q's dtype; a padding query gets a
     finite average. Forms: dense when the scores are small (or impl dense/xla), otherwise the
-    blockwise kernel, which skips every tile outside a segment and above the diagonal (cuDNN's
-    and splash's masks cannot say "prompt or own branch", so no kernel form is used here).
+    blockwise kernel, which skips every tile outside a segment and above the diagonal; on TPU
+    (auto, chosen when lowered) and with impl "splash": the split below on the splash kernels
+    (`jmarl.models.splash_kernel`; head_dim a multiple of 64, else blockwise), a layer whose
+    window is shorter than the row on blockwise; the split gives a padding query 0.
     window (with positions int[R,T], each token's position in its own sequence): query t also
     sees only keys less than `window` positions before its own (positions[t] - positions[s] <
     window), a sliding window over the sequence the continuation belongs to.
     impl "split" (opt-in, this argument only; not in IMPLS): the same softmax as two
-    segment-id attentions merged by their log-sum-exps (`jmarl.models.packed_split`)."""
+    segment-id attentions merged by their log-sum-exps (`jmarl.models.packed_split`), each on
+    `kernel` (a `packed_split.PartKernel`; None: the dense reference, merged by autodiff)."""
     _check(q, k, v, "dense" if impl == "split" else impl)
     if q.shape[1] != k.shape[1]:
         raise JmarlError(f"packed attention takes aligned queries and keys; got {q.shape} and {k.shape}")
@@ -194,11 +201,43 @@ def packed_attention(
         from jmarl.models import packed_split
 
         return packed_split.split_attention(q, k, v, segment, branch, positions=extra[0] if windowed else None,
-                                            window=extra[1] if windowed else None).astype(q.dtype)
+                                            window=extra[1] if windowed else None, kernel=kernel).astype(q.dtype)
     if impl in ("xla", "dense") or (impl == "auto" and t <= PACKED_DENSE_MAX and r * h * t * t <= DENSE_MAX_SCORES):
         idx = jnp.arange(t)
         allowed = _Packed(windowed).allowed((segment, branch) + extra, idx, idx)
         return _dense_masked(q, k, v, allowed)[0]
+    blockwise = functools.partial(_packed_blockwise, extra=extra, block_q=block_q, block_k=block_k)
+    if impl == "splash":
+        return _packed_splash_or(blockwise, q, k, v, segment, branch, extra=extra)
+    if impl == "auto":  # the platform's form, chosen when the program is lowered
+        return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise,
+                                          tpu=functools.partial(_packed_splash_or, blockwise, extra=extra))
+    return blockwise(q, k, v, segment, branch)
+
+
+def _packed_splash_or(blockwise: Callable, q, k, v, segment, branch, *, extra: tuple) -> jax.Array:
+    """`packed_attention` split into its two parts on the splash kernels (TPU) where they apply
+    (head_dim a multiple of 64; no window, or a layer whose window reaches past the row),
+    else `blockwise(q, k, v, segment, branch)`."""
+    if q.shape[-1] % 64:
+        return blockwise(q, k, v, segment, branch)
+    from jmarl.models import packed_split, splash_kernel
+
+    def split(q, k, v, segment, branch):
+        return packed_split.split_attention(q, k, v, segment, branch, kernel=splash_kernel.splash_kernel()
+                                            ).astype(q.dtype)
+
+    if not extra:
+        return split(q, k, v, segment, branch)
+    # a window >= T hides no key of a row (positions differ by < T): such layers take splash
+    return jax.lax.cond(extra[1] >= q.shape[1], split, blockwise, q, k, v, segment, branch)
+
+
+def _packed_blockwise(q, k, v, segment, branch, *, extra: tuple, block_q: int | None, block_k: int | None
+                      ) -> jax.Array:
+    """`packed_attention`'s blockwise form (extra: () or the window's (positions, window))."""
+    r, t, h, _ = q.shape
+    windowed = bool(extra)
     bq, bk = min(block_q or PACKED_BLOCK, t), min(block_k or PACKED_BLOCK, t)
     tp, sp = -(-t // bq) * bq, -(-t // bk) * bk
     width = max(tp, sp)

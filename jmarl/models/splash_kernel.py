@@ -118,7 +118,7 @@ def has_key(q_ids: jax.Array, k_ids: jax.Array, *, causal: bool) -> jax.Array:
     def row(qi: jax.Array, ki: jax.Array) -> jax.Array:
         order = jnp.argsort(ki, stable=True)  # equal ids keep their slot order: the first is the earliest
         ids = ki[order]
-        at = jnp.clip(jnp.searchsorted(ids, qi, side="left"), 0, t - 1)
+        at = jnp.clip(jnp.searchsorted(ids, qi, side="left", method="sort"), 0, t - 1)  # no loop
         seen = ids[at] == qi
         return seen & (order[at] <= jnp.arange(t)) if causal else seen
 

@@ -26,6 +26,7 @@ ROWS = [
     [],  # padding only
 ]
 ATOL = RTOL = 2e-5
+INTERPRET = jax.default_backend() != "tpu"  # on a TPU the compiled kernels run
 
 
 def _layout():
@@ -67,7 +68,7 @@ def test_raw_splash_averages_a_fully_masked_row():
     """What the module works around: a query whose segment id matches no key gets the mean of
     the values and an lse of mask_value + log(keys) from the kernel, not an error or NaN."""
     kernel_lib, _ = sk._splash()
-    kernel = sk._kernel(128, 1, False, None, 128, True)
+    kernel = sk._kernel(128, 1, False, None, 128, INTERPRET)
     q, k, v = (jax.random.normal(key, (1, 128, HD)) for key in jax.random.split(jax.random.key(1), 3))
     q_ids = jnp.zeros(128, jnp.int32).at[5].set(7)  # query 5 sees no key
     out, (lse,) = kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(q=q_ids, kv=jnp.zeros(128, jnp.int32)))
@@ -85,7 +86,7 @@ def test_splash_parts_equal_the_reference_part():
     }
     for name, ((q_ids, k_ids), causal, local) in cases.items():
         got = jax.jit(lambda q, k, v: sk.splash_part(q, k, v, q_ids, k_ids, causal=causal, local=local,
-                                                     block=BLOCK, interpret=True))(q, k, v)
+                                                     block=BLOCK, interpret=INTERPRET))(q, k, v)
         want = ps.reference_part(q, k, v, q_ids, k_ids, causal=causal, positions=pos,
                                  window=None if local is None else jnp.int32(local))
         for g, w, what in zip(got, want, ("out", "lse")):
@@ -99,11 +100,14 @@ def _check_split_against_dense(window, local_window):
     q, k, v, w = _inputs()
     seg, br, pos = _layout()
     real = (seg != 0)[..., None, None]
-    kernel = sk.splash_kernel(local_window=local_window, block=BLOCK, interpret=True)
+    kernel = sk.splash_kernel(local_window=local_window, block=BLOCK, interpret=INTERPRET)
     p = None if window is None else pos
 
+    def split_out(q, k, v, win):  # through packed_attention's split form, as a caller would
+        return attention_lib.packed_attention(q, k, v, seg, br, impl="split", positions=p, window=win, kernel=kernel)
+
     def split(q, k, v, win):
-        return jnp.sum(ps.split_attention(q, k, v, seg, br, positions=p, window=win, kernel=kernel) * w)
+        return jnp.sum(split_out(q, k, v, win) * w)
 
     def dense(q, k, v, win):  # the dense form averages padding queries: count real ones only
         out = attention_lib.packed_attention(q, k, v, seg, br, impl="dense", positions=p, window=win)
@@ -116,8 +120,7 @@ def _check_split_against_dense(window, local_window):
     for g, d, name in zip(got[1], want[1], "qkv"):
         assert float(jnp.abs(d).max()) > 0.1, name  # the gradient is not trivially 0
         np.testing.assert_allclose(np.asarray(g), np.asarray(d), atol=ATOL, rtol=RTOL, err_msg=f"d{name}")
-    out = jax.jit(lambda q, k, v, win: ps.split_attention(q, k, v, seg, br, positions=p, window=win,
-                                                          kernel=kernel))(q, k, v, win)
+    out = jax.jit(split_out)(q, k, v, win)
     assert np.all(np.asarray(out)[np.asarray(seg) == 0] == 0)  # padding queries: 0 (and no NaN)
 
 

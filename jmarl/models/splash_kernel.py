@@ -34,7 +34,9 @@ Choices (read from the installed `jax.experimental.pallas.ops.tpu.splash_attenti
                residuals (q, k, v, segment ids, no sinks, out, logsumexp, its dq and dkv mask
                infos) built here from the MERGED out and lse: FlashAttention-2's backward under
                the whole softmax, this part's keys' share (`packed_split.PartKernel`). Splash's
-               own VJP is never used (it refuses save_residuals=True).
+               own VJP is never used (it refuses save_residuals=True). A private function: it
+               is called by keyword and its residual tuple built with or without `sinks`, as
+               the installed module's `SplashResidualsType` says (checked on JAX 0.10.2 only).
     windows    a window W (a traced int32 scalar: the layer scan passes the model's window on
                sliding layers and NO_WINDOW elsewhere) is chosen among at run time by
                `lax.switch`: W >= T (no key is that far back in a row) -> the splash kernels
@@ -53,6 +55,8 @@ runs the same kernels in the Pallas interpreter on any backend (slow: for tests)
 from __future__ import annotations
 
 import functools
+import inspect
+import typing
 from typing import Any, Callable
 
 import jax
@@ -183,12 +187,17 @@ def splash_part_backward(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Ar
     pad = lambda x: jnp.moveaxis(jnp.pad(x, [(0, 0), (0, width - t)] + [(0, 0)] * (x.ndim - 2)), 2, 1)  # noqa: E731
     oh, lh, doh = pad(out.astype(jnp.float32)), pad(lse), pad(d_out.astype(jnp.float32))
 
+    bwd = kernel_lib._splash_attention_bwd
+    params = inspect.signature(bwd).parameters
+    static = {name: opts.get(name) for name in params if name not in ("res", "do")}
+    static["save_residuals"], static["residual_checkpoint_name"] = False, None
+    # the residual tuple as the installed splash defines it (sinks: JAX releases that have them)
+    with_sinks = len(typing.get_args(kernel_lib.SplashResidualsType)) == 9
+
     def one(qr, kr, vr, qir, kir, o, l, do):
-        res = (qr, kr, vr, kernel_lib.SegmentIds(q=qir, kv=kir), None, o, l, kernel.dq_mask_info,
-               kernel.dkv_mask_info)
-        grads = kernel_lib._splash_attention_bwd(
-            False, opts["mask_value"], opts["is_mqa"], opts["block_sizes"], None, opts["mask_function"],
-            opts["attn_logits_soft_cap"], opts["interpret"], res, do)
+        head = (qr, kr, vr, kernel_lib.SegmentIds(q=qir, kv=kir)) + ((None,) if with_sinks else ())
+        res = head + (o, l, kernel.dq_mask_info, kernel.dkv_mask_info)
+        grads = bwd(**static, res=res, do=do)  # (mask infos, dq, dk, dv, ...)
         return grads[3:6]
 
     dq, dk, dv = jax.vmap(one)(qh, kh, vh, qi, ki, oh, lh, doh)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jmarl.models import attention as attention_lib
+from jmarl.models import packed_tiles as packed_tiles_lib
 
 H, KV, HD = 4, 2, 8
 
@@ -83,7 +84,7 @@ def test_masks_of_the_two_forms_agree_with_a_hand_written_rule():
 
 def test_segment_bounds():
     segment = jnp.asarray([[1, 1, 2, 2, 2, 5, 0, 0]])
-    start, end = attention_lib.segment_bounds(segment)
+    start, end = packed_tiles_lib.segment_bounds(segment)
     np.testing.assert_array_equal(np.asarray(start), [[0, 0, 2, 2, 2, 5, 6, 7]])
     np.testing.assert_array_equal(np.asarray(end), [[2, 2, 5, 5, 5, 6, 7, 8]])
 
@@ -109,7 +110,7 @@ def test_the_blockwise_kernel_skips_a_continuations_siblings():
     read to the end of its segment (the prompt) or of its branch."""
     segment = jnp.ones((1, 16), jnp.int32)
     branch = jnp.asarray([[0] * 4 + [1] * 4 + [2] * 4 + [3] * 4])
-    prompt_lo, prompt_hi, own_lo, query_hi = attention_lib.packed_tiles(segment, branch, 4, 4, 4, 4)
+    prompt_lo, prompt_hi, own_lo, query_hi = packed_tiles_lib.packed_tiles(segment, branch, 4, 4, 4, 4)
     np.testing.assert_array_equal(np.asarray(prompt_lo), [0, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(prompt_hi), [1, 1, 1, 1])
     np.testing.assert_array_equal(np.asarray(own_lo), [0, 1, 2, 3])

@@ -56,7 +56,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl.errors import JmarlError
+from jmarl.models import packed_split
 from jmarl.models.attention_kernels import cudnn_or, splash_or
+from jmarl.models.packed_tiles import packed_tiles
+from jmarl.models.splash_kernel import packed_splash_or
+
 
 IMPLS: tuple[str, ...] = ("auto", "xla", "dense", "cudnn", "splash", "blockwise")
 # auto: dense when B * H * T * S float32 scores take at most 256 MiB
@@ -160,6 +164,7 @@ def packed_attention(
     block_k: int | None = None,
     window: int | jax.Array | None = None,
     positions: jax.Array | None = None,
+    kernel: packed_split.PartKernel | None = None,
 ) -> jax.Array:
     """Attention inside packed rows. q [R,T,H,hd], k/v [R,T,KV,hd] (one slot per token, keys and
     queries aligned); segment int[R,T]: 0 = padding, else the id of a contiguous run of slots
@@ -168,13 +173,16 @@ def packed_attention(
     segment, and s is on branch 0 or on t's branch: each continuation attends to its prompt
     and to itself, never to its siblings. -> [R,T,H,hd] in q's dtype; a padding query gets a
     finite average. Forms: dense when the scores are small (or impl dense/xla), otherwise the
-    blockwise kernel, which skips every tile outside a segment and above the diagonal (cuDNN's
-    and splash's masks cannot say "prompt or own branch", so no kernel form is used here).
+    blockwise kernel, which skips every tile outside a segment and above the diagonal; on TPU
+    (auto, chosen when lowered) and with impl "splash": the split below on the splash kernels
+    (`jmarl.models.splash_kernel`; head_dim a multiple of 64, else blockwise), a layer whose
+    window is shorter than the row on blockwise; the split gives a padding query 0.
     window (with positions int[R,T], each token's position in its own sequence): query t also
     sees only keys less than `window` positions before its own (positions[t] - positions[s] <
     window), a sliding window over the sequence the continuation belongs to.
     impl "split" (opt-in, this argument only; not in IMPLS): the same softmax as two
-    segment-id attentions merged by their log-sum-exps (`jmarl.models.packed_split`)."""
+    segment-id attentions merged by their log-sum-exps (`jmarl.models.packed_split`), each on
+    `kernel` (a `packed_split.PartKernel`; None: the dense reference, merged by autodiff)."""
     _check(q, k, v, "dense" if impl == "split" else impl)
     if q.shape[1] != k.shape[1]:
         raise JmarlError(f"packed attention takes aligned queries and keys; got {q.shape} and {k.shape}")
@@ -186,14 +194,26 @@ def packed_attention(
     # the window's extra meta: each slot's position and the window (last in meta; see _Packed)
     extra = (jnp.asarray(positions, jnp.int32), jnp.asarray(window, jnp.int32)) if windowed else ()
     if impl == "split":
-        from jmarl.models import packed_split
-
         return packed_split.split_attention(q, k, v, segment, branch, positions=extra[0] if windowed else None,
-                                            window=extra[1] if windowed else None).astype(q.dtype)
+                                            window=extra[1] if windowed else None, kernel=kernel).astype(q.dtype)
     if impl in ("xla", "dense") or (impl == "auto" and t <= PACKED_DENSE_MAX and r * h * t * t <= DENSE_MAX_SCORES):
         idx = jnp.arange(t)
         allowed = _Packed(windowed).allowed((segment, branch) + extra, idx, idx)
         return _dense_masked(q, k, v, allowed)[0]
+    blockwise = functools.partial(_packed_blockwise, extra=extra, block_q=block_q, block_k=block_k)
+    if impl == "splash":
+        return packed_splash_or(blockwise, q, k, v, segment, branch, extra=extra)
+    if impl == "auto":  # the platform's form, chosen when the program is lowered
+        return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise,
+                                          tpu=functools.partial(packed_splash_or, blockwise, extra=extra))
+    return blockwise(q, k, v, segment, branch)
+
+
+def _packed_blockwise(q, k, v, segment, branch, *, extra: tuple, block_q: int | None, block_k: int | None
+                      ) -> jax.Array:
+    """`packed_attention`'s blockwise form (extra: () or the window's (positions, window))."""
+    r, t, h, _ = q.shape
+    windowed = bool(extra)
     bq, bk = min(block_q or PACKED_BLOCK, t), min(block_k or PACKED_BLOCK, t)
     tp, sp = -(-t // bq) * bq, -(-t // bk) * bk
     width = max(tp, sp)
@@ -208,59 +228,6 @@ def packed_attention(
         meta = meta + (pad(extra[0], 0), extra[1])
     out, _ = _flash(qg, k, v, meta, _Packed(windowed), bq, bk)
     return out[:, :t].reshape(r, t, h, -1).astype(q.dtype)
-
-
-def _run_bounds(new_run: jax.Array, ends_run: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """new_run/ends_run bool[R,T] (a run starts / ends at this slot) -> (start, end) int[R,T]:
-    the first slot of each slot's run and one past its last."""
-    t = new_run.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), new_run.shape)
-    start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
-    end = jax.lax.cummin(jnp.where(ends_run, idx + 1, t), axis=1, reverse=True)
-    return start, end
-
-
-def _runs_of(ids: tuple[jax.Array, ...], pad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(start, end) int[R,T] of the runs of slots on which every array of `ids` [R,T] stays
-    equal; a padding slot (pad bool[R,T]) is a run of its own."""
-    r = pad.shape[0]
-    change = functools.reduce(jnp.logical_or, [x[:, 1:] != x[:, :-1] for x in ids])
-    edge = jnp.ones((r, 1), bool)
-    return _run_bounds(jnp.concatenate([edge, change], axis=1) | pad, jnp.concatenate([change, edge], axis=1) | pad)
-
-
-def segment_bounds(segment: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """segment int[R,T] -> (start, end) int[R,T]: the first slot of each slot's run of equal
-    non-zero ids and one past its last; a padding slot (0) is a run of its own."""
-    return _runs_of((segment,), segment == 0)
-
-
-def packed_tiles(
-    segment: jax.Array, branch: jax.Array, bq: int, bk: int, nq: int, nk: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The tiles the packed blockwise kernel visits. segment/branch int[R,W] (W >= nq*bq and
-    nk*bk) -> (prompt_lo, prompt_hi, own_lo) int[nq] and query_hi int[nk]. Query tile i reads
-    key tiles [prompt_lo, prompt_hi) (the prompt of the segment its first query lies in) and
-    [own_lo, its diagonal) (that query's own branch onward: every later query's branch and, in
-    a later segment, its prompt): a continuation's siblings are skipped, so a group of G
-    continuations costs about G tiles each rather than G^2 / 2. Key tile j is read by query
-    tiles [j*bk // bq, query_hi[j]): up to the end of its keys' segment for a prompt key, of
-    its branch otherwise. Each bound is the loosest over the R rows."""
-    w = segment.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), segment.shape)
-    pad = segment == 0
-    seg_start, seg_end = _runs_of((segment,), pad)
-    own_start, own_end = _runs_of((segment, branch), pad)
-    first = lambda x: jnp.take_along_axis(x, seg_start, axis=1)  # noqa: E731  the segment's first slot's value
-    prompt_end = jnp.where(first(branch) == 0, first(own_end), seg_start)
-    visible_until = jnp.where(pad, idx + 1, jnp.where(branch == 0, seg_end, own_end))
-    q0 = jnp.arange(nq) * bq
-    prompt_lo = jnp.min(seg_start[:, q0], axis=0) // bk
-    prompt_hi = -(-jnp.max(prompt_end[:, q0], axis=0) // bk)
-    own_lo = jnp.min(own_start[:, q0], axis=0) // bk
-    per_key_tile = visible_until[:, : nk * bk].reshape(-1, nk, bk).max(axis=(0, 2))
-    query_hi = jnp.minimum(-(-per_key_tile // bq), nq)
-    return prompt_lo, prompt_hi, own_lo, query_hi
 
 
 def form_for(q_shape: tuple[int, ...], k_shape: tuple[int, ...], impl: str) -> str:

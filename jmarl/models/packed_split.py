@@ -70,8 +70,8 @@ Kernels and log-sum-exps in JAX 0.10.2 (read from the installed source):
         NotImplementedError ("Higher-order AD not supported"). It takes separate query and key
         segment ids (`SegmentIds(q, kv)`), so own part = CausalMask + `own_ids`, prompt part =
         FullMask + `prompt_ids`; it requires no fully masked query row (the prompt part's
-        prompt and padding queries are: gather the continuation queries, or give them a dummy
-        key and overwrite their results). `_splash_attention_bwd(..., res=(q, k, v,
+        prompt and padding queries are one: the kernel averages such a row's values, so
+        `jmarl.models.splash_kernel`, the PartKernel on it, overwrites their results). `_splash_attention_bwd(..., res=(q, k, v,
         segment_ids, sinks, o, logsumexp, dq_mask_info, dkv_mask_info), do)` reads o and
         logsumexp from its residuals: called with the merged ones it is a PartKernel.backward.
     Pallas GPU `mha` (jax.experimental.pallas.ops.gpu.attention): return_residuals=True gives

@@ -166,14 +166,16 @@ def _packed_logprob_grad_text(attention: str, platform: str) -> str:
 
 
 def test_exported_packed_update_carries_splash_on_tpu_and_blockwise_elsewhere():
-    """Lowered on this CPU: for TPU, attention auto puts both parts on splash (forward 2
+    """Lowered on this CPU inside `lowering_for_tpu`: for TPU, attention auto puts both parts on splash (forward 2
     kernels, backward dkv + dq for each part: 6 Mosaic calls in the scanned layer) and no
     blockwise loop (as many while loops as the dense form's: the layer scan); for CPU and CUDA
     the blockwise loops and no kernel: no GPU kernel takes the packed parts yet (see
     test_gpu_kernel_forms_for_the_parts_lower_for_cuda_or_say_why)."""
     loops = {}
+    assert not attention_lib.traces_tpu_route()  # this CPU traces the TPU route only when asked
     for platform in ("tpu", "cpu", "cuda"):
-        text = _packed_logprob_grad_text("auto", platform)
+        with attention_lib.lowering_for_tpu():
+            text = _packed_logprob_grad_text("auto", platform)
         loops[platform] = text.count("stablehlo.while")
         dense_loops = _packed_logprob_grad_text("xla", platform).count("stablehlo.while")
         if platform == "tpu":

@@ -48,7 +48,10 @@ group's prompt this way, without a copy per row).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -174,7 +177,7 @@ def packed_attention(
     and to itself, never to its siblings. -> [R,T,H,hd] in q's dtype; a padding query gets a
     finite average. Forms: dense when the scores are small (or impl dense/xla), otherwise the
     blockwise kernel, which skips every tile outside a segment and above the diagonal; on TPU
-    (auto, chosen when lowered) and with impl "splash": the split below on the splash kernels
+    (auto, chosen when lowered; traced where `traces_tpu_route`) and with impl "splash": the split on the splash kernels
     (`jmarl.models.splash_kernel`; head_dim a multiple of 64, else blockwise), a layer whose
     window is shorter than the row on blockwise; the split gives a padding query 0.
     window (with positions int[R,T], each token's position in its own sequence): query t also
@@ -203,10 +206,33 @@ def packed_attention(
     blockwise = functools.partial(_packed_blockwise, extra=extra, block_q=block_q, block_k=block_k)
     if impl == "splash":
         return packed_splash_or(blockwise, q, k, v, segment, branch, extra=extra)
-    if impl == "auto":  # the platform's form, chosen when the program is lowered
+    if impl == "auto" and traces_tpu_route():  # the platform's form, chosen when the program is lowered
         return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise,
                                           tpu=functools.partial(packed_splash_or, blockwise, extra=extra))
     return blockwise(q, k, v, segment, branch)
+
+
+_TPU_ROUTE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("packed_tpu_route", default=None)
+
+
+def traces_tpu_route() -> bool:
+    """Whether "auto" packed attention traces its TPU route (the splash split, chosen per
+    platform when lowered): in a process whose backend is a TPU, or inside `lowering_for_tpu`.
+    Elsewhere only the blockwise form is traced (tracing the splash kernels costs about a second
+    per program that a CPU or GPU would never run)."""
+    forced = _TPU_ROUTE.get()
+    return forced if forced is not None else jax.default_backend() == "tpu"
+
+
+@contextlib.contextmanager
+def lowering_for_tpu() -> Iterator[None]:
+    """Trace "auto" packed attention's TPU route here too: for `jax.export` of a program to a TPU
+    from a process with another backend."""
+    token = _TPU_ROUTE.set(True)
+    try:
+        yield
+    finally:
+        _TPU_ROUTE.reset(token)
 
 
 def _packed_blockwise(q, k, v, segment, branch, *, extra: tuple, block_q: int | None, block_k: int | None

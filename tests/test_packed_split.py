@@ -27,10 +27,11 @@ ROWS = [
 WINDOWS = [None, 3, 6]
 
 
-def _layout():
-    """segment, branch, positions int[R,T] of ROWS."""
-    seg, br, pos = (np.zeros((len(ROWS), T), np.int32) for _ in range(3))
-    for r, segments in enumerate(ROWS):
+def packed_layout(rows, t: int):
+    """segment, branch, positions int[R,T] of `rows`: per row, a list of (prompt length,
+    [continuation lengths]) segments packed from slot 0, padding after."""
+    seg, br, pos = (np.zeros((len(rows), t), np.int32) for _ in range(3))
+    for r, segments in enumerate(rows):
         at = 0
         for s, (prompt, conts) in enumerate(segments, start=1):
             seg[r, at:at + prompt], pos[r, at:at + prompt] = s, np.arange(prompt)
@@ -38,17 +39,27 @@ def _layout():
             for b, n in enumerate(conts, start=1):
                 seg[r, at:at + n], br[r, at:at + n], pos[r, at:at + n] = s, b, prompt + np.arange(n)
                 at += n
-        assert at <= T
+        assert at <= t
     return jnp.asarray(seg), jnp.asarray(br), jnp.asarray(pos)
 
 
-def _inputs(seed=0):
+def random_qkvw(seed: int, r: int, t: int, h: int, kv: int, hd: int):
+    """q [R,T,H,hd], k/v [R,T,KV,hd] and a cotangent w [R,T,H,hd], float32 normals."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (len(ROWS), T, H, HD), jnp.float32)
-    k = jax.random.normal(keys[1], (len(ROWS), T, KV, HD), jnp.float32)
-    v = jax.random.normal(keys[2], (len(ROWS), T, KV, HD), jnp.float32)
-    w = jax.random.normal(keys[3], (len(ROWS), T, H, HD), jnp.float32)
+    q = jax.random.normal(keys[0], (r, t, h, hd), jnp.float32)
+    k = jax.random.normal(keys[1], (r, t, kv, hd), jnp.float32)
+    v = jax.random.normal(keys[2], (r, t, kv, hd), jnp.float32)
+    w = jax.random.normal(keys[3], (r, t, h, hd), jnp.float32)
     return q, k, v, w
+
+
+def _layout():
+    """segment, branch, positions int[R,T] of ROWS."""
+    return packed_layout(ROWS, T)
+
+
+def _inputs(seed=0):
+    return random_qkvw(seed, len(ROWS), T, H, KV, HD)
 
 
 def _dense(q, k, v, seg, br, pos, window):

@@ -18,6 +18,7 @@ from jmarl.models import attention as attention_lib
 from jmarl.models import attention_kernels
 from jmarl.models import packed_split as ps
 from jmarl.models import splash_kernel as sk
+from test_packed_split import packed_layout, random_qkvw
 
 H, KV, HD, T, BLOCK, WINDOW = 4, 2, 64, 200, 128, 16
 # per row: segments (prompt length, [continuation lengths])
@@ -32,26 +33,11 @@ INTERPRET = jax.default_backend() != "tpu"  # on a TPU the compiled kernels run
 
 def _layout():
     """segment, branch, positions int[R,T] of ROWS."""
-    seg, br, pos = (np.zeros((len(ROWS), T), np.int32) for _ in range(3))
-    for r, segments in enumerate(ROWS):
-        at = 0
-        for s, (prompt, conts) in enumerate(segments, start=1):
-            seg[r, at:at + prompt], pos[r, at:at + prompt] = s, np.arange(prompt)
-            at += prompt
-            for b, n in enumerate(conts, start=1):
-                seg[r, at:at + n], br[r, at:at + n], pos[r, at:at + n] = s, b, prompt + np.arange(n)
-                at += n
-        assert at <= T
-    return jnp.asarray(seg), jnp.asarray(br), jnp.asarray(pos)
+    return packed_layout(ROWS, T)
 
 
 def _inputs(seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (len(ROWS), T, H, HD), jnp.float32)
-    k = jax.random.normal(keys[1], (len(ROWS), T, KV, HD), jnp.float32)
-    v = jax.random.normal(keys[2], (len(ROWS), T, KV, HD), jnp.float32)
-    w = jax.random.normal(keys[3], (len(ROWS), T, H, HD), jnp.float32)
-    return q, k, v, w
+    return random_qkvw(seed, len(ROWS), T, H, KV, HD)
 
 
 def test_has_key_matches_the_dense_mask():

@@ -39,6 +39,9 @@ TINY = [
     "train.warm_start.steps=20",
     "train.warm_start.lr=1.0e-2",
     "train.warm_start.demos=2",
+    # One device: the configs shard over every device (fsdp -1), and on the 8 simulated CPU devices
+    # of the tests that only multiplies compile time (the sharded update is tested in test_sharding).
+    "mesh.fsdp=1",
 ]
 
 # CPU-sized tasks (the configs hold the papers' sizes), with room for an expert-length answer

@@ -10,7 +10,9 @@ A figure in the prose is marked inline with the result file and a Python format 
 The text between the two comments is `format_string.format(**data)` of the JSON file (a path
 from the repository root): top-level keys by name, nested ones by `str.format`'s indexing
 (`{workload[requests]}`, `{rows[0][wall_s]:.1f}`), so a figure is a value of its file, formatted,
-and nothing else (a figure that needs arithmetic is a value the result file stores). The comments
+and nothing else (a figure that needs arithmetic is a value the result file stores). Byte counts
+take a unit conversion before the format: `{peak!G:.1f}` is the bytes in GiB (2**30), `!M` in
+MiB (2**20). The comments
 do not show in rendered Markdown. tests/scripts/test_figures.py re-renders every file and fails
 on any difference, so a figure edited by hand, or a result file re-run without re-rendering,
 fails the suite. The evidence tables and the quickstart's closing block have their own renderers
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import string
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -50,6 +53,20 @@ class Figure:
     rendered: str
 
 
+class _Formatter(string.Formatter):
+    """`str.format` with two more conversions of a byte count: !G (GiB) and !M (MiB)."""
+
+    UNITS = {"G": 2**30, "M": 2**20}
+
+    def convert_field(self, value, conversion):
+        if conversion in self.UNITS:
+            return float(value) / self.UNITS[conversion]
+        return super().convert_field(value, conversion)
+
+
+_FORMATTER = _Formatter()
+
+
 @lru_cache(maxsize=None)
 def _load(path: str, root: Path) -> dict:
     file = root / path
@@ -62,7 +79,7 @@ def render_value(file: str, fmt: str, root: Path = ROOT) -> str:
     """`fmt.format(**data)` of the JSON result file `file` (relative to `root`)."""
     data = _load(file, root)
     try:
-        return fmt.format(**data)
+        return _FORMATTER.format(fmt, **data)
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise FigureError(f"{file}: cannot render {fmt!r}: {type(e).__name__}: {e}") from None
 

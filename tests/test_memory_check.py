@@ -286,6 +286,9 @@ def test_cli_fits_and_writes_json(run_yaml, tmp_path, capsys):
     assert [p["program"] for p in doc["programs"]] == PROGRAMS
     for p in doc["programs"]:
         assert p["peak"] == p["state"] + p["temporaries"] + p["outputs"] - p["aliased"] + p["resident"] > 0
+    worst = max(doc["programs"], key=lambda p: p["peak"])
+    assert doc["peak"] == worst["peak"] and doc["peak_program"] == worst["program"]
+    assert doc["left"] == pytest.approx(1 - doc["peak"] / 2**30)
 
 
 @pytest.mark.slow

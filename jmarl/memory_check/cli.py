@@ -216,6 +216,9 @@ def run_check(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             "limit": None if limit is None else int(limit),
             "fits": None if device_memory is None else message is None,
             "peak": max(f.peak for f in figures),
+            # the program of the largest peak, and the fraction of the device's memory it leaves
+            "peak_program": max(figures, key=lambda f: f.peak).program,
+            "left": None if device_memory is None else 1.0 - max(f.peak for f in figures) / device_memory,
             "programs": [f.to_json() for f in figures],
         }
         with open(args.json, "w") as fh:

@@ -36,6 +36,15 @@ def test_values_by_name_and_index_with_their_format(tmp_path):
     assert figures.render(text, root=tmp_path).count("5.74x") == 1
 
 
+def test_byte_counts_convert_to_gib_and_mib_before_the_format(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"peak": 59_700_000_000, "kv": 3 * 2**20, "left": 0.305}))
+    text = ("<!-- fig r.json {peak!G:.1f} GiB -->?<!-- /fig --> <!-- fig r.json {kv!M:.0f} MiB -->?<!-- /fig -->"
+            " <!-- fig r.json {left:.0%} -->?<!-- /fig -->")
+    assert [f.rendered for f in figures.figures(text, root=tmp_path)] == ["55.6 GiB", "3 MiB", "30%"]
+    with pytest.raises(figures.FigureError, match="ValueError"):  # an unknown conversion names itself
+        figures.render("<!-- fig r.json {peak!X} -->1<!-- /fig -->", root=tmp_path)
+
+
 def test_a_missing_file_or_value_is_an_error_naming_it(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps({"ratio": 1.0}))
     with pytest.raises(figures.FigureError, match="no such result file"):

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -254,19 +253,9 @@ def utc_now() -> str:
 
 
 def git_state(root: str = REPO_ROOT) -> dict[str, Any]:
-    """The code a benchmark runs: {"commit": the short HEAD commit, "dirty": whether tracked files
-    other than benchmarks/results/ and markdown (what benchmarks write) have uncommitted
-    changes}; {} outside a git checkout."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        changed = subprocess.run(["git", "diff", "HEAD", "--quiet", "--", ".", ":(exclude)benchmarks/results",
-                                  ":(exclude,glob)**/*.md"], cwd=root, capture_output=True)
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    if changed.returncode not in (0, 1):
-        return {}
-    return {"commit": commit, "dirty": changed.returncode == 1}
+    """The code a benchmark runs: `jmarl.provenance.code_state` ({"commit", "dirty", "diff"}; the
+    result files under benchmarks/results/ are not code); {} outside a git checkout."""
+    return provenance.code_state(root)
 
 
 def results_header(module: str, argv: list[str] | None) -> dict[str, Any]:

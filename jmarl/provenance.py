@@ -8,7 +8,7 @@ tables, device runs) carries `record(command)` under the key `provenance`:
      "date": "2026-11-28 01:02 UTC"}
 
 `dirty` is true when the files that make results (`WATCHED_PATHS`: the package, the configs, the
-benchmarks and scripts, the dependency pins) differ from the commit: tracked changes and new,
+benchmarks and scripts, the dependency pins; not the result files under `OUTPUT_PATHS`) differ from the commit: tracked changes and new,
 untracked files alike. `diff` is then a hash of that difference (tracked diff plus each untracked
 file's name and bytes), so two results from one dirty tree can be told to be the same code. A
 result whose `dirty` is true cannot be traced to a commit and is to be re-run on a clean one.
@@ -28,6 +28,9 @@ from typing import Any, Sequence
 
 KEY = "provenance"
 WATCHED_PATHS: tuple[str, ...] = ("jmarl", "configs", "benchmarks", "scripts", "pyproject.toml")
+# what the watched paths hold that is a result, not code: a run writing its own JSON there (or an
+# earlier result re-run beside it) leaves the code it ran the same
+OUTPUT_PATHS: tuple[str, ...] = ("benchmarks/results",)
 FIELDS: tuple[str, ...] = ("commit", "dirty", "diff", "command", "machine", "versions", "date")
 LIBRARIES: tuple[str, ...] = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers", "trl")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,14 +40,17 @@ def _git(root: Path, *args: str) -> bytes:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
 
 
-def code_state(root: str | os.PathLike = REPO_ROOT, paths: Sequence[str] = WATCHED_PATHS) -> dict[str, Any]:
+def code_state(root: str | os.PathLike = REPO_ROOT, paths: Sequence[str] = WATCHED_PATHS,
+               outputs: Sequence[str] = OUTPUT_PATHS) -> dict[str, Any]:
     """{"commit": short HEAD, "dirty": bool, "diff": hash of the difference or None} of the checkout
-    at `root`, over `paths` (tracked changes and untracked, not ignored files); {} outside git."""
+    at `root`, over `paths` less `outputs` (tracked changes and untracked, not ignored files); {}
+    outside git."""
     root = Path(root)
+    spec = [*paths, *(f":(exclude){p}" for p in outputs)]
     try:
         commit = _git(root, "rev-parse", "--short", "HEAD").decode().strip()
-        tracked = _git(root, "diff", "HEAD", "--binary", "--", *paths)
-        untracked = [n for n in _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", *paths)
+        tracked = _git(root, "diff", "HEAD", "--binary", "--", *spec)
+        untracked = [n for n in _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", *spec)
                      .decode().split("\0") if n]
     except (OSError, subprocess.CalledProcessError):
         return {}

@@ -4,7 +4,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from jmarl import provenance
 
@@ -108,12 +107,20 @@ def test_code_state_sees_tracked_changes_and_new_files_under_the_watched_paths(t
     (tmp_path / "jmarl").mkdir()
     (tmp_path / "jmarl" / "a.py").write_text("x = 1\n")
     (tmp_path / "notes.txt").write_text("free text\n")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}\n")
     _git(tmp_path, "add", "-A")
     _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
     clean = provenance.code_state(tmp_path)
     assert clean["dirty"] is False and clean["diff"] is None and len(clean["commit"]) >= 7
     (tmp_path / "notes.txt").write_text("edited outside the watched paths\n")
     assert provenance.code_state(tmp_path)["dirty"] is False
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"re-run": 1}\n')  # a result, not code
+    (tmp_path / "benchmarks" / "results" / "new.json").write_text("{}\n")
+    assert provenance.code_state(tmp_path)["dirty"] is False
+    (tmp_path / "benchmarks" / "b.py").write_text("z = 1\n")  # a benchmark's code is watched
+    assert provenance.code_state(tmp_path)["dirty"] is True
+    (tmp_path / "benchmarks" / "b.py").unlink()
     (tmp_path / "jmarl" / "new.py").write_text("y = 2\n")  # untracked, under jmarl/
     new = provenance.code_state(tmp_path)
     assert new["dirty"] is True and new["diff"]

@@ -1,0 +1,96 @@
+"""How long the test suite takes on this machine, from a cold and a warm compilation cache.
+
+    python scripts/suite_time.py --tier all --cache DIR    # DIR new or empty: a cold run
+    python scripts/suite_time.py --tier all --cache DIR    # again, the same DIR: a warm run
+    python scripts/suite_time.py --tier fast --cache DIR2  # the fast tier (-m "not slow")
+
+Runs the README's test command (`python -m pytest -n 2`; the fast tier adds `-m "not slow"`)
+with TMPDIR=DIR. The tests' XLA compilation caches (tests/conftest.py: one per xdist worker under
+the temporary directory) then start empty when DIR holds none ("cold", as on a fresh machine)
+and hold an earlier run's programs when it does ("warm"). The run's wall time, its outcome
+counts and its 25 slowest tests (pytest's --durations) go into results/suite_time/<tier>_<cold|warm>.json,
+with the provenance record (tests/ counted as code too); the README's suite figures render from
+those files (scripts/figures.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jmarl import provenance  # noqa: E402
+
+RESULTS = ROOT / "results" / "suite_time"
+COMMANDS = {"all": ["-m", "pytest", "-n", "2"], "fast": ["-m", "pytest", "-m", "not slow", "-n", "2"]}
+DURATION = re.compile(r"^(?P<seconds>[0-9.]+)s (?P<phase>setup|call|teardown)\s+(?P<test>\S.*)$")
+SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[0-9.]+)s")
+COUNT = re.compile(r"(?P<n>\d+) (?P<what>passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+
+
+def is_cold(cache: Path) -> bool:
+    """Whether `cache` holds no test compilation cache yet (conftest's jmarl-test-jax-cache-*)."""
+    return not any(p.is_dir() and any(p.iterdir()) for p in cache.glob("jmarl-test-jax-cache-*"))
+
+
+def parse(output: str) -> dict[str, Any]:
+    """The outcome counts, pytest's own seconds and the slowest tests of a pytest run's output."""
+    slowest, counts, pytest_seconds = [], {}, None
+    for line in output.splitlines():
+        if m := DURATION.match(line.strip()):
+            slowest.append({"seconds": float(m["seconds"]), "phase": m["phase"], "test": m["test"].strip()})
+        elif (m := SUMMARY.match(line.strip())) and COUNT.search(m["counts"]):
+            counts = {c["what"]: int(c["n"]) for c in COUNT.finditer(m["counts"])}
+            pytest_seconds = float(m["seconds"])
+    return {"counts": counts, "pytest_seconds": pytest_seconds, "slowest": slowest}
+
+
+def run(tier: str, cache: Path) -> dict[str, Any]:
+    """Runs the tier's command with TMPDIR=`cache`, echoing its output; its record."""
+    cache.mkdir(parents=True, exist_ok=True)
+    cold = is_cold(cache)
+    cmd = [sys.executable, *COMMANDS[tier]]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["TMPDIR"] = str(cache.resolve())
+    record = provenance.record("python " + " ".join(COMMANDS[tier][:2]) + " " + " ".join(
+        f'"{a}"' if " " in a else a for a in COMMANDS[tier][2:]))
+    record.update(provenance.code_state(ROOT, (*provenance.WATCHED_PATHS, "tests")))
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        lines.append(line)
+    proc.wait()
+    wall = time.perf_counter() - start
+    return {"tier": tier, "cache": "cold" if cold else "warm", "exit_code": proc.returncode,
+            "wall_seconds": wall, "wall_minutes": wall / 60, **parse("".join(lines)), provenance.KEY: record}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tier", choices=sorted(COMMANDS), default="all")
+    parser.add_argument("--cache", type=Path, required=True,
+                        help="the temporary directory of the run (new or empty: a cold run)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the folder of the result files")
+    args = parser.parse_args(argv)
+    result = run(args.tier, args.cache)
+    out = args.out / f"{result['tier']}_{result['cache']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[suite_time] {result['tier']} tier, {result['cache']} cache: {result['wall_seconds']:.0f} s, "
+          f"{result['counts']}, exit {result['exit_code']} -> {out}")
+    return result["exit_code"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

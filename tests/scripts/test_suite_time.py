@@ -1,0 +1,31 @@
+"""scripts/suite_time.py: reading a pytest run's output, and telling a cold cache from a warm one."""
+
+from _scripts import load_script
+
+suite_time = load_script("suite_time")
+
+OUTPUT = """\
+============================= slowest 25 durations =============================
+160.24s setup    tests/test_gemma3_real.py::test_config_and_parameters_equal_transformers
+115.59s call     tests/test_configs_train.py::test_config_trains_a_tiny_model_and_metrics_move[at_grpo/math]
+0.50s teardown tests/test_x.py::test_y
+=========================== short test summary info ============================
+FAILED tests/scripts/test_readme_figures.py::test_seeds_sentence_quotes_the_evidence_table
+========== 1 failed, 1255 passed, 3 skipped, 2 warnings in 2972.02s (0:49:32) ==========
+"""
+
+
+def test_the_counts_seconds_and_slowest_tests_of_a_run():
+    got = suite_time.parse(OUTPUT)
+    assert got["counts"] == {"failed": 1, "passed": 1255, "skipped": 3, "warnings": 2}
+    assert got["pytest_seconds"] == 2972.02
+    assert [(s["seconds"], s["phase"]) for s in got["slowest"]] == [(160.24, "setup"), (115.59, "call"), (0.5, "teardown")]
+    assert got["slowest"][1]["test"].endswith("[at_grpo/math]")
+
+
+def test_a_cache_is_cold_until_a_worker_has_written_programs_into_it(tmp_path):
+    assert suite_time.is_cold(tmp_path)
+    (tmp_path / "jmarl-test-jax-cache-gw0").mkdir()
+    assert suite_time.is_cold(tmp_path)  # an empty cache folder holds nothing
+    (tmp_path / "jmarl-test-jax-cache-gw0" / "entry").write_bytes(b"x")
+    assert not suite_time.is_cold(tmp_path)

@@ -1,11 +1,13 @@
 """Memory at scale from XLA's compiled memory analysis: abstract shapes, nothing allocated.
 
     python -m benchmarks.memory [--json benchmarks/results/memory.json]
+                                [--row PRESET BATCH TOKENS REMAT ATTENTION ...]
 
 Rows: loss + gradient of `token_logprobs` (sum of the log-probs) at a preset's shape, float32
 master parameters, bf16 compute, the library's defaults (remat auto, attention auto), per
 (batch, tokens); and, for comparison, the same with the dense attention form and no remat (what
-jmarl did before the attention entry point). Figures are per device, in bytes: arguments
+jmarl did before the attention entry point). `--row` (repeatable) compiles the rows given
+instead (e.g. one small shape for a smoke test). Figures are per device, in bytes: arguments
 (parameters + batch), outputs (the gradient), temporaries.
 
 Caveat: compiled here by XLA:CPU, which has no bf16 arithmetic: it upcasts bf16 values to
@@ -19,15 +21,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from benchmarks.common import results_end, results_header, write_json
 
-ROWS: tuple[tuple[str, int, int, str, str], ...] = (
+Row = tuple[str, int, int, str, str]  # (preset, batch, tokens, remat, attention)
+
+ROWS: tuple[Row, ...] = (
     ("qwen3-1.7b", 8, 8192, "auto", "auto"),
     ("qwen3-1.7b", 2, 32768, "auto", "auto"),
     ("qwen3-1.7b", 8, 8192, "none", "xla"),
 )
+
+
+def parse_row(fields: Sequence[str]) -> Row:
+    """A `--row` as a ROWS entry: (preset, batch, tokens, remat, attention)."""
+    preset, batch, tokens, remat, attention = fields
+    return preset, int(batch), int(tokens), remat, attention
 
 
 def logprob_grad_memory(preset: str, batch: int, tokens: int, remat: str = "auto", attention: str = "auto") -> dict[str, Any]:
@@ -70,12 +80,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--row", nargs=5, action="append", default=None,
+                        metavar=("PRESET", "BATCH", "TOKENS", "REMAT", "ATTENTION"),
+                        help="compile this row instead of the default ones (repeatable)")
     args = parser.parse_args(argv)
     header = results_header("benchmarks.memory", argv)  # date, machine and commit at the start
     import jax
 
     rows = []
-    for preset, batch, tokens, remat, attention in ROWS:
+    for preset, batch, tokens, remat, attention in ROWS if args.row is None else map(parse_row, args.row):
         print(f"compiling {preset} {batch} x {tokens} (remat {remat}, attention {attention}) ...", file=sys.stderr, flush=True)
         rows.append(logprob_grad_memory(preset, batch, tokens, remat, attention))
     print(table(rows))

@@ -4,8 +4,10 @@ its experts split over fsdp (expert parallelism: the tokens move) against the ex
 FSDP-style on D (left to XLA's partitioner).
 
     python -m benchmarks.moe [--json benchmarks/results/moe.json] [--repeats 7] [--skip-memory]
+                             [--batch 8] [--seq 256] [--memory-devices 8 64]
 
-Forward (`cpu_forward`, one CPU device, float32, B x T tokens through `jmarl.models.apply`): a
+Forward (`cpu_forward`, one CPU device, float32, B x T tokens through `jmarl.models.apply`;
+`--batch` and `--seq`, default 8 x 256, set B and T): a
 tiny all-sparse Qwen3-MoE (E experts, top-k, expert width Fe) against a dense Qwen3 whose MLP
 width is k x Fe, so a token runs the same number of weights in both (the MoE adds its router,
 D x E per layer: listed). Three forms, interleaved A B C per repeat, medians:
@@ -16,7 +18,8 @@ D x E per layer: listed). Three forms, interleaved A B C per repeat, medians:
                       expert, through an [N x k, E x D] masked copy of the rows
     dense             the dense model
 
-Layer memory (`layer_memory`, in a subprocess per device count, simulated CPU devices): value
+Layer memory (`layer_memory`, in a subprocess per device count of `--memory-devices`, default 8
+and 64, simulated CPU devices): value
 and gradient of sum(expert layer(x) * probe) for `TOKENS_PER_DEVICE` tokens a device, float32
 expert weights cast to bf16 (as `Experts` does), routing given (no router), mesh fsdp=N:
 
@@ -69,8 +72,9 @@ def active_params(config: Any) -> dict[str, int]:
     return {"attention": attn, "feed_forward": 3 * d * config.intermediate_size, "router": 0}
 
 
-def cpu_forward(repeats: int) -> dict[str, Any]:
-    """Forward tokens/s of the three forms (module docstring) on one CPU device."""
+def cpu_forward(repeats: int, batch: int = BATCH, seq: int = SEQ) -> dict[str, Any]:
+    """Forward tokens/s of the three forms (module docstring) on one CPU device, on `batch` x
+    `seq` tokens."""
     import jax
     import numpy as np
 
@@ -78,8 +82,8 @@ def cpu_forward(repeats: int) -> dict[str, Any]:
 
     moe_config, dense_config = ModelConfig(**BASE, **MOE), ModelConfig(**BASE, **DENSE)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(3, BASE["vocab_size"], (BATCH, SEQ)).astype(np.int32)
-    mask = np.ones((BATCH, SEQ), bool)
+    tokens = rng.integers(3, BASE["vocab_size"], (batch, seq)).astype(np.int32)
+    mask = np.ones((batch, seq), bool)
     moe_params = init(moe_config, jax.random.key(0))
     dense_params = init(dense_config, jax.random.key(0))
     grouped = moe.grouped_matmul
@@ -105,11 +109,11 @@ def cpu_forward(repeats: int) -> dict[str, Any]:
             start = time.perf_counter()
             run()
             seconds[name].append(time.perf_counter() - start)
-    n = BATCH * SEQ
+    n = batch * seq
     rows = {name: {"tokens_per_s": n / statistics.median(s), "seconds": s} for name, s in seconds.items()}
     for name in rows:
         rows[name]["ratio_to_dense"] = rows[name]["tokens_per_s"] / rows["dense"]["tokens_per_s"]
-    return {"tokens": n, "batch": BATCH, "seq": SEQ, "repeats": repeats, "moe_config": {**BASE, **MOE},
+    return {"tokens": n, "batch": batch, "seq": seq, "repeats": repeats, "moe_config": {**BASE, **MOE},
             "dense_config": {**BASE, **DENSE}, "active_params_per_layer": {
                 "moe": active_params(moe_config), "dense": active_params(dense_config)}, "forms": rows}
 
@@ -171,9 +175,11 @@ def layer_memory(devices: int) -> list[dict[str, Any]]:
 
 
 def _layer_memory_subprocess(devices: int) -> list[dict[str, Any]]:
-    """`layer_memory(devices)` in a fresh process (the device count is fixed when JAX starts)."""
+    """`layer_memory(devices)` in a fresh process (the device count is fixed when JAX starts);
+    the caller's other XLA flags (e.g. the tests' compile settings) are kept."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.moe", "--layer-memory-only", str(devices)],
                           capture_output=True, text=True, env=env, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -184,18 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="benchmarks/results/moe.json")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--skip-memory", action="store_true", help="forward tokens/s only")
+    parser.add_argument("--batch", type=int, default=BATCH, help="rows of the forward workload")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per row of the forward workload")
+    parser.add_argument("--memory-devices", type=int, nargs="+", default=list(MEMORY_DEVICES),
+                        help="simulated device counts of the layer memory (each must divide the 128 experts)")
     parser.add_argument("--layer-memory-only", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.layer_memory_only is not None:
         print(json.dumps(layer_memory(args.layer_memory_only)))
         return 0
     results = results_header("benchmarks.moe", argv)
-    results["cpu_forward"] = cpu_forward(args.repeats)
+    results["cpu_forward"] = cpu_forward(args.repeats, args.batch, args.seq)
     for name, row in results["cpu_forward"]["forms"].items():
         print(f"{name:18s} {row['tokens_per_s']:10.0f} tokens/s  x{row['ratio_to_dense']:.2f} of dense",
               file=sys.stderr)
     if not args.skip_memory:
-        results["layer_memory"] = [r for devices in MEMORY_DEVICES for r in _layer_memory_subprocess(devices)]
+        results["layer_memory"] = [r for devices in args.memory_devices for r in _layer_memory_subprocess(devices)]
         gib = 2.0**30
         for r in results["layer_memory"]:
             print(f"{r['devices']:4d} devices {r['layout']:16s} arguments {r['arguments'] / gib:6.2f} GiB  "

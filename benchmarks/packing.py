@@ -1,10 +1,12 @@
 """The learner's packed layout against the previous shared-prefix layout, on recorded batches.
 
     python -m benchmarks.packing [--steps 6] [--repeats 3] [--configs quickstart hacpo joyagents]
+                                 [--overrides KEY=VALUE ...]
 
 Runs each config's trainer (warm start as configured, or `--warm-start` steps; `--steps` RL
-steps; evaluation and checkpoints off) and records every batch the learner builds (each policy
-group's step records). For every recorded batch it lays the samples out both ways:
+steps; evaluation and checkpoints off; `--overrides`: config overrides applied last, e.g. a
+smaller run for a smoke test, recorded in each row) and records every batch the learner builds
+(each policy group's step records). For every recorded batch it lays the samples out both ways:
 - packed (`jmarl.train.packing`, what the trainer runs): each micro-batch's distinct prompts and
   their continuations in rows of a token budget;
 - shared prefix (`benchmarks.shared_prefix_layout`, the previous layout): distinct prompts
@@ -36,9 +38,11 @@ CONFIGS = {
 }
 
 
-def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple[Any, list[tuple[Any, Any, Any, Any]]]:
+def record(path: str, steps: int, warm_start: int | None, out_dir: str,
+           extra: list[str] | None = None) -> tuple[Any, list[tuple[Any, Any, Any, Any]]]:
     """(trainer, [(group, group fns, the step's sample records, the packed LearnerBatch the
-    trainer built)]) for `steps` RL steps of the config at `path`."""
+    trainer built)]) for `steps` RL steps of the config at `path` (`extra`: config overrides
+    applied after the benchmark's own)."""
     import jmarl.train.learn as learn_mod
     import jmarl.train.trainer as trainer_mod
     from jmarl.config import load_config
@@ -47,6 +51,7 @@ def record(path: str, steps: int, warm_start: int | None, out_dir: str) -> tuple
                  "logging.tensorboard=false", "logging.plots=false", "logging.progress=false"]
     if warm_start is not None:
         overrides.append(f"train.warm_start.steps={warm_start}")
+    overrides += list(extra or [])
     trainer = trainer_mod.Trainer(load_config(path, overrides))
     seen: list[tuple[Any, Any, Any, Any]] = []
     original = learn_mod.learner_batch
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warm-start", type=int, default=None, help="warm-start steps (default: the config's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/packing.json")
+    parser.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides applied last to every config (default: none)")
     args = parser.parse_args(argv)
     header = results_header("benchmarks.packing", argv)
     from jmarl.host_memory import apply_on_cpu
@@ -206,14 +213,15 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in args.configs:
         with tempfile.TemporaryDirectory() as out_dir:
-            trainer, seen = record(CONFIGS[name], args.steps, args.warm_start, out_dir)
+            trainer, seen = record(CONFIGS[name], args.steps, args.warm_start, out_dir, args.overrides)
             totals = {"real": 0, "packed_slots": 0, "shared_slots": 0}
             for group, _, records, batch in seen:
                 packed, shared, counts = layouts(trainer, group, records, batch)
                 if any(counts):
                     for k, v in utilization(packed, shared, counts, group.stacked).items():
                         totals[k] += v
-            row = {"config": CONFIGS[name], "steps": args.steps, "batches": len(seen), **totals,
+            row = {"config": CONFIGS[name], "steps": args.steps, "overrides": args.overrides, "batches": len(seen),
+                   **totals,
                    "packed_utilization": totals["real"] / totals["packed_slots"],
                    "shared_utilization": totals["real"] / totals["shared_slots"]}
             if name in args.time:

@@ -1,15 +1,17 @@
 """Row utilization of the static sampler on whole training runs (real rows / decoded rows).
 
     python -m benchmarks.row_utilization [--steps N] [--seeds 0 1] [--variants quickstart independent]
+                                         [--overrides KEY=VALUE ...]
 
 Runs `configs/quickstart.yaml` (per-agent AT-GRPO, tree sampling: a call per agent-turn of
 E active episodes x K candidates, fewer rows once episodes end) and its `independent` variant
 (`workflow.plan=independent`: each episode samples K trajectories) with the static sampler,
 the config's warm start and steps (`--steps` overrides the RL steps), periodic evaluation and
 checkpoints off, and reads `rollout/row_utilization` of every RL step from the run's
-metrics.jsonl. A call's rows are padded to `jmarl.padding.row_bucket` (four buckets per
-doubling); the other padding, a stacked group's idle policy, is not decoded (a call of one
-policy decodes that policy alone). Writes `benchmarks/results/row_utilization.json` with the
+metrics.jsonl (`--overrides`: config overrides applied last, e.g. a shorter run for a smoke
+test; recorded in the results). A call's rows are padded to `jmarl.padding.row_bucket` (four
+buckets per doubling); the other padding, a stacked group's idle policy, is not decoded (a call
+of one policy decodes that policy alone). Writes `benchmarks/results/row_utilization.json` with the
 per-step values, their mean and minimum per run.
 """
 
@@ -29,15 +31,16 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, seed: int, steps: int | None, out_dir: str) -> dict:
-    """Trains one variant and returns its per-step row utilization."""
+def run_variant(name: str, seed: int, steps: int | None, out_dir: str, extra: list[str] | None = None) -> dict:
+    """Trains one variant and returns its per-step row utilization (`extra`: config overrides
+    applied after the benchmark's own)."""
     from jmarl.config import load_config
     from jmarl.train.trainer import Trainer
 
     overrides = VARIANTS[name] + [
         f"seed={seed}", f"output_dir={out_dir}", "eval.every=0", "checkpoint.every=0",
         "logging.tensorboard=false", "logging.plots=false", "logging.progress=false",
-    ] + ([f"train.steps={steps}"] if steps else [])
+    ] + ([f"train.steps={steps}"] if steps else []) + list(extra or [])
     start = time.perf_counter()
     Trainer(load_config("configs/quickstart.yaml", overrides)).run()
     seconds = time.perf_counter() - start
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides applied last (default: none)")
     args = parser.parse_args(argv)
     header = results_header("benchmarks.row_utilization", argv)  # date and load average at the start
 
@@ -61,11 +66,12 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.variants:
         for seed in args.seeds:
             with tempfile.TemporaryDirectory() as tmp:
-                run = run_variant(name, seed, args.steps, tmp)
+                run = run_variant(name, seed, args.steps, tmp, args.overrides)
             runs.append(run)
             print(f"{name} seed {seed}: row utilization mean {run['mean']:.3f}, min {run['min']:.3f} "
                   f"over {run['steps']} RL steps ({run['seconds']:.0f} s)")
-    result = {**header, **results_end(), "config": "configs/quickstart.yaml", "runs": runs}
+    result = {**header, **results_end(), "config": "configs/quickstart.yaml",
+              "overrides": args.overrides, "runs": runs}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "row_utilization.json")
     write_json(out, result)
     return result

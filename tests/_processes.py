@@ -12,15 +12,6 @@ from typing import Sequence
 REPO = Path(__file__).resolve().parents[1]
 
 
-def xla_flags_with_devices(count: int | None) -> str:
-    """The test process's XLA flags (conftest's compile settings) with `count` simulated CPU
-    devices instead of its 8; None for the platform's own one device."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    if count is not None:
-        flags.append(f"--xla_force_host_platform_device_count={count}")
-    return " ".join(flags)
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:
@@ -28,13 +19,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(script: str, args: Sequence[Sequence[str]], *, timeout: float, devices: int | None = None) -> None:
+def run_workers(script: str, args: Sequence[Sequence[str]], *, timeout: float, xla_flags: str | None = None) -> None:
     """Runs `python -c script *args[i]` for each i at once (CPU JAX, the repo importable), waits
-    for all, kills any left on failure, and asserts each exited 0 (showing its output if not).
-    `devices`: simulated CPU devices per process (default: the test process's XLA flags)."""
+    for all, kills any left on failure, and asserts each exited 0 (showing its output if not)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if devices is not None:
-        env["XLA_FLAGS"] = xla_flags_with_devices(devices)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
     procs = [subprocess.Popen([sys.executable, "-c", script, *map(str, a)], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for a in args]
     logs = []

@@ -8,9 +8,11 @@ if os.environ["JAX_PLATFORMS"] != "cpu":  # GPUs default float32 matmuls to TF32
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
-# The tests' programs are tiny and compile-bound: LLVM's optimisation of the generated CPU code cost
-# 35-45% of a test's time and changes no float semantics (XLA's own HLO passes and fusion still run,
-# and fast-math stays off). Measured with a cold cache on 2 cores: test_sampler.py 335 s -> 192 s.
+# Most tests' programs are tiny and compile-bound: LLVM's optimisation of the generated CPU code cost
+# 35-45% of such a test's time and changes no float semantics (XLA's own HLO passes and fusion still
+# run, and fast-math stays off). Measured with a cold cache on 2 cores: test_sampler.py 335 s ->
+# 192 s. Tests whose time is running, not compiling, pay for it instead: the subprocess runs of a
+# whole training (sigkill/resume, multi-host) keep the default level (they set XLA_FLAGS themselves).
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
     _flags = (_flags + " --xla_backend_optimization_level=0").strip()
 os.environ["XLA_FLAGS"] = _flags

@@ -79,7 +79,7 @@ def test_two_processes_match_single_process(tmp_path):
     port = free_port()
     outs = [tmp_path / f"p{i}.npz" for i in range(2)]
     run_workers(WORKER, [(port, i, outs[i], tmp_path / "ckpt") for i in range(2)], timeout=300,
-                devices=4)
+                xla_flags="--xla_force_host_platform_device_count=4")
 
     # the single-process reference: the same step, unsharded
     scope: dict = {}

@@ -26,7 +26,6 @@ LEGACY = frozenset({
     'benchmarks/results/host_memory.json',
     'benchmarks/results/memory.json',
     'benchmarks/results/moe.json',
-    'benchmarks/results/packing.json',
     'benchmarks/results/real_iteration.json',
     'benchmarks/results/real_train_step.json',
     'benchmarks/results/row_utilization.json',

@@ -1,7 +1,10 @@
 """Tiny models for tests, written once: builders of tiny random HF checkpoints (Llama with
 llama3 RoPE scaling, Qwen2, Qwen3; each directory also holds the CharTokenizer, saved in HF
-format), the one-layer `model.preset` the run-level tests train (`TINY_PRESET`) and the
-two-layer qwen3-style `ModelConfig` of the device-level tests (`tiny_qwen3`)."""
+format), the one-layer `model.preset` the run-level tests train (`TINY_PRESET`), the
+two-layer qwen3-style `ModelConfig` of the device-level tests (`tiny_qwen3`; other tiny shapes are
+`tiny_qwen3(**changes)`) and its mixture-of-experts form (`tiny_qwen3_moe`). `conftest.py` shares
+what these build across a test session: the fixtures `tiny_hf_checkpoint`, `tiny_qwen3_model`
+and `mesh`."""
 
 from __future__ import annotations
 
@@ -48,6 +51,15 @@ def tiny_qwen3(vocab_size: int = 64, **changes: Any):
     fields = dict(model_type="qwen3", vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, o_bias=True)
     return ModelConfig(**{**fields, **changes})
+
+
+def tiny_qwen3_moe(**changes: Any):
+    """`tiny_qwen3` as a three-layer, all-sparse Qwen3-MoE (top-2 of 8 experts of width 16, the
+    top-k probabilities renormalised; a dense MLP of width 48 where `mlp_only_layers` asks for
+    one; no o_proj bias, as in Qwen3-MoE checkpoints)."""
+    fields = dict(model_type="qwen3_moe", intermediate_size=48, num_layers=3, o_bias=False, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    return tiny_qwen3(**{**fields, **changes})
 
 
 def hf_config(family: str, **overrides: Any):

@@ -104,3 +104,81 @@ def drop_jax_caches_past(limit: int) -> bool:
 def _bounded_memory_mappings():
     yield
     drop_jax_caches_past(_MAX_MAPPINGS)
+
+
+# ---------------------------------------------------------------------------------- tiny models, meshes
+# The builders live in tests/_tiny_models.py; these fixtures share what they build within a session
+# (one per xdist worker). What they share is read-only: each checks at the session's end that no test
+# changed it.
+def _files(path: str) -> dict[str, tuple[int, int]]:
+    """Each file under `path` (relative name) -> (size, modification time in ns)."""
+    out = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            stat = os.stat(os.path.join(root, name))
+            out[os.path.relpath(os.path.join(root, name), path)] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """`tiny_hf_checkpoint(family, seed=0, **overrides)` -> the directory of a tiny random HF
+    checkpoint (`_tiny_models.make_tiny_checkpoint`: the model and the CharTokenizer), written
+    once per session for each family, seed and resulting HF config (overrides that spell the
+    default share it) and shared by every test that asks for it. Read it only: a test that writes
+    into the directory makes its own with `make_tiny_checkpoint(tmp_path, ...)`."""
+    from _tiny_models import hf_config, make_tiny_checkpoint
+
+    written: dict[tuple, tuple[str, dict]] = {}
+
+    def checkpoint(family: str, seed: int = 0, **overrides) -> str:
+        key = (family, seed, hf_config(family, **overrides).to_json_string())
+        if key not in written:
+            path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{family}"), family, seed, **overrides)
+            written[key] = (path, _files(path))
+        return written[key][0]
+
+    yield checkpoint
+    changed = [path for path, files in written.values() if _files(path) != files]
+    assert not changed, f"a test wrote into a shared tiny checkpoint (write into a fresh one instead): {changed}"
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_model():
+    """(config, params) of the default `_tiny_models.tiny_qwen3()`, parameters initialised from
+    key 0, built once per session for the tests that only read them (a test that changes a leaf
+    builds a new tree: `{**params, ...}`, `jax.tree.map`; donating them to a program deletes them)."""
+    import jax
+
+    from _tiny_models import tiny_qwen3
+    from jmarl import models
+
+    config = tiny_qwen3()
+    params = jax.jit(models.init, static_argnums=0)(config, jax.random.key(0))
+    leaves, structure = jax.tree.flatten(params)
+    yield config, params
+    now, now_structure = jax.tree.flatten(params)
+    assert now_structure == structure and all(a is b for a, b in zip(now, leaves)), \
+        "a test replaced a leaf of the shared tiny_qwen3_model parameters (build a new tree instead)"
+    assert not any(leaf.is_deleted() for leaf in leaves), \
+        "a test donated the shared tiny_qwen3_model parameters to a program (pass a copy instead)"
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """`mesh(**axes)` -> `jmarl.sharding.make_mesh(**axes)` over this process's devices (8
+    simulated CPU ones here); the test is skipped, saying what it needs, where the process has fewer
+    devices than the axes' sizes (an axis of -1, all remaining devices, counts as one)."""
+    import math
+
+    import jax
+
+    from jmarl import sharding
+
+    def make(**axes: int):
+        needed = math.prod(size for size in axes.values() if size != -1)
+        if needed > jax.device_count():
+            pytest.skip(f"the mesh {axes} needs {needed} devices; this process has {jax.device_count()}")
+        return sharding.make_mesh(**axes)
+
+    return make

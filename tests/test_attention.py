@@ -9,7 +9,7 @@ import pytest
 import torch
 from jax import export
 
-from _tiny_models import FAMILIES, VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
+from _tiny_models import FAMILIES, VOCAB_SIZE, make_tiny_torch_model
 from benchmarks.shared_prefix_model import prefix_token_logprobs, prefixed_attention
 from jmarl.errors import JmarlError
 from jmarl.models import attention as attn
@@ -34,11 +34,11 @@ def _long_batch(seed: int = 0):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_long_sequences_match_transformers_with_left_and_right_padding(family, tmp_path):
+def test_long_sequences_match_transformers_with_left_and_right_padding(family, tiny_hf_checkpoint):
     """Logits at 1,024 tokens equal transformers' on every real token, by the blockwise form and
     by auto (llama: llama3 RoPE scaling; qwen3: q/k norms and an explicit head_dim)."""
     overrides = dict(max_position_embeddings=2048)
-    path = make_tiny_checkpoint(tmp_path, family, **overrides)
+    path = tiny_hf_checkpoint(family, **overrides)
     reference = make_tiny_torch_model(family, **overrides)
     config, params = load_hf(path)
     tokens, mask = _long_batch()

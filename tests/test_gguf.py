@@ -21,7 +21,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (ggml's GGUF reader) is not installed")
 
-from _tiny_models import TOKENIZER_CORPUS, make_tiny_checkpoint, padded_batch, real_model_and_reference
+from _tiny_models import TOKENIZER_CORPUS, padded_batch, real_model_and_reference
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf, load_tokenizer, save_hf
 from jmarl.models import fetch as fetch_lib
@@ -158,13 +158,12 @@ def write_gguf(hf_dir: str, out: Path, qtype=Q.F32, *, arch: str | None = None, 
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tiny_hf_checkpoint, tmp_path_factory):
     """variant -> (HF checkpoint directory, F32 GGUF path)."""
     out = {}
     for variant, (family, overrides) in VARIANTS.items():
-        root = tmp_path_factory.mktemp(variant)
-        hf_dir = make_tiny_checkpoint(root, family, vocab_size=BPE_VOCAB, **BPE_IDS, **overrides)
-        out[variant] = (hf_dir, write_gguf(hf_dir, root / f"{variant}.f32.gguf"))
+        hf_dir = tiny_hf_checkpoint(family, vocab_size=BPE_VOCAB, **BPE_IDS, **overrides)
+        out[variant] = (hf_dir, write_gguf(hf_dir, tmp_path_factory.mktemp(variant) / f"{variant}.f32.gguf"))
     return out
 
 

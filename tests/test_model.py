@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model, padded_batch
+from _tiny_models import VOCAB_SIZE, make_tiny_torch_model, padded_batch
 from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
 from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill,
@@ -58,9 +58,9 @@ def _torch_token_logprobs(logits, tokens, mask, temperature=1.0):
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in VARIANTS])
-def variant(request, tmp_path_factory):
+def variant(request, tiny_hf_checkpoint):
     family, tied = request.param
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, tie_word_embeddings=tied)
+    path = tiny_hf_checkpoint(family, tie_word_embeddings=tied)
     torch_model = make_tiny_torch_model(family, tie_word_embeddings=tied)
     config, params = load_hf(path)
     return dict(family=family, tied=tied, path=path, torch=torch_model, config=config, params=params)
@@ -186,10 +186,10 @@ def test_prefix_token_logprobs_match_pytorch_on_joined_rows(variant):
 
 
 @pytest.mark.slow
-def test_prefix_token_logprobs_gradient_equals_joined_rows(tmp_path):
+def test_prefix_token_logprobs_gradient_equals_joined_rows(tiny_hf_checkpoint):
     """Gradients of a weighted sum of log-probs: shared prefixes (computed once, keys/values
     gathered per row) equal the plain forward over the joined rows, remat and chunking included."""
-    config, params = load_hf(make_tiny_checkpoint(tmp_path, "qwen3"))
+    config, params = load_hf(tiny_hf_checkpoint("qwen3"))
     prefix, prefix_mask, rows, cont, cont_mask, joined, joined_mask = _prefixed_batch(3)
     weights = np.random.default_rng(0).normal(size=cont.shape).astype(np.float32)
 
@@ -235,8 +235,8 @@ def test_save_hf_loads_in_transformers_and_round_trips_bitwise(variant, tmp_path
     assert all(jax.tree.leaves(same))
 
 
-def test_bfloat16_save_load_round_trip_is_bitwise(tmp_path):
-    config = config_from_hf(make_tiny_checkpoint(tmp_path, "qwen3"))
+def test_bfloat16_save_load_round_trip_is_bitwise(tiny_hf_checkpoint, tmp_path):
+    config = config_from_hf(tiny_hf_checkpoint("qwen3"))
     config = config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
     params = init(config, jax.random.key(3))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
@@ -272,8 +272,8 @@ def test_init_matches_param_shapes_and_is_loadable_by_transformers(tmp_path):
 
 
 @pytest.mark.slow
-def test_remat_vmap_and_chunking_agree(tmp_path):
-    config, params = load_hf(make_tiny_checkpoint(tmp_path, "qwen2"))
+def test_remat_vmap_and_chunking_agree(tiny_hf_checkpoint):
+    config, params = load_hf(tiny_hf_checkpoint("qwen2"))
     tokens, mask = _batch(4)
 
     def loss(cfg, p, chunk):
@@ -364,8 +364,8 @@ def test_rope_tables_match_transformers_and_hold_no_cos_or_sin_in_the_program():
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("q2"), "qwen2")
+def qwen2_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen2")  # read only: the bad checkpoints are edited copies
 
 
 def _copy_checkpoint(src, dst, edit_config=None, edit_tensors=None):

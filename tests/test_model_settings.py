@@ -225,10 +225,8 @@ def test_model_config_default_remat_is_auto_by_parameter_count():
         _shape(remat="ful")
 
 
-def test_checkpoint_path_takes_numerics_remat_and_attention(tmp_path):
-    from tests._tiny_models import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(tmp_path, "qwen3")
+def test_checkpoint_path_takes_numerics_remat_and_attention(tiny_hf_checkpoint):
+    path = tiny_hf_checkpoint("qwen3")
     spec = make({"path": path, "compute_dtype": "bfloat16", "attention": "blockwise"}, tokenizer=None).model
     config, params = policies.build_model(spec, None, jax.random.key(0))
     assert (config.param_dtype, config.compute_dtype, config.attention, config.remat) == (

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny_models import VOCAB_SIZE, left_padded, make_tiny_checkpoint, make_tiny_torch_model
+from _tiny_models import VOCAB_SIZE, left_padded, make_tiny_torch_model
 from jmarl.errors import JmarlError
 from jmarl.models import (
     GenerationSpec,
@@ -37,23 +37,23 @@ def _prompts(lengths, width, seed=0):
 _LOADED = {}
 
 
-def _load(family, tmp_path_factory):
+def _load(family, tiny_hf_checkpoint):
     if family not in _LOADED:
-        config, params = load_hf(make_tiny_checkpoint(tmp_path_factory.mktemp(family), family))
+        config, params = load_hf(tiny_hf_checkpoint(family))
         _LOADED[family] = (family, config, params, make_tiny_torch_model(family))
     return _LOADED[family]
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
-def tiny(request, tmp_path_factory):
+def tiny(request, tiny_hf_checkpoint):
     """Both families: for the parity tests against transformers."""
-    return _load(request.param, tmp_path_factory)
+    return _load(request.param, tiny_hf_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
+def qwen2(tiny_hf_checkpoint):
     """One family: for the tests of sampler mechanics (the model code is shared)."""
-    return _load("qwen2", tmp_path_factory)
+    return _load("qwen2", tiny_hf_checkpoint)
 
 
 def _hf_greedy(model, tokens, mask, n, stop=None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from _tiny_models import VOCAB_SIZE, make_tiny_checkpoint, make_tiny_torch_model
+from _tiny_models import VOCAB_SIZE, make_tiny_torch_model
 from jmarl.errors import JmarlError
 from jmarl.models import apply, load_hf
 from jmarl.models.hf_config import config_from_hf, config_to_hf
@@ -74,12 +74,12 @@ def test_rope_tables_match_transformers_rotary_with_the_attention_factor():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_logits_match_transformers_past_the_original_context(family, tmp_path):
+def test_logits_match_transformers_past_the_original_context(family, tiny_hf_checkpoint):
     """Tiny models with YaRN x4 over an original context of 8 positions: logits equal
     transformers' for 40 tokens (right- and left-padded rows), most positions past 8."""
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
     overrides = dict(rope_scaling=rope, max_position_embeddings=64)
-    path = make_tiny_checkpoint(tmp_path, family, **overrides)
+    path = tiny_hf_checkpoint(family, **overrides)
     model = make_tiny_torch_model(family, **overrides)
     config, params = load_hf(path)
     assert config.rope_type == "yarn" and config.rope_original_max_position == 8

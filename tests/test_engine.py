@@ -518,14 +518,14 @@ def _decode_compiled(mesh, params, slots, group_size=0):
 
 
 @pytest.mark.parametrize("axes", [dict(data=8), dict(data=4, tensor=2), dict(data=2, fsdp=4)])
-def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
+def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes, mesh):
     from jmarl import sharding
 
     prompts = _prompts(12, seed=5)
     stop = _stop_token()
     spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, stop_tokens=(stop,), chunk_steps=4, num_slots=8)
     want = engine.run(TINY, PARAMS, prompts, 2, jax.random.key(1), spec)
-    mesh = sharding.make_mesh(**axes)
+    mesh = mesh(**axes)
     params = sharding.shard_params(models.param_axes(TINY), PARAMS, mesh)  # as the trainer places them (fsdp, tensor)
     got = engine.run(TINY, params, prompts, 2, jax.random.key(1), dataclasses.replace(spec, mesh=mesh))
     for a, b in zip(want.completions, got.completions):
@@ -557,7 +557,7 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes):
     _assert_loop_bodies_move_nothing(_decode_compiled(mesh, params, 8, group_size=1).as_text())
 
 
-def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
+def test_engine_splits_one_policys_slots_over_the_policy_axis_too(mesh):
     from jmarl import sharding
     from jmarl.train.policies import stack
 
@@ -565,7 +565,7 @@ def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
     spec = GenerationSpec(max_new_tokens=N_NEW, temperature=1.0, chunk_steps=4, num_slots=8)
     stacked = stack([PARAMS, models.init(TINY, jax.random.key(1))])
     want = engine.run(TINY, stacked, prompts, 2, jax.random.key(2), spec, policy=1)
-    mesh = sharding.make_mesh(policy=2, data=2, fsdp=2)
+    mesh = mesh(policy=2, data=2, fsdp=2)
     placed = sharding.shard_params(models.param_axes(TINY), stacked, mesh)  # each policy's on half of the devices
     got = engine.run(TINY, placed, prompts, 2, jax.random.key(2), dataclasses.replace(spec, mesh=mesh), policy=1)
     for a, b in zip(want.completions, got.completions):
@@ -596,10 +596,8 @@ def test_engine_splits_one_policys_slots_over_the_policy_axis_too():
     _assert_loop_bodies_move_nothing(text)
 
 
-def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mesh():
-    from jmarl import sharding
-
-    mesh = sharding.make_mesh(data=8)
+def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mesh(mesh):
+    mesh = mesh(data=8)
     prompts = _prompts(10, seed=6)
     per_row = budget.engine_bytes(TINY, 1, 1, bucket_length(8), N_NEW)
     # budget per device: one slot and one entry each -> 8 slots on 8 devices (one device: 1 slot)
@@ -627,12 +625,12 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
     assert sharded.engine_stats.slots_per_device == sharded.engine_stats.slots // 8
 
 
-def test_planned_programs_are_the_ones_run_calls(monkeypatch):
+def test_planned_programs_are_the_ones_run_calls(monkeypatch, mesh):
     """`engine.planned_programs` (what `jmarl.memory_check` compiles) gives the programs `run` calls, with
     arguments of the same shapes, dtypes and shardings."""
     from jmarl import sharding
 
-    mesh = sharding.make_mesh(data=2, fsdp=4)
+    mesh = mesh(data=2, fsdp=4)
     params = sharding.shard_params(models.param_axes(TINY), PARAMS, mesh)
     calls = {}
 

@@ -170,7 +170,7 @@ def test_grouped_matmul_on_cpu_compiles_no_dense_copy_over_the_groups():
     (dict(data=2, fsdp=4), 6, None),  # rows that fsdp does not split: no gather, a sum over fsdp
     (dict(data=8), 24, 20),  # experts not split: expert_ffn, 10 rows a chunk
 ])
-def test_expert_parallel_ffn_equals_expert_ffn(monkeypatch, mesh_sizes, n, pairs):
+def test_expert_parallel_ffn_equals_expert_ffn(monkeypatch, mesh_sizes, n, pairs, mesh):
     if pairs is not None:
         monkeypatch.setattr(moe, "PAIRS_PER_CHUNK", pairs)
     x, experts, weights, gate, up, down = _routing(n)
@@ -181,7 +181,7 @@ def test_expert_parallel_ffn_equals_expert_ffn(monkeypatch, mesh_sizes, n, pairs
 
     want = moe.expert_ffn(x, experts, weights, gate, up, down)
     want_g = jax.grad(loss(moe.expert_ffn), range(5))(x, weights, gate, up, down)
-    mesh = sharding.make_mesh(**mesh_sizes)
+    mesh = mesh(**mesh_sizes)
     with jax.set_mesh(mesh):
         got = jax.jit(moe.expert_parallel_ffn)(x, experts, weights, gate, up, down)
         got_g = jax.jit(jax.grad(loss(moe.expert_parallel_ffn), range(5)))(x, weights, gate, up, down)
@@ -191,7 +191,7 @@ def test_expert_parallel_ffn_equals_expert_ffn(monkeypatch, mesh_sizes, n, pairs
 
 
 @pytest.mark.slow
-def test_expert_parallel_ffn_under_a_policy_vmap():
+def test_expert_parallel_ffn_under_a_policy_vmap(mesh):
     """Stacked policies ([P, ...] weights, vmapped with spmd_axis_name="policy", as the
     trainer's per-agent update): each policy's layer and its gradients equal its own
     `expert_ffn`'s."""
@@ -203,7 +203,7 @@ def test_expert_parallel_ffn_under_a_policy_vmap():
 
     want = jax.vmap(moe.expert_ffn)(x, experts, weights, gate, up, down)
     want_g = jax.grad(loss(moe.expert_ffn), range(5))(x, weights, gate, up, down)
-    mesh = sharding.make_mesh(policy=2, fsdp=4)
+    mesh = mesh(policy=2, fsdp=4)
     with jax.set_mesh(mesh):
         got = jax.jit(jax.vmap(moe.expert_parallel_ffn, spmd_axis_name="policy"))(x, experts, weights, gate, up, down)
         got_g = jax.jit(jax.grad(loss(moe.expert_parallel_ffn, spmd_axis_name="policy"), range(5)))(
@@ -235,7 +235,7 @@ def _loss(config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("remat,mixed", [("none", False), ("full", True)])
-def test_update_with_experts_split_equals_one_device(remat, mixed):
+def test_update_with_experts_split_equals_one_device(remat, mixed, mesh):
     """Value and gradients of the log-prob + aux loss with the experts split 4 ways (fsdp=4 x
     data=2: each device 2 of the 8 experts, tokens dispatched) equal one device's; `mixed`:
     dense and sparse layers (the layer scan's cond), with full layer remat."""
@@ -246,7 +246,7 @@ def test_update_with_experts_split_equals_one_device(remat, mixed):
     tokens, mask = _batch(8)
     value_and_grad = jax.jit(jax.value_and_grad(_loss(config)))
     want, want_g = value_and_grad(params, tokens, mask)
-    mesh = sharding.make_mesh(data=2, fsdp=4)
+    mesh = mesh(data=2, fsdp=4)
     placed = _placed(config, params, mesh)
     assert placed["layers"]["moe"]["experts"]["gate_proj"].sharding.shard_shape((3 + mixed, E, D, F))[1] == E // 4
     with jax.set_mesh(mesh):
@@ -259,7 +259,7 @@ def test_update_with_experts_split_equals_one_device(remat, mixed):
 
 
 @pytest.mark.slow
-def test_policies_vmapped_over_one_shared_base_with_experts_split():
+def test_policies_vmapped_over_one_shared_base_with_experts_split(mesh):
     """Two policies' batches through one set of weights (the weights unbatched under the
     policies' vmap, as LoRA adapters over a shared base run) with the experts split 4 ways:
     the log-prob gradients with respect to the shared weights equal one device's."""
@@ -273,7 +273,7 @@ def test_policies_vmapped_over_one_shared_base_with_experts_split():
 
     value_and_grad = jax.jit(jax.value_and_grad(loss))
     want, want_g = value_and_grad(params, tokens, mask)
-    mesh = sharding.make_mesh(data=2, fsdp=4)
+    mesh = mesh(data=2, fsdp=4)
     with jax.set_mesh(mesh):
         got, got_g = value_and_grad(_placed(config, params, mesh), sharding.shard_batch(tokens, mesh, stacked=True),
                                     sharding.shard_batch(mask, mesh, stacked=True))
@@ -283,14 +283,14 @@ def test_policies_vmapped_over_one_shared_base_with_experts_split():
 
 
 @pytest.mark.slow
-def test_greedy_generation_with_experts_split_equals_one_device():
+def test_greedy_generation_with_experts_split_equals_one_device(mesh):
     """Prefill and decode through the sharded experts (8 prompts on fsdp=4 x data=2)."""
     config = _moe_config()
     params = _params(config, seed=3)
     tokens, mask = _batch(8, 10, seed=4)
     kwargs = dict(max_new_tokens=8, temperature=0.0, pad_id=0)
     want = generate(config, params, tokens, mask, jax.random.key(0), GenerationSpec(**kwargs))
-    mesh = sharding.make_mesh(data=2, fsdp=4)
+    mesh = mesh(data=2, fsdp=4)
     got = generate(config, _placed(config, params, mesh), tokens, mask, jax.random.key(0),
                    GenerationSpec(mesh=mesh, **kwargs))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -319,7 +319,7 @@ def _holds_experts(shape: tuple[int, ...], local: int) -> bool:
 
 
 @pytest.mark.slow
-def test_compiled_update_moves_tokens_not_expert_weights(monkeypatch):
+def test_compiled_update_moves_tokens_not_expert_weights(monkeypatch, mesh):
     """The compiled value-and-gradient program on fsdp=4 x data=2: all-gathers of tokens and
     reduce-scatters of outputs, none of an expert weight over the expert axis (no result holds
     more than a device's 2 experts); with the expert layer left to XLA (`expert_layout` None)
@@ -327,7 +327,7 @@ def test_compiled_update_moves_tokens_not_expert_weights(monkeypatch):
     config = _moe_config()
     params = _params(config)
     tokens, mask = _batch(8)
-    mesh = sharding.make_mesh(data=2, fsdp=4)
+    mesh = mesh(data=2, fsdp=4)
     placed = _placed(config, params, mesh)
     args = (placed, sharding.shard_batch(tokens, mesh), sharding.shard_batch(mask, mesh))
 

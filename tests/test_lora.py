@@ -81,27 +81,37 @@ def _packed_batch(rng):
     return {k: out[k] for k in MODEL_INPUTS}
 
 
-BASE = jax.jit(models.init, static_argnums=0)(TINY, jax.random.key(0))
-AD = _adapters(BASE, 1)
+@pytest.fixture(scope="module")
+def base(tiny_qwen3_model):
+    """The frozen base of every adapter here: the shared tiny model's parameters (TINY's)."""
+    config, params = tiny_qwen3_model
+    assert config == TINY
+    return params
 
 
-def test_attach_holds_the_base_and_adapters_unmerged():
-    params = _attached(BASE, AD)
+@pytest.fixture(scope="module")
+def ad(base):
+    """Adapters of seed 1 on `base`."""
+    return _adapters(base, 1)
+
+
+def test_attach_holds_the_base_and_adapters_unmerged(base, ad):
+    params = _attached(base, ad)
     q = params["layers"]["attn"]["q_proj"]["kernel"]
     assert isinstance(q, LoraKernel) and q.scale == ALPHA / RANK
-    assert q.w is BASE["layers"]["attn"]["q_proj"]["kernel"] and q.a is AD["layers"]["attn"]["q_proj"]["kernel"]["a"]
+    assert q.w is base["layers"]["attn"]["q_proj"]["kernel"] and q.a is ad["layers"]["attn"]["q_proj"]["kernel"]["a"]
     assert q.shape == q.w.shape and q.dtype == q.w.dtype
-    assert params["layers"]["attn"]["q_proj"]["bias"] is BASE["layers"]["attn"]["q_proj"]["bias"]
-    assert params["embed"]["embedding"] is BASE["embed"]["embedding"]  # not a target: the base's own
+    assert params["layers"]["attn"]["q_proj"]["bias"] is base["layers"]["attn"]["q_proj"]["bias"]
+    assert params["embed"]["embedding"] is base["embed"]["embedding"]  # not a target: the base's own
 
 
-def test_logits_and_logprobs_equal_merged():
+def test_logits_and_logprobs_equal_merged(base, ad):
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, TINY.vocab_size, (3, 12)).astype(np.int32)
     mask = np.ones_like(tokens, bool)
     mask[0, :4] = False  # left padding
     mask[1, 9:] = False  # right padding
-    attached, merged = _attached(BASE, AD), _merged(BASE, AD)
+    attached, merged = _attached(base, ad), _merged(base, ad)
 
     @jax.jit
     def run(params):
@@ -110,12 +120,12 @@ def test_logits_and_logprobs_equal_merged():
     (logits, lp), (want, want_lp) = run(attached), run(merged)
     _close(logits, want)
     _close(lp, want_lp)
-    assert float(jnp.max(jnp.abs(want - run(BASE)[0]))) > 0.1  # the adapters matter
+    assert float(jnp.max(jnp.abs(want - run(base)[0]))) > 0.1  # the adapters matter
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
-def test_packed_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch):
+def test_packed_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch, base, ad):
     """The learner's path (packed rows, the layer scan with each remat policy, the feed-forward
     layer in token chunks, the chunked LM head): log-probs and the gradient w.r.t. A and B."""
     monkeypatch.setattr(layers_lib, "MLP_CHUNK_ELEMENTS", 4 * TINY.intermediate_size)  # chunks of 4 tokens
@@ -126,41 +136,41 @@ def test_packed_logprobs_and_adapter_gradients_equal_merged(remat, monkeypatch):
         lp = packed_logprobs(config, params, batch, 0.9)
         return jnp.sum(jnp.sin(lp)), lp
 
-    (_, lp_a), g_a = _fast(jax.value_and_grad(lambda ad: loss(_attached(BASE, ad)), has_aux=True), AD)
-    (_, lp_m), g_m = _fast(jax.value_and_grad(lambda ad: loss(_merged(BASE, ad)), has_aux=True), AD)
+    (_, lp_a), g_a = _fast(jax.value_and_grad(lambda a: loss(_attached(base, a)), has_aux=True), ad)
+    (_, lp_m), g_m = _fast(jax.value_and_grad(lambda a: loss(_merged(base, a)), has_aux=True), ad)
     _close(lp_a, lp_m)
     _close(g_a, g_m, rtol=1e-3, atol=1e-4)
     assert float(jnp.max(jnp.abs(g_a["layers"]["attn"]["q_proj"]["kernel"]["a"]))) > 0  # gradients reach A and B
     assert float(jnp.max(jnp.abs(g_a["lm_head"]["kernel"]["b"]))) > 0
 
 
-def test_base_gets_no_gradient():
+def test_base_gets_no_gradient(base, ad):
     """The base in a LoraKernel is frozen: a gradient w.r.t. the whole attached tree is zero on W."""
     config = TINY.replace(remat="full")
     batch = _packed_batch(np.random.default_rng(2))
-    grads = _fast(jax.grad(lambda p: jnp.sum(packed_logprobs(config, p, batch))), _attached(BASE, AD))
+    grads = _fast(jax.grad(lambda p: jnp.sum(packed_logprobs(config, p, batch))), _attached(base, ad))
     q = grads["layers"]["attn"]["q_proj"]["kernel"]
     assert not np.any(np.asarray(q.w)) and np.any(np.asarray(q.a))
 
 
-def test_greedy_generation_equals_merged():
+def test_greedy_generation_equals_merged(base, ad):
     rng = np.random.default_rng(3)
     prompts = rng.integers(3, TINY.vocab_size, (4, 6)).astype(np.int32)
     mask = np.arange(6)[None] >= rng.integers(0, 3, (4, 1))
     grouped = np.repeat(prompts[:2], 2, axis=0), np.repeat(mask[:2], 2, axis=0)  # a group's shared prompt cache
     kw = dict(max_new_tokens=6, temperature=0.0)
     for toks, msk in ((prompts, mask), grouped):
-        got = models.generate(TINY, _attached(BASE, AD), toks, msk, jax.random.key(0), GenerationSpec(**kw))
-        want = models.generate(TINY, _merged(BASE, AD), toks, msk, jax.random.key(0), GenerationSpec(**kw))
+        got = models.generate(TINY, _attached(base, ad), toks, msk, jax.random.key(0), GenerationSpec(**kw))
+        want = models.generate(TINY, _merged(base, ad), toks, msk, jax.random.key(0), GenerationSpec(**kw))
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
         _close(got.logprobs, want.logprobs)
 
 
 @pytest.mark.slow
-def test_stacked_policies_gradients_with_one_base():
+def test_stacked_policies_gradients_with_one_base(base, ad):
     """Two policies' adapters [2, ...] vmapped over with the base unmapped (the update's form):
     each policy's gradient equals the one through its merged weights."""
-    ads = [AD, _adapters(BASE, 2)]
+    ads = [ad, _adapters(base, 2)]
     batch = _packed_batch(np.random.default_rng(4))
     stacked_batch = {k: np.stack([v, v]) for k, v in batch.items()}
 
@@ -168,18 +178,18 @@ def test_stacked_policies_gradients_with_one_base():
         return jnp.sum(jnp.sin(packed_logprobs(TINY.replace(remat="full"), join(base, ad), b)))
 
     grads = _fast(jax.vmap(jax.grad(functools.partial(loss, join=_attached)), in_axes=(0, None, 0)),
-                  _stack(*ads), BASE, stacked_batch)
+                  _stack(*ads), base, stacked_batch)
     want = _fast(jax.vmap(jax.grad(functools.partial(loss, join=_merged)), in_axes=(0, None, None)),
-                 _stack(*ads), BASE, batch)
+                 _stack(*ads), base, batch)
     _close(grads, want, rtol=1e-3, atol=1e-4)
 
 
-def test_stacked_generation_with_one_base():
+def test_stacked_generation_with_one_base(base, ad):
     """Two policies' adapters [2, ...] on one base (what `PolicyGroup.full_params` gives): the
     stacked sampler and one policy of the stack decoded alone generate, greedily, what each
     policy's merged weights do."""
-    ads = [AD, _adapters(BASE, 2)]
-    attached = _attached(BASE, _stack(*ads))  # the base once, adapters [2, ...]: what PolicyGroup.full_params gives
+    ads = [ad, _adapters(base, 2)]
+    attached = _attached(base, _stack(*ads))  # the base once, adapters [2, ...]: what PolicyGroup.full_params gives
     axes = layout.policy_axes(TINY, attached)
     assert axes["layers"]["attn"]["q_proj"]["kernel"] == LoraKernel(None, 0, 0, ALPHA / RANK)
     assert axes["embed"]["embedding"] is None
@@ -189,42 +199,42 @@ def test_stacked_generation_with_one_base():
     kw = dict(max_new_tokens=5, temperature=0.0)
     got = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), GenerationSpec(**kw))
     one = models.generate(TINY, attached, prompts[1], mask[1], jax.random.key(0), GenerationSpec(**kw), policy=1)
-    for i, ad in enumerate(ads):
-        want = models.generate(TINY, _merged(BASE, ad), prompts[i], mask[i], jax.random.key(0), GenerationSpec(**kw))
+    for i, policy_ad in enumerate(ads):
+        want = models.generate(TINY, _merged(base, policy_ad), prompts[i], mask[i], jax.random.key(0), GenerationSpec(**kw))
         np.testing.assert_array_equal(np.asarray(got.tokens[i]), np.asarray(want.tokens))
         _close(got.logprobs[i], want.logprobs)
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(got.tokens[1]))
 
 
-def test_bf16_base_float32_adapters():
+def test_bf16_base_float32_adapters(base, ad):
     """A bf16 base with bf16 compute: close to the merged weights, float32 adapter gradients."""
     config = TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
-    base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), BASE)
+    bf16_base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base)
     tokens = np.random.default_rng(6).integers(3, TINY.vocab_size, (2, 10)).astype(np.int32)
     mask = np.ones_like(tokens, bool)
     logprobs = jax.jit(lambda params: models.token_logprobs(config, params, tokens, mask))
-    _close(logprobs(_attached(base, AD)), logprobs(_merged(base, AD)), rtol=0.05, atol=0.05)
-    grads = jax.jit(jax.grad(lambda ad: jnp.sum(models.token_logprobs(config, _attached(base, ad), tokens, mask))))(AD)
+    _close(logprobs(_attached(bf16_base, ad)), logprobs(_merged(bf16_base, ad)), rtol=0.05, atol=0.05)
+    grads = jax.jit(jax.grad(lambda a: jnp.sum(models.token_logprobs(config, _attached(bf16_base, a), tokens, mask))))(ad)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
 
-def test_policy_group_runs_unmerged_and_exports_merged():
-    stacked = _stack(AD, _adapters(BASE, 2))
+def test_policy_group_runs_unmerged_and_exports_merged(base, ad):
+    stacked = _stack(ad, _adapters(base, 2))
     group = PolicyGroup(name="lora", model_config=TINY, tokenizer=None, policy_ids=(0, 1), stacked=True,
-                        lora_rank=RANK, lora_alpha=ALPHA, base=BASE, state=types.SimpleNamespace(params=stacked), ref=None)
+                        lora_rank=RANK, lora_alpha=ALPHA, base=base, state=types.SimpleNamespace(params=stacked), ref=None)
     full = group.full_params()
     q = full["layers"]["attn"]["q_proj"]["kernel"]
-    assert isinstance(q, LoraKernel) and q.w is BASE["layers"]["attn"]["q_proj"]["kernel"] and q.a.shape[0] == 2
+    assert isinstance(q, LoraKernel) and q.w is base["layers"]["attn"]["q_proj"]["kernel"] and q.a.shape[0] == 2
     exported = group.policy_params(1)  # real merged weights for a Hugging Face export
-    _close(exported, _merged(BASE, jax.tree.map(lambda x: x[1], stacked)))
+    _close(exported, _merged(base, jax.tree.map(lambda x: x[1], stacked)))
 
 
 @pytest.mark.slow
-def test_sharding_of_attached_adapters_and_sharded_generation():
+def test_sharding_of_attached_adapters_and_sharded_generation(base, ad, mesh):
     """Specs: a LoraKernel's w is placed like the kernel (no policy axis: one base), a and b like
     the adapters'. Stacked generation on a (policy, data, tensor) mesh equals the unsharded one."""
-    stacked = _stack(AD, _adapters(BASE, 2))
-    attached = _attached(BASE, stacked)
+    stacked = _stack(ad, _adapters(base, 2))
+    attached = _attached(base, stacked)
     specs = sharding.param_specs(models.param_axes(TINY), attached, {"policy": 2, "fsdp": 2, "tensor": 2})
     assert specs["layers"]["attn"]["q_proj"]["kernel"] == LoraKernel(
         P(None, "fsdp", "tensor"), P("policy", None, "fsdp"), P("policy", None, None, "tensor"), ALPHA / RANK)
@@ -236,7 +246,7 @@ def test_sharding_of_attached_adapters_and_sharded_generation():
     mask = np.arange(6) >= rng.integers(0, 3, (2, 8, 1))
     kw = dict(max_new_tokens=5, temperature=0.0)
     want = models.generate_stacked(TINY, attached, prompts, mask, jax.random.key(0), GenerationSpec(**kw))
-    mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
+    mesh = mesh(policy=2, data=2, tensor=2)
     placed = sharding.shard_params(models.param_axes(TINY), attached, mesh)
     got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0), GenerationSpec(mesh=mesh, **kw))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))

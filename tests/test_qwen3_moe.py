@@ -437,7 +437,7 @@ def test_expert_axis_is_declared_and_split_over_fsdp(tiny):
 
 
 @pytest.mark.slow
-def test_sharded_update_equals_the_unsharded_one(tmp_path_factory):
+def test_sharded_update_equals_the_unsharded_one(tmp_path_factory, mesh):
     """Parameters placed by their declared axes on a data x fsdp x tensor = 2 x 2 x 2 mesh (the 4
     experts split over fsdp, tokens dispatched to them, Fe over tensor): the log-probs' value
     and gradient under the mesh equal the single-device ones (the all-sparse model: the
@@ -452,7 +452,7 @@ def test_sharded_update_equals_the_unsharded_one(tmp_path_factory):
         return jax.value_and_grad(lambda p: jnp.sum(token_logprobs(config, p, tokens, mask)))(p)
 
     want, want_g = jax.jit(value_and_grad)(params)
-    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    mesh = mesh(data=2, fsdp=2, tensor=2)
     specs = sharding.param_specs(param_axes(config), params, mesh)
     placed = jax.device_put(params, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs))
     with jax.set_mesh(mesh):

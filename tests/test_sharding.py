@@ -281,12 +281,12 @@ UPDATE = make_update(_loss, OPT, num_minibatches=2)
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(tiny_qwen3_model):
     """Single-device numbers for one policy and for two stacked policies (computed once)."""
     out = {}
     for stacked in (False, True):
         rng = np.random.default_rng(0)
-        params = [models.init(TINY, jax.random.key(i)) for i in range(2 if stacked else 1)]
+        params = [tiny_qwen3_model[1], models.init(TINY, jax.random.key(1))][:2 if stacked else 1]
         params = jax.tree.map(lambda *xs: jnp.stack(xs), *params) if stacked else params[0]
         batch = _batch(rng, 2 if stacked else None)
         grads = jax.jit(_grad_fn(stacked), compiler_options=FAST)(params, batch)
@@ -298,10 +298,10 @@ def reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("axes", [dict(data=8), dict(fsdp=4, tensor=2), dict(policy=2, data=4)])
-def test_sharded_update_equals_single_device(axes, reference):
+def test_sharded_update_equals_single_device(axes, reference, mesh):
     stacked = axes.get("policy", 1) > 1
     params, batch, ref_grads, ref_state, ref_metrics = reference[stacked]
-    mesh = sharding.make_mesh(**axes)
+    mesh = mesh(**axes)
     # a copy: placing may reuse the reference's buffers, and the update donates its state
     sharded_params = sharding.shard_params(TINY_AXES, jax.tree.map(jnp.copy, params), mesh)
     state = sharding.shard_train_state(TINY_AXES, _init_state(sharded_params, stacked), mesh, stacked=stacked)
@@ -340,16 +340,16 @@ def test_sharded_update_equals_single_device(axes, reference):
     assert gate.sharding == state_sh.params["layers"]["mlp"]["gate_proj"]["kernel"]
 
 
-def test_sharded_lora_update_with_frozen_base():
+def test_sharded_lora_update_with_frozen_base(tiny_qwen3_model, mesh):
     rng = np.random.default_rng(1)
-    base = models.init(TINY, jax.random.key(0))
+    _, base = tiny_qwen3_model
     adapters = init_lora(base, jax.random.key(1), rank=4, target_modules=("q_proj", "v_proj", "up_proj"))
     adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # non-zero B, so A gets gradients too
     batch = _batch(rng)
     update = make_update(_loss, OPT)
     ref_state, _ = jax.jit(update, compiler_options=FAST)(init_train_state(adapters, OPT), base, batch)
 
-    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    mesh = mesh(fsdp=4, tensor=2)
     base_sh = sharding.shardings(mesh, sharding.param_specs(TINY_AXES, base, mesh))
     state = sharding.shard_train_state(TINY_AXES, init_train_state(adapters, OPT), mesh)
     step = sharding.sharded_update(
@@ -364,7 +364,7 @@ def test_sharded_lora_update_with_frozen_base():
 
 # ---------------------------------------------------------------------------------- sampling
 @pytest.mark.slow
-def test_sharded_greedy_sampling_matches_unsharded():
+def test_sharded_greedy_sampling_matches_unsharded(mesh):
     rng = np.random.default_rng(2)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[models.init(TINY, jax.random.key(i)) for i in (5, 6)])
     prompts = rng.integers(3, TINY.vocab_size, (2, 8, 6)).astype(np.int32)
@@ -373,35 +373,34 @@ def test_sharded_greedy_sampling_matches_unsharded():
     want = models.generate_stacked(TINY, stacked, prompts, mask, jax.random.key(0), models.GenerationSpec(**kw))
 
     # two policies on (policy, data, tensor): parameters, prompt rows and the KV cache sharded
-    mesh = sharding.make_mesh(policy=2, data=2, tensor=2)
-    placed = sharding.shard_params(TINY_AXES, stacked, mesh)
+    policy_mesh = mesh(policy=2, data=2, tensor=2)
+    placed = sharding.shard_params(TINY_AXES, stacked, policy_mesh)
     got = models.generate_stacked(TINY, placed, prompts, mask, jax.random.key(0),
-                                  models.GenerationSpec(mesh=mesh, **kw))
+                                  models.GenerationSpec(mesh=policy_mesh, **kw))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
     assert tuple(got.tokens.sharding.spec)[:2] == ("policy", "data")
     cache = jax.eval_shape(lambda: models.kv_cache.empty_cache(TINY, (2, 8), 16))
-    specs = sharding.cache_specs(models.model.cache_axes(cache, stacked=True), cache, mesh)
+    specs = sharding.cache_specs(models.model.cache_axes(cache, stacked=True), cache, policy_mesh)
     assert specs.keys[0] == P("policy", "data", "tensor") and specs.values[1] == P("policy", "data", "tensor")
 
     # one policy (greedy ignores the key) with rows on data and heads on tensor
     first = jax.tree.map(lambda x: x[0], stacked)
-    mesh = sharding.make_mesh(data=4, tensor=2)
-    got = models.generate(TINY, sharding.shard_params(TINY_AXES, first, mesh), prompts[0], mask[0], jax.random.key(0),
-                          models.GenerationSpec(mesh=mesh, **kw))
+    data_mesh = mesh(data=4, tensor=2)
+    got = models.generate(TINY, sharding.shard_params(TINY_AXES, first, data_mesh), prompts[0], mask[0],
+                          jax.random.key(0), models.GenerationSpec(mesh=data_mesh, **kw))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens[0]))
     assert got.tokens.sharding.spec[0] == "data"
     # (the trainer's sampler makes these calls; test_trainer_runs_sharded_from_config runs it)
 
 
 # ---------------------------------------------------------------------------------- checkpoints
-def test_checkpoint_restores_into_target_shardings(tmp_path):
+def test_checkpoint_restores_into_target_shardings(tmp_path, mesh):
     params = models.init(TINY, jax.random.key(7))
-    mesh = sharding.make_mesh(fsdp=4, tensor=2)
-    state = sharding.shard_train_state(TINY_AXES, init_train_state(params, OPT), mesh)
+    state = sharding.shard_train_state(TINY_AXES, init_train_state(params, OPT), mesh(fsdp=4, tensor=2))
     with Checkpointer(tmp_path / "ckpt", keep=2) as ckpt:
         ckpt.save(1, state, {"note": "sharded"})
-        other = sharding.make_mesh(data=2, fsdp=2, tensor=2)  # restore onto a different layout
+        other = mesh(data=2, fsdp=2, tensor=2)  # restore onto a different layout
         target = sharding.shard_train_state(TINY_AXES, jax.tree.map(jnp.zeros_like, state), other)
         restored = ckpt.restore(target)
     _close(restored.state, state, atol=0)
@@ -412,18 +411,17 @@ def test_checkpoint_restores_into_target_shardings(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- bytes per device
-def test_device_bytes_matches_real_shards_and_abstract_states():
-    params = models.init(TINY, jax.random.key(0))
-    state = init_train_state(params, OPT)
+def test_device_bytes_matches_real_shards_and_abstract_states(tiny_qwen3_model, mesh):
+    state = init_train_state(tiny_qwen3_model[1], OPT)
     for axes in (dict(fsdp=8), dict(fsdp=4, tensor=2), dict(data=2, tensor=4)):
-        mesh = sharding.make_mesh(**axes)
-        placed = sharding.shard_train_state(TINY_AXES, state, mesh)
+        placed_on = mesh(**axes)
+        placed = sharding.shard_train_state(TINY_AXES, state, placed_on)
         device0 = jax.devices()[0]
         real = sum(
             s.data.nbytes for leaf in jax.tree.leaves(placed) for s in leaf.addressable_shards if s.device == device0
         )
         assert sharding.device_bytes(placed) == real
-        abstract = sharding.shard_train_state(TINY_AXES, jax.eval_shape(lambda: state), mesh)  # shardings attached
+        abstract = sharding.shard_train_state(TINY_AXES, jax.eval_shape(lambda: state), placed_on)  # shardings attached
         assert all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None for x in jax.tree.leaves(abstract))
         assert sharding.device_bytes(abstract) == real
     assert sharding.device_bytes(state) == sum(x.nbytes for x in jax.tree.leaves(state))  # one device: all of it

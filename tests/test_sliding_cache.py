@@ -162,13 +162,11 @@ def test_continuous_engine_equals_full_recomputation_with_slots_refilled():
 
 
 @pytest.mark.slow
-def test_continuous_engine_on_a_mesh_equals_full_recomputation():
-    from jmarl import sharding
-
+def test_continuous_engine_on_a_mesh_equals_full_recomputation(mesh):
     tokens, mask = left_padded(LENGTHS[:4], WIDTH, VOCAB, seed=5)
     prompts = [row[m].tolist() for row, m in zip(tokens, mask)]
     spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.0, num_slots=4, chunk_steps=4, buckets=(WIDTH,),
-                          mesh=sharding.make_mesh(data=2), shrink=False)
+                          mesh=mesh(data=2), shrink=False)
     result = engine.run(CONFIG, _params(), prompts, 2, jax.random.key(7), spec, limits=[N_NEW, 6, N_NEW, 8])
     assert result.stats.slots_per_device == 2 and result.stats.fused == 0
     _check_engine(result, prompts, greedy=True)

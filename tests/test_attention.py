@@ -9,7 +9,7 @@ import pytest
 import torch
 from jax import export
 
-from _tiny_models import FAMILIES, VOCAB_SIZE, make_tiny_torch_model
+from _tiny_models import FAMILIES, VOCAB_SIZE, make_tiny_torch_model, tiny_qwen3
 from benchmarks.shared_prefix_model import prefix_token_logprobs, prefixed_attention
 from jmarl.errors import JmarlError
 from jmarl.models import attention as attn
@@ -149,9 +149,9 @@ def test_blockwise_gradient_temporaries_stay_far_below_the_score_matrix():
 
 
 def _tiny(**changes) -> ModelConfig:
-    base = dict(model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=4096)
-    return ModelConfig(**dict(base, **changes))
+    """`tiny_qwen3` twice as wide (heads of 16, an MLP of 96: the chunking below counts on it), for 4,096 positions."""
+    wide = dict(hidden_size=64, intermediate_size=96, head_dim=16, o_bias=False, max_position_embeddings=4096)
+    return tiny_qwen3(**{**wide, **changes})
 
 
 @pytest.mark.slow

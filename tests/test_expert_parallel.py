@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from _tiny_models import tiny_qwen3_moe
 from jmarl import sharding
 from jmarl.models import GenerationSpec, ModelConfig, generate, init, param_axes, token_logprobs
 from jmarl.models import grouped_matmul as grouped
@@ -23,12 +24,10 @@ E, D, F, K = 8, 32, 16, 2  # tiny experts: distinct sizes, so their shapes are r
 
 
 def _moe_config(**changes) -> ModelConfig:
-    """A tiny all-sparse Qwen3-MoE (3 layers, top-2 of 8 experts, float32)."""
-    fields = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=D, intermediate_size=48, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, num_experts=E, num_experts_per_tok=K,
-                  moe_intermediate_size=F, norm_topk_prob=True, decoder_sparse_step=1, remat="none",
-                  compute_dtype="float32", param_dtype="float32")
-    return ModelConfig(**{**fields, **changes})
+    """The tiny all-sparse Qwen3-MoE (`tiny_qwen3_moe`: 3 layers, top-2 of 8 experts, float32), no remat."""
+    config = tiny_qwen3_moe(**{"remat": "none", **changes})
+    assert (config.num_experts, config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok) == (E, D, F, K)
+    return config
 
 
 def _params(config: ModelConfig, seed: int = 0):

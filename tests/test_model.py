@@ -10,11 +10,10 @@ import pytest
 import torch
 import transformers
 
-from _tiny_models import VOCAB_SIZE, make_tiny_torch_model, padded_batch
+from _tiny_models import VOCAB_SIZE, make_tiny_torch_model, padded_batch, tiny_qwen3
 from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
-from jmarl.models import (ModelConfig, apply, init, init_cache, load_hf, param_shapes, prefill,
-                          save_hf, token_logprobs)
+from jmarl.models import apply, init, init_cache, load_hf, param_shapes, prefill, save_hf, token_logprobs
 from jmarl.models.model import bind
 from jmarl.models.hf import read_safetensors, write_safetensors
 from jmarl.models.hf_config import config_from_hf, config_to_hf
@@ -254,10 +253,8 @@ def test_bfloat16_save_load_round_trip_is_bitwise(tiny_hf_checkpoint, tmp_path):
 
 
 def test_init_matches_param_shapes_and_is_loadable_by_transformers(tmp_path):
-    config = ModelConfig(
-        model_type="qwen2", vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_layers=3,
-        num_heads=4, num_kv_heads=1, head_dim=8, qkv_bias=True,
-    )
+    config = tiny_qwen3(model_type="qwen2", vocab_size=VOCAB_SIZE, intermediate_size=48, num_layers=3, num_kv_heads=1,
+                        qkv_bias=True, qk_norm=False, o_bias=False)
     params = init(config, jax.random.key(0))
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype), params)
     assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), param_shapes(config))
@@ -307,10 +304,7 @@ def _largest_vocab_block(jaxpr, vocab: int, hidden: int) -> int:
 
 
 def test_token_logprobs_never_holds_full_vocab_logits_for_all_positions():
-    config = ModelConfig(
-        model_type="qwen3", vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
-    )
+    config = tiny_qwen3(vocab_size=4096, num_heads=2, num_kv_heads=1, head_dim=16, o_bias=False)
     params = init(config, jax.random.key(0))
     b, t = 2, 64
     tokens = jnp.zeros((b, t), jnp.int32)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _tiny_models import tiny_qwen3
 from jmarl import algos, models
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
@@ -17,10 +18,7 @@ from jmarl.train.packing import (ROW_TOKENS, PackShape, pack, packed_logprobs, p
                                  token_utilization)
 from jmarl.train.step import init_train_state, make_update, split_minibatches
 
-TINY = models.ModelConfig(
-    model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
-)
+TINY = tiny_qwen3(model_type="qwen2", qkv_bias=True, qk_norm=False, o_bias=False)  # tiny_qwen3's shape, Qwen2's biases
 
 
 def _plain(rows: list[tuple[list[int], list[int]]], t: int) -> dict[str, np.ndarray]:

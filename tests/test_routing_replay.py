@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _tiny_models import tiny_qwen3, tiny_qwen3_moe
 from jmarl.config import ArchConfig, ModelSpec, config_from_dict
 from jmarl.errors import JmarlError
-from jmarl.models import CharTokenizer, GenerationSpec, ModelConfig, generate, init
+from jmarl.models import CharTokenizer, GenerationSpec, generate, init
 from jmarl.models import moe
 from jmarl.models.generation import engine
 from jmarl.models.model import expert_routing
@@ -27,10 +28,7 @@ from jmarl.train.sampling import completion_routing
 from jmarl.workflows.base import Completion, SampleRecord
 
 # layers 0 and 2 sparse, layer 1 dense (a mixed model: replay skips its dense layer); top-2 of 4
-CONFIG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
-                     moe_intermediate_size=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
-                     num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=(1,),
-                     routing_replay="replay")
+CONFIG = tiny_qwen3_moe(num_experts=4, mlp_only_layers=(1,), routing_replay="replay")
 PROMPTS = np.array([[0, 0, 5, 9, 33, 40], [0, 7, 21, 2, 11, 3], [0, 0, 0, 44, 12, 8], [17, 3, 29, 50, 6, 1]], np.int32)
 NEW = 8
 _score = jax.jit(packed_logprobs, static_argnums=(0,), static_argnames=("with_router_stats",))
@@ -217,8 +215,7 @@ def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
     with pytest.raises(JmarlError, match=r"sampling.engine: static or model.routing_replay: off"):
         config_from_dict({**json.loads(json.dumps(_as_dict(_run_config(tmp_path)))), "sampling": {"engine": "continuous"}})
     with pytest.raises(JmarlError, match="routing_replay='replay' replays mixture-of-experts routing"):
-        ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
-                    num_heads=4, num_kv_heads=2, head_dim=8, routing_replay="replay")
+        tiny_qwen3(routing_replay="replay")  # a dense ModelConfig
     # a model whose kind is known once it is built (a checkpoint's): refused by build_model
     spec = ModelSpec(preset=ArchConfig(**dense), routing_replay="replay")
     with pytest.raises(JmarlError, match=r"policies.models.x.model.routing_replay: replay .* no expert layer"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from _tiny_models import TINY_PRESET, tiny_qwen3
+from _tiny_models import TINY_PRESET, VOCAB_SIZE, tiny_qwen3
 from jmarl import algos, models
 from jmarl.config import DistributedConfig, MeshConfig
 from jmarl.errors import JmarlError
@@ -110,10 +110,8 @@ def test_specs_lora_stacked_optimizer_state_and_indivisible_axes():
 # ---------------------------------------------------------------------------------- logical axes + rules
 # The tiny Qwen3- and Llama-style shapes of tests/_tiny_models.py: vocab 99 (odd: "tensor" cannot
 # split it), hidden 64, intermediate 96, 4 heads / 2 KV heads of 24 (Qwen3) or 16 (Llama).
-QWEN3_STYLE = models.ModelConfig(model_type="qwen3", vocab_size=99, hidden_size=64, intermediate_size=96,
-                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, qk_norm=True)
-LLAMA_STYLE = models.ModelConfig(model_type="llama", vocab_size=99, hidden_size=64, intermediate_size=96,
-                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False)
+QWEN3_STYLE = tiny_qwen3(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, head_dim=24, o_bias=False)
+LLAMA_STYLE = QWEN3_STYLE.replace(model_type="llama", head_dim=16, qk_norm=False)
 SIZES = {"policy": 2, "fsdp": 2, "tensor": 2}
 LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head")
 # written out from the rules table (the layout the name-keyed rules gave before logical axes), on SIZES

@@ -20,9 +20,9 @@ SETUP = textwrap.dedent(
     from jmarl import algos, models
     from jmarl.train.optim import make_optimizer
     from jmarl.train.step import init_train_state, make_update
+    from tests._tiny_models import tiny_qwen3  # the repository root is on every process's path
 
-    CONFIG = models.ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    CONFIG = tiny_qwen3(o_bias=False)
     OPT = make_optimizer(1e-3, total_steps=10, eps=1e-6)
     FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # faster CPU compiles
 

@@ -137,12 +137,12 @@ def _export(fn, args, platform: str, allow: tuple[str, ...] = ()) -> str:
 def _packed_logprob_grad_text(attention: str, platform: str) -> str:
     """The gradient of the summed packed log-probs of a tiny 2-layer model (bf16, head_dim 64,
     GQA 4:2; 2 rows of 512 slots: past the dense form's width) exported for `platform`."""
-    from jmarl.models import ModelConfig, init
+    from _tiny_models import tiny_qwen3
+    from jmarl.models import init
     from jmarl.train.packing import packed_logprobs
 
-    config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True, max_position_embeddings=4096,
-                         compute_dtype="bfloat16", attention=attention)
+    config = tiny_qwen3(hidden_size=128, intermediate_size=96, head_dim=64, o_bias=False, max_position_embeddings=4096,
+                        compute_dtype="bfloat16", attention=attention)
     params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     batch = {"packed_tokens": i32(2, 512), "packed_positions": i32(2, 512), "packed_segment": i32(2, 512),

@@ -67,9 +67,10 @@ def test_char_tokenizer_beside_a_qwen_model_loads_as_itself(tmp_path):
 
     from jmarl import models
 
+    from _tiny_models import tiny_qwen3
+
     tok = models.CharTokenizer()
-    cfg = models.ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32,
-                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    cfg = tiny_qwen3(model_type="qwen2", vocab_size=tok.vocab_size, qk_norm=False, o_bias=False)
     models.save_hf(tmp_path, cfg, models.init(cfg, jax.random.key(0)))
     tok.save(tmp_path)
     loaded = models.load_tokenizer(tmp_path)

@@ -65,9 +65,8 @@ def test_char_tokenizer_beside_a_qwen_model_loads_as_itself(tmp_path):
     loads the same tokenizer, not the class config.json's model_type would pick."""
     import jax
 
-    from jmarl import models
-
     from _tiny_models import tiny_qwen3
+    from jmarl import models
 
     tok = models.CharTokenizer()
     cfg = tiny_qwen3(model_type="qwen2", vocab_size=tok.vocab_size, qk_norm=False, o_bias=False)

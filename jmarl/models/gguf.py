@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp's format) as a jmarl input: `load_gguf` -> (ModelConfig, params).
 
-The file is read with the `gguf` package (ggml's own reader: memory-mapped, no torch) and every
-weight is dequantised with `gguf.quants.dequantize` to float32, so the result is the same config
+The file's header is parsed by `jmarl.models.gguf_file` (memory-mapped, no torch, well under a
+second even for a 262,144-word vocabulary) and every weight is dequantised with the `gguf`
+package's `gguf.quants.dequantize` to float32, so the result is the same config
 and parameter tree `jmarl.models.hf.load_hf` gives for the Hugging Face checkpoint the GGUF was
 converted from (up to the quantisation error the file itself carries). Export after training
 stays a Hugging Face directory: `save_hf(dir, config, params)`.
@@ -57,6 +58,7 @@ import numpy as np
 
 from jmarl.errors import JmarlError
 from jmarl.models.config import FULL, SLIDING, ModelConfig, gemma3_layer_types
+from jmarl.models.gguf_file import GGUFFormatError, read_gguf
 from jmarl.models.hf import _get, _tensor_specs, place
 from jmarl.models.model import Params, param_shapes
 from jmarl.models.rope import inv_frequencies
@@ -133,9 +135,8 @@ def gguf_name(hf_name: str, model_type: str = "llama") -> str:
 
 # ------------------------------------------------------------------------------ reading
 def open_gguf(path: str | os.PathLike) -> "GGUFFile":
-    """The `GGUFFile` of `path`, shared by calls on the same unchanged file: the gguf reader parses
-    all metadata when it opens a file, a tokenizer's vocabulary element by element (seconds for a
-    large vocabulary), so `load_gguf`, `load_gguf_tokenizer` and `gguf_chat_template` share it."""
+    """The `GGUFFile` of `path`, shared by calls on the same unchanged file (`load_gguf`,
+    `load_gguf_tokenizer` and `gguf_chat_template` each open it)."""
     path = os.fspath(path)
     try:
         stat = os.stat(path)
@@ -159,58 +160,63 @@ class GGUFFile:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise JmarlError(f"GGUF file not found: {self.path}")
-        gguf = _gguf()
         try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as err:  # the reader raises ValueError/struct errors on non-GGUF data
+            self.contents = read_gguf(self.path)
+        except GGUFFormatError as err:
             raise JmarlError(f"{self.path} is not a readable GGUF file: {err}") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = self.contents.tensors
 
     def value(self, key: str, default: Any = _MISSING) -> Any:
         """The metadata value of `key` (str, int, float, bool or a list of them)."""
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.contents.metadata:
             if default is _MISSING:
                 raise JmarlError(f"GGUF file {self.path} lacks the metadata key {key!r}")
             return default
-        return _field_value(field)
+        return self.contents.metadata[key]
 
     def type_name(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self._type(name).name
+
+    def _type(self, name: str) -> Any:
+        """The `gguf.GGMLQuantizationType` of tensor `name`."""
+        type_id = self.tensors[name].type_id
+        try:
+            return _gguf().GGMLQuantizationType(type_id)
+        except ValueError:
+            raise _type_error(self.path, name, f"#{type_id} (unknown to the gguf package)") from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s stored data as the gguf package's dequantiser takes it: plain types as
+        their NumPy dtype, quantised ones as uint8 rows of blocks (reversed ggml shape)."""
+        gguf = _gguf()
+        entry, kind = self.tensors[name], self._type(name)
+        dims = tuple(reversed(entry.shape))
+        n = int(np.prod(entry.shape, dtype=np.int64))
+        plain = _PLAIN_TYPES.get(kind.name)
+        if plain is not None:
+            dtype, count = np.dtype(plain), n
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            dtype, count, dims = np.dtype(np.uint8), n * size // block, gguf.quants.quant_shape_to_byte_shape(dims, kind)
+        end = entry.offset + dtype.itemsize * count
+        if end > self.contents.data.size:
+            raise JmarlError(f"tensor {name} in {self.path} runs past the end of the file (truncated download?)")
+        return self.contents.data[entry.offset : end].view(dtype).reshape(dims)
 
     def array(self, name: str) -> np.ndarray:
         """Tensor `name` dequantised to float32, in HF (row-major, reversed ggml) shape."""
         gguf = _gguf()
-        tensor = self.tensors[name]
-        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        kind = self._type(name)
+        shape = tuple(reversed(self.tensors[name].shape))
         try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            values = gguf.quants.dequantize(self.raw(name), kind)
         except NotImplementedError:
-            raise _type_error(self.path, name, tensor.tensor_type.name) from None
+            raise _type_error(self.path, name, kind.name) from None
         return np.asarray(values, np.float32).reshape(shape)
 
 
-def _field_value(field: Any) -> Any:
-    gguf = _gguf()
-    types = list(field.types)
-    string, array = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
-
-    def item(index: int, kind: Any) -> Any:
-        part = field.parts[index]
-        if kind == string:
-            return bytes(part).decode("utf-8", errors="replace")
-        value = part[0].item() if len(part) == 1 else part.tolist()
-        if kind == gguf.GGUFValueType.FLOAT32:
-            # the shortest decimal of the stored float32 (1e-06, as config.json has it)
-            return float(str(np.float32(value)))
-        if kind == gguf.GGUFValueType.BOOL:
-            return bool(value)
-        return value
-
-    if types and types[0] == array:
-        kind = types[-1]
-        return [item(i, kind) for i in field.data]
-    return item(field.data[0], types[0])
+# ggml types stored as plain NumPy values (the rest are blocks of bytes)
+_PLAIN_TYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
 
 def _type_error(path: str, name: str, type_name: str) -> JmarlError:

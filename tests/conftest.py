@@ -70,6 +70,34 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line("\n".join(lines[:40]))
 
 
+# Every test's seconds, kept by the controller: at the session's end they are written with a
+# per-file total to jmarl-test-durations-<UTC time>.json in the temporary directory, so that what
+# a whole run (CI's included) spent where can be read afterwards; `scripts/suite_time.py` reads the
+# newest of them into its record, and `python scripts/suite_time.py --files FILE` prints its costliest files.
+_DURATIONS: dict[str, dict[str, float]] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        _DURATIONS.setdefault(report.nodeid, {})[report.when] = round(report.duration, 3)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None or not _DURATIONS:
+        return
+    import json
+    import time
+
+    files: dict[str, float] = {}
+    for nodeid, phases in _DURATIONS.items():
+        name = nodeid.split("::")[0]
+        files[name] = round(files.get(name, 0.0) + sum(phases.values()), 3)
+    record = {"exit_status": int(exitstatus), "tests": _DURATIONS,
+              "files": dict(sorted(files.items(), key=lambda kv: -kv[1]))}
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    (Path(tempfile.gettempdir()) / f"jmarl-test-durations-{stamp}.json").write_text(json.dumps(record, indent=1))
+
+
 # Every compiled XLA:CPU executable a worker keeps alive holds about three memory mappings of its
 # own, and JAX keeps every executable its tests compiled: one process reached ~54k mappings after two
 # test files, and at the kernel's vm.max_map_count (65530 by default) the next mmap fails and XLA

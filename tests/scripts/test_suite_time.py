@@ -29,3 +29,33 @@ def test_a_cache_is_cold_until_a_worker_has_written_programs_into_it(tmp_path):
     assert suite_time.is_cold(tmp_path)  # an empty cache folder holds nothing
     (tmp_path / "jmarl-test-jax-cache-gw0" / "entry").write_bytes(b"x")
     assert not suite_time.is_cold(tmp_path)
+
+
+def test_file_totals_rank_the_costliest_files():
+    record = {"tests": {"tests/a.py::t1": {"call": 1.0}, "tests/a.py::t2": {"call": 2.0},
+                        "tests/b.py::t": {"setup": 9.0, "call": 1.0}},
+              "files": {"tests/a.py": 3.0, "tests/b.py": 10.0}}
+    assert suite_time.file_totals(record) == [{"file": "tests/b.py", "seconds": 10.0, "tests": 1},
+                                              {"file": "tests/a.py", "seconds": 3.0, "tests": 2}]
+    assert suite_time.file_totals(record, most=1)[0]["file"] == "tests/b.py"
+
+
+def test_every_run_leaves_its_durations_in_the_temporary_directory(tmp_path):
+    """tests/conftest.py writes each test's phases and each file's total at the session's end."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    test = "tests/scripts/test_suite_time.py::test_file_totals_rank_the_costliest_files"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          cwd=suite_time.ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = suite_time.newest_durations(tmp_path)
+    assert written is not None and written.name.startswith("jmarl-test-durations-")
+    record = json.loads(written.read_text())
+    assert record["exit_status"] == 0
+    assert set(record["tests"][test]) == {"setup", "call", "teardown"}
+    assert record["files"]["tests/scripts/test_suite_time.py"] == round(sum(record["tests"][test].values()), 3)

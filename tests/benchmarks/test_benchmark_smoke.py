@@ -232,3 +232,46 @@ def test_moe_benchmark_at_its_smallest_size(in_repo: Path, tmp_path: Path) -> No
         assert set(r["collectives"]) == {"all-gather", "reduce-scatter", "all-reduce", "all-to-all"}
     # the three layouts take the same arguments, split over the same devices
     assert len({r["arguments"] for r in memory}) == 1
+
+
+def test_ab_summary_is_the_rounds_ratios():
+    """benchmarks.ab: per-round head / base ratios of the step seconds, median, range, slower rounds."""
+    from benchmarks import ab
+
+    got = ab.summarize([1.0, 2.0, 1.0], [1.1, 1.8, 1.05])
+    assert got["ratios"] == pytest.approx([1.1, 0.9, 1.05])
+    assert got["ratio_median"] == pytest.approx(1.05)
+    assert (got["ratio_min"], got["ratio_max"]) == (pytest.approx(0.9), pytest.approx(1.1))
+    assert (got["rounds_head_slower"], got["rounds"]) == (2, 3)
+
+
+@pytest.mark.slow
+def test_ab_times_both_checkouts_and_removes_them(tmp_path: Path, in_repo: Path):
+    """One round on the tiny shape, HEAD against itself (a clean clone may hold no other commit):
+    both sides timed in a checkout of their own (the child asserts it imported that checkout's
+    jmarl), a finite ratio, the worktrees gone afterwards."""
+    import subprocess
+
+    from benchmarks import ab
+
+    out = tmp_path / "ab.json"
+    before = subprocess.run(["git", "worktree", "list"], cwd=in_repo, capture_output=True, text=True).stdout
+    argv = ["--base", "HEAD", "--head", "HEAD", "--shape", "tiny", "--rounds", "1", "--steps", "1", "--out", str(out)]
+    assert ab.main(argv) == 0
+    result = read_json(out)
+    assert result["base"] == result["head"] == ab.resolve("HEAD")
+    assert len(result["base_seconds"]) == len(result["head_seconds"]) == result["rounds"] == 1
+    assert all(math.isfinite(s) and s > 0 for s in result["base_seconds"] + result["head_seconds"])
+    assert math.isfinite(result["ratio_median"]) and result["ratio_median"] > 0
+    assert result["tokens_per_step"] > 0
+    assert_provenance(result, "benchmarks.ab")
+    after = subprocess.run(["git", "worktree", "list"], cwd=in_repo, capture_output=True, text=True).stdout
+    assert after == before
+
+
+def test_ab_refuses_an_unknown_commit(in_repo: Path):
+    from benchmarks import ab
+    from jmarl.errors import JmarlError
+
+    with pytest.raises(JmarlError, match="no commit 'not-a-commit'"):
+        ab.main(["--base", "not-a-commit"])

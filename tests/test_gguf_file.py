@@ -71,17 +71,20 @@ def test_reader_equals_ggmls_reader(tmp_path, alignment):
 
 
 def test_bad_files_are_clear_errors(tmp_path):
-    """Not GGUF, a version it does not know, and a header cut short: GGUFFormatError from the
+    """Not GGUF, a version it does not know, a header cut short, an empty file: GGUFFormatError from the
     reader, JmarlError naming the file from GGUFFile."""
     path = tmp_path / "m.gguf"
     _write(path)
     data = path.read_bytes()
-    cases = {
-        "no GGUF magic": b"PK\x03\x04" + data[4:],
-        "GGUF version 7": data[:4] + (7).to_bytes(4, "little") + data[8:],
-        "truncated": data[:200],
-    }
-    for message, body in cases.items():
+    cases = [
+        ("no GGUF magic", b"PK\x03\x04" + data[4:]),
+        ("no GGUF magic", b"GG"),
+        ("GGUF version 7", data[:4] + (7).to_bytes(4, "little") + data[8:]),
+        ("truncated", data[:200]),
+        ("truncated", data[:12]),
+        ("the file is empty", b""),
+    ]
+    for message, body in cases:
         bad = tmp_path / "bad.gguf"
         bad.write_bytes(body)
         with pytest.raises(GGUFFormatError, match=message):

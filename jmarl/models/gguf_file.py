@@ -137,8 +137,11 @@ def read_gguf(path: str) -> GGUFContents:
 
     Raises GGUFFormatError on anything that is not a little-endian GGUF of version 2 or 3, on a
     truncated header, duplicate keys or tensor names, or tensor data outside the file."""
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    if data.size < 24 or bytes(data[:4]) != MAGIC:
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    except ValueError:  # NumPy cannot map an empty file
+        raise GGUFFormatError("the file is empty") from None
+    if bytes(data[:4]) != MAGIC:
         raise GGUFFormatError("no GGUF magic at the start of the file")
     cur = _Cursor(memoryview(data))
     cur.take(4)

@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=9, help="timed steps per child (their median counts)")
     parser.add_argument("--out", type=Path, help="the result file (default benchmarks/results/regression/ab_<base>_<head>.json)")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be >= 1")
     sys.path.insert(0, str(ROOT))
     from jmarl import provenance
 

@@ -37,3 +37,9 @@ def run_workers(script: str, args: Sequence[Sequence[str]], *, timeout: float, x
                 p.kill()
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"worker {i} failed:\n{log[-3000:]}"
+
+
+def one_device_xla_flags() -> str:
+    """This process's XLA_FLAGS without the simulated device count: for a child run on one CPU
+    device that keeps tests/conftest.py's compile-time flags (a tiny run's time is mostly compiling)."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)

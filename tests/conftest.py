@@ -11,10 +11,33 @@ if "xla_force_host_platform_device_count" not in _flags:
 # Most tests' programs are tiny and compile-bound: LLVM's optimisation of the generated CPU code cost
 # 35-45% of such a test's time and changes no float semantics (XLA's own HLO passes and fusion still
 # run, and fast-math stays off). Measured with a cold cache on 2 cores: test_sampler.py 335 s ->
-# 192 s. Tests whose time is running, not compiling, pay for it instead: the subprocess runs of a
-# whole training (sigkill/resume, multi-host) keep the default level (they set XLA_FLAGS themselves).
+# 192 s. The tests' subprocess runs of a whole training are compile-bound too and get the same flags
+# (`_processes.one_device_xla_flags`).
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags:
     _flags = (_flags + " --xla_backend_optimization_level=0").strip()
+# XLA:CPU's MLIR fusion emitters took half of what remained of a tiny program's compile time; the
+# elemental emitters they replace compute the same HLO (test_lora.py and test_sampler.py with a cold
+# cache: 277 s -> 138 s, every test passing). A JAX whose XLA no longer knows the flag would abort
+# on it, so it is added only where a child process accepts it (probed once, by the controller).
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flags: str) -> bool:
+    """Whether a fresh CPU JAX process starts with XLA_FLAGS=`flags` (unknown flags abort XLA)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    return probe.returncode == 0
+
+
+if (os.environ["JAX_PLATFORMS"] == "cpu" and "xla_cpu_use_fusion_emitters" not in _flags
+        and os.environ.get("JMARL_TEST_EMITTERS_PROBED") != "1"):
+    os.environ["JMARL_TEST_EMITTERS_PROBED"] = "1"  # the xdist workers inherit the answer
+    if _xla_accepts(f"{_flags} {_EMITTERS}"):
+        _flags = f"{_flags} {_EMITTERS}"
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

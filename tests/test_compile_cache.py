@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import jax
 import pytest
 
+from _processes import one_device_xla_flags
 from jmarl import compile_cache
 from jmarl import process as cli
 from jmarl.errors import JmarlError
@@ -118,7 +119,7 @@ def _tiny_run(cache: Path, out: Path) -> tuple[dict[str, int], str]:
     jax_own = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")  # tests/conftest.py's: the run must set its own
     env = {k: v for k, v in os.environ.items() if k not in jax_own}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="", **{compile_cache.ENV_VAR: str(cache)})
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=one_device_xla_flags(), **{compile_cache.ENV_VAR: str(cache)})
     result = subprocess.run([sys.executable, "-c", WRAPPER, *TINY_RUN, f"output_dir={out}"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from _processes import free_port, run_workers
+from _processes import free_port, one_device_xla_flags, run_workers
 from jmarl import models
 from jmarl.train.step import init_train_state, make_update
 
@@ -79,7 +79,7 @@ def test_two_processes_match_single_process(tmp_path):
     port = free_port()
     outs = [tmp_path / f"p{i}.npz" for i in range(2)]
     run_workers(WORKER, [(port, i, outs[i], tmp_path / "ckpt") for i in range(2)], timeout=300,
-                xla_flags="--xla_force_host_platform_device_count=4")
+                xla_flags=f"{one_device_xla_flags()} --xla_force_host_platform_device_count=4")
 
     # the single-process reference: the same step, unsharded
     scope: dict = {}

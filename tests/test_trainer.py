@@ -16,6 +16,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from _processes import one_device_xla_flags
 from _tensorboard import tensorboard_points
 from _tiny_models import TINY_PRESET
 from jmarl import models
@@ -122,7 +123,7 @@ def test_short_run_writes_outputs_and_export_matches_transformers(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}", JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}", JAX_PLATFORMS="cpu", XLA_FLAGS=one_device_xla_flags())
     straight = _config(tmp_path, "straight", **{"train.steps": 6})
     subprocess.run([sys.executable, "-m", "jmarl.run", "--config", str(straight)], env=env, check=True, cwd=REPO)
 

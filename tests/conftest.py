@@ -46,13 +46,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JMARL_KEEP_HOST_MEMORY", "0")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# A persistent XLA compilation cache per xdist worker (shared with the subprocesses its tests
-# start): tiny-model runs compile the same programs many times. Not one for both workers: JAX
-# writes an entry in place, without a lock, so one worker could read the other's half-written one.
+# One persistent XLA compilation cache for the session (the xdist workers inherit the controller's
+# setting, and the subprocesses their tests start inherit theirs): tiny-model runs compile the same
+# programs many times, in both workers. JAX writes an entry in place, without a lock; a worker that
+# reads one the other is still writing fails to decompress it, and JAX warns and compiles instead.
 import tempfile  # noqa: E402
 
-_worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jmarl-test-jax-cache-{_worker}"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jmarl-test-jax-cache-main"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -15,9 +15,7 @@ RESULT_DIRS = ("results", "benchmarks/results")
 LEGACY = frozenset({
     'benchmarks/results/bounds.json',
     'benchmarks/results/cpu.json',
-    'benchmarks/results/cpu_quick.json',
     'benchmarks/results/engine.json',
-    'benchmarks/results/engine_quick.json',
     'benchmarks/results/generation_smollm2.json',
     'benchmarks/results/gpu.json',
     'benchmarks/results/gpu_attention.json',

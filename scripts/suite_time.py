@@ -5,9 +5,9 @@
     python scripts/suite_time.py --tier fast --cache DIR2  # the fast tier (-m "not slow")
 
 Runs the README's test command (`python -m pytest -n 2`; the fast tier adds `-m "not slow"`)
-with TMPDIR=DIR. The tests' XLA compilation caches (tests/conftest.py: one per xdist worker under
-the temporary directory) then start empty when DIR holds none ("cold", as on a fresh machine)
-and hold an earlier run's programs when it does ("warm"). The run's wall time, its outcome
+with TMPDIR=DIR. The tests' XLA compilation cache (tests/conftest.py: one folder under the
+temporary directory, shared by both xdist workers) then starts empty when DIR holds none
+("cold", as on a fresh machine) and holds an earlier run's programs when it does ("warm"). The run's wall time, its outcome
 counts and its 25 slowest tests (pytest's --durations) go into results/suite_time/<tier>_<cold|warm>.json,
 with the provenance record (tests/ counted as code too); the README's suite figures render from
 those files (scripts/figures.py). The record also keeps each test file's total seconds, from the

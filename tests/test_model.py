@@ -201,7 +201,9 @@ def test_prefix_token_logprobs_gradient_equals_joined_rows(tiny_hf_checkpoint):
     g_plain = jax.jit(jax.grad(plain))(params)
     for cfg in (config, config.replace(remat=True)):
         g_shared = jax.jit(jax.grad(lambda p: shared(p, cfg)))(params)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_shared, g_plain)
+        # two float32 summation orders: one element of ~6k differed by 1.3e-6 under the tests'
+        # XLA:CPU emitters (tests/conftest.py)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6), g_shared, g_plain)
 
 
 def test_bfloat16_path_stays_close(variant):

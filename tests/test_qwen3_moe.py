@@ -458,7 +458,8 @@ def test_sharded_update_equals_the_unsharded_one(tmp_path_factory, mesh):
     with jax.set_mesh(mesh):
         got, got_g = jax.jit(value_and_grad)(placed)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), got_g, want_g)
+    # sharded sums run in another order: one gradient element of ~6k differed by 1.25e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), got_g, want_g)
 
 
 # ------------------------------------------------------------------------------ presets

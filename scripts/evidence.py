@@ -868,6 +868,17 @@ def _methods_samples_note(f: Facts) -> str:
     return "Samples the update saw (each run's mean over its steps, then over seeds): " + "; ".join(parts) + "."
 
 
+def _methods_headline(f: Facts) -> str:
+    """The README's sentence on AT-GRPO against GRPO on the real model: the paired difference."""
+    st = f.pair("at_grpo", "grpo", "success_after")
+    code = code_line(f.result).removeprefix("code: ")
+    return (f"AT-GRPO (tool + reasoner, a policy each) against GRPO (the reasoner alone) on the same model, task "
+            f"and samples a step: both learn, and after {f.rl_steps()} steps held-out greedy success is "
+            f"**{st['variant_mean']:.1%} against {st['baseline_mean']:.1%}, {points(st['difference'])} points** over "
+            f"{st['n']} paired seeds (95% interval {interval_points(st)}, AT-GRPO higher on {st['wins']} of "
+            f"{st['n']}, sign-flip p = {st['p']:.3f}: {st['verdict']}; code {code}).")
+
+
 REAL_METHODS = Table(
     name="real_methods",
     title="AT-GRPO against single-agent GRPO on a real model at equal samples: SmolLM2-135M-Instruct, full "
@@ -883,6 +894,7 @@ REAL_METHODS = Table(
     ) + (Comparison("at_grpo", "grpo", "success_after", "AT-GRPO (two agents) vs GRPO (one), equal samples"),),
     digits=3,
     notes=(_methods_samples_note,),
+    headline=_methods_headline,
     fields=REAL_RECIPE.fields + ("mean:rollout/tool/samples", "mean:rollout/reasoner/samples",
                                  "mean:rollout/shared/samples", "mean:rollout/reasoner/signal_group_fraction",
                                  "mean:rollout/tool/signal_group_fraction"),

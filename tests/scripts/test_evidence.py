@@ -535,6 +535,18 @@ def test_every_note_renders_from_its_result_and_depends_on_it(name):
     assert evidence.note_texts(table, result) != texts
 
 
+@pytest.mark.parametrize("name", sorted(n for n, t in evidence.TABLES.items() if t.headline is not None))
+def test_every_readme_sentence_is_its_committed_result_rendered(name):
+    """The README's sentence on a table (between its readme markers) is the one its committed
+    result renders now: figures, verdict and code."""
+    result = json.loads((ROOT / "results" / f"evidence_{name}.json").read_text())
+    sentence = evidence.headline_text(evidence.TABLES[name], result)
+    assert sentence, f"{name}: the committed result renders no README sentence"
+    readme = (ROOT / "README.md").read_text()
+    marked = readme.split(f"<!-- evidence:{name}:readme:start -->\n")[1].split(f"<!-- evidence:{name}:readme:end -->")[0]
+    assert marked == sentence + "\n"
+
+
 def test_a_note_without_its_figures_is_left_out():
     result = _committed("hacpo")
     result["seeds"] = [0]  # a smoke run: one seed, no paired statistics

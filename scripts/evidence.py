@@ -769,12 +769,17 @@ def _recipe_rl_note(f: Facts) -> str:
 def _recipe_headline(f: Facts) -> str:
     """The README's sentence on the recipe: full fine-tuning's paired gain, with its code."""
     st = f.pair("full", "full", "success_after")
-    code = code_line(f.result).removeprefix("code: ")
     return (f"SmolLM2-135M-Instruct, single-agent GRPO, full fine-tuning, {f.rl_steps()} steps of 64 samples on "
             f"two-operand addition: held-out greedy success on 128 distinct problems **{st['baseline_mean']:.1%} -> "
-            f"{st['variant_mean']:.1%}, {points(st['difference'])} points** over {st['n']} paired seeds (95% interval "
-            f"{interval_points(st)}, higher on {st['wins']} of {st['n']}, sign-flip p = {st['p']:.3f}: "
-            f"{st['verdict']}; code {code}).")
+            f"{st['variant_mean']:.1%}, {points(st['difference'])} points** over {_paired_tail(f, st, 'higher')}.")
+
+
+def _paired_tail(f: Facts, st: dict[str, Any], higher: str) -> str:
+    """A README sentence's "6 paired seeds (95% interval [...], <higher> on 6 of 6, sign-flip p =
+    0.031: holds; code abc1234)"."""
+    code = code_line(f.result).removeprefix("code: ")
+    return (f"{st['n']} paired seeds (95% interval {interval_points(st)}, {higher} on {st['wins']} of {st['n']}, "
+            f"sign-flip p = {st['p']:.3f}: {st['verdict']}; code {code})")
 
 
 def _recipe_signal_note(f: Facts) -> str:
@@ -871,12 +876,10 @@ def _methods_samples_note(f: Facts) -> str:
 def _methods_headline(f: Facts) -> str:
     """The README's sentence on AT-GRPO against GRPO on the real model: the paired difference."""
     st = f.pair("at_grpo", "grpo", "success_after")
-    code = code_line(f.result).removeprefix("code: ")
     return (f"AT-GRPO (tool + reasoner, a policy each) against GRPO (the reasoner alone) on the same model, task "
             f"and samples a step: both learn, and after {f.rl_steps()} steps held-out greedy success is "
             f"**{st['variant_mean']:.1%} against {st['baseline_mean']:.1%}, {points(st['difference'])} points** over "
-            f"{st['n']} paired seeds (95% interval {interval_points(st)}, AT-GRPO higher on {st['wins']} of "
-            f"{st['n']}, sign-flip p = {st['p']:.3f}: {st['verdict']}; code {code}).")
+            f"{_paired_tail(f, st, 'AT-GRPO higher')}.")
 
 
 REAL_METHODS = Table(

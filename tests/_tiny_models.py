@@ -12,6 +12,8 @@ import contextlib
 import os
 from typing import Any
 
+import numpy as np
+
 VOCAB_SIZE = 99  # CharTokenizer's vocabulary
 
 _BASE: dict[str, Any] = dict(
@@ -175,15 +177,26 @@ def real_model_and_reference(name: str) -> tuple[Any, ...]:
 
 @contextlib.contextmanager
 def _one_gguf_parse():
-    """Within the block, `gguf.GGUFReader` of the same unchanged file is parsed once and shared.
+    """Within the block, `gguf.GGUFReader` of the same unchanged file is parsed once and shared,
+    over the file's bytes as a plain NumPy array.
 
     transformers opens a GGUF file with that reader three times (config, weights, tokenizer), and
     the reader builds a NumPy view per element of every metadata array: each open of a
-    262,144-word vocabulary took 20-35 s here. The reader opens files read-only, so sharing its
-    result changes nothing transformers computes from it."""
+    262,144-word vocabulary took 20-35 s here, most of it in `np.memmap`'s subclass hooks, which
+    run once per view. The reader opens files read-only, so sharing its result, and handing it
+    the same mapped bytes as a base-class array (`np.asarray` of the map: no copy), changes
+    nothing transformers computes from it.
+
+    Likewise `gguf.get_tensor_name_map(arch, n_blocks)`, a pure function of its arguments that
+    transformers calls once per submodule of the model (397 times for SmolLM2, 14 s here), is
+    built once per argument pair."""
+    import functools
+
     import gguf
+    import gguf.gguf_reader as reader_module
 
     original, opened = gguf.GGUFReader, {}
+    original_name_map = gguf.get_tensor_name_map
 
     def shared(path, mode="r"):
         if mode != "r":  # a writable map is never shared
@@ -191,11 +204,29 @@ def _one_gguf_parse():
         stat = os.stat(path)
         key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
         if key not in opened:
-            opened[key] = original(path, mode)
+            reader_module.np = _PlainMapNumpy()
+            try:
+                opened[key] = original(path, mode)
+            finally:
+                reader_module.np = np
         return opened[key]
 
     gguf.GGUFReader = shared
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
     try:
         yield
     finally:
         gguf.GGUFReader = original
+        gguf.get_tensor_name_map = original_name_map
+
+
+class _PlainMapNumpy:
+    """NumPy for the gguf reader's module, except that `memmap` returns the map as a plain
+    `np.ndarray` view (the same read-only bytes, without the subclass's per-view hooks)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(path: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        return np.asarray(np.memmap(path, *args, **kwargs))

@@ -27,7 +27,6 @@ LEGACY = frozenset({
     'benchmarks/results/row_utilization.json',
     'benchmarks/results/zen5/bounds.json',
     'benchmarks/results/zen5/cpu.json',
-    'results/base_success_gemma3-270m.json',
     'results/base_success_smollm2-135m-instruct.json',
     'results/evidence_hacpo.json',
     'results/evidence_hacpo_real.json',

@@ -16,9 +16,11 @@ AlgoName = str
 # workflow.plan: a registered sampling plan (`jmarl.workflows.PLANS`) or `package.module:NAME`
 PlanName = str
 DType = Literal["float32", "bfloat16", "float16"]
-# model.remat: auto = "full" from `jmarl.models.config.REMAT_AUTO_MIN_PARAMS` (1e8) parameters
-# up, else "none" (`jmarl.models.config.resolve_remat`, the rule a ModelConfig applies too); the
-# others as `jmarl.models.config.REMAT_POLICIES` (true = full, false = none).
+# model.remat: auto = where the device memory is known (the memory check), the least recompute
+# whose gradient programs fit (`jmarl.train.remat_plan`); else "full" from
+# `jmarl.models.config.REMAT_AUTO_MIN_PARAMS` (1e8) parameters up, "none" below
+# (`jmarl.models.config.resolve_remat`, the rule a ModelConfig applies too); the others as
+# `jmarl.models.config.REMAT_POLICIES` (true = full, false = none).
 RematName = Literal["auto", "none", "full", "dots"]
 # model.attention: `jmarl.models.config.ATTENTION_IMPLS` (auto picks per platform).
 AttentionName = Literal["auto", "xla", "cudnn", "splash", "blockwise"]

@@ -179,6 +179,7 @@ def run_check(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     setup_compilation_cache(config)  # train.compilation_cache: a repeated plan loads its programs
 
     from jmarl.sharding import axis_sizes, format_mesh, mesh_from_config
+    from jmarl.train.remat_plan import plan_remat
     from jmarl.train.trainer import Trainer
 
     devices = jax.devices()
@@ -194,6 +195,8 @@ def run_check(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     t0 = time.perf_counter()
     trainer = Trainer(config, abstract=True)
     say(f"built the abstract run in {time.perf_counter() - t0:.1f} s; compiling its programs")
+    if device_memory is not None:  # model.remat auto: the least recompute that fits (jmarl.train.remat_plan)
+        plan_remat(trainer, device_memory, headroom, progress=say)
     figures = analyse_all(trainer.programs(), progress=say)
     limit = None if device_memory is None else device_memory * (1.0 - headroom)
     say("")
@@ -212,6 +215,7 @@ def run_check(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             "config": args.config, "overrides": list(args.overrides), "notes": notes,
             "devices": len(devices), "platform": jax.default_backend(), "simulated": simulated,
             "mesh": axis_sizes(mesh), "jax_version": jax.__version__,
+            "remat": {g.name: g.model_config.remat for g in trainer.policies.groups},
             "device_memory": device_memory, "headroom": headroom,
             "limit": None if limit is None else int(limit),
             "fits": None if device_memory is None else message is None,

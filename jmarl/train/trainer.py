@@ -58,6 +58,7 @@ from jmarl.train.metrics import (
 from jmarl.train.optim import make_optimizer
 from jmarl.train.packing import shape_of
 from jmarl.train.programs import trainer_programs
+from jmarl.train.remat_plan import plan_remat
 from jmarl.train.progress import ProgressBar, say
 from jmarl.train.sampling import ModelSampler, encode_prompt
 from jmarl.workflows import plan_metrics, summarize
@@ -127,6 +128,15 @@ class Trainer:
         # metrics.jsonl records up to the last step logged: what a checkpoint stores, so that a
         # resume rewinds the file to it (`jmarl.train.metrics.rewind_metrics`); None: unknown
         self.metrics_records: int | None = None
+
+    def set_remat(self, group_index: int, policy: str) -> None:
+        """Runs group `group_index` with layer remat `policy` (one of `REMAT_POLICIES`): its model
+        config changed and its device functions rebuilt (`jmarl.train.remat_plan` chooses it)."""
+        group = self.policies.groups[group_index]
+        if group.model_config.remat == policy:
+            return
+        group.model_config = group.model_config.replace(remat=policy)
+        self.fns[group_index] = self._group_fns(group)
 
     def _group_fns(self, group: Any) -> Any:
         """`group`'s device functions, built sharded on a mesh of several devices: its state,
@@ -358,6 +368,9 @@ class Trainer:
         if t.memory_check == "off" or (t.memory_check == "auto" and jax.default_backend() == "cpu"):
             return []
         limit = None if t.device_memory is None else parse_bytes(t.device_memory)
+        device_memory, _ = memory_check.device_memory_of(limit)
+        if device_memory is not None:  # model.remat auto: the least recompute that fits
+            plan_remat(self, device_memory, t.memory_headroom)
         return memory_check.check(self.programs(), limit, t.memory_headroom)
 
     def run(self) -> dict[str, Any]:

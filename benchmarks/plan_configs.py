@@ -53,6 +53,9 @@ SCALING = tuple(
         ("gemma3-4b", 1, "lora", ("policies.mode=lora", "optim.grad_accum=8", "workflow.num_tasks=16")),
         ("gemma3-27b", 8, "lora", ("policies.mode=lora", "optim.grad_accum=16", "sampling.max_rows_per_call=128")),
         ("gemma3-27b", 64, "accum4", ("optim.grad_accum=4",)),
+        # what fills the one-device update: its temporaries against the micro-batch's tokens
+        ("qwen3-1.7b", 1, "accum2", ("optim.grad_accum=2",)),
+        ("qwen3-1.7b", 1, "accum4", ("optim.grad_accum=4",)),
     )
 )
 # Qwen3-30B-A3B (128 experts, top-8) on the same AT-GRPO run, experts split over fsdp (expert

@@ -24,7 +24,6 @@ LEGACY = frozenset({
     'benchmarks/results/moe.json',
     'benchmarks/results/real_iteration.json',
     'benchmarks/results/real_train_step.json',
-    'benchmarks/results/row_utilization.json',
     'benchmarks/results/zen5/bounds.json',
     'benchmarks/results/zen5/cpu.json',
     'results/base_success_smollm2-135m-instruct.json',

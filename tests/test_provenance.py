@@ -31,7 +31,6 @@ LEGACY = frozenset({
     'results/evidence_hacpo_real.json',
     'results/evidence_joyagents.json',
     'results/evidence_quickstart.json',
-    'results/evidence_real.json',
     'results/evidence_writing.json',
 })
 

@@ -785,7 +785,7 @@ def _recipe_rl_note(f: Facts) -> str:
             st = f.pair(v.name, v.name, "success_after")
         except Missing:
             continue
-        parts.append(f"{v.label.split(',')[0]} against the untrained model: {_said_points(st, _ahead_on(st))}")
+        parts.append(f"{v.label.split(' (')[0]} against the untrained model: {_said_points(st, _ahead_on(st))}")
     if not parts:
         raise Missing("paired seeds")
     return "; ".join(parts) + "."

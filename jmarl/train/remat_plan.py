@@ -63,6 +63,6 @@ def plan_remat(trainer: Any, device_memory: int, headroom: float,
                      f"{format_size(peak)} per device, {'within' if fits else 'over'} {format_size(limit)}")
             if fits:
                 break
-        chosen[group.name] = trainer.policies.groups[i].model_config.remat
-        progress(f"model.remat auto: group {group.name!r} runs with remat {chosen[group.name]}")
+        chosen[group.name] = policy  # the first that fits, else the last tried: full
+        progress(f"model.remat auto: group {group.name!r} runs with remat {policy}")
     return chosen

@@ -172,11 +172,13 @@ def profile_step(fn: Callable[[], None], directory: str, top: int = 15) -> dict[
 
 def top_ops(trace_path: str, top: int = 15) -> dict[str, Any]:
     """The ops that took the most time in a JAX profiler trace (Chrome trace JSON, gzipped):
-    {"selection": which events were counted, "total_us", "top_ops": [{"op", "total_us", "count",
+    {"selection": which events were counted, "total_us" (their summed durations), "events" (how
+    many), "span_us" (first start to last end), "top_ops": [{"op", "total_us", "count",
     "fraction", "example"}]}, by summed duration. Counted: with a device process (`/device:GPU:0`,
     `/device:TPU:0`) its "XLA Ops" line where it has one, else its stream lines (kernels), else all
     of its events; on the CPU the events that name an `hlo_op` (XLA:CPU's thunks). An op is its
-    `hlo_op` argument where the event has one, else the event's name. A heuristic over the trace
+    `hlo_op` argument where the event has one, else the event's name (also inside a CUDA graph,
+    whose kernels all name the graph's `command_buffer_N` as their op). A heuristic over the trace
     format, not the profiler's own op statistics (open the trace in Perfetto for those)."""
     with gzip.open(trace_path, "rt") as f:
         data = json.load(f)
@@ -210,13 +212,16 @@ def top_ops(trace_path: str, top: int = 15) -> dict[str, Any]:
     for e in chosen:
         args = e.get("args") if isinstance(e.get("args"), dict) else {}
         key = str(args.get("hlo_op") or e.get("name", "?"))
+        if key.startswith("command_buffer"):  # a CUDA graph's kernels all carry its name: use the kernel's
+            key = str(e.get("name", key))
         entry = totals[key]
         entry[0] += float(e["dur"])
         entry[1] += 1
         entry[2] = entry[2] or str(e.get("name", ""))
     total = sum(v[0] for v in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"selection": selection, "total_us": total,
+    span = (max(float(e["ts"]) + float(e["dur"]) for e in chosen) - min(float(e["ts"]) for e in chosen)) if chosen else 0.0
+    return {"selection": selection, "total_us": total, "events": len(chosen), "span_us": span,
             "top_ops": [{"op": k, "total_us": v[0], "count": v[1], "fraction": v[0] / total if total else 0.0,
                          "example": v[2][:200]} for k, v in ranked]}
 

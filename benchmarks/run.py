@@ -163,6 +163,8 @@ def run_gpu(args, results: dict[str, Any]) -> None:
         return
     results["parity"] = {"tiny": parity}
     peak = results["matmul_peak"]["matmul_peak_flops"]
+    # every shape's train step first (the figure an accelerator minute is spent on), then the
+    # generation rows; the file is rewritten after each row, so a run cut short keeps what finished
     for shape in args.shapes:
         skip = None if on_cpu else gpu.train_state_fits(shape)
         if skip:
@@ -174,10 +176,11 @@ def run_gpu(args, results: dict[str, Any]) -> None:
                 attention=form, profile_dir=os.path.join(args.profile, f"{shape}-{form}") if args.profile else None))
             rows.extend([row] if row else [])
             gc.collect()  # a failed attempt's traceback may still hold its device buffers
-        if "generation" in args.only:
-            row = _attempt(errors, "generation", shape, lambda: gpu.bench_generation(
-                shape, args.repeats, batch=8 if on_cpu else 64, dtype=settings["dtype"]))
-            rows.extend([row] if row else [])
+            _write(args, results)
+    for shape in args.shapes if "generation" in args.only else ():
+        row = _attempt(errors, "generation", shape, lambda: gpu.bench_generation(
+            shape, args.repeats, batch=8 if on_cpu else 64, dtype=settings["dtype"]))
+        rows.extend([row] if row else [])
         _write(args, results)
 
 

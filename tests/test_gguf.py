@@ -278,6 +278,28 @@ def test_tokenizer_from_gguf_metadata(checkpoints):
     assert [a.tolist() for a in tok.encode_batch(texts)] == [original.encode(t) for t in texts]
 
 
+def test_tokenizer_when_the_converter_repeats_our_keywords(checkpoints, monkeypatch):
+    """Some transformers releases (5.17 on the GPU image) put the special tokens and
+    clean_up_tokenization_spaces into the converter's extra keyword arguments too: the tokenizer
+    still builds, with the file's special tokens and no clean-up."""
+    from jmarl.models import gguf_tokenizer as lib
+
+    _, path = checkpoints["qwen2"]
+    convert = lib._convert_tokenizer
+
+    def repeating(architecture, tokenizer_dict):
+        backend, extra = convert(architecture, tokenizer_dict)
+        return backend, {**extra, "unk_token": "<unk-from-converter>", "eos_token": "<eos-from-converter>",
+                         "clean_up_tokenization_spaces": True}
+
+    monkeypatch.setattr(lib, "_convert_tokenizer", repeating)
+    tok = load_gguf_tokenizer(path)
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 2, 1)
+    assert tok.hf.clean_up_tokenization_spaces is False
+    text = "The answer is \\boxed{7} .  Done"
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
 # ------------------------------------------------------------------------------ errors
 def test_unsupported_tensor_type_is_a_jmarl_error(checkpoints, tmp_path):
     hf_dir, _ = checkpoints["qwen2"]

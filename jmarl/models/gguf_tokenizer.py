@@ -81,7 +81,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
         index = tokenizer_dict.get(key)
         if index is not None and 0 <= int(index) < len(tokens):
             specials[kwarg] = tokens[int(index)]
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **specials, **extra)
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **specials, "clean_up_tokenization_spaces": False})
     template = f.value("tokenizer.chat_template", None)
     if template:
         hf.chat_template = template

@@ -49,6 +49,31 @@ def test_top_ops_counts_the_device_ops_line_once(tmp_path):
     assert got["top_ops"][0]["fraction"] == pytest.approx(60 / 70)
 
 
+def test_top_ops_names_the_kernels_inside_a_cuda_graph(tmp_path):
+    """With XLA's command buffers (CUDA graphs) every kernel's hlo_op is the graph's name: the
+    kernels are counted by their own names, and the span covers the gaps between them."""
+    events = [
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 100, "dur": 20.0, "name": "gemm_fusion_dot_3",
+         "args": {"hlo_op": "command_buffer_41"}},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 130, "dur": 5.0, "name": "loop_add_fusion",
+         "args": {"hlo_op": "command_buffer_41"}},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 150, "dur": 20.0, "name": "gemm_fusion_dot_3",
+         "args": {"hlo_op": "command_buffer_41"}},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 200, "dur": 10.0, "name": "input_reduce_fusion",
+         "args": {"hlo_op": "input_reduce_fusion"}},
+    ]
+    path = tmp_path / "graph.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = top_ops(str(path))
+    assert got["selection"] == "device stream lines (kernels)"
+    assert [(o["op"], o["count"]) for o in got["top_ops"]] == [
+        ("gemm_fusion_dot_3", 2), ("input_reduce_fusion", 1), ("loop_add_fusion", 1)]
+    assert (got["total_us"], got["events"], got["span_us"]) == (55.0, 4, 110.0)
+
+
 def test_model_parts_that_do_not_join_to_the_pinned_file_are_refused(tmp_path):
     (tmp_path / "m.gguf.part00").write_bytes(b"first half")
     probe = {"model_pin": {"filename": "m.gguf", "sha256": "0" * 64, "size": 20}}

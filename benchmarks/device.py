@@ -6,16 +6,17 @@
 An accelerator is lent only at times, for about 15 minutes in all, so this runs what needs one in
 at most `--budget-s` seconds (480 by default), as three stages, each a subprocess of its own:
 
-1. `tests` (share 90 s): the GPU-relevant tests under pytest on the accelerator (`JAX_PLATFORMS`
+1. `tests` (share 70 s): the GPU-relevant tests under pytest on the accelerator (`JAX_PLATFORMS`
    left to JAX): bf16 and float32 parity with PyTorch (tests/test_model.py), the attention kernels
    against transformers and each other (tests/test_attention.py, tests/test_packed_attention.py)
    and, where JAX sees >= 8 devices, the sharded update, sampling and checkpoints
    (tests/test_sharding.py; with fewer they are listed as not run, with the reason). Ordered by
    priority: a stage cut at its time limit keeps the results of the tests that ran.
-2. `gpu_suite` (share 240 s): `python -m benchmarks.run --suite gpu --shapes gpu-0.5b,gpu-1.5b
-   --profile DIR`: parity gate, train-step MFU at 0.5B and 1.5B, generation beside HF
-   `generate`, one profiled train step per shape (top ops in each row); it writes its own gpu.json.
-3. `train` (share 150 s): the real-model recipe, `python -m jmarl.run --config
+2. `gpu_suite` (share 290 s): `python -m benchmarks.run --suite gpu --shapes gpu-0.5b,gpu-1.5b
+   --attention pallas,auto --profile DIR`: parity gate, train-step MFU at 0.5B and 1.5B with the
+   fused packed kernel and with the blockwise form, generation beside HF `generate`, one profiled
+   train step per row (top ops in each row); it writes its own gpu.json.
+3. `train` (share 120 s): the real-model recipe, `python -m jmarl.run --config
    configs/real/grpo_add_full.yaml` on SmolLM2-135M-Instruct (`--model-path`), bf16 compute,
    `--steps` GRPO steps (40), 128 held-out problems before and after; summarised in train.json:
    held-out success before / after, the rollout success of every step (the learning curve),
@@ -31,7 +32,7 @@ and a `jmarl.provenance` record (the commit). Every JSON written here carries th
 `provenance` (in a copy of the tree without .git, `JMARL_COMMIT` and `JMARL_DIRTY=1` stand in for
 git's answer). Files in `<out-dir>`: device.json, tests.json, gpu.json, train.json, device.log
 (every stage's output) and the profiled steps' traces (profile-<shape>-<attention>.trace.json.gz,
-at most two, each under 16 MiB); checkpoints, the profiler's folders and pytest's files stay in
+at most three, cut to their kernel events, each under 16 MiB); checkpoints, the profiler's folders and pytest's files stay in
 `--work-dir` (a new temporary folder by default), outside `<out-dir>`.
 
 On a machine where JAX sees no accelerator it refuses (exit 2) unless `--dry-run`. `--dry-run`
@@ -69,6 +70,7 @@ import threading
 import time
 from typing import Any
 
+from benchmarks.device_report import kernel_trace
 from jmarl import provenance
 from jmarl.models import fetch as fetch_lib
 
@@ -78,12 +80,13 @@ MODEL_NAME = "smollm2-135m-instruct"  # jmarl.models.fetch's name of SmolLM2-135
 DEFAULT_MODEL_PATH = ".device_model/smollm2.gguf"  # where docs/benchmarks.md puts it (or its parts)
 BUDGET_S = 480.0
 STAGES = ("tests", "gpu_suite", "train")
-SHARES = {"tests": 90.0, "gpu_suite": 240.0, "train": 150.0}  # seconds of a BUDGET_S budget
+SHARES = {"tests": 70.0, "gpu_suite": 290.0, "train": 120.0}  # seconds of a BUDGET_S budget
 MIN_STAGE_S = 20.0  # a stage with less left is not started
 TAIL_CHARS = 4000
 STEPS, DRY_STEPS = 40, 2
 GPU_SHAPES = ("gpu-0.5b", "gpu-1.5b")
-MAX_TRACES, MAX_TRACE_BYTES = 2, 16 * 2**20
+GPU_ATTENTION = "pallas,auto"  # the fused packed kernel beside the blockwise form it replaces
+MAX_TRACES, MAX_TRACE_BYTES = 3, 16 * 2**20  # kernel events only (benchmarks.device_report.kernel_trace)
 DEVICES_FOR_SHARDING = 8
 
 # GPU-relevant tests, most wanted first (a stage cut at its limit keeps what ran)
@@ -128,6 +131,7 @@ JMARL_NEEDS = ("jax", "flax", "optax", "orbax.checkpoint", "chex", "numpy", "tra
 PROBE = r"""
 import importlib.metadata as md, json
 import jax
+from benchmarks.device_report import kernel_trace
 from jmarl import provenance
 devices = jax.devices()
 try:
@@ -341,7 +345,7 @@ def gpu_stage(ctx: dict[str, Any], limit_s: float) -> dict[str, Any]:
     dry, out_dir = ctx["dry_run"], ctx["out_dir"]
     cmd = [sys.executable, "-m", "benchmarks.run", "--suite", "gpu", "--repeats", "5", "--no-readme",
            "--out-dir", out_dir]
-    cmd += ["--allow-cpu", "--shapes", "tiny"] if dry else ["--shapes", ",".join(GPU_SHAPES)]
+    cmd += ["--allow-cpu", "--shapes", "tiny"] if dry else ["--shapes", ",".join(GPU_SHAPES), "--attention", GPU_ATTENTION]
     if ctx["profile_dir"]:
         cmd += ["--profile", ctx["profile_dir"]]
     gpu_json = os.path.join(out_dir, "gpu.json")
@@ -369,10 +373,13 @@ def gpu_stage(ctx: dict[str, Any], limit_s: float) -> dict[str, Any]:
             elif profile.get("error"):
                 short["profile_error"] = profile["error"]
             trace = profile.get("trace")
-            if trace and len(summary["traces"]) < MAX_TRACES and os.path.getsize(trace) <= MAX_TRACE_BYTES:
+            if trace and len(summary["traces"]) < MAX_TRACES:
                 name = f"profile-{row.get('size')}-{row.get('attention')}.trace.json.gz"
-                shutil.copyfile(trace, os.path.join(out_dir, name))
-                summary["traces"].append(name)
+                kernel_trace(trace, os.path.join(out_dir, name))
+                if os.path.getsize(os.path.join(out_dir, name)) <= MAX_TRACE_BYTES:
+                    summary["traces"].append(name)
+                else:
+                    os.remove(os.path.join(out_dir, name))
             summary["rows"].append(short)
         summary["errors"] = results.get("errors", [])
         summary["skipped"] = results.get("skipped", [])

@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--allow-cpu", action="store_true", help="gpu suite: run the tiny shape on the CPU")
     parser.add_argument("--attention", default="auto",
                         help="gpu suite: comma-separated attention forms of the train-step rows "
-                             "(ModelConfig.attention: auto = packed blockwise, xla = dense masked)")
+                             "(ModelConfig.attention: auto = packed blockwise, xla = dense masked, pallas = the fused packed kernel on CUDA)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="gpu suite: one more train step per row under jax.profiler.trace(DIR/<shape>-<attention>), "
                              "after the timed ones; its top ops by time go into the row (benchmarks.gpu.profile_step)")

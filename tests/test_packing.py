@@ -13,6 +13,7 @@ from _tiny_models import tiny_qwen3
 from jmarl import algos, models
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
+from jmarl.models import packed_pallas
 from jmarl.train.optim import make_optimizer
 from jmarl.train.packing import (ROW_TOKENS, PackShape, pack, packed_logprobs, plain_samples, shape_of, split_prompts, token_budget,
                                  token_utilization)
@@ -139,9 +140,16 @@ def _random_rows(rng) -> list[tuple[list[int], list[int]]]:
     return rows + [([], [7, 8, 9]), ([], [])]
 
 
-@pytest.mark.parametrize("attention, rows_per_part", [("xla", 1), ("blockwise", 2)])
+@pytest.mark.parametrize("attention, rows_per_part", [("xla", 1), ("blockwise", 2), ("pallas", 2)])
 def test_same_logprobs_loss_and_gradients_as_the_plain_layout(attention, rows_per_part):
-    config = dataclasses.replace(TINY, attention=attention)
+    """pallas: the fused kernel in the Pallas interpreter (head_dim 16, the least it takes)."""
+    if attention != "pallas":
+        return _same_as_plain(dataclasses.replace(TINY, attention=attention), rows_per_part)
+    with packed_pallas.interpret_kernels():
+        _same_as_plain(dataclasses.replace(TINY, attention=attention, head_dim=16), rows_per_part)
+
+
+def _same_as_plain(config, rows_per_part):
     rng = np.random.default_rng(0)
     params = models.init(config, jax.random.key(0))
     plain = _plain(_random_rows(rng), t=16)

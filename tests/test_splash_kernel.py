@@ -156,8 +156,8 @@ def test_exported_packed_update_carries_splash_on_tpu_and_blockwise_elsewhere():
     kernels, backward dkv + dq for each part: 6 Mosaic calls in the scanned layer) and no
     blockwise loop (as many while loops as the dense form's: the layer scan and the LM head's
     blocks); for CPU and CUDA
-    the blockwise loops and no kernel: no GPU kernel takes the packed parts yet (see
-    test_gpu_kernel_forms_for_the_parts_lower_for_cuda_or_say_why)."""
+    the blockwise loops and no kernel: auto does not take the fused GPU kernel, which is opt-in
+    until measured (attention "pallas", tests/test_packed_pallas.py)."""
     loops = {}
     assert not attention_lib.traces_tpu_route()  # this CPU traces the TPU route only when asked
     for platform in ("tpu", "cpu", "cuda"):

@@ -23,7 +23,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 # `jmarl.models.config.REMAT_POLICIES` (true = full, false = none).
 RematName = Literal["auto", "none", "full", "dots"]
 # model.attention: `jmarl.models.config.ATTENTION_IMPLS` (auto picks per platform).
-AttentionName = Literal["auto", "xla", "cudnn", "splash", "blockwise"]
+AttentionName = Literal["auto", "xla", "cudnn", "splash", "blockwise", "pallas"]
 # model.routing_replay: `jmarl.models.config.ROUTING_REPLAY` (YAML's off/false: "off"; true: "replay").
 RoutingReplayName = Literal["off", "replay"]
 

@@ -20,6 +20,9 @@ Forms (`impl`, `ModelConfig.attention`):
                "cudnn")` (right padding as sequence lengths), bf16/f16 and head_dim <= 128.
     splash     the Pallas splash-attention kernel of `jax.experimental.pallas.ops.tpu`
                (padding as segment ids), sequence lengths a multiple of 128.
+    pallas     packed rows only: jmarl's fused Pallas kernel for CUDA GPUs
+               (`jmarl.models.packed_pallas`; blockwise on other platforms, with a sliding
+               window, or for a head_dim it refuses); `attention` takes it as auto.
     auto       dense when the scores are small (B x H x T x S <= DENSE_MAX_SCORES), otherwise
                chosen per platform WHEN THE PROGRAM IS LOWERED (`jax.lax.platform_dependent`):
                cudnn on CUDA GPUs, splash on TPU, blockwise elsewhere, and blockwise for any
@@ -59,13 +62,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmarl.errors import JmarlError
-from jmarl.models import packed_split
+from jmarl.models import packed_pallas, packed_split
 from jmarl.models.attention_kernels import cudnn_or, splash_or
 from jmarl.models.packed_tiles import packed_tiles
 from jmarl.models.splash_kernel import packed_splash_or
 
 
-IMPLS: tuple[str, ...] = ("auto", "xla", "dense", "cudnn", "splash", "blockwise")
+IMPLS: tuple[str, ...] = ("auto", "xla", "dense", "cudnn", "splash", "blockwise", "pallas")
 # auto: dense when B * H * T * S float32 scores take at most 256 MiB
 DENSE_MAX_SCORES = 1 << 26
 BLOCK_Q = 512
@@ -103,6 +106,7 @@ def attention(
     included, with causal); an int or a traced int32 scalar; None: no window (dense or
     blockwise only when given, see the module docstring)."""
     _check(q, k, v, impl)
+    impl = "auto" if impl == "pallas" else impl  # the fused kernel is the packed rows'
     lengths = jnp.maximum(lengths.astype(jnp.int32), 1)
     if window is not None:
         window = jnp.asarray(window, jnp.int32)
@@ -209,6 +213,10 @@ def packed_attention(
     if impl == "auto" and traces_tpu_route():  # the platform's form, chosen when the program is lowered
         return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise,
                                           tpu=functools.partial(packed_splash_or, blockwise, extra=extra))
+    if impl == "pallas" and packed_pallas.supports(q.shape[-1], windowed):
+        if packed_pallas.interpreting():  # tests: the kernels in the Pallas interpreter, any platform
+            return packed_pallas.packed_flash(q, k, v, segment, branch, interpret=True)
+        return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise, cuda=packed_pallas.packed_flash)
     return blockwise(q, k, v, segment, branch)
 
 

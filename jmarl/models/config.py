@@ -21,8 +21,9 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 _DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # How attention is computed (`jmarl.models.attention`): auto picks per platform when the program
 # is lowered (cuDNN flash on GPU, Pallas splash on TPU, blockwise elsewhere; dense for short
-# sequences); the others force one form (a kernel falls back to blockwise for shapes it refuses).
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn", "splash", "blockwise")
+# sequences); the others force one form (a kernel falls back to blockwise for shapes it refuses);
+# pallas: the packed learner's fused kernel on CUDA GPUs (jmarl.models.packed_pallas).
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn", "splash", "blockwise", "pallas")
 # Routing replay of mixture-of-experts models (`ModelConfig.routing_replay`, a run's
 # model.routing_replay): off, or replay (the sampler records each token's experts, the learner runs them).
 ROUTING_REPLAY: tuple[str, ...] = ("off", "replay")

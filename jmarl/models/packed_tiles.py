@@ -39,6 +39,22 @@ def segment_bounds(segment: jax.Array) -> tuple[jax.Array, jax.Array]:
     return runs_of((segment,), segment == 0)
 
 
+def slot_runs(segment: jax.Array, branch: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """segment/branch int[R,W] -> four int[R,W]: for each slot, the first slot of its segment, one
+    past its segment's prompt, the first slot of its own run (prompt or branch), and one past
+    the last query that can see it as a key (its segment's end for a prompt slot, its branch's
+    end otherwise). A padding slot is a run of its own that only itself reads."""
+    w = segment.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), segment.shape)
+    pad = segment == 0
+    seg_start, seg_end = runs_of((segment,), pad)
+    own_start, own_end = runs_of((segment, branch), pad)
+    first = lambda x: jnp.take_along_axis(x, seg_start, axis=1)  # noqa: E731  the segment's first slot's value
+    prompt_end = jnp.where(first(branch) == 0, first(own_end), seg_start)
+    visible_until = jnp.where(pad, idx + 1, jnp.where(branch == 0, seg_end, own_end))
+    return seg_start, prompt_end, own_start, visible_until
+
+
 def packed_tiles(
     segment: jax.Array, branch: jax.Array, bq: int, bk: int, nq: int, nk: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -50,14 +66,7 @@ def packed_tiles(
     continuations costs about G tiles each rather than G^2 / 2. Key tile j is read by query
     tiles [j*bk // bq, query_hi[j]): up to the end of its keys' segment for a prompt key, of
     its branch otherwise. Each bound is the loosest over the R rows."""
-    w = segment.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), segment.shape)
-    pad = segment == 0
-    seg_start, seg_end = runs_of((segment,), pad)
-    own_start, own_end = runs_of((segment, branch), pad)
-    first = lambda x: jnp.take_along_axis(x, seg_start, axis=1)  # noqa: E731  the segment's first slot's value
-    prompt_end = jnp.where(first(branch) == 0, first(own_end), seg_start)
-    visible_until = jnp.where(pad, idx + 1, jnp.where(branch == 0, seg_end, own_end))
+    seg_start, prompt_end, own_start, visible_until = slot_runs(segment, branch)
     q0 = jnp.arange(nq) * bq
     prompt_lo = jnp.min(seg_start[:, q0], axis=0) // bk
     prompt_hi = -(-jnp.max(prompt_end[:, q0], axis=0) // bk)

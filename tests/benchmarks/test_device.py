@@ -16,12 +16,12 @@ from jmarl import provenance
 
 
 def test_stage_limits_share_the_budget_and_pass_on_what_is_left():
-    assert device.stage_timeouts(480) == {"tests": 90, "gpu_suite": 240, "train": 150}
-    assert device.stage_timeouts(240)["gpu_suite"] == 120
+    assert device.stage_timeouts(480) == {"tests": 70, "gpu_suite": 290, "train": 120}
+    assert device.stage_timeouts(240)["gpu_suite"] == 145
     every = list(device.STAGES)
     # at the start each stage gets its share; what an early stage leaves goes to the next one
-    assert device.stage_limit("tests", 480, every, 480) == 90
-    assert device.stage_limit("gpu_suite", 470, every, 480) == 470 - 150
+    assert device.stage_limit("tests", 480, every, 480) == 70
+    assert device.stage_limit("gpu_suite", 470, every, 480) == 470 - 120
     assert device.stage_limit("train", 200, every, 480) == 200
     # a stage that will not run leaves its share to the others; never more than what is left
     assert device.stage_limit("gpu_suite", 470, ["tests", "gpu_suite"], 480) == 470

@@ -66,6 +66,21 @@ def test_check_before_step_0_keeps_the_least_recompute_that_fits(tmp_path, peaks
     assert update.remat == expected and update.peak == peaks[expected] <= limit
 
 
+def test_the_check_reuses_the_planners_figures(tmp_path, peaks, monkeypatch):
+    """The programs the planner compiled for the chosen policy are not compiled again by the
+    check: one compile per policy tried, plus the programs remat does not touch."""
+    from jmarl.memory_check import figures as figures_lib
+
+    compiled = []
+    analyse = figures_lib.analyse
+    monkeypatch.setattr(figures_lib, "analyse", lambda p: compiled.append((p.program, p.remat)) or analyse(p))
+    monkeypatch.setattr(remat_plan, "analyse", figures_lib.analyse)
+    trainer = _trainer(tmp_path, device_memory=peaks["none"])
+    figures = trainer.check_memory()
+    assert compiled.count(("update", "none")) == 1 and sum(p == "update" for p, _ in compiled) == 1
+    assert len(compiled) == len(figures)  # each program compiled once in all
+
+
 def test_plan_keeps_none_when_it_fits_and_full_when_nothing_does(tmp_path, peaks):
     trainer = _trainer(tmp_path)
     lines = []

@@ -195,9 +195,10 @@ def run_check(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     t0 = time.perf_counter()
     trainer = Trainer(config, abstract=True)
     say(f"built the abstract run in {time.perf_counter() - t0:.1f} s; compiling its programs")
+    measured: dict = {}  # the planner's figures of the chosen policies: not compiled twice
     if device_memory is not None:  # model.remat auto: the least recompute that fits (jmarl.train.remat_plan)
-        plan_remat(trainer, device_memory, headroom, progress=say)
-    figures = analyse_all(trainer.programs(), progress=say)
+        plan_remat(trainer, device_memory, headroom, progress=say, measured=measured)
+    figures = analyse_all(trainer.programs(), progress=say, known=measured)
     limit = None if device_memory is None else device_memory * (1.0 - headroom)
     say("")
     say(table(figures, limit))

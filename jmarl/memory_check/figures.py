@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from jmarl.errors import JmarlError
 
@@ -128,14 +128,24 @@ def analyse(program: Program) -> ProgramMemory:
     )
 
 
-def analyse_all(programs: Sequence[Program], progress: Callable[[str], None] | None = None) -> list[ProgramMemory]:
+def figure_key(item: Program | ProgramMemory) -> tuple[str, str, str]:
+    """(group, program, remat): what names a program's figures among a run's."""
+    return item.group, item.program, item.remat
+
+
+def analyse_all(programs: Sequence[Program], progress: Callable[[str], None] | None = None,
+                known: Mapping[tuple[str, str, str], ProgramMemory] | None = None) -> list[ProgramMemory]:
     """Compiles every one of `programs` (a run's: `Trainer.programs()`) and returns their
-    figures; `progress` gets a line before and after each compile."""
+    figures; `progress` gets a line before and after each compile. known: figures already
+    measured on the same build, by `figure_key` (the remat planner's), taken instead of compiling
+    again."""
     figures = []
     for i, p in enumerate(programs, 1):
+        got = (known or {}).get(figure_key(p))
         if progress:
-            progress(f"[{i}/{len(programs)}] compiling {p.program} of group {p.group!r} ...")
-        got = analyse(p)
+            how = "measured while planning remat" if got else "compiling"
+            progress(f"[{i}/{len(programs)}] {how} {p.program} of group {p.group!r} ...")
+        got = got or analyse(p)
         figures.append(got)
         if progress:
             progress(f"      {format_size(got.peak)} peak per device, compiled in {got.compile_seconds:.1f} s")
@@ -192,11 +202,13 @@ def table(figures: Sequence[ProgramMemory], limit: float | None = None) -> str:
 
 
 def check(programs: Sequence[Program], device_memory: int | None, headroom: float,
-          progress: Callable[[str], None] = log.info) -> list[ProgramMemory]:
-    """The trainer's check before step 0: compiles `programs` (on the real devices and arrays),
-    logs the figures, raises JmarlError (the same one line as the CLI) when one does not fit in
-    `device_memory` bytes (train.device_memory, parsed; None: the device's own) less `headroom`."""
-    figures = analyse_all(programs, progress=progress)
+          progress: Callable[[str], None] = log.info,
+          known: Mapping[tuple[str, str, str], ProgramMemory] | None = None) -> list[ProgramMemory]:
+    """The trainer's check before step 0: compiles `programs` (on the real devices and arrays;
+    `known`: see `analyse_all`), logs the figures, raises JmarlError (the same one line as the
+    CLI) when one does not fit in `device_memory` bytes (train.device_memory, parsed; None: the
+    device's own) less `headroom`."""
+    figures = analyse_all(programs, progress=progress, known=known)
     for line in table(figures).splitlines():
         progress(line)
     limit, _ = device_memory_of(device_memory)

@@ -17,6 +17,7 @@ import logging
 from typing import Any, Callable
 
 from jmarl.memory_check import ProgramMemory, analyse, format_size
+from jmarl.memory_check.figures import figure_key
 from jmarl.train.programs import trainer_programs
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,13 @@ def gradient_figures(trainer: Any, group_index: int) -> list[ProgramMemory]:
 
 
 def plan_remat(trainer: Any, device_memory: int, headroom: float,
-               progress: Callable[[str], None] = log.info) -> dict[str, str]:
+               progress: Callable[[str], None] = log.info,
+               measured: dict[tuple[str, str, str], ProgramMemory] | None = None) -> dict[str, str]:
     """Sets the remat policy of every group of `trainer` whose setting is "auto" to the first of
     `REMAT_ORDER` whose gradient programs fit in `device_memory` bytes less `headroom` (a
     fraction), rebuilding the group's device functions for it (`Trainer.set_remat`); "full"
-    when none fits. Returns {group name: policy} for the groups it planned."""
+    when none fits. Returns {group name: policy} for the groups it planned. measured: a dict
+    that gets every figure compiled here, by `figure_key`, for the memory check to reuse."""
     limit = device_memory * (1.0 - headroom)
     chosen: dict[str, str] = {}
     for i, group in enumerate(trainer.policies.groups):
@@ -57,6 +60,8 @@ def plan_remat(trainer: Any, device_memory: int, headroom: float,
         for policy in REMAT_ORDER:
             trainer.set_remat(i, policy)
             figures = gradient_figures(trainer, i)
+            if measured is not None:
+                measured.update((figure_key(f), f) for f in figures)
             peak = max((f.peak for f in figures), default=0)
             fits = peak <= limit
             progress(f"model.remat auto: group {group.name!r} with remat {policy}: gradient programs peak at "

@@ -369,9 +369,10 @@ class Trainer:
             return []
         limit = None if t.device_memory is None else parse_bytes(t.device_memory)
         device_memory, _ = memory_check.device_memory_of(limit)
+        measured: dict = {}  # the planner's figures of the chosen policies: not compiled twice
         if device_memory is not None:  # model.remat auto: the least recompute that fits
-            plan_remat(self, device_memory, t.memory_headroom)
-        return memory_check.check(self.programs(), limit, t.memory_headroom)
+            plan_remat(self, device_memory, t.memory_headroom, measured=measured)
+        return memory_check.check(self.programs(), limit, t.memory_headroom, known=measured)
 
     def run(self) -> dict[str, Any]:
         cfg = self.config

@@ -4,19 +4,21 @@
     python -m benchmarks.device --dry-run --out-dir /tmp/device-dry                    # the CPU: proves it starts
 
 An accelerator is lent only at times, for about 15 minutes in all, so this runs what needs one in
-at most `--budget-s` seconds (480 by default), as three stages, each a subprocess of its own:
+at most `--budget-s` seconds (540 by default), as four stages, each a subprocess of its own:
 
-1. `tests` (share 70 s): the GPU-relevant tests under pytest on the accelerator (`JAX_PLATFORMS`
+1. `tests` (share 60 s): the GPU-relevant tests under pytest on the accelerator (`JAX_PLATFORMS`
    left to JAX): bf16 and float32 parity with PyTorch (tests/test_model.py), the attention kernels
    against transformers and each other (tests/test_attention.py, tests/test_packed_attention.py)
    and, where JAX sees >= 8 devices, the sharded update, sampling and checkpoints
    (tests/test_sharding.py; with fewer they are listed as not run, with the reason). Ordered by
    priority: a stage cut at its time limit keeps the results of the tests that ran.
-2. `gpu_suite` (share 290 s): `python -m benchmarks.run --suite gpu --shapes gpu-0.5b,gpu-1.5b
+2. `gpu_suite` (share 270 s): `python -m benchmarks.run --suite gpu --shapes gpu-0.5b,gpu-1.5b
    --attention pallas,auto --profile DIR`: parity gate, train-step MFU at 0.5B and 1.5B with the
    fused packed kernel and with the blockwise form, generation beside HF `generate`, one profiled
    train step per row (top ops in each row); it writes its own gpu.json.
-3. `train` (share 120 s): the real-model recipe, `python -m jmarl.run --config
+3. `torch` (share 90 s): `benchmarks.gpu_torch`, the same train step in PyTorch on the same card
+   (bf16 autocast, SDPA, fused AdamW; eager and `torch.compile`), JAX kept off the GPU; torch.json.
+4. `train` (share 120 s): the real-model recipe, `python -m jmarl.run --config
    configs/real/grpo_add_full.yaml` on SmolLM2-135M-Instruct (`--model-path`), bf16 compute,
    `--steps` GRPO steps (40), 128 held-out problems before and after; summarised in train.json:
    held-out success before / after, the rollout success of every step (the learning curve),
@@ -30,14 +32,15 @@ and the path of its JSON go into `<out-dir>/device.json` (rewritten after every 
 command killed from outside still leaves what finished), with the device's name, the JAX version
 and a `jmarl.provenance` record (the commit). Every JSON written here carries that record under
 `provenance` (in a copy of the tree without .git, `JMARL_COMMIT` and `JMARL_DIRTY=1` stand in for
-git's answer). Files in `<out-dir>`: device.json, tests.json, gpu.json, train.json, device.log
-(every stage's output) and the profiled steps' traces (profile-<shape>-<attention>.trace.json.gz,
-at most three, cut to their kernel events, each under 16 MiB); checkpoints, the profiler's folders and pytest's files stay in
+git's answer). Files in `<out-dir>` (at most eight, what the device tool brings back): device.json,
+tests.json, gpu.json, torch.json, train.json, device.log (every stage's output) and the profiled
+steps' traces (profile-<shape>-<attention>.trace.json.gz, at most two, cut to their kernel
+events, each under 16 MiB); checkpoints, the profiler's folders and pytest's files stay in
 `--work-dir` (a new temporary folder by default), outside `<out-dir>`.
 
 On a machine where JAX sees no accelerator it refuses (exit 2) unless `--dry-run`. `--dry-run`
-runs the same three stages small: three quick tests, the GPU suite's tiny shape (`--allow-cpu
---shapes tiny`), and 2 GRPO steps of a one-layer random model (character tokenizer) with 8
+runs the same four stages small: three quick tests, the GPU suite's tiny shape (`--allow-cpu
+--shapes tiny`), PyTorch's eager step on it, and 2 GRPO steps of a one-layer random model (character tokenizer) with 8
 held-out problems; with `--model-path` the dry run trains that model instead (still small).
 
 The model file: the device machine reaches no network, so SmolLM2's GGUF travels with the
@@ -78,15 +81,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/real/grpo_add_full.yaml"
 MODEL_NAME = "smollm2-135m-instruct"  # jmarl.models.fetch's name of SmolLM2-135M-Instruct
 DEFAULT_MODEL_PATH = ".device_model/smollm2.gguf"  # where docs/benchmarks.md puts it (or its parts)
-BUDGET_S = 480.0
-STAGES = ("tests", "gpu_suite", "train")
-SHARES = {"tests": 70.0, "gpu_suite": 290.0, "train": 120.0}  # seconds of a BUDGET_S budget
+BUDGET_S = 540.0
+STAGES = ("tests", "gpu_suite", "torch", "train")
+SHARES = {"tests": 60.0, "gpu_suite": 270.0, "torch": 90.0, "train": 120.0}  # seconds of a BUDGET_S budget
 MIN_STAGE_S = 20.0  # a stage with less left is not started
 TAIL_CHARS = 4000
 STEPS, DRY_STEPS = 40, 2
 GPU_SHAPES = ("gpu-0.5b", "gpu-1.5b")
 GPU_ATTENTION = "pallas,auto"  # the fused packed kernel beside the blockwise form it replaces
-MAX_TRACES, MAX_TRACE_BYTES = 3, 16 * 2**20  # kernel events only (benchmarks.device_report.kernel_trace)
+MAX_TRACES, MAX_TRACE_BYTES = 2, 16 * 2**20  # kernel events only (benchmarks.device_report.kernel_trace)
 DEVICES_FOR_SHARDING = 8
 
 # GPU-relevant tests, most wanted first (a stage cut at its limit keeps what ran)
@@ -124,7 +127,8 @@ CURVE_KEYS = {  # metrics.jsonl key -> train.json curve field
     "time/step": "step_s", "time/generate": "generate_s", "time/update": "update_s",
 }
 # modules each stage cannot start without (checked before spending device time on it)
-NEEDS = {"tests": ("pytest", "torch", "transformers"), "gpu_suite": ("torch", "transformers"), "train": ()}
+NEEDS = {"tests": ("pytest", "torch", "transformers"), "gpu_suite": ("torch", "transformers"),
+         "torch": ("torch", "transformers"), "train": ()}
 JMARL_NEEDS = ("jax", "flax", "optax", "orbax.checkpoint", "chex", "numpy", "transformers", "safetensors",
                "yaml", "tqdm")
 
@@ -443,6 +447,29 @@ def train_overrides(run_dir: str, model: dict[str, Any], steps: int, dry_run: bo
     return out + ["model.compute_dtype=bfloat16", "eval.num_episodes=128"]
 
 
+def torch_stage(ctx: dict[str, Any], limit_s: float) -> dict[str, Any]:
+    """`benchmarks.gpu_torch`: the GPU suite's train step in PyTorch on the same card (eager and
+    compiled), JAX kept off the GPU so that PyTorch has all of it; torch.json."""
+    dry = ctx["dry_run"]
+    out = os.path.join(ctx["work_dir"], "torch.json")
+    cmd = [sys.executable, "-m", "benchmarks.gpu_torch", "--out", out]
+    cmd += ["--allow-cpu", "--modes", "eager", "--repeats", "2"] if dry else ["--shapes", ",".join(GPU_SHAPES)]
+    env = dict(ctx["env"], JAX_PLATFORMS="cpu")
+    got = run_logged(cmd, limit_s, os.path.join(ctx["work_dir"], "torch.log"), env, "torch", ctx["log"])
+    data = None
+    if os.path.exists(out):
+        with open(out) as f:
+            data = json.load(f)
+        data = {**ctx["header"]("torch", cmd), **data, provenance.KEY: {**data.get(provenance.KEY, {}),
+                                                                       **{k: ctx["base"][k] for k in ("commit", "dirty")
+                                                                          if ctx["base"].get(k) is not None}}}
+    rows = (data or {}).get("rows", [])
+    summary = {"rows": [{k: r.get(k) for k in ("name", "size", "baseline", "mfu_vs_nominal", "baseline_compile_s")}
+                        for r in rows], "errors": (data or {}).get("errors", [])}
+    return {**got, "command": cmd, "json": "torch.json" if data else None, "data": data, "summary": summary,
+            "status": _status(got, ok=got["exit_code"] == 0 and bool(rows))}
+
+
 def train_stage(ctx: dict[str, Any], limit_s: float) -> dict[str, Any]:
     """The real-model GRPO recipe (`CONFIG`), small in a dry run; train.json summarises it."""
     model, steps = ctx["model"], ctx["steps"]
@@ -463,7 +490,7 @@ def _status(got: dict[str, Any], ok: bool) -> str:
     return "timeout" if got["timed_out"] else "passed" if ok else "failed"
 
 
-RUNNERS = {"tests": tests_stage, "gpu_suite": gpu_stage, "train": train_stage}
+RUNNERS = {"tests": tests_stage, "gpu_suite": gpu_stage, "torch": torch_stage, "train": train_stage}
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -477,7 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "a temporary folder with --dry-run)")
     parser.add_argument("--work-dir", default=None,
                         help="checkpoints, profiler folders, logs, pytest's files (default: a new temporary folder)")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all stages together (480)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all stages together (540)")
     parser.add_argument("--model-path", default=None,
                         help="SmolLM2-135M-Instruct's GGUF (or P.part* files, joined); default "
                              f"{DEFAULT_MODEL_PATH}, then the jmarl model cache")

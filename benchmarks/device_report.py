@@ -5,7 +5,7 @@
         [--setting LABEL=TEXT]
 
 A run is what one `python -m benchmarks.device --out-dir` call wrote (device.json, gpu.json,
-tests.json, train.json, device.log, profile traces); `import` copies one into the repository,
+torch.json, tests.json, train.json, device.log, profile traces); `import` copies one into the repository,
 its traces cut to the device's kernel events (`kernel_trace`: small enough to commit, and all
 that `loop_breakdown` reads). For each run the report keeps:
 
@@ -15,7 +15,8 @@ that `loop_breakdown` reads). For each run the report keeps:
   peak, remat, attention), from gpu.json, or, for a shape the suite finished but did not save
   before its stage was cut, from the line it printed in device.log (rounded as printed;
   `source` says which);
-- the generation rows, the tests' counts and each stage's status;
+- the generation rows, PyTorch's train-step rows (torch.json), the tests' counts and each
+  stage's status;
 - for each profile trace: the kernels and their summed time by loop depth (`loop_breakdown`).
 """
 
@@ -164,6 +165,11 @@ def run_report(run_dir: str, setting: str | None) -> dict[str, Any]:
         out["matmul_peak_tflops"] = gpu["matmul_peak"]["matmul_peak_flops"] / 1e12
         out["generation"] = [{"size": r["size"], "jmarl_new_tokens_per_s": r["jmarl"], "hf_generate": r.get("baseline"),
                               "ratio": r.get("ratio")} for r in gpu["rows"] if r["name"] == "generation_vs_hf_generate"]
+    torch_json = os.path.join(run_dir, "torch.json")
+    if os.path.exists(torch_json):  # PyTorch's train step on the same card (benchmarks.gpu_torch)
+        out["torch_train_step"] = [{k: r.get(k) for k in ("name", "size", "mode", "baseline", "mfu_vs_nominal",
+                                                          "baseline_compile_s", "peak_memory_bytes")}
+                                   for r in _load(torch_json).get("rows", [])]
     tests_json = os.path.join(run_dir, "tests.json")
     if os.path.exists(tests_json):
         tests = _load(tests_json)
@@ -183,7 +189,7 @@ def run_report(run_dir: str, setting: str | None) -> dict[str, Any]:
     return out
 
 
-RUN_FILES = ("device.json", "gpu.json", "tests.json", "train.json", "device.log")
+RUN_FILES = ("device.json", "gpu.json", "torch.json", "tests.json", "train.json", "device.log")
 
 
 def import_run(src: str, dst: str) -> list[str]:

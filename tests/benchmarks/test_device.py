@@ -16,16 +16,16 @@ from jmarl import provenance
 
 
 def test_stage_limits_share_the_budget_and_pass_on_what_is_left():
-    assert device.stage_timeouts(480) == {"tests": 70, "gpu_suite": 290, "train": 120}
-    assert device.stage_timeouts(240)["gpu_suite"] == 145
+    assert device.stage_timeouts(540) == {"tests": 60, "gpu_suite": 270, "torch": 90, "train": 120}
+    assert device.stage_timeouts(270)["gpu_suite"] == 135
     every = list(device.STAGES)
     # at the start each stage gets its share; what an early stage leaves goes to the next one
-    assert device.stage_limit("tests", 480, every, 480) == 70
-    assert device.stage_limit("gpu_suite", 470, every, 480) == 470 - 120
-    assert device.stage_limit("train", 200, every, 480) == 200
+    assert device.stage_limit("tests", 540, every, 540) == 60
+    assert device.stage_limit("gpu_suite", 530, every, 540) == 530 - 90 - 120
+    assert device.stage_limit("train", 200, every, 540) == 200
     # a stage that will not run leaves its share to the others; never more than what is left
-    assert device.stage_limit("gpu_suite", 470, ["tests", "gpu_suite"], 480) == 470
-    assert device.stage_limit("train", 12, every, 480) == 12 < device.MIN_STAGE_S
+    assert device.stage_limit("gpu_suite", 470, ["tests", "gpu_suite"], 540) == 470
+    assert device.stage_limit("train", 12, every, 540) == 12 < device.MIN_STAGE_S
 
 
 def test_top_ops_counts_the_device_ops_line_once(tmp_path):
@@ -124,6 +124,9 @@ def test_dry_run_records_every_stage_with_provenance(tmp_path):
 
     tests = json.loads((out / "tests.json").read_text())
     assert tests["counts"].get("passed", 0) >= len(device.DRY_TESTS) and tests["failed"] == []
+    torch_rows = json.loads((out / "torch.json").read_text())["rows"]
+    assert [(r["name"], r["size"]) for r in torch_rows] == [("train_step_torch_eager", "tiny")]
+    assert torch_rows[0]["baseline"] > 0
     gpu = json.loads((out / "gpu.json").read_text())
     assert any(row.get("profile", {}).get("top_ops") for row in gpu["rows"])
     assert all((out / name).exists() for name in result["stages"][1]["summary"]["traces"])

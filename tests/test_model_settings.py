@@ -182,7 +182,7 @@ def test_bad_remat_and_attention_values():
     with pytest.raises(JmarlError, match="^model.remat: expected bool or one of 'auto'.*got int 1"):
         make({"preset": {}, "remat": 1})
     with pytest.raises(JmarlError, match="^model.attention: must be one of 'auto', 'xla', 'cudnn', 'splash', "
-                                         "'blockwise'; got 'flash'"):
+                                         "'blockwise', 'pallas'; got 'flash'"):
         make({"preset": {}, "attention": "flash"})
 
 

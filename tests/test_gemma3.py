@@ -3,6 +3,7 @@ random model whose sequences run past its sliding window: logits (left and right
 token log-probs and their gradients, the packed learner layout, greedy generation (static
 sampler, grouped prompts, continuous engine), the HF round trip, and the settings refused."""
 
+import contextlib
 import json
 import os
 
@@ -18,6 +19,7 @@ from benchmarks.shared_prefix_model import prefix_token_logprobs
 from jmarl.errors import JmarlError
 from jmarl.models import GenerationSpec, apply, generate, load_hf, save_hf, token_logprobs
 from jmarl.models import attention as attention_lib
+from jmarl.models import packed_pallas
 from jmarl.models.hf import _tensor_specs
 from jmarl.models.hf_config import config_from_hf, config_to_hf
 from jmarl.models.presets import preset_config
@@ -158,9 +160,10 @@ def test_packed_layout_equals_per_sequence_logprobs(tiny):
         plain["loss_mask"][i, len(p):len(p) + len(c)] = True
     full = np.asarray(token_logprobs(config, params, jnp.asarray(plain["tokens"]), jnp.asarray(plain["attention_mask"])))
     (packed,) = pack([plain_samples(plain)], parts=1, width=64)
-    for impl in ("xla", "blockwise"):
-        got = np.asarray(packed_logprobs(config.replace(attention=impl), params,
-                                         {k: jnp.asarray(v) for k, v in packed.items()}))
+    for impl in ("xla", "blockwise", "pallas"):  # pallas: the fused kernel, interpreted, windows by position
+        with packed_pallas.interpret_kernels() if impl == "pallas" else contextlib.nullcontext():
+            got = np.asarray(packed_logprobs(config.replace(attention=impl), params,
+                                             {k: jnp.asarray(v) for k, v in packed.items()}))
         for i, (p, c) in enumerate(rows):
             np.testing.assert_allclose(got[i, :len(c)], full[i, len(p):len(p) + len(c)], atol=2e-5, err_msg=impl)
 

@@ -78,10 +78,38 @@ def test_bfloat16_inputs_stay_close():
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=3e-2, rtol=0)
 
 
+@pytest.mark.parametrize("window", [8, 33])
+def test_sliding_window_equals_dense(window):
+    """Gemma 3's local layers: with a window over the tokens' positions (one shorter than a
+    tile, one longer), outputs within 2e-6 and gradients within 2e-5 of the dense form, the
+    window traced as an int32 scalar (as a stacked layer scan passes it)."""
+    segment, branch, positions = packed_layout(ROWS, T)
+    q, k, v, w = random_qkvw(window, len(ROWS), T, 4, 2, 16)
+    real = (segment != 0)[:, :, None, None]
+    w = jnp.where(real, w, 0)
+
+    def kernel(q, k, v, win):
+        return packed_pallas.packed_flash(q, k, v, segment, branch, positions=positions, window=win, block=16,
+                                          interpret=True)
+
+    def dense(q, k, v, win):
+        return attention_lib.packed_attention(q, k, v, segment, branch, impl="xla", window=win, positions=positions)
+
+    win = jnp.int32(window)
+    got, want = jax.jit(kernel)(q, k, v, win), dense(q, k, v, win)
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-6, rtol=0)
+    unwindowed = _dense(q, k, v, segment, branch)
+    assert float(np.max(np.abs(np.where(real, unwindowed - want, 0)))) > 0.1  # the window matters here
+    grads = [jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v, win) * w), argnums=(0, 1, 2))(q, k, v)
+             for f in (kernel, dense)]
+    for g, ref in zip(*grads):
+        np.testing.assert_allclose(g, ref, atol=2e-5, rtol=0)
+
+
 def test_impl_pallas_runs_the_kernel_only_where_it_applies():
     """packed_attention(impl="pallas"): the interpreted kernel inside `interpret_kernels` (padding
-    queries get 0); outside it on this CPU, and with a sliding window or a head_dim the kernel
-    refuses, the blockwise form (a padding query's finite average)."""
+    queries get 0), with a sliding window too; outside it on this CPU, and for a head_dim the
+    kernel refuses, the blockwise form (a padding query's finite average)."""
     segment, branch, positions = packed_layout(ROWS, T)
     q, k, v, _ = random_qkvw(3, len(ROWS), T, 4, 2, 16)
     pad = ~np.asarray(segment != 0)
@@ -92,12 +120,12 @@ def test_impl_pallas_runs_the_kernel_only_where_it_applies():
         odd = np.asarray(attention_lib.packed_attention(q[..., :12], k[..., :12], v[..., :12], segment, branch,
                                                         impl="pallas"))
     outside = np.asarray(attention_lib.packed_attention(q, k, v, segment, branch, impl="pallas"))
-    assert np.all(inside[pad] == 0) and not np.all(outside[pad] == 0)
-    assert not np.all(windowed[pad] == 0) and not np.all(odd[pad] == 0)
+    assert np.all(inside[pad] == 0) and np.all(windowed[pad] == 0)
+    assert not np.all(outside[pad] == 0) and not np.all(odd[pad] == 0)
     np.testing.assert_allclose(inside[~pad], outside[~pad], atol=2e-6)
-    blockwise = np.asarray(attention_lib.packed_attention(q, k, v, segment, branch, impl="blockwise", window=8,
-                                                          positions=positions))
-    np.testing.assert_array_equal(windowed, blockwise)
+    dense_windowed = np.asarray(attention_lib.packed_attention(q, k, v, segment, branch, impl="xla", window=8,
+                                                               positions=positions))
+    np.testing.assert_allclose(windowed[~pad], dense_windowed[~pad], atol=2e-6)
 
 
 def _export_text(fn, args) -> str:
@@ -128,3 +156,25 @@ def test_lowered_for_cuda_the_update_runs_three_triton_kernels_a_layer_and_no_at
     assert TRITON not in texts["xla"] and TRITON not in texts["blockwise"]
     loops = {name: text.count("stablehlo.while") for name, text in texts.items()}
     assert loops["pallas"] == loops["xla"] < loops["blockwise"]
+
+
+def test_lowered_for_cuda_gemma3s_windowed_layers_take_the_kernel_too():
+    """A tiny Gemma 3 (sliding and full layers in one scan, the window traced per layer), its
+    packed update exported for CUDA with attention "pallas": the scanned layer holds the three
+    Triton kernels, and no XLA loop is left beyond the dense form's."""
+    from test_gemma3 import _hf_config
+    from jmarl.models import init
+    from jmarl.models.hf_config import config_from_hf
+    from jmarl.train.packing import packed_logprobs
+
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    batch = {"packed_tokens": i32(2, 256), "packed_positions": i32(2, 256), "packed_segment": i32(2, 256),
+             "packed_branch": i32(2, 256), "pred_source": i32(128), "pred_target": i32(128), "pred_slot": i32(4, 32)}
+    texts = {}
+    for attention in ("pallas", "xla"):
+        config = config_from_hf(_hf_config().to_dict(), compute_dtype="bfloat16").replace(attention=attention)
+        params = jax.eval_shape(lambda config=config: init(config, jax.random.key(0)))
+        grad = jax.grad(lambda p, b, config=config: jnp.sum(packed_logprobs(config, p, b)))
+        texts[attention] = _export_text(grad, (params, batch))
+    assert texts["pallas"].count(TRITON) == 3 and TRITON not in texts["xla"]
+    assert texts["pallas"].count("stablehlo.while") == texts["xla"].count("stablehlo.while")

@@ -21,8 +21,8 @@ Forms (`impl`, `ModelConfig.attention`):
     splash     the Pallas splash-attention kernel of `jax.experimental.pallas.ops.tpu`
                (padding as segment ids), sequence lengths a multiple of 128.
     pallas     packed rows only: jmarl's fused Pallas kernel for CUDA GPUs
-               (`jmarl.models.packed_pallas`; blockwise on other platforms, with a sliding
-               window, or for a head_dim it refuses); `attention` takes it as auto.
+               (`jmarl.models.packed_pallas`, sliding windows included; blockwise on other
+               platforms, or for a head_dim it refuses); `attention` takes it as auto.
     auto       dense when the scores are small (B x H x T x S <= DENSE_MAX_SCORES), otherwise
                chosen per platform WHEN THE PROGRAM IS LOWERED (`jax.lax.platform_dependent`):
                cudnn on CUDA GPUs, splash on TPU, blockwise elsewhere, and blockwise for any
@@ -39,8 +39,9 @@ Sliding windows (Gemma 3's local layers): `window` W (an int or a traced int32 s
 stacked layer scan passes NO_WINDOW on its full-attention layers) restricts query t to keys
 t - W < s <= t (`attention`; slots are positions in the right-padded layout) or to keys less
 than W positions before it (`packed_attention`, by the `positions` of each token). With a window
-only the dense and blockwise forms run (the kernel forms are not given the window): blockwise
-skips the key tiles wholly before a query tile's window as well as those above its diagonal.
+only the dense and blockwise forms run, and on packed rows the fused kernel (`pallas`), which
+masks by position; the library kernels are not given the window. Blockwise skips the key tiles
+wholly before a query tile's window as well as those above its diagonal.
 
 Partial attentions (`partial_attention`: the dense or blockwise form with each query's
 log-sum-exp) over disjoint key sets merge exactly into the attention over their union
@@ -213,10 +214,12 @@ def packed_attention(
     if impl == "auto" and traces_tpu_route():  # the platform's form, chosen when the program is lowered
         return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise,
                                           tpu=functools.partial(packed_splash_or, blockwise, extra=extra))
-    if impl == "pallas" and packed_pallas.supports(q.shape[-1], windowed):
+    if impl == "pallas" and packed_pallas.supports(q.shape[-1]):
+        fused = functools.partial(packed_pallas.packed_flash, positions=positions if windowed else None,
+                                  window=window if windowed else None)
         if packed_pallas.interpreting():  # tests: the kernels in the Pallas interpreter, any platform
-            return packed_pallas.packed_flash(q, k, v, segment, branch, interpret=True)
-        return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise, cuda=packed_pallas.packed_flash)
+            return fused(q, k, v, segment, branch, interpret=True)
+        return jax.lax.platform_dependent(q, k, v, segment, branch, default=blockwise, cuda=fused)
     return blockwise(q, k, v, segment, branch)
 
 

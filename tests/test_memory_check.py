@@ -335,6 +335,37 @@ def test_missing_checkpoint_plans_with_the_matching_preset():
         cli.resolve_models({"model": {"path": "checkpoints/gpt-5"}})
 
 
+def test_a_checkpoint_is_planned_from_its_architecture_alone(run_yaml, tmp_path):
+    """Any architecture jmarl loads is planned as it is (a Gemma 3 with sliding windows here, which
+    no preset mapping can express), from its config.json: the directory holds no weights at all."""
+    import transformers
+
+    from jmarl.models import param_shapes
+    from jmarl.models.tokenizer import CharTokenizer
+
+    ckpt = tmp_path / "gemma-3-tiny"
+    transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, max_position_embeddings=256, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ).save_pretrained(ckpt)
+    CharTokenizer().save(str(ckpt))
+    assert not list(ckpt.glob("*.safetensors"))
+    config, notes = cli.load_config_for_check(str(run_yaml), ["model.preset=null", f"model.path={ckpt}", "tokenizer=null",
+                                                              f"output_dir={tmp_path / 'out'}"])
+    assert notes == [f"model.path {ckpt}: planned from its config.json (no weights read)"]
+    trainer = Trainer(config, abstract=True)
+    group = trainer.policies.groups[0]
+    model = group.model_config
+    assert model.model_type == "gemma3_text" and model.sliding_window == 5 and model.query_pre_attn_scalar == 24
+    one_policy = jax.tree.map(lambda x: (x.shape[1:], x.dtype), group.state.params)  # per_agent: stacked
+    assert one_policy == jax.tree.map(lambda x: (x.shape, x.dtype), param_shapes(model))
+    programs = trainer.programs()
+    assert [p.program for p in programs] == PROGRAMS
+    score = memory_check.analyse(programs[PROGRAMS.index("score")])  # the sliding-window model compiles
+    assert score.peak > score.state > 0
+
+
 @pytest.mark.slow
 def test_trainer_checks_memory_before_step_0(run_yaml, real):
     assert real.check_memory() == []  # memory_check auto: off on CPU, nothing compiled

@@ -6,7 +6,8 @@
 What the figures are and are not: `jmarl.memory_check`'s docstring. The command line
 builds `Trainer(config, abstract=True)`, the run exactly as training builds it with every array
 a `jax.ShapeDtypeStruct`, and analyses `trainer.programs()`. A model.path that exists is
-analysed from its config.json (no weights are read); one that does not exist but whose
+analysed from its config.json or GGUF metadata (no weights are read), any architecture jmarl
+loads; one that does not exist but whose
 directory name is a preset's (checkpoints/Qwen3-1.7B -> qwen3-1.7b) with that preset's shapes
 (a note says so); a preset name (model.preset=qwen3-8b) with its shapes. Such models get the
 built-in char tokenizer when none is given: token ids do not change memory.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import re
@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable, Sequence
 
 from jmarl.config import (
-    ArchConfig,
     apply_override,
     check_preset_name,
     config_from_dict,
@@ -38,12 +37,6 @@ from jmarl.config import (
 from jmarl.errors import JmarlError
 from jmarl.memory_check.figures import analyse_all, device_memory_of, format_size, over_limit, table
 from jmarl.process import quiet_third_party, setup_compilation_cache
-
-
-def _arch(model_config: Any) -> dict[str, Any]:
-    """A model.preset mapping (`jmarl.config.ArchConfig` fields) of a `ModelConfig`."""
-    names = {f.name for f in dataclasses.fields(ArchConfig)}
-    return {k: v for k, v in dataclasses.asdict(model_config).items() if k in names}
 
 
 def _gguf_file(path: str) -> str | None:
@@ -58,11 +51,11 @@ def _gguf_file(path: str) -> str | None:
 
 def resolve_models(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A config dict whose models the planner can build without reading weights, and notes
-    saying what was substituted: an existing model.path -> its config.json's architecture (an
-    `ArchConfig` mapping; its tokenizer still read from the directory), a missing one -> the
-    preset its directory name matches (JmarlError when none does). A preset model without a
-    usable tokenizer directory gets the char tokenizer (token ids do not change memory)."""
-    from jmarl.models.hf_config import config_from_hf
+    saying what was done: an existing model.path (a checkpoint directory, a GGUF file, a cached
+    registered model) is kept, and the abstract trainer reads only its architecture
+    (`jmarl.train.policies.build_model(abstract=True)`); a missing one -> the preset its
+    directory name matches (JmarlError when none does). A preset model without a usable
+    tokenizer directory gets the char tokenizer (token ids do not change memory)."""
     from jmarl.models.presets import preset_for_checkpoint_name, preset_names
 
     data = copy.deepcopy(data)
@@ -77,14 +70,12 @@ def resolve_models(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if isinstance(preset, str):
             check_preset_name(preset, f"{where}.preset")
         elif path is not None and os.path.isdir(str(path)):
-            spec["path"], spec["preset"] = None, _arch(config_from_hf(str(path)))
-            tok = str(path) if tok is None else tok
             notes.append(f"{where}.path {path}: planned from its config.json (no weights read)")
+            return
         elif path is not None and (gguf := _gguf_file(str(path))) is not None:
-            from jmarl.models.gguf import load_gguf_config
-
-            spec["path"], spec["preset"] = None, _arch(load_gguf_config(gguf))
+            spec["path"] = gguf
             notes.append(f"{where}.path {path}: planned from its GGUF metadata (no weights read)")
+            return
         elif path is not None:
             name = preset_for_checkpoint_name(str(path))
             if name is None:

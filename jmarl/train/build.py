@@ -27,14 +27,15 @@ def build_policies(
 
     abstract: every device array (parameters, optimizer states, references) is a
     `jax.ShapeDtypeStruct`, built by `jax.eval_shape` over the same code: nothing is allocated
-    (what `jmarl.memory_check` compiles against). A model loaded from model.path would still be read
-    from disk; the planner swaps checkpoints for their architecture first (`jmarl.memory_check`)."""
+    (what `jmarl.memory_check` compiles against), and a model.path checkpoint's weights are not
+    read, only its architecture (`build_model(abstract=True)`)."""
     if not abstract:
         return _build_policies(config, agents, rng, optimizer, need_ref=need_ref, routes_by_agent=routes_by_agent)
     built: dict[str, PolicySet] = {}
 
     def arrays():
-        built["set"] = _build_policies(config, agents, rng, optimizer, need_ref=need_ref, routes_by_agent=routes_by_agent)
+        built["set"] = _build_policies(config, agents, rng, optimizer, need_ref=need_ref, routes_by_agent=routes_by_agent,
+                                       abstract=True)
         return [(g.base, g.state, None if g.ref is g.base else g.ref) for g in built["set"].groups]
 
     shapes = jax.eval_shape(arrays)
@@ -46,7 +47,8 @@ def build_policies(
     return policies
 
 
-def _build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool, routes_by_agent: bool) -> PolicySet:
+def _build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optimizer, *, need_ref: bool,
+                    routes_by_agent: bool, abstract: bool = False) -> PolicySet:
     pc = config.policies
     names, agent_policy = _policy_map(config, tuple(agents), routes_by_agent)
     ids = tuple(range(len(names)))
@@ -55,12 +57,12 @@ def _build_policies(config: Config, agents: Sequence[str], rng: jax.Array, optim
         for pid, name in zip(ids, names):
             entry = pc.models[name]
             tok = build_tokenizer(entry.tokenizer or config.tokenizer, entry.model.path, entry.model.chat_template)
-            mcfg, params = build_model(entry.model, tok, jax.random.fold_in(rng, pid))
+            mcfg, params = build_model(entry.model, tok, jax.random.fold_in(rng, pid), abstract=abstract)
             groups.append(_group(name, mcfg, tok, (pid,), params, optimizer, need_ref=need_ref))
         return PolicySet(names, agent_policy, groups)
 
     tok = build_tokenizer(config.tokenizer, config.model.path, config.model.chat_template)
-    mcfg, params = build_model(config.model, tok, rng)
+    mcfg, params = build_model(config.model, tok, rng, abstract=abstract)
     if pc.mode == "lora":
         adapters = [
             init_lora(params, jax.random.fold_in(rng, 1000 + p), rank=pc.lora.rank, target_modules=pc.lora.target_modules)

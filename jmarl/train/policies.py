@@ -20,6 +20,7 @@ from jmarl import models
 from jmarl.config import ArchConfig, check_preset_name, routing_replay_refused
 from jmarl.errors import JmarlError
 from jmarl.models.config import resolve_remat  # model.remat resolves as a ModelConfig's remat does
+from jmarl.models.hf_config import config_from_hf
 from jmarl.models.presets import preset_config
 from jmarl.train.lora import attach_lora, merge_lora
 from jmarl.train.step import TrainState
@@ -118,7 +119,7 @@ def _is_gguf(path: str) -> bool:
 
 
 def build_model(
-    model_cfg: Any, tokenizer: Any, rng: jax.Array, *, setting: str = "model"
+    model_cfg: Any, tokenizer: Any, rng: jax.Array, *, setting: str = "model", abstract: bool = False
 ) -> tuple[models.ModelConfig, Params]:
     """(model config, params) of a `ModelSpec`: loaded from `model_cfg.path`, or initialised
     randomly (`models.init`) from `model_cfg.preset` (a preset name: the published shapes of
@@ -130,8 +131,13 @@ def build_model(
     experts). A preset takes the tokenizer's bos/eos/pad ids, and its vocabulary must hold the
     tokenizer's. `setting` is the dotted name of the spec in error messages (e.g.
     policies.models.qwen.model).
+
+    abstract (under `jax.eval_shape`, `jmarl.train.build.build_policies(abstract=True)`): a
+    checkpoint's architecture is read (config.json or the GGUF metadata), never its weights; the
+    parameters are the traced `models.init` of that architecture, whose shapes and dtypes are
+    the loaded tree's (`models.param_shapes`).
     """
-    config, params = _build_model(model_cfg, tokenizer, rng, setting=setting)
+    config, params = _build_model(model_cfg, tokenizer, rng, setting=setting, abstract=abstract)
     replay = getattr(model_cfg, "routing_replay", "off")
     if replay == "replay" and not config.is_moe:
         raise routing_replay_refused(setting, config.model_type)
@@ -139,7 +145,7 @@ def build_model(
 
 
 def _build_model(
-    model_cfg: Any, tokenizer: Any, rng: jax.Array, *, setting: str = "model"
+    model_cfg: Any, tokenizer: Any, rng: jax.Array, *, setting: str = "model", abstract: bool = False
 ) -> tuple[models.ModelConfig, Params]:
     """`build_model` before its routing replay setting."""
     numerics = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype,
@@ -148,6 +154,10 @@ def _build_model(
         path = model_cfg.path
         if not os.path.exists(path) and path in models.fetch.MODELS:
             path = str(models.resolve_model(path))  # a registered model name: fetched once, then cached
+        if abstract and (_is_gguf(path) or os.path.isdir(path)):
+            config = models.load_gguf_config(path) if _is_gguf(path) else config_from_hf(path)
+            config = config.replace(**numerics)
+            return config.replace(remat=resolve_remat(model_cfg.remat, config.num_params())), models.init(config, rng)
         if _is_gguf(path):
             config, params = models.load_gguf(
                 path, param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype

@@ -211,6 +211,35 @@ def test_dapo_keep_mask_drops_zero_variance_groups():
     np.testing.assert_array_equal(dapo.METHOD.keep_mask(dapo.Config(), batch), [0, 0, 0, 0, 1, 1, 1, 1])
 
 
+def test_overlong_penalty_is_dapos_soft_punishment_worked_by_hand():
+    """Eq. 13 of the DAPO paper with L_max = 10, L_cache = 4: nothing up to 6 tokens, then a
+    quarter point a token, -1 at and past the budget (TRL: 90 of 100 with a cache of 20 -> -0.5)."""
+    lengths = np.array([3, 6, 7, 8, 10, 12])
+    np.testing.assert_allclose(dapo.overlong_penalty(lengths, 10, 4), [0, 0, -0.25, -0.5, -1.0, -1.0])
+    np.testing.assert_allclose(dapo.overlong_penalty(lengths, 10, 4, factor=0.5), [0, 0, -0.125, -0.25, -0.5, -0.5])
+    np.testing.assert_allclose(dapo.overlong_penalty(np.array([90]), 100, 20), [-0.5])
+    np.testing.assert_array_equal(dapo.overlong_penalty(lengths, 10, 0), np.zeros(6))
+
+
+def test_dapo_shapes_the_reward_by_length_and_filters_on_the_task_reward():
+    """With overlong_buffer set, a group of equal task rewards and different lengths gets the
+    advantages of the shaped reward (shorter ahead), and dynamic sampling still drops it."""
+    _, batch = learner_batch()
+    lengths = np.array([2, 3, 4, 5, 2, 2, 5, 5])
+    mask = np.arange(5)[None, :] < lengths[:, None]
+    batch = batch.replace(loss_mask=mask, reward=np.array([1, 1, 1, 1, 0, 1, 0, 1], np.float32),
+                          group=np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32))
+    cfg = dapo.Config(overlong_buffer=2, overlong_limit=5, overlong_factor=1.0)
+    shaped = batch.reward + np.array([0, 0, -0.5, -1.0, 0, 0, -1.0, -1.0], np.float32)
+    np.testing.assert_allclose(dapo.METHOD.advantages(cfg, batch, None),
+                               ref.group_advantages(shaped, batch.group, 8, "mean", "std", 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(dapo.METHOD.keep_mask(cfg, batch), [0, 0, 0, 0, 1, 1, 1, 1])
+    plain = dapo.Config()
+    np.testing.assert_allclose(dapo.METHOD.advantages(plain, batch, None)[:4], np.zeros(4), atol=1e-6)
+    with pytest.raises(JmarlError, match="overlong_buffer = 6 is more than overlong_limit"):
+        dapo.Config(overlong_buffer=6, overlong_limit=5)
+
+
 def test_magrpo_advantage_is_the_references_population_std_floored():
     # CoMLRL: returns (0, 1, 1, 0): mean 0.5, population std 0.5 -> A = (-1, 1, 1, -1); jmarl's old
     # default (ddof 1, std + eps) gave +-0.866 = sqrt(3/4), a 13% smaller step.
@@ -262,6 +291,9 @@ ALTERNATIVES: dict[str, tuple[object, dict]] = {
     "capability_baseline": (False, {}),
     "discrepancy": (False, {}),
     "stepwise_clip": (False, {}),
+    "overlong_buffer": (3, {"overlong_limit": 6}),
+    "overlong_factor": (0.5, {"overlong_buffer": 3, "overlong_limit": 6}),
+    "overlong_limit": (4, {"overlong_buffer": 3}),
 }
 # JoyAgents-R1's memory settings change the memory, not the loss (tested in test_trainer_hetero)
 MEMORY_FIELDS = {"memory_z", "memory_time_weight", "memory_reward_weight", "memory_decay", "memory_top_m",

@@ -347,6 +347,10 @@ def test_algo_options_validated_and_filled_from_the_run():
     assert (opts.clip_high, opts.kl_coef, opts.kl_kind) == (0.28, 0.05, "k3")
     assert opts.norm_length == 48  # the completion budget: a constant of the run, never the padded width
     assert algo_options(make(algo={"name": "dr_grpo", "options": {"norm_length": 7}})).norm_length == 7
+    shaped = algo_options(make(algo={"name": "dapo", "options": {"overlong_buffer": 16}}, sampling={"max_new_tokens": 48}))
+    assert (shaped.overlong_buffer, shaped.overlong_limit) == (16, 48)  # DAPO's L_max: the completion budget
+    with pytest.raises(JmarlError, match="overlong_buffer = 64 is more than overlong_limit"):
+        algo_options(make(algo={"name": "dapo", "options": {"overlong_buffer": 64}}, sampling={"max_new_tokens": 48}))
     assert plan_options(config).group_size == 6
     tree = make(algo={"name": "at_grpo"}, workflow={"group_size": 3, "max_turns": 2, "options": {"select": "first"}})
     opts = plan_options(tree)

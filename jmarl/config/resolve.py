@@ -93,9 +93,9 @@ def _all_plan_settings() -> set[str]:
 
 def algo_options(config: Config) -> Any:
     """The method's typed options (`Method.config`) from algo.options, with the run-level values
-    filled in: kl_coef/kl_kind from train.kl_coef/kl_kind, and norm_length (when the method has
-    it and algo.options does not set it) from sampling.max_new_tokens, the completion budget:
-    a length normaliser that is a constant of the run, never the padded batch width."""
+    filled in: kl_coef/kl_kind from train.kl_coef/kl_kind, and norm_length and overlong_limit
+    (when the method has them and algo.options does not set them) from sampling.max_new_tokens,
+    the completion budget: a length that is a constant of the run, never the padded batch width."""
     method = _method(config)
     cls = method.config
     own = _settings(cls)
@@ -105,8 +105,9 @@ def algo_options(config: Config) -> Any:
         opts["kl_coef"] = config.train.kl_coef
     if "kl_kind" in own:
         opts["kl_kind"] = config.train.kl_kind
-    if "norm_length" in own and opts.get("norm_length") is None:
-        opts["norm_length"] = config.sampling.max_new_tokens
+    for length in ("norm_length", "overlong_limit"):
+        if length in own and opts.get(length) is None:
+            opts[length] = config.sampling.max_new_tokens
     return from_dict(cls, opts, "algo.options")
 
 

@@ -2,7 +2,7 @@
 `<!-- bench:<suite>:end -->` (everything between the markers is replaced; nothing else moves).
 
     python -m benchmarks.table benchmarks/results/cpu.json docs/benchmarks.md
-    python -m benchmarks.table benchmarks/results/zen5/cpu.json docs/benchmarks.md --marker cpu-zen5
+    python -m benchmarks.table other-host/cpu.json docs/benchmarks.md --marker cpu-other-host
 
 `--marker NAME` writes between `<!-- bench:NAME:start/end -->` instead of the suite's own markers
 (a second host's run of the same suite, beside the first).

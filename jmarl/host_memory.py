@@ -5,8 +5,7 @@ step) with `posix_memalign` when the program runs, and frees it when the program
 default JAX runs CPU programs on a worker thread ("async dispatch"); glibc serves a large request
 on a worker thread's own arena with a fresh `mmap` (those arenas are made of heaps of at most
 64 MB) and unmaps it on free, so every execution faults in and zeroes every page of its buffer
-again: on the 2-core CPU of docs/benchmarks.md a cpu-small GRPO iteration took ~158k page faults per
-step for it (`python -m benchmarks.host_memory`).
+again (page faults the benchmark below counts).
 
 The policy:
 - JAX runs CPU programs inline on the thread that calls them
@@ -15,9 +14,8 @@ The policy:
 - glibc serves large blocks from the heap rather than `mmap` (`M_MMAP_MAX=0`) and never trims
   the heap (`M_TRIM_THRESHOLD=-1`),
 so the buffer freed by one step is the memory the next step gets: 0 page faults per step after
-the first. Measured on that CPU (`python -m benchmarks.host_memory`: alternating processes, the
-trainer's own `time/*`): a GRPO iteration 1.27 -> 1.11 s at cpu-small (update 0.85 -> 0.71 s,
-generation 0.41 -> 0.40 s) and 7.82 -> 7.04 s at cpu-medium. Either half alone does not help
+the first. What it saves on a GRPO iteration is measured by `python -m benchmarks.host_memory`
+(alternating processes, the trainer's own `time/*`; the figures: docs/configs.md). Either half alone does not help
 (an inline program on the default allocator still `mmap`s, and a worker thread on an arena of
 its own `mmap`s whatever `M_MMAP_MAX` says; whether it gets one of its own is up to glibc).
 The price: the process keeps its peak host memory, and a Python thread blocks while its CPU

@@ -234,3 +234,16 @@ def test_without_checksums_round_trip_still_works(tmp_path):
         assert ckpt.steps() == [1]
         restored = ckpt.restore(make_state(0))
     assert leaf_bytes(restored.state) == leaf_bytes(state) and restored.meta == {"a": 1}
+
+
+def test_a_process_that_never_saves_exits_cleanly(tmp_path):
+    """Building a checkpointer (as every trainer does) and exiting without a save or a close, as a
+    script or a notebook that builds a trainer and stops does, prints nothing: orbax's clean-up
+    thread starts with the first save or restore, not before."""
+    script = textwrap.dedent(f"""
+        from jmarl.train.checkpoint import Checkpointer
+        Checkpointer({str(tmp_path / "ck")!r}, keep=2)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]

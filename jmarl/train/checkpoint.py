@@ -130,7 +130,16 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # remove leftovers of saves that were killed
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._options = options
+        self._opened: ocp.CheckpointManager | None = None
+
+    @property
+    def _manager(self) -> ocp.CheckpointManager:
+        """orbax's manager, opened on first use: opening starts a background clean-up of killed
+        saves, which must not outlive a process that built a trainer and never trained."""
+        if self._opened is None:
+            self._opened = ocp.CheckpointManager(self.directory, options=self._options, item_names=("state", "meta"))
+        return self._opened
 
     def steps(self) -> list[int]:
         """The committed steps on disk, oldest first (not yet verified)."""
@@ -230,8 +239,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for pending saves and releases orbax's resources."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        if self._opened is not None:
+            self._opened.wait_until_finished()
+            self._opened.close()
+            self._opened = None
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -13,8 +13,6 @@ RESULT_DIRS = ("results", "benchmarks/results")
 # Written before results carried a provenance record; each is to be re-run on a clean commit and
 # then taken off this list (the test fails while a listed file already has its record).
 LEGACY = frozenset({
-    'benchmarks/results/bounds.json',
-    'benchmarks/results/cpu.json',
     'benchmarks/results/engine.json',
     'benchmarks/results/generation_smollm2.json',
     'benchmarks/results/gpu.json',
@@ -24,8 +22,6 @@ LEGACY = frozenset({
     'benchmarks/results/moe.json',
     'benchmarks/results/real_iteration.json',
     'benchmarks/results/real_train_step.json',
-    'benchmarks/results/zen5/bounds.json',
-    'benchmarks/results/zen5/cpu.json',
     'results/base_success_smollm2-135m-instruct.json',
     'results/evidence_hacpo.json',
     'results/evidence_hacpo_real.json',

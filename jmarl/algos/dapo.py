@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jmarl.algos import _checks
-from jmarl.algos.advantages import group_advantages
-from jmarl.algos.method import GroupPolicyConfig, group_policy_method
+from jmarl.algos.method import GroupPolicyConfig, group_policy_advantages, group_policy_method
 from jmarl.batch import LearnerBatch
 from jmarl.errors import JmarlError
 
@@ -66,15 +65,11 @@ def dapo_advantages(cfg: DAPOConfig, batch: LearnerBatch, state=None) -> jax.Arr
     completion length (its loss-mask tokens) when `cfg.overlong_buffer` > 0. Dynamic sampling
     (`keep_mask`) still reads the unshaped reward: a group is dropped when its task rewards are all
     equal, as verl's DAPO recipe filters on accuracy."""
-    reward = batch.reward
-    if cfg.overlong_buffer:
-        limit = cfg.overlong_limit if cfg.overlong_limit is not None else batch.loss_mask.shape[-1]
-        lengths = jnp.sum(batch.loss_mask, axis=-1)
-        reward = reward + overlong_penalty(lengths, limit, cfg.overlong_buffer, cfg.overlong_factor)
-    return group_advantages(
-        reward, batch.group, num_groups=batch.num_samples, baseline=cfg.baseline,
-        normalize=cfg.normalize, ddof=cfg.ddof, eps=cfg.eps, eps_mode=cfg.eps_mode,
-    )
+    if not cfg.overlong_buffer:
+        return group_policy_advantages(cfg, batch, state)
+    limit = cfg.overlong_limit if cfg.overlong_limit is not None else batch.loss_mask.shape[-1]
+    penalty = overlong_penalty(jnp.sum(batch.loss_mask, axis=-1), limit, cfg.overlong_buffer, cfg.overlong_factor)
+    return group_policy_advantages(cfg, batch.replace(reward=batch.reward + penalty), state)
 
 
 Config = DAPOConfig

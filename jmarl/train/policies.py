@@ -154,23 +154,27 @@ def _build_model(
         path = model_cfg.path
         if not os.path.exists(path) and path in models.fetch.MODELS:
             path = str(models.resolve_model(path))  # a registered model name: fetched once, then cached
-        if abstract and (_is_gguf(path) or os.path.isdir(path)):
-            config = models.load_gguf_config(path) if _is_gguf(path) else config_from_hf(path)
-            config = config.replace(**numerics)
-            return config.replace(remat=resolve_remat(model_cfg.remat, config.num_params())), models.init(config, rng)
+        params = None  # abstract: only the architecture is read; the parameters are traced below
         if _is_gguf(path):
-            config, params = models.load_gguf(
-                path, param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype
-            )
+            if abstract:
+                config = models.load_gguf_config(path)
+            else:
+                config, params = models.load_gguf(
+                    path, param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype
+                )
         elif os.path.isdir(path):
-            config, params = models.load_hf(path, dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype)
+            if abstract:
+                config = config_from_hf(path)
+            else:
+                config, params = models.load_hf(path, dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype)
         else:
             raise JmarlError(
                 f"{setting}.path {model_cfg.path!r} is not a directory or a .gguf file; point it at a local HF "
                 f"checkpoint, a GGUF file or a registered model name ({', '.join(sorted(models.fetch.MODELS))})"
             )
         config = config.replace(**numerics)
-        return config.replace(remat=resolve_remat(model_cfg.remat, config.num_params())), params
+        config = config.replace(remat=resolve_remat(model_cfg.remat, config.num_params()))
+        return config, models.init(config, rng) if params is None else params
     if tokenizer is None:
         raise JmarlError(
             f"{setting}.preset: a preset model needs a tokenizer: set tokenizer=char or a local tokenizer directory"

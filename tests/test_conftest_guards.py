@@ -12,6 +12,7 @@ from conftest import _mappings, drop_jax_caches_past
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/maps")
+@pytest.mark.slow
 def test_live_executables_hold_mappings_that_dropping_the_caches_returns():
     programs = [jax.jit(lambda x, i=i: jnp.sin(x) * i + jnp.cos(x * x)) for i in range(200)]
     for program in programs:

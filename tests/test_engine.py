@@ -96,6 +96,7 @@ def test_sampled_logprobs_equal_rescoring_under_truncation():
             np.testing.assert_allclose(logprobs, _rescored(prompt, tokens, 0.7), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_same_seed_same_outputs_whatever_the_slots(monkeypatch):
     """Also with the tail shrink off: the first run's last rows move to fewer slots (the shrink
     runs), and the tokens are those of the runs that keep every slot."""
@@ -212,6 +213,7 @@ def test_a_run_that_fits_the_slots_is_one_program(monkeypatch):
             np.testing.assert_allclose(la, lb, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grouped_prompts_equal_a_gather_per_slot(monkeypatch):
     """Slots read their request's prompt in groups (the static sampler's group attention) while a
     request's completions lie in consecutive slots; refills that break that order fall back to a
@@ -338,6 +340,7 @@ def test_a_refill_prefills_at_most_max_prefill_prompts_per_call():
     assert budget.prefill_prompts(TINY, p, prompt_kv) == 1  # at least one
 
 
+@pytest.mark.slow
 def test_completions_share_their_prompt_entry_and_wait_for_a_free_one():
     """A request's completions read one pool entry; with fewer entries than requests in flight
     the queue waits for one to be given back, and the tokens are those of a roomy pool."""
@@ -517,7 +520,8 @@ def _decode_compiled(mesh, params, slots, group_size=0):
         return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.int32(0)).compile()
 
 
-@pytest.mark.parametrize("axes", [dict(data=8), dict(data=4, tensor=2), dict(data=2, fsdp=4)])
+@pytest.mark.parametrize("axes", [pytest.param(dict(data=8), marks=pytest.mark.slow), dict(data=4, tensor=2),
+                                  pytest.param(dict(data=2, fsdp=4), marks=pytest.mark.slow)])
 def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes, mesh):
     from jmarl import sharding
 
@@ -557,6 +561,7 @@ def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes, mesh):
     _assert_loop_bodies_move_nothing(_decode_compiled(mesh, params, 8, group_size=1).as_text())
 
 
+@pytest.mark.slow
 def test_engine_splits_one_policys_slots_over_the_policy_axis_too(mesh):
     from jmarl import sharding
     from jmarl.train.policies import stack
@@ -596,6 +601,7 @@ def test_engine_splits_one_policys_slots_over_the_policy_axis_too(mesh):
     _assert_loop_bodies_move_nothing(text)
 
 
+@pytest.mark.slow
 def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mesh(mesh):
     mesh = mesh(data=8)
     prompts = _prompts(10, seed=6)
@@ -625,6 +631,7 @@ def test_engine_on_data8_equals_static_sampler_budget_per_device_and_sampler_mes
     assert sharded.engine_stats.slots_per_device == sharded.engine_stats.slots // 8
 
 
+@pytest.mark.slow
 def test_planned_programs_are_the_ones_run_calls(monkeypatch, mesh):
     """`engine.planned_programs` (what `jmarl.memory_check` compiles) gives the programs `run` calls, with
     arguments of the same shapes, dtypes and shardings."""
@@ -727,6 +734,7 @@ def test_trainer_trains_with_the_engine(tmp_path):
     assert all(x["rollout/row_utilization"] == 1.0 and 0 < x["rollout/slot_utilization"] <= 1 for x in steps)
 
 
+@pytest.mark.slow
 def test_both_engines_take_one_spec_and_agree_greedy():
     """One `GenerationSpec` (the trainer's one per run) drives the static sampler and the
     continuous engine; greedy, they give the same completions and log-probs."""

@@ -179,6 +179,7 @@ def _hf_greedy(model, tokens, mask, n):
     return out[:, tokens.shape[1]:].numpy()
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers_past_the_window(tiny):
     config, params, model = tiny
     tokens, mask = _left_padded([9, 4, 7, 1], 9)
@@ -198,6 +199,7 @@ def test_greedy_generation_matches_transformers_past_the_window(tiny):
     np.testing.assert_allclose(np.asarray(out.logprobs), rescored, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_grouped_prompts_and_continuous_engine_match_transformers(tiny):
     from jmarl.models.generation import engine
 
@@ -262,6 +264,7 @@ def test_other_refusals(tiny):
     np.testing.assert_allclose(short, full[:, 4:], atol=2e-5)
 
 
+@pytest.mark.slow
 def test_windowed_blockwise_attention_skips_tiles_exactly():
     """Small tiles: the blockwise form (tiles before the window skipped, forward and gradient)
     equals the dense form, for a fixed and a traced window, padded rows included."""

@@ -184,6 +184,7 @@ def test_stacked_policies_gradients_with_one_base(base, ad):
     _close(grads, want, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_stacked_generation_with_one_base(base, ad):
     """Two policies' adapters [2, ...] on one base (what `PolicyGroup.full_params` gives): the
     stacked sampler and one policy of the stack decoded alone generate, greedily, what each

@@ -84,6 +84,7 @@ def test_plans_declare_their_bounds():
     assert (joint.rows, joint.share) == (2 * 3 * 1 * 1, 3) and joint.calls == (((6, 6), 3),)
 
 
+@pytest.mark.slow
 def test_a_plan_of_your_own_is_checked_through_its_bounds(run_yaml, planned, tmp_path, monkeypatch):
     """workflow.plan: package.module:NAME works as algo.name does, memory check included: the
     run's programs come from the plan's own bounds; a plan without bounds says what to do."""

@@ -49,10 +49,12 @@ def peaks(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_full_remat_needs_less_memory_than_none(peaks):
     assert peaks["full"] < peaks["none"]
 
 
+@pytest.mark.slow
 def test_check_before_step_0_keeps_the_least_recompute_that_fits(tmp_path, peaks):
     limit = (peaks["full"] + peaks["none"]) // 2  # the update fits under full remat only (dots saves less)
     expected = next(p for p in REMAT_ORDER if peaks[p] <= limit)
@@ -81,6 +83,7 @@ def test_the_check_reuses_the_planners_figures(tmp_path, peaks, monkeypatch):
     assert len(compiled) == len(figures)  # each program compiled once in all
 
 
+@pytest.mark.slow
 def test_plan_keeps_none_when_it_fits_and_full_when_nothing_does(tmp_path, peaks):
     trainer = _trainer(tmp_path)
     lines = []

@@ -105,6 +105,7 @@ def _policies(eos_id: int) -> PolicySet:
     return PolicySet(policy_names=("a", "b"), agent_policy=(0, 1), groups=[group])
 
 
+@pytest.mark.slow
 def test_decode_utilization_counts_token_positions_of_both_engines():
     """Greedy, two requests of policy 0 with a stop token that ends one completion early and not
     the other: both engines decode 2 rows until the longest one (N_NEW) ends, so both report

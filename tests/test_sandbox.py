@@ -763,6 +763,7 @@ def _run_as_user(uid: int, home: str, driver: str, args: dict, tmp_path, env=Non
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs as an ordinary user already (see above)")
 @pytest.mark.skipif(LEVEL != "namespaces", reason="root without mount namespaces cannot show a "
                     "throwaway uid the interpreter")
+@pytest.mark.slow
 def test_hostile_programs_as_unprivileged_user(tmp_path):
     uid = _throwaway_uid()
     base = tempfile.mkdtemp(prefix="jmarl-sbuser-", dir="/var/tmp")

@@ -151,6 +151,7 @@ def _packed_logprob_grad_text(attention: str, platform: str) -> str:
     return _export(grad, (params, batch), platform)
 
 
+@pytest.mark.slow
 def test_exported_packed_update_carries_splash_on_tpu_and_blockwise_elsewhere():
     """Lowered on this CPU inside `lowering_for_tpu`: for TPU, attention auto puts both parts on splash (forward 2
     kernels, backward dkv + dq for each part: 6 Mosaic calls in the scanned layer) and no

@@ -659,7 +659,7 @@ def test_the_real_pair_table_compares_each_model_with_gspo_and_its_start():
         assert ("hacpo", "hacpo", f"eval_{m}/success_rate") in compared
     text = evidence.note_texts(table, _committed("hacpo_real"))[0]
     assert "Against the untrained model: smollm2" in text and "twice the rollouts" not in text
-    assert "<!-- evidence:hacpo_real:start -->" in (ROOT / "docs" / "evidence.md").read_text()
+    assert "<!-- evidence:hacpo_real_add:start -->" in (ROOT / "docs" / "evidence.md").read_text()
 
 
 def test_the_real_pair_signal_note_quotes_each_models_rollouts_and_update_size():

@@ -23,7 +23,6 @@ LEGACY = frozenset({
     'benchmarks/results/real_iteration.json',
     'benchmarks/results/real_train_step.json',
     'results/base_success_smollm2-135m-instruct.json',
-    'results/evidence_hacpo.json',
     'results/evidence_joyagents.json',
     'results/evidence_quickstart.json',
     'results/evidence_writing.json',

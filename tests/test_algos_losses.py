@@ -52,6 +52,7 @@ def jitted_loss(ratio, aggregation, dual_clip, kl_kind, kl_coef, clip_low, clip_
     kl=st.sampled_from([None, ("k1", 0.1), ("k2", 0.05), ("k3", 0.04)]),
     clips=st.sampled_from([(0.2, 0.2), (0.2, 0.28), (3e-4, 4e-4)]),
 )
+@pytest.mark.slow
 def test_policy_loss_matches_reference(seed, ratio, aggregation, dual_clip, per_token_adv, kl, clips):
     lp, old, refp, adv, mask = make_batch(seed, per_token_adv=per_token_adv)
     kl_kind, kl_coef = kl if kl else ("k3", 0.0)
@@ -125,6 +126,7 @@ def test_token_loss_gradient_is_minus_ratio_times_advantage_over_count(seed, dua
     assert np.all(grad[mask & clipped] == 0.0)  # exactly zero where clipped
 
 
+@pytest.mark.slow
 def test_gspo_gradient_flows_through_the_sequence_mean():
     lp, old, _, adv, mask = make_batch(7, spread=0.05)
     rows = mask.any(axis=1).sum()

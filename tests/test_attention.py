@@ -86,6 +86,7 @@ def test_blockwise_equals_dense_values_and_gradients(causal):
     assert np.all(np.isfinite(np.asarray(out)))  # the empty row averages instead of NaN
 
 
+@pytest.mark.slow
 def test_prefixed_attention_equals_attention_over_joined_keys():
     """Each continuation row over [its prefix's keys, its own keys] equals plain causal attention
     over the joined row, forms dense and blockwise, gradients included (they sum over the rows

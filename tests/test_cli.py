@@ -137,6 +137,7 @@ sys.meta_path.insert(0, _Finder())
 '''
 
 
+@pytest.mark.slow
 def test_cli_prints_no_third_party_notice_but_real_warnings(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(_HIDE_TORCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "JAX_PLATFORMS": "cpu",

@@ -62,6 +62,7 @@ def _count_shrinks(monkeypatch) -> list[int]:
     return shrinks
 
 
+@pytest.mark.slow
 def test_greedy_equals_static_sampler_with_refills_and_stops():
     prompts = _prompts(6)
     stop = _stop_token()
@@ -86,6 +87,7 @@ def _rescored(prompt, completion, temperature):
     return np.asarray(lp)[0, 8 + N_NEW - len(completion):]
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_rescoring_under_truncation():
     prompts = _prompts(3, seed=1)
     spec = GenerationSpec(max_new_tokens=N_NEW, temperature=0.7, top_k=5, top_p=0.9, num_slots=4, chunk_steps=4)
@@ -124,6 +126,7 @@ def test_same_seed_same_outputs_whatever_the_slots(monkeypatch):
     assert any(not np.array_equal(a[0][0], b[0][0]) for a, b in zip(runs[0].completions, different.completions))
 
 
+@pytest.mark.slow
 def test_more_requests_than_slots_all_served_with_per_request_limits():
     prompts = _prompts(9, seed=3)
     limits = [1 + (3 * r) % N_NEW for r in range(9)]
@@ -177,6 +180,7 @@ def _count_programs(monkeypatch) -> list[str]:
     return names
 
 
+@pytest.mark.slow
 def test_a_run_that_fits_the_slots_is_one_program(monkeypatch):
     """Every completion fits the slots at once: state, prefill, start and drain run as one program
     (no parameter cast of its own either), with the tokens of the general path's programs (here
@@ -372,6 +376,7 @@ def _policy_set():
     return PolicySet(policy_names=("a", "b"), agent_policy=(0, 1), groups=[group])
 
 
+@pytest.mark.slow
 def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_rows():
     policies = _policy_set()
     requests = [(0, "hi"), (1, "hello there"), (1, "abc")]
@@ -398,6 +403,7 @@ def test_model_sampler_continuous_equals_static_greedy_and_decodes_no_padding_ro
     assert cont.take_stats() == {"time/generate": 0.0}  # reset by the previous call
 
 
+@pytest.mark.slow
 def test_model_sampler_continuous_pipelines_calls_of_several_groups():
     """Two policy groups: two engine calls, the second started (`engine.start`) before the first
     one's completions are built. Every request gets its own group's greedy completions, as static."""
@@ -422,6 +428,7 @@ def test_model_sampler_continuous_pipelines_calls_of_several_groups():
                                                              cont.sample([(0, "hello")], 2, jax.random.key(0))[0]]
 
 
+@pytest.mark.slow
 def test_static_calls_pad_rows_to_a_quarter_at_most():
     """A static call of 5 requests x 2 rows decodes 10 rows (a power of two would decode 16)."""
     policies = _policy_set()
@@ -433,6 +440,7 @@ def test_static_calls_pad_rows_to_a_quarter_at_most():
     assert sampler.take_stats()["rollout/row_utilization"] == 18 / 20
 
 
+@pytest.mark.slow
 def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
     policies = _policy_set()
     requests = [(1, "hi"), (1, "hello there"), (1, "abc"), (1, "x")]
@@ -451,6 +459,7 @@ def test_max_rows_per_call_caps_the_engine_slots_without_splitting_the_queue():
                                                                max_slots=3)) == (2, 2)
 
 
+@pytest.mark.slow
 def test_static_calls_are_pipelined_one_kv_cache_at_a_time(monkeypatch):
     from jmarl.train import sampling as sampling_mod
 
@@ -520,8 +529,8 @@ def _decode_compiled(mesh, params, slots, group_size=0):
         return fn.lower(gen, state, jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.int32(0)).compile()
 
 
-@pytest.mark.parametrize("axes", [pytest.param(dict(data=8), marks=pytest.mark.slow), dict(data=4, tensor=2),
-                                  pytest.param(dict(data=2, fsdp=4), marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("axes", [dict(data=8), dict(data=4, tensor=2), dict(data=2, fsdp=4)])
 def test_engine_on_a_mesh_equals_one_device_with_slots_split(axes, mesh):
     from jmarl import sharding
 

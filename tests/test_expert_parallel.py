@@ -169,6 +169,7 @@ def test_grouped_matmul_on_cpu_compiles_no_dense_copy_over_the_groups():
     (dict(data=2, fsdp=4), 6, None),  # rows that fsdp does not split: no gather, a sum over fsdp
     (dict(data=8), 24, 20),  # experts not split: expert_ffn, 10 rows a chunk
 ])
+@pytest.mark.slow
 def test_expert_parallel_ffn_equals_expert_ffn(monkeypatch, mesh_sizes, n, pairs, mesh):
     if pairs is not None:
         monkeypatch.setattr(moe, "PAIRS_PER_CHUNK", pairs)

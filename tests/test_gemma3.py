@@ -111,6 +111,7 @@ def test_logits_match_transformers_with_left_and_right_padding(tiny, impl):
     np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_token_logprobs_and_gradients_match_torch_autograd(tiny):
     config, params, model = tiny
     tokens, mask = _batch(1)
@@ -141,6 +142,7 @@ def test_token_logprobs_and_gradients_match_torch_autograd(tiny):
     assert checked == 1 + 1 + 4 * 13  # embedding, final norm, 13 tensors per layer (4 norms, 2 q/k norms)
 
 
+@pytest.mark.slow
 def test_packed_layout_equals_per_sequence_logprobs(tiny):
     from jmarl.train.packing import pack, packed_logprobs, plain_samples
 
@@ -217,6 +219,7 @@ def test_grouped_prompts_and_continuous_engine_match_transformers(tiny):
     np.testing.assert_array_equal(np.stack([c[0][0] for c in res.completions]), ref)
 
 
+@pytest.mark.slow
 def test_save_hf_round_trip_loads_in_transformers(tiny, tmp_path):
     config, params, _ = tiny
     # perturbed parameters, so the round trip is not the checkpoint read back
@@ -243,6 +246,7 @@ def test_softcapping_is_refused(key):
         config_from_hf(hf)
 
 
+@pytest.mark.slow
 def test_other_refusals(tiny):
     with pytest.raises(JmarlError, match="use_bidirectional_attention"):
         config_from_hf(dict(_hf_config().to_dict(), use_bidirectional_attention=True))

@@ -116,6 +116,7 @@ def _write_gemma3_gguf(hf_dir: str, out, *, no_window=False, extra_keys=None, ex
     return out
 
 
+@pytest.mark.slow
 def test_tiny_gemma3_gguf_equals_hf(tmp_path):
     """The converter's F32 GGUF loads to load_hf's config (window 5 on llama.cpp's period of 6,
     RoPE bases 1e6 / 1e4, linear factor 2 on the full layers) and parameters (norms within the

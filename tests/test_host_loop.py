@@ -195,6 +195,7 @@ def test_encode_batch_equals_encode():
     assert [a.tolist() for a in bpe.encode_batch(texts)] == [bpe.encode(t) for t in texts]
 
 
+@pytest.mark.slow
 def test_trainer_step_reports_rollout_timings(tmp_path):
     from test_trainer import _config
 

@@ -82,6 +82,7 @@ needs_inline_dispatch = pytest.mark.skipif(host_memory.JAX_DISPATCH_FLAG not in 
 PAGES = ROWS * 4 // 4096
 
 
+@pytest.mark.slow
 def test_import_jmarl_changes_nothing():
     """Neither JAX's dispatch (its default: async) nor the allocator: the temporary is a fresh
     mapping on a JAX worker thread that faults in again every run."""
@@ -101,6 +102,7 @@ def test_on_cpu_the_cli_keeps_a_programs_buffer_without_page_faults(how, tmp_pat
 
 
 @glibc_only
+@pytest.mark.slow
 def test_switched_off_jax_and_the_allocator_are_left_alone():
     """JMARL_KEEP_HOST_MEMORY=0: `apply_on_cpu()` does nothing; the buffer faults in every run."""
     policy, asynchronous, faults = _run("apply", "0")

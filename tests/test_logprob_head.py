@@ -78,6 +78,7 @@ def test_bfloat16_products_accumulate_in_float32():
     assert g.dtype == jnp.float32  # the float32 master's gradient
 
 
+@pytest.mark.slow
 def test_vmapped_over_stacked_heads_equals_each_alone():
     h, w, targets, weights = _inputs(4)
     heads, hs = jnp.stack([w, 0.5 * w]), jnp.stack([h, h + 1.0])

@@ -153,6 +153,7 @@ def test_base_gets_no_gradient(base, ad):
     assert not np.any(np.asarray(q.w)) and np.any(np.asarray(q.a))
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_merged(base, ad):
     rng = np.random.default_rng(3)
     prompts = rng.integers(3, TINY.vocab_size, (4, 6)).astype(np.int32)
@@ -207,6 +208,7 @@ def test_stacked_generation_with_one_base(base, ad):
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(got.tokens[1]))
 
 
+@pytest.mark.slow
 def test_bf16_base_float32_adapters(base, ad):
     """A bf16 base with bf16 compute: close to the merged weights, float32 adapter gradients."""
     config = TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
@@ -219,6 +221,7 @@ def test_bf16_base_float32_adapters(base, ad):
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_policy_group_runs_unmerged_and_exports_merged(base, ad):
     stacked = _stack(ad, _adapters(base, 2))
     group = PolicyGroup(name="lora", model_config=TINY, tokenizer=None, policy_ids=(0, 1), stacked=True,

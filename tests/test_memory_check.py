@@ -126,6 +126,7 @@ def test_plan_figures_equal_the_real_trainers_programs_compiled_directly(planned
         assert want.peak == want.total + want.resident
 
 
+@pytest.mark.slow
 def test_update_state_is_sharded_params_and_two_adam_moments(planned):
     trainer, programs, figures = planned
     group = trainer.policies.groups[0]
@@ -142,6 +143,7 @@ def test_update_state_is_sharded_params_and_two_adam_moments(planned):
     assert figure.resident == device_bytes(group.ref) > 0  # the reference stays on the device
 
 
+@pytest.mark.slow
 def test_update_batch_is_the_trainers_batch_at_the_bound(planned, real):
     _, programs, _ = planned
     update = dict(zip(PROGRAMS, programs))["update"]
@@ -378,6 +380,7 @@ def test_trainer_checks_memory_before_step_0(run_yaml, real):
     assert [f.program for f in roomy.check_memory()] == PROGRAMS
 
 
+@pytest.mark.slow
 def test_continuous_engine_plans_its_prefill_and_decode_programs(run_yaml):
 
     config, _ = cli.load_config_for_check(str(run_yaml), [f"output_dir={run_yaml.parent / 'engine'}",

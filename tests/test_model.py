@@ -236,6 +236,7 @@ def test_save_hf_loads_in_transformers_and_round_trips_bitwise(variant, tmp_path
     assert all(jax.tree.leaves(same))
 
 
+@pytest.mark.slow
 def test_bfloat16_save_load_round_trip_is_bitwise(tiny_hf_checkpoint, tmp_path):
     config = config_from_hf(tiny_hf_checkpoint("qwen3"))
     config = config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
@@ -254,6 +255,7 @@ def test_bfloat16_save_load_round_trip_is_bitwise(tiny_hf_checkpoint, tmp_path):
     np.testing.assert_array_equal(embed, np.asarray(params["embed"]["embedding"], np.float32))
 
 
+@pytest.mark.slow
 def test_init_matches_param_shapes_and_is_loadable_by_transformers(tmp_path):
     config = tiny_qwen3(model_type="qwen2", vocab_size=VOCAB_SIZE, intermediate_size=48, num_layers=3, num_kv_heads=1,
                         qkv_bias=True, qk_norm=False, o_bias=False)

@@ -266,6 +266,7 @@ def test_low_precision_heterogeneous_policy_is_refused_by_name():
                           "policies": {"mode": "heterogeneous", "models": models_}})
 
 
+@pytest.mark.slow
 def test_lora_on_a_bf16_base_trains_float32_adapters():
     config = make({"preset": {"num_layers": 1}, "param_dtype": "bfloat16", "compute_dtype": "bfloat16"},
                   policies={"mode": "lora"})

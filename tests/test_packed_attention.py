@@ -51,8 +51,10 @@ def _inputs(seed: int, rows: int, width: int):
     return q, k, v, segment, branch, [lay[2] for lay in layouts]
 
 
-@pytest.mark.parametrize("impl, blocks", [pytest.param("dense", (512, 512), marks=pytest.mark.slow), ("blockwise", (4, 8)),
-                                          ("blockwise", (8, 4)), ("blockwise", (16, 16))])
+# the fast tier keeps one tiling; the others compile for longer
+@pytest.mark.parametrize("impl, blocks", [pytest.param("dense", (512, 512), marks=pytest.mark.slow),
+                                          pytest.param("blockwise", (4, 8), marks=pytest.mark.slow),
+                                          pytest.param("blockwise", (8, 4), marks=pytest.mark.slow), ("blockwise", (16, 16))])
 def test_each_continuation_sees_its_prompt_and_itself(impl, blocks):
     q, k, v, segment, branch, layouts = _inputs(0, 3, 45)
     out = attention_lib.packed_attention(q, k, v, segment, branch, impl=impl, block_q=blocks[0], block_k=blocks[1])
@@ -69,6 +71,7 @@ def test_each_continuation_sees_its_prompt_and_itself(impl, blocks):
     assert np.all(np.isfinite(np.asarray(out)))  # padding slots included
 
 
+@pytest.mark.slow
 def test_masks_of_the_two_forms_agree_with_a_hand_written_rule():
     _, _, _, segment, branch, _ = _inputs(1, 2, 30)
     seg, br = np.asarray(segment), np.asarray(branch)
@@ -89,6 +92,7 @@ def test_segment_bounds():
     np.testing.assert_array_equal(np.asarray(end), [[2, 2, 5, 5, 5, 6, 7, 8]])
 
 
+@pytest.mark.slow
 def test_blockwise_gradients_equal_dense():
     q, k, v, segment, branch, _ = _inputs(2, 2, 40)
     weights = jax.random.normal(jax.random.key(9), q.shape)
@@ -104,6 +108,7 @@ def test_blockwise_gradients_equal_dense():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_the_blockwise_kernel_skips_a_continuations_siblings():
     """A prompt of 4 slots and 3 continuations of 4, in tiles of 4: each continuation's query
     tile reads the prompt's tile and its own (7 tiles of the causal 10), and each key tile is

@@ -30,6 +30,7 @@ def _kernel(block):
 
 
 @pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.slow
 def test_fused_kernel_equals_dense_forward_and_gradient(block):
     """float32, 4 query heads on 2 key heads of 16: outputs of the real slots within 2e-6 of the
     dense form (padding slots: 0), and the gradients in q, k and v of a random cotangent on the
@@ -106,6 +107,7 @@ def test_sliding_window_equals_dense(window):
         np.testing.assert_allclose(g, ref, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_impl_pallas_runs_the_kernel_only_where_it_applies():
     """packed_attention(impl="pallas"): the interpreted kernel inside `interpret_kernels` (padding
     queries get 0), with a sliding window too; outside it on this CPU, and for a head_dim the
@@ -133,6 +135,7 @@ def _export_text(fn, args) -> str:
     return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 
+@pytest.mark.slow
 def test_lowered_for_cuda_the_update_runs_three_triton_kernels_a_layer_and_no_attention_loop():
     """The gradient of a tiny 2-layer model's packed log-probs (bf16, head_dim 64, 4 query on 2
     key heads, 2 rows of 512 slots), exported for CUDA from this CPU: with attention "pallas"
@@ -158,6 +161,7 @@ def test_lowered_for_cuda_the_update_runs_three_triton_kernels_a_layer_and_no_at
     assert loops["pallas"] == loops["xla"] < loops["blockwise"]
 
 
+@pytest.mark.slow
 def test_lowered_for_cuda_gemma3s_windowed_layers_take_the_kernel_too():
     """A tiny Gemma 3 (sliding and full layers in one scan, the window traced per layer), its
     packed update exported for CUDA with attention "pallas": the scanned layer holds the three

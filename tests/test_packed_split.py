@@ -120,6 +120,7 @@ def test_split_gradients_equal_dense(window):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5, err_msg=f"{name} d{which}")
 
 
+@pytest.mark.slow
 def test_the_two_parts_partition_the_packed_mask():
     seg, br, pos = _layout()
     idx = jnp.arange(T)
@@ -134,6 +135,7 @@ def test_the_two_parts_partition_the_packed_mask():
         assert pre.sum() > 20 and own.sum() > 20
 
 
+@pytest.mark.slow
 def test_merge_lse_hand_worked():
     # part 1: out [1, 0], its keys' exp-sum 1; part 2: out [0, 2], exp-sum 3 -> weights 1/4, 3/4
     o1, l1 = jnp.array([1.0, 0.0]), jnp.array(0.0)
@@ -158,6 +160,7 @@ def test_merge_lse_hand_worked():
     assert np.isfinite(g)
 
 
+@pytest.mark.slow
 def test_merge_lse_gradient_equals_one_piece_softmax():
     keys = jax.random.split(jax.random.key(3), 6)
     r, t, s1, s2 = 2, 5, 3, 4
@@ -184,6 +187,7 @@ def test_merge_lse_gradient_equals_one_piece_softmax():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_missing_part_or_a_wrong_lse_is_caught():
     q, k, v, w = _inputs(2)
     seg, br, pos = _layout()

@@ -140,8 +140,8 @@ def _random_rows(rng) -> list[tuple[list[int], list[int]]]:
     return rows + [([], [7, 8, 9]), ([], [])]
 
 
-@pytest.mark.parametrize("attention, rows_per_part", [pytest.param("xla", 1, marks=pytest.mark.slow), ("blockwise", 2),
-                                                     ("pallas", 2)])
+@pytest.mark.slow
+@pytest.mark.parametrize("attention, rows_per_part", [("xla", 1), ("blockwise", 2), ("pallas", 2)])
 def test_same_logprobs_loss_and_gradients_as_the_plain_layout(attention, rows_per_part):
     """pallas: the fused kernel in the Pallas interpreter (head_dim 16, the least it takes)."""
     if attention != "pallas":

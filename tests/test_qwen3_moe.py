@@ -196,6 +196,7 @@ def test_route_renormalises_the_top_k_and_keeps_the_logits_dtype():
     np.testing.assert_allclose(np.asarray(w_norm, np.float32).sum(-1), 1.0, rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_expert_ffn_equals_a_loop_over_tokens():
     rng = np.random.default_rng(0)
     n, d, f, e, k = 11, 6, 5, 4, 3
@@ -286,6 +287,7 @@ def test_logprob_and_aux_loss_gradients_match_torch_autograd(kind, remat, tmp_pa
         assert not np.any(np.asarray(grads["layers"]["moe"]["router"]["kernel"])[~sparse])
 
 
+@pytest.mark.slow
 def test_load_balancing_loss_matches_transformers():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -357,7 +359,8 @@ def _left_padded(lengths, width, seed=0):
     return left_padded(lengths, width, VOCAB, seed)
 
 
-@pytest.mark.parametrize("kind", ["sparse", pytest.param("mixed", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sparse", "mixed"])
 def test_greedy_generation_matches_transformers(kind, tmp_path_factory):
     """16 greedy tokens through `jmarl.models.generate` (prefill + the KV-cache decode step, which
     does not pass a layer's kind: a mixed model runs both feed-forwards, the unused one zeros)
@@ -379,6 +382,7 @@ def test_greedy_generation_matches_transformers(kind, tmp_path_factory):
 # ------------------------------------------------------------------------------ HF interop
 
 
+@pytest.mark.slow
 def test_save_hf_round_trip_loads_in_transformers(tiny, tmp_path):
     kind, config, params, _, path = tiny
     params = jax.tree.map(lambda a: a + 0.01 * jnp.sin(jnp.arange(a.size, dtype=a.dtype).reshape(a.shape)), params)

@@ -68,6 +68,7 @@ def test_check_before_step_0_keeps_the_least_recompute_that_fits(tmp_path, peaks
     assert update.remat == expected and update.peak == peaks[expected] <= limit
 
 
+@pytest.mark.slow
 def test_the_check_reuses_the_planners_figures(tmp_path, peaks, monkeypatch):
     """The programs the planner compiled for the chosen policy are not compiled again by the
     check: one compile per policy tried, plus the programs remat does not touch."""
@@ -106,6 +107,7 @@ def test_a_remat_set_by_hand_is_kept(tmp_path, monkeypatch):
     assert trainer.policies.groups[0].model_config.remat == "dots"
 
 
+@pytest.mark.slow
 def test_memory_check_cli_plans_remat_and_records_it(tmp_path, peaks, capsys):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(dict(RUN, output_dir=str(tmp_path / "out"))))

@@ -77,6 +77,7 @@ def _sample(params: dict):
     return gen, tokens, masks, jax.tree.map(jnp.asarray, batch)
 
 
+@pytest.mark.slow
 def test_replaying_the_own_top_k_is_route_and_the_router_keeps_its_gradient():
     logits = jax.random.normal(jax.random.key(0), (16, 8)) * 2.0
     for normalize in (True, False):
@@ -133,6 +134,7 @@ def test_a_learner_replays_only_its_own_records_in_its_models_dtype():
         own_routing(dataclasses.replace(own, completion=narrow), 0, CONFIG)
 
 
+@pytest.mark.slow
 def test_the_sampler_records_the_experts_a_plain_forward_picks():
     params = _nudged(_params())  # no exact tie here: a plain forward and the decode step agree
     gen, tokens, masks, _ = _sample(params)

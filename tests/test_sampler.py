@@ -158,6 +158,7 @@ def _chi_square(counts, probs):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+@pytest.mark.slow
 def test_sampling_distribution_matches_softmax_and_truncation():
     logits = jnp.asarray([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3]])
     n = 40000
@@ -249,6 +250,7 @@ def test_candidate_truncation_equals_full_sort_reference(top_k, top_p):
         assert keep[5].sum() == 7 and keep[5, :7].all()
 
 
+@pytest.mark.slow
 def test_top_k_and_top_p_combine_as_before():
     """Top-p applies to the top-k entries' renormalized mass; either alone is what it was."""
     scaled = np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * 58])[:, :64] + 1e-30).astype(np.float32)
@@ -287,6 +289,7 @@ def test_no_full_vocabulary_sort_per_token():
         assert re.search(r"= \S+ sort\(", compiled.as_text()) is None, (top_k, use_top_p)
 
 
+@pytest.mark.slow
 def test_sample_token_with_a_large_vocabulary_draws_as_the_full_sort_did():
     """Above TOP_P_CANDIDATES entries, the same key draws the same token as inverse-CDF sampling
     of the full-sort reference weights (peaked and flat rows; top-p alone and with top-k)."""
@@ -379,6 +382,7 @@ def test_stacked_policies_equal_separate_calls(qwen2):
         np.testing.assert_allclose(np.asarray(both.logprobs[p]), np.asarray(alone.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_stacked_policy_that_finishes_first_waits_correctly(qwen2):
     """One loop condition for all policies: a policy whose rows all stopped keeps padding while
     the other decodes on, and each still equals its separate call."""
@@ -400,6 +404,7 @@ def test_stacked_policy_that_finishes_first_waits_correctly(qwen2):
             np.testing.assert_array_equal(np.asarray(getattr(both, field)[p]), np.asarray(getattr(alone, field)))
 
 
+@pytest.mark.slow
 def test_one_policy_of_a_stack_equals_its_stacked_rows(qwen2):
     """generate(stacked params, policy=p) decodes only policy p's rows, with the key the stacked
     call gives it: the same tokens and log-probs as policy p's rows of generate_stacked."""
@@ -436,6 +441,7 @@ def test_contiguous_group_size():
     assert contiguous_group_size(np.stack([idle, t]), np.stack([np.zeros_like(m), m])) == 2
 
 
+@pytest.mark.slow
 def test_grouped_prompt_cache_equals_per_row_cache(qwen2, monkeypatch):
     """Groups of consecutive identical prompts keep one prompt cache per group; sampling gives
     the same tokens and log-probs as the per-row cache (same randomness per row), and greedy

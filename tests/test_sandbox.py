@@ -634,6 +634,7 @@ def _fake_user_files(base: str, uid: int) -> tuple[str, str, str, str, list[str]
 
 
 @pytest.mark.parametrize("level", sandbox.ISOLATION_LEVELS)
+@pytest.mark.slow
 def test_hostile_programs_against_user_files(guarded, tmp_path, monkeypatch, level):
     if not levels.probe(level):
         pytest.skip(f"level {level} unavailable here")

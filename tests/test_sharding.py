@@ -338,6 +338,7 @@ def test_sharded_update_equals_single_device(axes, reference, mesh):
     assert gate.sharding == state_sh.params["layers"]["mlp"]["gate_proj"]["kernel"]
 
 
+@pytest.mark.slow
 def test_sharded_lora_update_with_frozen_base(tiny_qwen3_model, mesh):
     rng = np.random.default_rng(1)
     _, base = tiny_qwen3_model
@@ -393,6 +394,7 @@ def test_sharded_greedy_sampling_matches_unsharded(mesh):
 
 
 # ---------------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
 def test_checkpoint_restores_into_target_shardings(tmp_path, mesh):
     params = models.init(TINY, jax.random.key(7))
     state = sharding.shard_train_state(TINY_AXES, init_train_state(params, OPT), mesh(fsdp=4, tensor=2))

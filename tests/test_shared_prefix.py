@@ -41,6 +41,7 @@ def _random_rows(rng) -> list[tuple[list[int], list[int]]]:
     return rows + [([], [])]
 
 
+@pytest.mark.slow
 def test_same_logprobs_loss_and_gradients_as_the_plain_layout():
     rng = np.random.default_rng(0)
     params = models.init(TINY, jax.random.key(0))

@@ -97,6 +97,7 @@ def test_buffers_hold_the_window_on_sliding_layers_only():
     assert empty_cache(CONFIG, (2,), 20).capacities == (20, 20, 20)  # the default keeps every slot
 
 
+@pytest.mark.slow
 def test_static_sampler_equals_full_recomputation_past_the_window():
     tokens, mask = left_padded(LENGTHS, WIDTH, VOCAB, seed=1)
     # greedy, one decode phase
@@ -117,6 +118,7 @@ def test_static_sampler_equals_full_recomputation_past_the_window():
     assert np.abs(wide - rescored).max() > 0.5
 
 
+@pytest.mark.slow
 def test_static_sampler_with_shared_prompt_caches_equals_full_recomputation():
     """Groups of consecutive rows read one prompt cache per group (its last W slots on the
     sliding layers) in both decode phases."""
@@ -144,6 +146,7 @@ def _check_engine(result, prompts, greedy: bool):
     _check(*zip(*rows), greedy=greedy)
 
 
+@pytest.mark.slow
 def test_continuous_engine_equals_full_recomputation_with_slots_refilled():
     tokens, mask = left_padded(LENGTHS, WIDTH, VOCAB, seed=4)
     prompts = [row[m].tolist() for row, m in zip(tokens, mask)]

@@ -40,6 +40,7 @@ def _inputs(seed=0):
     return random_qkvw(seed, len(ROWS), T, H, KV, HD)
 
 
+@pytest.mark.slow
 def test_has_key_matches_the_dense_mask():
     seg, br, _ = _layout()
     for (q_ids, k_ids), causal in ((ps.own_ids(seg, br), True), (ps.prompt_ids(seg, br), False)):
@@ -51,6 +52,7 @@ def test_has_key_matches_the_dense_mask():
     assert sk.has_key(q_ids, k_ids, causal=False).tolist() == [[True, True, True]]
 
 
+@pytest.mark.slow
 def test_raw_splash_averages_a_fully_masked_row():
     """What the module works around: a query whose segment id matches no key gets the mean of
     the values and an lse of mask_value + log(keys) from the kernel, not an error or NaN."""
@@ -63,6 +65,7 @@ def test_raw_splash_averages_a_fully_masked_row():
     np.testing.assert_allclose(lse[0, 5], ps.MASKED_LSE + np.log(128), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_splash_parts_equal_the_reference_part():
     q, k, v, _ = _inputs()
     seg, br, pos = _layout()
@@ -112,6 +115,7 @@ def _check_split_against_dense(window, local_window):
     assert np.all(np.asarray(out)[np.asarray(seg) == 0] == 0)  # padding queries: 0 (and no NaN)
 
 
+@pytest.mark.slow
 def test_splash_split_equals_dense_forward_and_gradient():
     _check_split_against_dense(None, None)
 

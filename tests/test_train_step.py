@@ -63,6 +63,7 @@ def test_non_finite_minibatch_is_skipped():
     assert int(state.step) == 1 and int(state.skipped) == 1
 
 
+@pytest.mark.slow
 def test_stacked_policies_equal_separate_runs():
     opt = make_optimizer(1e-2, total_steps=10, warmup_steps=2, schedule="cosine")
     b0, b1 = _batch(seed=1), _batch(seed=2)
@@ -86,12 +87,14 @@ def test_indivisible_batch_raises():
         )
 
 
+@pytest.mark.slow
 def test_schedule_warmup_then_cosine():
     s = learning_rate_schedule(1.0, total_steps=12, warmup_steps=2, schedule="cosine")
     assert float(s(0)) == 0.0 and float(s(1)) == pytest.approx(0.5)
     assert float(s(2)) == pytest.approx(1.0) and float(s(12)) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_fresh_adapter_is_identity_and_only_targets_kernels():
     params = {
         "layers": {"q_proj": {"kernel": jnp.ones((2, 4, 6)), "bias": jnp.ones((2, 6))}, "mlp": {"kernel": jnp.ones((4, 4))}},

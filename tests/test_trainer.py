@@ -217,6 +217,7 @@ def test_resume_message_names_the_step_or_a_fresh_start():
     assert trainer_mod.resume_message(12, 12, ckpt, 0).endswith("all 12 steps done; final evaluation and export only")
 
 
+@pytest.mark.slow
 def test_resume_restores_the_kl_reference_the_warm_start_set(tmp_path):
     """With a KL term and a warm start, a full-parameter policy's reference is the warm-started
     policy; a resumed run must get that reference back from the checkpoint, not the initial
@@ -313,6 +314,7 @@ def test_stacked_update_equals_each_policy_alone(tmp_path):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y[i]), rtol=1e-5, atol=1e-2 * cfg.optim.lr)
 
 
+@pytest.mark.slow
 def test_a_stacked_policy_without_samples_is_neither_computed_nor_stepped(tmp_path):
     """A step whose samples are all policy 0's: the update runs on policy 0's slice of the stack
     alone (`restrict` / `merge`), computing half the slots; policy 1 stays bit-for-bit as it was
@@ -346,6 +348,7 @@ def test_a_stacked_policy_without_samples_is_neither_computed_nor_stepped(tmp_pa
         np.testing.assert_allclose(np.asarray(after[0]), np.asarray(stack[0]), rtol=1e-5, atol=1e-2 * cfg.optim.lr)
 
 
+@pytest.mark.slow
 def test_scoring_by_micro_batches_equals_one_pass(tmp_path):
     """The scoring program runs the step's batch one micro-batch at a time (4 parts here): the
     same log-probs as one pass over the whole packed batch."""

@@ -189,6 +189,7 @@ HAND = [
 ]
 
 
+@pytest.mark.slow
 def test_hacpo_three_scripted_steps_match_hand_computed_values():
     from test_workflows_shared import TOKS, QuizEnv, TokSampler, seed_of
 
@@ -224,6 +225,7 @@ def test_hacpo_three_scripted_steps_match_hand_computed_values():
             np.testing.assert_array_equal(np.asarray(keep), [True] * 4 + [False] * 4)
 
 
+@pytest.mark.slow
 def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
     """Three mini-batches of one update see m = 0, 1, 2: bounds [0.8, 1], [0.825, 1], [0.85, 1]."""
     import jax.numpy as jnp
@@ -259,6 +261,7 @@ def test_stepwise_clip_bounds_follow_the_minibatch_index_inside_the_update():
     (("workflow.options.share=false",), 8, 16),  # GSPO alone
     (("workflow.options.share=false", "workflow.options.samples_per_policy=8"), 16, 32),  # GSPO, 2x rollouts
 ])
+@pytest.mark.slow
 def test_hacpo_and_its_baselines_in_the_trainer(tmp_path, monkeypatch, options, rows, generated):
     monkeypatch.chdir(REPO)
     config = load_config(

@@ -22,6 +22,7 @@ def tiny_checkpoint(tmp_path_factory):
     return model, config, params, d
 
 
+@pytest.mark.slow
 def test_parity_gate_passes_on_the_same_weights(tiny_checkpoint):
     model, config, params, _ = tiny_checkpoint
     errors = check_parity(model, config, params, rows=2, prompt_len=8, new_tokens=8)

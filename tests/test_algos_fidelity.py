@@ -266,6 +266,7 @@ def test_advantages_match_loop_reference(rewards, groups, normalize, ddof, eps_m
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(rewards=rewards_st, groups=groups_st, frac=st.sampled_from([0.25, 0.5, 0.75, 1.0]))
 def test_range_normalised_filter_drops_the_lowest_keys(rewards, groups, frac):

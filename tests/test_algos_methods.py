@@ -323,6 +323,7 @@ def outcome(method, cfg, lp, batch, window=((0.6, 0.3),)):
     return np.concatenate([np.ravel(b.advantages), np.ravel(b.loss_mask).astype(np.float32), [float(loss)], np.ravel(grad)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_every_option_of_every_method_changes_what_runs(name):
     method = METHODS[name]
@@ -346,6 +347,7 @@ def test_every_option_of_every_method_changes_what_runs(name):
 # ------------------------------------------------------------------------------ HACPO
 
 
+@pytest.mark.slow
 def test_hacpo_two_agents_hand_worked():
     # Capabilities P = (0.6, 0.3): omega^{0,1} = 0.6/0.3 = 2, omega^{1,0} = 0.3/0.6 = 0.5.
     cap = np.array([0.6, 0.3], np.float32)

@@ -51,6 +51,7 @@ def per_policy(name, learner, batch):
     return adv, value, metrics, grad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_jit_and_vmap_over_policies_match_an_eager_loop(name):
     batch = stacked_batch(seed=len(name))

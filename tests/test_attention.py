@@ -33,6 +33,7 @@ def _long_batch(seed: int = 0):
     return tokens, mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_long_sequences_match_transformers_with_left_and_right_padding(family, tiny_hf_checkpoint):
     """Logits at 1,024 tokens equal transformers' on every real token, by the blockwise form and
@@ -63,6 +64,7 @@ def _qkv(seed, b=3, t=70, s=70, h=4, kv=2, hd=16, dtype=jnp.float32):
     return q, k, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_blockwise_equals_dense_values_and_gradients(causal):
     """Ragged blocks (T = 70 in blocks of 16 and 32), rows of every length including an empty

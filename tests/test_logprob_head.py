@@ -27,6 +27,7 @@ def _reference(h, w, targets, temperature):
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size,vocab_chunk", [(None, None), (3, 16), (2, 7), (7, V), (1, 1), (4, 49)])
 def test_values_and_gradients_equal_the_full_log_softmax(chunk_size, vocab_chunk):
     """Blocks that divide the vocabulary and blocks that do not (the last one shifted back and
@@ -43,6 +44,7 @@ def test_values_and_gradients_equal_the_full_log_softmax(chunk_size, vocab_chunk
         np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_adapted_head_gives_the_merged_heads_values_and_adapter_gradients():
     """A `LoraKernel` head: x W + s (x A) B, W frozen; the adapter's gradients equal those through
     the merged kernel W + s A B, and the base gets none."""

@@ -248,6 +248,7 @@ def test_packed_rows_are_bounded_by_the_segments():
     assert out["packed_tokens"].shape == (4, 2048) and out["pred_source"].shape[0] <= preds
 
 
+@pytest.mark.slow
 def test_generation_program_is_the_samplers_call(real, monkeypatch):
     statics, calls = [], []
     real_program = static._program

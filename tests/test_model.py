@@ -206,6 +206,7 @@ def test_prefix_token_logprobs_gradient_equals_joined_rows(tiny_hf_checkpoint):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6), g_shared, g_plain)
 
 
+@pytest.mark.slow
 def test_bfloat16_path_stays_close(variant):
     config, params = load_hf(variant["path"], dtype="bfloat16")
     assert config.param_dtype == config.compute_dtype == "bfloat16"

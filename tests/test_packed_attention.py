@@ -51,10 +51,9 @@ def _inputs(seed: int, rows: int, width: int):
     return q, k, v, segment, branch, [lay[2] for lay in layouts]
 
 
-# the fast tier keeps one tiling; the others compile for longer
-@pytest.mark.parametrize("impl, blocks", [pytest.param("dense", (512, 512), marks=pytest.mark.slow),
-                                          pytest.param("blockwise", (4, 8), marks=pytest.mark.slow),
-                                          pytest.param("blockwise", (8, 4), marks=pytest.mark.slow), ("blockwise", (16, 16))])
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, blocks", [("dense", (512, 512)), ("blockwise", (4, 8)), ("blockwise", (8, 4)),
+                                          ("blockwise", (16, 16))])
 def test_each_continuation_sees_its_prompt_and_itself(impl, blocks):
     q, k, v, segment, branch, layouts = _inputs(0, 3, 45)
     out = attention_lib.packed_attention(q, k, v, segment, branch, impl=impl, block_q=blocks[0], block_k=blocks[1])

@@ -49,6 +49,7 @@ def test_fused_kernel_equals_dense_forward_and_gradient(block):
         np.testing.assert_allclose(g, ref, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_wrong_tile_bound_shows():
     """The test above can fail: a kernel that skips its segment's prompt tiles (the prompt range
     emptied) differs from the dense form by far more than its tolerance."""
@@ -79,6 +80,7 @@ def test_bfloat16_inputs_stay_close():
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=3e-2, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [8, 33])
 def test_sliding_window_equals_dense(window):
     """Gemma 3's local layers: with a window over the tokens' positions (one shorter than a

@@ -14,14 +14,11 @@ RESULT_DIRS = ("results", "benchmarks/results")
 # then taken off this list (the test fails while a listed file already has its record).
 LEGACY = frozenset({
     'benchmarks/results/engine.json',
-    'benchmarks/results/generation_smollm2.json',
     'benchmarks/results/gpu.json',
     'benchmarks/results/gpu_attention.json',
     'benchmarks/results/host_loop.json',
     'benchmarks/results/host_memory.json',
     'benchmarks/results/moe.json',
-    'benchmarks/results/real_iteration.json',
-    'benchmarks/results/real_train_step.json',
     'results/base_success_smollm2-135m-instruct.json',
     'results/evidence_joyagents.json',
     'results/evidence_quickstart.json',

@@ -153,6 +153,7 @@ def test_the_sampler_records_the_experts_a_plain_forward_picks():
         assert np.all(recorded[-1] == moe.no_route(np.uint8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["perturbed learner", "tied learner"])
 def test_with_replay_the_learner_scores_the_samplers_log_probs(case):
     """The sampler's router has experts 1 and 2 tied (perturbed learner) or nudged apart (tied

@@ -129,6 +129,7 @@ def test_repeated_prompts_share_one_prefill_and_match_transformers(tiny):
     assert len({tuple(r) for r in np.asarray(sampled.tokens)}) > 3  # rows of one prompt still differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.8)])
 def test_sampled_logprobs_equal_rescoring_and_truncation_is_respected(qwen2, top_k, top_p):
     _, config, params, _ = qwen2

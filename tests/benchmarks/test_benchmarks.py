@@ -30,6 +30,7 @@ def test_parity_gate_passes_on_the_same_weights(tiny_checkpoint):
     assert all(0 <= v < 2e-3 for v in errors.values())
 
 
+@pytest.mark.slow
 def test_parity_gate_fails_when_one_weight_differs(tiny_checkpoint):
     model, config, params, _ = tiny_checkpoint
     other = copy.deepcopy(model)

@@ -13,12 +13,10 @@ RESULT_DIRS = ("results", "benchmarks/results")
 # Written before results carried a provenance record; each is to be re-run on a clean commit and
 # then taken off this list (the test fails while a listed file already has its record).
 LEGACY = frozenset({
-    'benchmarks/results/engine.json',
     'benchmarks/results/gpu.json',
     'benchmarks/results/gpu_attention.json',
     'benchmarks/results/host_loop.json',
     'benchmarks/results/host_memory.json',
-    'benchmarks/results/moe.json',
     'results/base_success_smollm2-135m-instruct.json',
     'results/evidence_joyagents.json',
     'results/evidence_quickstart.json',

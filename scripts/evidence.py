@@ -477,7 +477,7 @@ JOYAGENTS = Table(
     "G = 8): held-out greedy success on 128 episodes",
     config="configs/quickstart.yaml",
     base=("algo.name=joyagents", "algo.options={}", "workflow.plan=node_wise", "workflow.group_size=8",
-          "workflow.options={}", "workflow.num_tasks=8", "sampling.max_prompt_len=256", "train.steps=30",
+          "workflow.options={}", "workflow.num_tasks=8", "sampling.max_prompt_len=512", "train.steps=30",
           "checkpoint.every=0", "eval.every=0", "eval.num_episodes=128"),
     variants=JOYAGENTS_VARIANTS,
     rows=tuple(Line(v.label, variant=v.name) for v in JOYAGENTS_VARIANTS),
@@ -494,7 +494,8 @@ JOYAGENTS = Table(
     ),
     digits=3,
     notes=(_joyagents_note,),
-    fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
+    fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples",
+            "mean:rollout/prompt_length_mean", "mean:rollout/prompt_length_max", "mean:rollout/prompt_truncated_fraction"),
 )
 
 

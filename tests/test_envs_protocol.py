@@ -170,7 +170,10 @@ def test_memory_context_reaches_the_prompt(name, options):
     agent = env.turn_order[0]
     with_memory = dataclasses.replace(state, memory_context={agent: ["tip one", "tip two"]})
     prompt = env.observe(with_memory, agent)
-    assert "- tip one\n- tip two" in prompt and "tip one" not in env.observe(state, agent)
+    plain = env.observe(state, agent)
+    assert "- tip one\n- tip two" in prompt and "tip one" not in plain
+    # the memory comes first: a prompt cut from the front (sampling.max_prompt_len) loses it, not the task
+    assert prompt.startswith("Relevant memory:\n") and prompt.endswith("\n" + plain)
     hash(with_memory)  # the injected dict was frozen
     other = [a for a in env.agents if a != agent]
     if other:

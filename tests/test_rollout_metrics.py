@@ -3,6 +3,7 @@ on hand-made sample records of known lengths) and the sampler's rollout/decode_u
 sampler and continuous engine on a tiny model, against the positions their decode loops ran)."""
 
 import types
+import warnings
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ from jmarl import models
 from jmarl.train.metrics import figure_of, rollout_length_metrics
 from jmarl.train.policies import PolicyGroup, PolicySet, stack
 from jmarl.config import SamplingConfig
-from jmarl.train.sampling import ModelSampler
+from jmarl.train.sampling import ModelSampler, PromptTruncatedWarning, encode_prompts_full
 from jmarl.workflows.base import Completion, SampleRecord
 
 PROMPT = [2, 40, 41]  # every sample's prompt (3 tokens)
@@ -143,3 +144,27 @@ def test_decode_utilization_counts_token_positions_of_both_engines():
         sampler = ModelSampler(policies, SamplingConfig(**settings, engine=engine, ignore_eos=True, **extra))
         got = sampler.sample([(0, p) for p in prompts], 1, jax.random.key(0))
         assert [c[0].completion_tokens.tolist() for c in got] == [long_a.tolist(), long_b.tolist()]
+
+
+def test_prompt_figures_count_the_prompts_cut_at_max_prompt_len_and_warn_once():
+    """Two prompts, one longer than max_prompt_len: the figures give the uncut lengths and a cut
+    share of 1/2; the long prompt keeps its last max_prompt_len ids; the first cut warns, the
+    next call does not."""
+    prompts = ["short", "a prompt well over the budget"]
+    policies = _policies(eos_id=0)
+    full = encode_prompts_full(policies.groups[0].tokenizer, prompts)  # chat-templated
+    limit = len(full[0]) + 2
+    assert len(full[1]) > limit
+    sampler = ModelSampler(policies, SamplingConfig(max_new_tokens=2, temperature=0.0, max_prompt_len=limit))
+    with pytest.warns(PromptTruncatedWarning, match=f"max_prompt_len={limit} "):
+        got = sampler.sample([(0, p) for p in prompts], 1, jax.random.key(0))
+    assert got[0][0].prompt_tokens.tolist() == list(full[0])
+    assert got[1][0].prompt_tokens.tolist() == list(full[1])[-limit:]
+    stats = sampler.take_stats()
+    assert stats["rollout/prompt_truncated_fraction"] == 0.5
+    assert stats["rollout/prompt_length_max"] == len(full[1])
+    assert stats["rollout/prompt_length_mean"] == (len(full[0]) + len(full[1])) / 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PromptTruncatedWarning)
+        sampler.sample([(0, prompts[1])], 1, jax.random.key(1))
+    assert sampler.take_stats()["rollout/prompt_truncated_fraction"] == 1.0

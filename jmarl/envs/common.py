@@ -92,6 +92,16 @@ def memory_block(state: Any, agent: str) -> str:
     return f"Relevant memory:\n{lines}\n"
 
 
+def with_memory(state: Any, agent: str, prompt: str) -> str:
+    """`prompt` with `agent`'s memory block (`memory_block`) ahead of it, or `prompt` alone.
+
+    The memory goes first because the sampler cuts a prompt longer than its budget
+    (sampling.max_prompt_len) from the front: the retrieved entries are lost before the task.
+    """
+    memory = memory_block(state, agent)
+    return f"{memory}\n{prompt}" if memory else prompt
+
+
 def clip_text(text: Any, limit: int = MAX_TEXT_CHARS) -> str:
     """`text` as a str of at most `limit` characters (head and tail kept); never raises."""
     if isinstance(text, (bytes, bytearray)):

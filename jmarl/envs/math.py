@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Sequence
 
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
 from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory, is_eval_item,
-                               read_jsonl, memory_block, split_items)
+                               read_jsonl, split_items, with_memory)
 from jmarl.envs.parsing import (answers_match, canonical_answer, extract_answer, extract_boxed,
                                 extract_python, run_program)
 from jmarl.errors import JmarlError
@@ -303,13 +303,10 @@ class Math:
 
     # ---- prompts -----------------------------------------------------------------------------
     def observe(self, state: MathState, agent: str) -> str:
-        """The question, memory, the other agents' latest answers and the answer format."""
+        """(Memory,) the question, the other agents' latest answers and the answer format."""
         self._check_agent(agent)
         lines = [self.examples_block()] if self.examples else []
         lines.append(f"Problem: {state.problem.question}")
-        memory = memory_block(state, agent)
-        if memory:
-            lines.append(memory)
         others = [f"{a}: {state.answers[a]}" for a in self.agents
                   if a != agent and a in state.answers]
         if others:
@@ -322,7 +319,7 @@ class Math:
                          "answer, or give the answer as \\boxed{...}.")
         else:
             lines.append("Solve it step by step and put the final answer in \\boxed{...}.")
-        return "\n".join(lines)
+        return with_memory(state, agent, "\n".join(lines))
 
     def examples_block(self) -> str:
         """`examples` solved training problems, the same in every prompt (a base model's cue for

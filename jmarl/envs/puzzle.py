@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jmarl.envs.base import StepResult
-from jmarl.envs.common import FrozenMap, clip_text, draw_split_item, freeze_memory, memory_block
+from jmarl.envs.common import FrozenMap, clip_text, draw_split_item, freeze_memory, with_memory
 from jmarl.envs.parsing import extract_python, run_program
 from jmarl.errors import JmarlError
 
@@ -207,17 +207,14 @@ class PuzzleEnv:
         return f"{self.name}({options})"
 
     def observe(self, state: PuzzleState, agent: str) -> str:
-        """The prompt: task, board, turn, feedback, (planner) the tool's proposal, format."""
+        """The prompt: (memory), task, board, turn, feedback, (planner) the tool's proposal, format."""
         self._check_agent(agent)
         if self._compact:
-            return self._observe_compact(state, agent)
+            return with_memory(state, agent, self._observe_compact(state, agent))
         lines = [self._instructions(), "", self._render(state.puzzle, state.board), ""]
         lines.append(f"Turn {state.turn + 1} of {self.max_turns}.")
         if state.history:
             lines.append("Previous turns: " + " | ".join(state.history[-3:]))
-        memory = memory_block(state, agent)
-        if memory:
-            lines.append(memory)
         if agent == "tool":
             lines.append("You are the tool agent. Propose the action, either directly or as a "
                          "```python program that reads the board from stdin and prints it.")
@@ -230,7 +227,7 @@ class PuzzleEnv:
                 note = f" [{state.proposal_note}]" if state.proposal_note else ""
                 lines.append(f"Tool agent's proposal{note}: {proposed}")
             lines.append("You are the planner. Write the final action; it will be executed.")
-        return "\n".join(lines)
+        return with_memory(state, agent, "\n".join(lines))
 
     def _observe_compact(self, state: PuzzleState, agent: str) -> str:
         """The compact prompt (see PROMPT_STYLES); ends with "tool:" or "plan:"."""
@@ -239,9 +236,6 @@ class PuzzleEnv:
         if state.history:
             turn += " prev " + "|".join(h.split(": ", 1)[-1] for h in state.history[-3:])
         lines.append(turn)
-        memory = memory_block(state, agent)
-        if memory:
-            lines.append(memory.rstrip("\n"))
         if agent == "tool":
             lines.append("tool:")
         else:

@@ -34,7 +34,7 @@ from fractions import Fraction
 from typing import ClassVar
 
 from jmarl.envs.base import StepResult
-from jmarl.envs.common import FrozenMap, clip_text, draw_split_item, freeze_memory, memory_block
+from jmarl.envs.common import FrozenMap, clip_text, draw_split_item, freeze_memory, with_memory
 from jmarl.envs.math import generate_problem
 from jmarl.envs.parsing import answers_match, extract_answer, parse_number
 from jmarl.envs.writing import words
@@ -275,13 +275,10 @@ class Router:
         return not state.finished and (agent == "master" or state.route == agent)
 
     def observe(self, state: RouterState, agent: str) -> str:
-        """The query, memory, and the role's instructions (results for the master, retrieved
+        """(Memory,) the query and the role's instructions (results for the master, retrieved
         facts for qa)."""
         self._check_agent(agent)
         lines = [f"Query: {state.query.question}"]
-        memory = memory_block(state, agent)
-        if memory:
-            lines.append(memory)
         if agent == "master":
             lines.append("You are the master agent. Sub-agents: math (arithmetic and word "
                          "problems), tool (functions calc and convert), qa (facts). Reply "
@@ -301,7 +298,7 @@ class Router:
         else:
             facts = "\n".join(retrieve(state.query.question, self.retrieve_k))
             lines.append(f"Retrieved facts:\n{facts}\nReply 'ANSWER: <answer>'.")
-        return "\n".join(lines)
+        return with_memory(state, agent, "\n".join(lines))
 
     def step(self, state: RouterState, agent: str, text: str) -> tuple[RouterState, StepResult]:
         """Master: route or answer; routed sub-agent: answer/call; others: no-op."""

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 from jmarl.envs.base import EVAL_SEED_START, StepResult, is_eval_seed
 from jmarl.envs.common import (FrozenMap, clip_text, draw_split_item, file_stamp, freeze_memory, read_jsonl,
-                               memory_block, split_items)
+                               split_items, with_memory)
 from jmarl.errors import JmarlError
 
 AGENTS = ("concise", "detailed")
@@ -242,13 +242,10 @@ class Writing:
         lines = [f"Source text:\n{state.source}", "",
                  f"Two writers summarise this text. You write {role}, {lo}-{hi} words. "
                  "Reply with your part only."]
-        memory = memory_block(state, agent)
-        if memory:
-            lines.append(memory)
         other = AGENTS[1] if agent == AGENTS[0] else AGENTS[0]
         if other in state.parts:
             lines.append(f"The {other} writer's latest part: {state.parts[other]}")
-        return "\n".join(lines)
+        return with_memory(state, agent, "\n".join(lines))
 
     def step(self, state: WritingState, agent: str, text: str) -> tuple[WritingState, StepResult]:
         """Stores the part; the step completing a turn scores the pair (team reward)."""

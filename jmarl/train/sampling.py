@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -31,6 +32,10 @@ from jmarl.padding import DEFAULT_LENGTH_BUCKETS, bucket_length, row_bucket
 from jmarl.train.policies import PolicyGroup, PolicySet
 from jmarl.workflows.base import Completion
 from jmarl.sharding import row_axes
+
+
+class PromptTruncatedWarning(UserWarning):
+    """Prompts longer than sampling.max_prompt_len were cut (their first tokens dropped)."""
 
 
 def stop_tokens(sampling: SamplingConfig, tokenizer: Any) -> tuple[int, ...]:
@@ -64,13 +69,23 @@ def encode_prompt(tokenizer, prompt: str, max_len: int) -> list[int]:
     return ids[-max_len:]
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int) -> list[Sequence[int]]:
-    """`encode_prompt` of each prompt (int32 arrays from the tokenizer's `encode_batch` when it
-    has one, else lists), keeping the last `max_len` ids of each."""
+def encode_prompts_full(tokenizer, prompts: Sequence[str]) -> list[Sequence[int]]:
+    """Each prompt's chat-templated token ids, uncut (int32 arrays from the tokenizer's
+    `encode_batch` when it has one, else lists)."""
     texts = [_chat_text(tokenizer, p) for p in prompts]
     batch = getattr(tokenizer, "encode_batch", None)
-    encoded = batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
+    return batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
+
+
+def keep_last(encoded: Sequence[Sequence[int]], max_len: int) -> list[Sequence[int]]:
+    """Each id sequence cut to its last `max_len` ids (a prompt keeps its end: the question and
+    the generation prompt; what comes first is lost first)."""
     return [ids if len(ids) <= max_len else ids[-max_len:] for ids in encoded]
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], max_len: int) -> list[Sequence[int]]:
+    """`encode_prompt` of each prompt: `encode_prompts_full` cut by `keep_last`."""
+    return keep_last(encode_prompts_full(tokenizer, prompts), max_len)
 
 
 def left_pad(rows: Sequence[Sequence[int]], batch: int, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,11 +159,13 @@ class ModelSampler:
         self.new_tokens = 0
         self.mesh = mesh
         self.engine_stats = EngineStats()  # the continuous engine's counters, all calls
+        self._warned_cut = False
         self._reset_stats()
 
     def _reset_stats(self) -> None:
         self._stats = {"rows": 0, "decoded_rows": 0, "slot_steps": 0, "busy_slot_steps": 0, "requests": 0,
-                       "queue_wait": 0, "entry_waits": 0, "seconds": 0.0, "tokens": 0, "decoded_positions": 0}
+                       "queue_wait": 0, "entry_waits": 0, "seconds": 0.0, "tokens": 0, "decoded_positions": 0,
+                       "prompts": 0, "prompts_cut": 0, "prompt_tokens": 0, "prompt_tokens_max": 0}
 
     def take_stats(self) -> dict[str, float]:
         """The rollout figures since the last call (then reset): rollout/row_utilization (real
@@ -161,9 +178,16 @@ class ModelSampler:
         continuous engine only), rollout/queue_wait (mean decode chunks a request waited before
         its first completion started, continuous engine only), rollout/entry_waits (refills that
         left slots free because no prompt-pool entry was: a larger budget or fewer slots would
-        help; continuous engine only), time/generate (seconds in sample)."""
+        help; continuous engine only), rollout/prompt_length_mean and rollout/prompt_length_max
+        (chat-templated prompt tokens before any cut), rollout/prompt_truncated_fraction (the share
+        of prompts longer than sampling.max_prompt_len, which lost their first tokens),
+        time/generate (seconds in sample)."""
         st = self._stats
         out = {"time/generate": float(st["seconds"])}
+        if st["prompts"]:
+            out["rollout/prompt_length_mean"] = st["prompt_tokens"] / st["prompts"]
+            out["rollout/prompt_length_max"] = float(st["prompt_tokens_max"])
+            out["rollout/prompt_truncated_fraction"] = st["prompts_cut"] / st["prompts"]
         if st["decoded_rows"]:
             out["rollout/row_utilization"] = st["rows"] / st["decoded_rows"]
         if st["decoded_positions"]:
@@ -225,11 +249,31 @@ class ModelSampler:
         sizes = {} if self.mesh is None else dict(self.mesh.shape)
         return int(np.prod([sizes[a] for a in row_axes(self.mesh, stacked=stacked)]))
 
+    def _encode(self, tokenizer: Any, texts: Sequence[str]) -> list[Sequence[int]]:
+        """The prompts' ids cut to sampling.max_prompt_len (`encode_prompts`), counting their
+        lengths and cuts into the rollout figures; the first cut of the run warns once."""
+        full = encode_prompts_full(tokenizer, texts)
+        limit = self.settings.max_prompt_len
+        lengths = [len(ids) for ids in full]
+        cut = sum(n > limit for n in lengths)
+        st = self._stats
+        st["prompts"] += len(lengths)
+        st["prompts_cut"] += cut
+        st["prompt_tokens"] += sum(lengths)
+        st["prompt_tokens_max"] = max(st["prompt_tokens_max"], max(lengths, default=0))
+        if cut and not self._warned_cut:
+            self._warned_cut = True
+            warnings.warn(
+                f"{cut} of {len(lengths)} prompts are longer than sampling.max_prompt_len={limit} tokens "
+                f"(the longest {max(lengths)}) and lose their first tokens; raise sampling.max_prompt_len "
+                "(rollout/prompt_truncated_fraction logs the share each step)", PromptTruncatedWarning, stacklevel=3)
+        return keep_last(full, limit)
+
     def _prepare_call(self, group: PolicyGroup, requests: Sequence[tuple[int, str]], n: int, rng: jax.Array) -> "_Call":
         """Host work of one call (tokenise, pad, lay out rows); `dispatch` then starts the device part."""
         tok = group.tokenizer
         s = self.settings
-        prompts = encode_prompts(tok, [text for _, text in requests], s.max_prompt_len)
+        prompts = self._encode(tok, [text for _, text in requests])
         if s.engine == "continuous":
             return self._engine_call(group, requests, prompts, n, rng)
         length = bucket_length(max(len(p) for p in prompts), self.buckets)

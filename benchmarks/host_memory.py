@@ -6,7 +6,8 @@ jmarl only. For each shape, `--rounds` x (policy off, policy on): a fresh proces
 (`JMARL_KEEP_HOST_MEMORY=0` / unset) builds the benchmark's GRPO trainer
 (`benchmarks.iteration.jmarl_trainer`), runs 2 warm-up `rl_step`s and `--steps` timed ones, and
 reports the medians of the trainer's `time/generate`, `time/update` and `time/step` and of the
-minor page faults per step. Off and on alternate, so the machine's drift falls on both.
+minor page faults per step, and the process's peak resident memory (`peak_rss_mib`: the
+policy's price, as freed memory stays with the process). Off and on alternate, so the machine's drift falls on both.
 Writes `benchmarks/results/host_memory.json`.
 """
 
@@ -26,13 +27,14 @@ from benchmarks.common import results_end, results_header, write_checkpoint, wri
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIGURES = ("time/generate", "time/update", "time/step", "page_faults")
+FIGURES = ("time/generate", "time/update", "time/step", "page_faults", "peak_rss_mib")
 WARMUP = 2
 
 
 def trainer_figures(shape: str, steps: int) -> dict[str, Any]:
-    """In this process: medians over `steps` GRPO iterations (after WARMUP) of FIGURES, and the
-    policy this process runs under."""
+    """In this process: medians over `steps` GRPO iterations (after WARMUP) of the per-step
+    FIGURES, the process's peak resident set (MiB, Linux's ru_maxrss in KiB), and the policy this
+    process runs under."""
     from benchmarks.iteration import jmarl_trainer
     from jmarl.host_memory import host_memory_policy
 
@@ -47,7 +49,8 @@ def trainer_figures(shape: str, steps: int) -> dict[str, Any]:
             metrics["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if i >= WARMUP:
                 rows.append(metrics)
-    out: dict[str, Any] = {k: statistics.median(float(r[k]) for r in rows) for k in FIGURES}
+    out: dict[str, Any] = {k: statistics.median(float(r[k]) for r in rows) for k in FIGURES if k != "peak_rss_mib"}
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["policy"] = host_memory_policy()
     return out
 

@@ -289,14 +289,15 @@ def test_isolated_part_that_dies_is_recorded():
 def test_host_memory_summary_by_hand():
     from benchmarks.host_memory import summarize
 
-    off = [{"time/generate": 0.4, "time/update": 0.8, "time/step": 1.2, "page_faults": 150.0},
-           {"time/generate": 0.5, "time/update": 1.0, "time/step": 1.6, "page_faults": 170.0}]
-    on = [{"time/generate": 0.45, "time/update": 0.6, "time/step": 1.05, "page_faults": 0.0},
-          {"time/generate": 0.45, "time/update": 0.8, "time/step": 1.35, "page_faults": 0.0}]
+    off = [{"time/generate": 0.4, "time/update": 0.8, "time/step": 1.2, "page_faults": 150.0, "peak_rss_mib": 900.0},
+           {"time/generate": 0.5, "time/update": 1.0, "time/step": 1.6, "page_faults": 170.0, "peak_rss_mib": 1100.0}]
+    on = [{"time/generate": 0.45, "time/update": 0.6, "time/step": 1.05, "page_faults": 0.0, "peak_rss_mib": 1500.0},
+          {"time/generate": 0.45, "time/update": 0.8, "time/step": 1.35, "page_faults": 0.0, "peak_rss_mib": 1500.0}]
     s = summarize(off, on)
     assert s["time/update"] == pytest.approx({"off": 0.9, "on": 0.7, "on_over_off": 0.7 / 0.9})
     assert s["time/step"]["on_over_off"] == pytest.approx(1.2 / 1.4)
     assert s["page_faults"] == {"off": 160.0, "on": 0.0, "on_over_off": 0.0}
+    assert s["peak_rss_mib"] == {"off": 1000.0, "on": 1500.0, "on_over_off": 1.5}
 
 
 @pytest.mark.slow
@@ -316,6 +317,7 @@ def test_host_memory_children_run_the_trainer_under_each_setting():
     for figures in (off, on):
         assert set(figures) == set(FIGURES) | {"policy"}
         assert 0 < figures["time/generate"] < figures["time/step"] and 0 < figures["time/update"] < figures["time/step"]
+        assert figures["peak_rss_mib"] > 100  # a JAX process with a model holds more than 100 MiB
 
 
 def test_baseline_process_answers_each_run_in_order():

@@ -16,7 +16,6 @@ LEGACY = frozenset({
     'benchmarks/results/gpu.json',
     'benchmarks/results/gpu_attention.json',
     'benchmarks/results/host_loop.json',
-    'benchmarks/results/host_memory.json',
     'results/base_success_smollm2-135m-instruct.json',
     'results/evidence_joyagents.json',
     'results/evidence_quickstart.json',

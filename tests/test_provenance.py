@@ -17,7 +17,6 @@ LEGACY = frozenset({
     'benchmarks/results/gpu_attention.json',
     'benchmarks/results/host_loop.json',
     'results/base_success_smollm2-135m-instruct.json',
-    'results/evidence_joyagents.json',
     'results/evidence_quickstart.json',
     'results/evidence_writing.json',
 })

@@ -65,8 +65,7 @@ def _chat_text(tokenizer, prompt: str) -> str:
 
 def encode_prompt(tokenizer, prompt: str, max_len: int) -> list[int]:
     """The chat-templated prompt's token ids, keeping the last `max_len` tokens."""
-    ids = tokenizer.encode(_chat_text(tokenizer, prompt))
-    return ids[-max_len:]
+    return keep_last([tokenizer.encode(_chat_text(tokenizer, prompt))], max_len)[0]
 
 
 def encode_prompts_full(tokenizer, prompts: Sequence[str]) -> list[Sequence[int]]:

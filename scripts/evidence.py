@@ -77,6 +77,7 @@ from jmarl import provenance  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_PREFIX = "metrics:"  # a key read from the last logged value in metrics.jsonl
 MEAN_PREFIX = "mean:"  # a key read as the mean of every logged value in metrics.jsonl
+STEP_PREFIX = "step:"  # `step:<n>:<m>`: m as logged at training step n in metrics.jsonl
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,6 +467,31 @@ def _joyagents_note(f: Facts) -> str:
     )
 
 
+# Step 1's rollouts see an empty memory, so step 1's update is the same with and without it and
+# step 2 samples from equal parameters: its rollouts differ by the memory in the prompt alone.
+MEMORY_PROBE = "step:2:rollout/success_rate"
+
+
+def _joyagents_memory_note(f: Facts) -> str:
+    probe = f.pair("top1_memory", "top1", MEMORY_PROBE)
+    first = {v: f.values(v, "step:1:train/grad_norm") for v in ("top1_memory", "top1")}
+    same = [s for s in first["top1"] if s in first["top1_memory"] and first["top1"][s] == first["top1_memory"][s]]
+    higher = f"higher with it on {probe['wins']} of {probe['n']} seeds"
+    text = (f"Why the memory lowers success here: step 1's rollouts see an empty memory, and its update is the "
+            f"same with and without it (step 1's gradient norm equal in {len(same)} of {len(first['top1'])} seeds), so "
+            f"step 2 samples from the same parameters in both variants and only the prompt differs: the memory "
+            f"lengthens it from {f.mean('top1', 'step:2:rollout/prompt_length_mean'):.0f} to "
+            f"{f.mean('top1_memory', 'step:2:rollout/prompt_length_mean'):.0f} tokens on average. Step 2's rollouts "
+            f"succeed {100 * probe['variant_mean']:.1f}% of the time with the memory against "
+            f"{100 * probe['baseline_mean']:.1f}% without: {_said_points(probe, higher)}.")
+    if probe["verdict"] != "reversed":
+        return text
+    return text + (" So the memory costs success before any update has learned from it: the warm start's expert "
+                   "demonstrations carry no memory lines, and the model it trains fails on prompts that begin with "
+                   "them. Whether a model that has learned to read such prompts gains from the memory is not tested "
+                   "here.")
+
+
 JOYAGENTS_VARIANTS = (
     Variant("top1", "top-1 node group per task, no memory", ("workflow.options.top_k=1", "algo.options.use_memory=false")),
     Variant("all", "all node groups, no memory", ("workflow.options.top_k=1000", "algo.options.use_memory=false")),
@@ -491,11 +517,15 @@ JOYAGENTS = Table(
         Comparison("top1", "all", "success_after", "top-1 vs all node groups (no memory)"),
         Comparison("top1_memory", "top1", "success_after", "memory vs no memory (top-1)"),
         Comparison("top1", "top1", "success_after", "top-1, no memory vs its warm start", baseline_key="success_before"),
+        Comparison("top1_memory", "top1", MEMORY_PROBE, "memory vs no memory in the prompt, same parameters (step 2's "
+                   "rollouts)"),
     ),
     digits=3,
-    notes=(_joyagents_note,),
+    notes=(_joyagents_note, _joyagents_memory_note),
     fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples",
-            "mean:rollout/prompt_length_mean", "mean:rollout/prompt_length_max", "mean:rollout/prompt_truncated_fraction"),
+            "mean:rollout/prompt_length_mean", "mean:rollout/prompt_length_max", "mean:rollout/prompt_truncated_fraction",
+            "step:1:train/grad_norm", "step:1:rollout/prompt_length_mean", MEMORY_PROBE,
+            "step:2:rollout/prompt_length_mean"),
 )
 
 
@@ -958,21 +988,29 @@ def run_command(table: Table, variant: Variant, seed: int, out_dir: Path, steps:
 
 
 def logged_metrics(path: Path) -> dict[str, list[float]]:
-    """Every logged value of every metric in a metrics.jsonl file, in order."""
+    """Every logged value of every metric in a metrics.jsonl file, in order; each value of a line
+    that names its training step also under `step:<n>:<metric>`."""
     logged: dict[str, list[float]] = {}
     if not path.exists():
         return logged
     for line in path.read_text().splitlines():
         if line.strip():
-            for k, v in json.loads(line).items():
+            entry = json.loads(line)
+            step = entry.get("step")
+            for k, v in entry.items():
                 if isinstance(v, (int, float)):
                     logged.setdefault(k, []).append(float(v))
+                    if isinstance(step, int) and k != "step":
+                        logged.setdefault(f"{STEP_PREFIX}{step}:{k}", []).append(float(v))
     return logged
 
 
 def read_value(summary: dict[str, Any], metrics: dict[str, list[float]], key: str) -> float | None:
     """A value of one run: summary[key]; `metrics:<m>`: the last logged value of m;
-    `mean:<m>`: the mean of m over the run's log lines."""
+    `mean:<m>`: the mean of m over the run's log lines; `step:<n>:<m>`: m as logged at step n."""
+    if key.startswith(STEP_PREFIX):
+        values = metrics.get(key)
+        return values[-1] if values else None
     if key.startswith(METRICS_PREFIX):
         values = metrics.get(key[len(METRICS_PREFIX):])
         return values[-1] if values else None

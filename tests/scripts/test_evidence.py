@@ -114,13 +114,17 @@ def test_read_value_from_summary_and_metrics_log(tmp_path):
     log = tmp_path / "metrics.jsonl"
     log.write_text('{"step": 1, "a": 1.0, "b": 4}\n{"step": 2, "a": 3.0}\n\n{"step": 2, "eval/x": 0.5}\n')
     metrics = evidence.logged_metrics(log)
-    assert metrics == {"step": [1.0, 2.0, 2.0], "a": [1.0, 3.0], "b": [4.0], "eval/x": [0.5]}
+    assert metrics == {"step": [1.0, 2.0, 2.0], "a": [1.0, 3.0], "b": [4.0], "eval/x": [0.5],
+                       "step:1:a": [1.0], "step:1:b": [4.0], "step:2:a": [3.0], "step:2:eval/x": [0.5]}
     summary = {"success_after": 0.25}
     assert evidence.read_value(summary, metrics, "success_after") == 0.25
     assert evidence.read_value(summary, metrics, "metrics:a") == 3.0
     assert evidence.read_value(summary, metrics, "mean:a") == 2.0
     assert evidence.read_value(summary, metrics, "mean:missing") is None
     assert evidence.read_value(summary, metrics, "missing") is None
+    assert evidence.read_value(summary, metrics, "step:2:a") == 3.0
+    assert evidence.read_value(summary, metrics, "step:1:b") == 4.0
+    assert evidence.read_value(summary, metrics, "step:2:b") is None
     assert evidence.logged_metrics(tmp_path / "absent.jsonl") == {}
 
 

@@ -392,3 +392,37 @@ def test_sampler_call_cap_splits_requests_and_keeps_every_completion(tmp_path):
     assert calls == [4, 4, 2] and [len(c) for c in first] == [2] * 5
     again = capped.sampler.sample(requests, 2, jax.random.key(5))
     assert [[c.text for c in cs] for cs in first] == [[c.text for c in cs] for cs in again]
+
+
+def test_warm_start_shows_memory_lines_in_its_share_of_the_demonstrations(tmp_path, monkeypatch):
+    """train.warm_start.memory_share: that share of each step's demonstration episodes is
+    prompted with memory lines (retrieved from other expert episodes) ahead of the same task the
+    plain demonstration shows; 0 shows none."""
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+        f"output_dir={tmp_path / 'ws'}", "train.warm_start.steps=2", "train.warm_start.demos=8",
+        "train.warm_start.memory_share=0.5", "logging.progress=false", "logging.plots=false",
+        "logging.tensorboard=false", "sampling.max_prompt_len=512"])
+    t = trainer_mod.Trainer(cfg)
+    real, calls = t.demonstrations, []
+
+    def spy(seeds, memory_seeds=None):
+        calls.append((list(seeds), memory_seeds, real(seeds, memory_seeds)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(t, "demonstrations", spy)
+    t.warm_start()
+    shown = [c for c in calls if c[1]]
+    assert len(calls) == 4 and len(shown) == 2  # per step: the plain episodes, then the shown ones
+    for (plain_seeds, _, _), (seeds, memory_seeds, demos) in zip(calls[0::2], calls[1::2]):
+        assert 0 < len(seeds) < 8 and len(plain_seeds) + len(seeds) == 8 and not set(seeds) & set(plain_seeds)
+        assert len(memory_seeds) == 8 and not set(memory_seeds) & set(seeds + plain_seeds)
+        plain = real(seeds)
+        assert [(p, x) for p, _, x in demos] == [(p, x) for p, _, x in plain]
+        for (_, prompt, _), (_, plain_prompt, _) in zip(demos, plain):
+            assert prompt.startswith("Relevant memory:\n- query: ") and prompt.endswith("\n" + plain_prompt)
+    calls.clear()
+    t.config = dataclasses.replace(t.config, train=dataclasses.replace(
+        t.config.train, warm_start=dataclasses.replace(t.config.train.warm_start, memory_share=0.0)))
+    t.warm_started = False
+    t.warm_start()
+    assert len(calls) == 2 and not any(c[1] for c in calls)

@@ -729,3 +729,20 @@ def test_sampler_actor_keeps_the_plans_loop():
     assert runs[0] == runs[1] and runs[2] == runs[3]
     # parallel: one sampler call per turn; the expert is asked per agent position instead
     assert len(runs[2][0]) == 2 and ExpertActor(CounterEnv()).per_turn is False
+
+
+def test_demonstration_memory_holds_each_expert_step_of_its_agent():
+    from jmarl.workflows import MemoryOptions, demonstration_memory
+
+    env = make_env("plan_path", size=5, max_turns=2, prompt_style="compact")
+    seeds = [3, 4, 5]
+    steps = expert_demonstrations(env, seeds, range(len(env.agents)))
+    memory = demonstration_memory(env, seeds)
+    for i, agent in enumerate(env.agents):
+        want = [(prompt, text) for a, prompt, text in steps if a == i]
+        got = [(e.query, e.strategy) for e in memory.entries(agent)]
+        assert got == list(dict.fromkeys(want)) and got  # admit skips an exact repeat
+        assert all(e.reward == 1.0 and e.baseline == 0.0 for e in memory.entries(agent))
+    # capacity keeps the newest entries
+    small = demonstration_memory(env, seeds, MemoryOptions(capacity=1))
+    assert [e.strategy for e in small.entries(env.agents[0])] == [[t for a, _, t in steps if a == 0][-1]]

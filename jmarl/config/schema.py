@@ -336,6 +336,10 @@ class WarmStartConfig:
     steps: int = _field(0, ge=0)
     lr: float = _field(1e-4, gt=0.0)
     demos: int = _field(16, ge=1)  # demonstration episodes per warm-start step
+    # Share of the demonstration episodes whose prompts carry memory lines, retrieved (as
+    # JoyAgents-R1's memory shows them) from a memory of other expert episodes' steps: a model
+    # that RL will prompt with its memory first learns to read past it. 0: plain prompts only.
+    memory_share: float = _field(0.0, ge=0.0, le=1.0)
 
 
 @dataclass(frozen=True)

@@ -230,11 +230,15 @@ class Trainer:
 
     # ---- warm start (supervised, on expert demonstrations)
 
-    def demonstrations(self, seeds: list[int]) -> list[tuple[int, str, str]]:
+    def demonstrations(self, seeds: list[int], memory_seeds: list[int] | None = None) -> list[tuple[int, str, str]]:
         """(policy id, prompt, expert text) for every agent step of the expert episodes (the
-        episode loop of the plans); with a plan that does not route by agent, every policy
-        plays the one agent."""
-        demos = workflows.expert_demonstrations(self.env, seeds, self.policies.agent_policy)
+        episode loop of the plans); with `memory_seeds`, each prompt carries the memory lines
+        retrieved from a memory of those seeds' expert episodes (`demonstration_memory`); with a
+        plan that does not route by agent, every policy plays the one agent."""
+        env = self.env
+        if memory_seeds:
+            env = workflows.MemoryPromptEnv(self.env, workflows.demonstration_memory(self.env, memory_seeds))
+        demos = workflows.expert_demonstrations(env, seeds, self.policies.agent_policy)
         if self.plan.routes_by_agent:
             return demos
         return [(p, obs, text) for _, obs, text in demos for p in range(len(self.policies.policy_names))]
@@ -246,7 +250,12 @@ class Trainer:
         bar = ProgressBar(ws.steps, desc="warm start", enabled=self.config.logging.progress)
         known: list[set[tuple[int, int]]] = [set() for _ in self.policies.groups]  # as `packed_shapes`
         for i in range(ws.steps):
-            demos = self.demonstrations([envs.train_seed(10**8 + i * ws.demos + j) for j in range(ws.demos)])
+            seeds = [envs.train_seed(10**8 + i * ws.demos + j) for j in range(ws.demos)]
+            shown = np.random.default_rng((self.config.seed, i)).random(ws.demos) < ws.memory_share
+            demos = self.demonstrations([seed for seed, m in zip(seeds, shown) if not m])
+            if shown.any():  # the memory: as many other episodes, a fresh draw each step
+                memory_seeds = [envs.train_seed(2 * 10**8 + i * ws.demos + j) for j in range(ws.demos)]
+                demos += self.demonstrations([seed for seed, m in zip(seeds, shown) if m], memory_seeds)
             for group, fns, shapes in zip(self.policies.groups, self.fns, known):
                 tok = group.tokenizer
                 rows = [(pid, encode_prompt(tok, prompt, s.max_prompt_len), tok.encode(text)[: s.max_new_tokens - 1] + [tok.eos_id])

@@ -54,6 +54,7 @@ import numpy as np
 
 from jmarl.errors import JmarlError
 from jmarl.workflows.base import PlanResult
+from jmarl.workflows.episodes import expert_demonstrations
 
 _FORMAT = "jmarl.memory"
 _VERSION = 1
@@ -475,6 +476,17 @@ def update_memory(memory: Memory, plan_result: PlanResult, step: int) -> Memory:
                 memory = admit(
                     memory, g.agent_name, g.query, text, reward=r, baseline=mu, step=step
                 )
+    return memory
+
+
+def demonstration_memory(env: Any, seeds: Sequence[int], options: MemoryOptions | None = None) -> Memory:
+    """A memory of expert strategies: for every agent step of one expert episode per seed
+    (`expert_demonstrations`), an entry of that agent with the step's prompt as its query and the
+    expert's text as its strategy (reward 1, baseline 0, step 0); `options` default
+    `MemoryOptions()`, whose capacity may drop the earliest entries."""
+    memory = Memory(options or MemoryOptions())
+    for agent, prompt, text in expert_demonstrations(env, seeds, range(len(env.agents))):
+        memory = admit(memory, env.agents[agent], prompt, text, reward=1.0, baseline=0.0, step=0)
     return memory
 
 

@@ -309,10 +309,12 @@ def _writing_note(f: Facts) -> str:
         f"{'reproduced with ' + listing(raised) + ' joint actions' if raised else 'not reproduced'} here."
     )
     if top == "transitions" and change[top] < 0 and not raised:
+        gained = [c for c in rest if change[c] > 0]
         text += (f" A likely reason, not tested: transition words earn reward on few samples per group while the "
                  f"length terms vary on every sample, so {f.rl_steps()} updates on "
                  f"{f.mean('aligned', 'mean:rollout/samples'):.0f} samples per step follow the dense terms and lose "
-                 f"the sparse one (the seed-0 pilot showed that trade).")
+                 f"the sparse one. The runs log no reward component per rollout, so only the held-out components "
+                 f"speak to it" + (f": {listing(gained)} rose while {top} fell." if gained else "."))
     return text
 
 

@@ -18,7 +18,6 @@ LEGACY = frozenset({
     'benchmarks/results/host_loop.json',
     'results/base_success_smollm2-135m-instruct.json',
     'results/evidence_quickstart.json',
-    'results/evidence_writing.json',
 })
 
 

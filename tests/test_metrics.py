@@ -96,6 +96,7 @@ def test_one_panel_per_metric_grouped_into_figures():
                         "time/step": 10.0 if step == 1 else 0.5, "perf/train_tokens_per_s": 4e4 + step,
                         "hacpo/success_0": step / 60})
     assert figure_of("rollout/new_tokens_per_s") == "time" and figure_of("eval/info/moves") == "evaluation"
+    assert figure_of("rollout/info/moves") == figure_of("rollout/info_nonzero/moves") == "components"
     figures = metric_figures(records)
     assert set(figures) == {"rollout", "loss", "time", "other"}
     rollout, loss, time, other = (_panels(figures[k]) for k in ("rollout", "loss", "time", "other"))

@@ -47,9 +47,12 @@ def test_shortened_quickstart_end_to_end(tmp_path, capsys):
     assert [r["step"] for r in records if "rollout/success_rate" in r] == [1, 2]  # a fresh run starts a fresh file
     assert [r["step"] for r in records if "eval/success_rate" in r] == [0, 1, 2]  # step 0: before RL
     assert records[0]["eval/success_rate"] == summary["success_before"]
+    # the env's step-info values per step: Plan-Path's moves, and the share of samples that moved
+    step1 = next(r for r in records if r.get("step") == 1 and "rollout/success_rate" in r)
+    assert step1["rollout/info/moves"] >= 0 and 0 <= step1["rollout/info_nonzero/moves"] <= 1
 
     plots = {p.name for p in (out / "plots").glob("*.png")}
-    assert {"evaluation.png", "rollout.png", "loss.png", "time.png"} <= plots
+    assert {"evaluation.png", "rollout.png", "components.png", "loss.png", "time.png"} <= plots
     assert all((out / "plots" / name).stat().st_size > 1000 for name in plots)
 
     assert (out / "checkpoints").is_dir() and "2" in {p.name for p in (out / "checkpoints").iterdir()}

@@ -19,14 +19,30 @@ from jmarl.config import EvalConfig
 from jmarl.workflows import run_plan, summarize
 
 
-def step_info_means(records: Sequence[Any]) -> dict[str, float]:
-    """Mean of each numeric env step-info value (`record.info["env_info"]`, e.g. Writing's
-    reward components) over the records that report it; {} when none does."""
+def step_info_values(records: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Each numeric env step-info value (`record.info["env_info"]`, e.g. Writing's reward
+    components): f64[n_k], over the n_k records that report key k; {} when none does."""
     values: dict[str, list[float]] = {}
     for r in records:
         for k, v in r.info.get("env_info", {}).items():
             values.setdefault(k, []).append(float(v))
-    return {k: float(np.mean(v)) for k, v in values.items()}
+    return {k: np.asarray(v, np.float64) for k, v in values.items()}
+
+
+def step_info_means(records: Sequence[Any]) -> dict[str, float]:
+    """Mean of each numeric env step-info value over the records that report it."""
+    return {k: float(np.mean(v)) for k, v in step_info_values(records).items()}
+
+
+def step_info_metrics(records: Sequence[Any]) -> dict[str, float]:
+    """rollout/info/<k>: the mean of each step-info value over a step's samples, and
+    rollout/info_nonzero/<k>: the share of them where it is not 0 (how sparse a reward
+    component is)."""
+    out: dict[str, float] = {}
+    for k, v in step_info_values(records).items():
+        out[f"rollout/info/{k}"] = float(np.mean(v))
+        out[f"rollout/info_nonzero/{k}"] = float(np.mean(v != 0))
+    return out
 
 
 def evaluate_agents(

@@ -2,9 +2,10 @@
 
 Metric names use `/` to form families: `rollout/team_reward`, `train/loss`, `time/generate`...
 The plots group families into a few figures (`FIGURES`): plots/evaluation.png (held-out
-evaluation, the step-0 point being the model RL starts from), plots/rollout.png, plots/loss.png
-and plots/time.png (plots/other.png for any other family), one panel per metric with its own
-axis. Only process 0 of a multi-host run writes anything.
+evaluation, the step-0 point being the model RL starts from), plots/rollout.png,
+plots/components.png (the env's step-info values, `rollout/info/*` and `rollout/info_nonzero/*`),
+plots/loss.png and plots/time.png (plots/other.png for any other family), one panel per metric
+with its own axis. Only process 0 of a multi-host run writes anything.
 
     with MetricsLogger(run_dir, tensorboard=True, plots=True) as metrics:
         metrics.log(step, {"rollout/team_reward": 0.4, "train/loss": 1.2, "time/generate": 3.1})
@@ -319,6 +320,7 @@ def metric_series(records: list[Mapping[str, Any]]) -> dict[str, tuple[np.ndarra
 FIGURES = (
     ("evaluation", "held-out evaluation", ("eval",)),
     ("rollout", "rollouts and rewards", ("rollout", "reward", "plan")),
+    ("components", "env step-info values per step (e.g. reward components) and the share non-zero", ()),
     ("loss", "loss, ratios and gradients", ("train", "loss", "kl")),
     ("time", "time, throughput and utilization", ("time", "perf", "learner")),
 )
@@ -332,6 +334,8 @@ def figure_of(name: str) -> str:
     """The file stem of the figure that draws metric `name` (see FIGURES)."""
     if name.endswith("_per_s"):
         return "time"
+    if name.startswith(("rollout/info/", "rollout/info_nonzero/")):
+        return "components"
     fam = family(name)
     for stem, _, families in FIGURES:
         if fam in families:

@@ -40,7 +40,7 @@ from jmarl.sandbox import run_summary as sandbox_summary
 from jmarl.sharding import to_host
 from jmarl.train.build import build_policies, init_state
 from jmarl.train.checkpoint import Checkpointer
-from jmarl.train.evaluate import evaluate
+from jmarl.train.evaluate import evaluate, step_info_metrics
 from jmarl.train.host_loop import run_rollout
 from jmarl.train.learn import LearnSettings, learn
 from jmarl.train.learner import build_group_fns, policy_axis_size, sft_batch
@@ -300,6 +300,7 @@ class Trainer:
         metrics["rollout/reward_mean"] = float(np.mean(finite)) if finite.size else float("nan")
         metrics["rollout/reward_std"] = float(np.std(finite)) if finite.size else float("nan")
         metrics["rollout/nonfinite_rewards"] = float(rewards.size - finite.size)
+        metrics.update(step_info_metrics(records))
         names = self.policies.policy_names
         metrics.update(signal_metrics([r.group for r in records], [r.policy for r in records],
                                       [r.reward for r in records], names))

@@ -51,7 +51,7 @@ from jmarl.workflows.episodes import (
     choose_sampled,
     run_episodes,
 )
-from jmarl.workflows.independent import episode_stats
+from jmarl.workflows.independent import episode_stats, numeric_info
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,7 @@ def sample_tree(
                             "local_reward": float(res.local_reward),
                             "team_reward": float(res.team_reward),
                             "chosen": k == node.chosen,
+                            "env_info": numeric_info(res.info),
                         },
                     )
                 )

@@ -18,7 +18,7 @@ import yaml
 
 from _scripts import load_script
 from jmarl import envs
-from jmarl.train.evaluate import step_info_means
+from jmarl.train.evaluate import step_info_means, step_info_metrics
 from jmarl.train.metrics import before_summary
 from jmarl.workflows.base import Completion
 from jmarl.workflows import memory as memory_store
@@ -74,6 +74,13 @@ def test_independent_records_carry_writing_components_and_means_match_env_score(
         assert means[name] == pytest.approx(np.mean([e[name] for e in expected]))
     # "words" is reported by both writers' steps: the mean over all six records
     assert means["words"] == pytest.approx((5 + 15) / 2)
+    # the trainer's rollout/info figures: the same means, and the share of samples with a non-zero value
+    logged = step_info_metrics(res.records)
+    assert {k: logged[f"rollout/info/{k}"] for k in means} == pytest.approx(means)
+    for name in ("transitions", "overlap", "words"):
+        want = np.mean([r.info["env_info"][name] != 0 for r in res.records if name in r.info["env_info"]])
+        assert logged[f"rollout/info_nonzero/{name}"] == pytest.approx(want)
+    assert logged["rollout/info_nonzero/transitions"] == 1.0 and logged["rollout/info_nonzero/words"] == 1.0
 
 
 def test_before_summary_renames_eval_keys():

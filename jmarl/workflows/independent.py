@@ -30,10 +30,9 @@ E * G * n * T when no episode ends early; groups: E * n (task_agent) or up to E 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
-import numpy as np
 
 from jmarl.errors import JmarlError
 from jmarl.workflows.base import (
@@ -49,6 +48,7 @@ from jmarl.workflows.base import (
 )
 from jmarl.workflows.bounds import BoundsContext, PlanBounds
 from jmarl.workflows.episodes import EpisodeTrace, choose_first, run_episodes
+from jmarl.workflows.stepping import numeric_info
 
 
 @dataclass(frozen=True)
@@ -137,18 +137,6 @@ def sample_independent(
     # one record per sampled completion
     return PlanResult(records=tuple(records), episodes=tuple(episodes),
                       stats=PlanStats(num_generated=len(records)))
-
-
-def numeric_info(info: Any) -> dict[str, float]:
-    """The numeric entries of an env step's `info` (e.g. Writing's reward components), as floats;
-    strings, flags and nested values are left out."""
-    if not isinstance(info, Mapping):
-        return {}
-    return {
-        str(k): float(v)
-        for k, v in info.items()
-        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-    }
 
 
 def episode_stats(env: Any, trace: EpisodeTrace) -> EpisodeStats:

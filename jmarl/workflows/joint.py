@@ -23,6 +23,9 @@ child; gamma default 1.0). A completion's return is `Q` of its joint action (ali
 return is the sample's reward. The advantage is left to the algorithm.
 
 Groups. One group per (node, agent): the G sibling completions of one agent at one node.
+A record's `info`: its `node`, `immediate_reward` (the reward before the children's returns,
+aggregated like the return) and `env_info` (the numeric entries of the agent's own step info,
+each the mean over the joint actions the completion took part in).
 Episode stats: one `EpisodeStats` per leaf joint action (a root-to-leaf path).
 
 Sample count. E tasks, n agents, T turns, branching B = G (aligned) or G**n (cross), nothing
@@ -57,7 +60,7 @@ from jmarl.workflows.base import (
     split_key,
 )
 from jmarl.workflows.bounds import BoundsContext, PlanBounds
-from jmarl.workflows.stepping import step_all
+from jmarl.workflows.stepping import numeric_info, step_all
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ class _Node:
 
     rewards/returns are f64[J, A] over joint actions and agent indices; children[j] is the node
     id of joint action j's child or None; outcomes[j] is joint action j's (state after it, team
-    reward, local rewards per agent).
+    reward, local rewards per agent); step_info[j] maps each agent index that stepped in joint
+    action j to the numeric entries of its step's info (`numeric_info`).
     """
 
     task: int
@@ -112,6 +116,7 @@ class _Node:
     returns: np.ndarray | None = None
     children: list[int | None] = field(default_factory=list)
     outcomes: list[tuple[Any, float, list[float]]] = field(default_factory=list)
+    step_info: list[dict[int, dict[str, float]]] = field(default_factory=list)
 
 
 def joint_sample_bound(
@@ -219,13 +224,13 @@ def _play_joint(env: Any, frontier: list[_Node], acting: list[int], options: Joi
     the env is done, then `end_turn`). The joint actions of every node are stepped together,
     one agent position at a time (`step_all`)."""
     g = options.group_size
-    runs = []  # [node, picks, state, team reward, local rewards]
+    runs = []  # [node, picks, state, team reward, local rewards, step info per agent]
     for node in frontier:
         if options.joint_mode == "aligned":
             node.joint = [(j,) * len(acting) for j in range(g)]
         else:
             node.joint = list(itertools.product(range(g), repeat=len(acting)))
-        runs.extend([node, picks, node.state, 0.0, [0.0] * len(env.agents)] for picks in node.joint)
+        runs.extend([node, picks, node.state, 0.0, [0.0] * len(env.agents), {}] for picks in node.joint)
     for pos, a in enumerate(acting):
         live = [r for r in runs if not env.done(r[2])]
         name = env.agents[a]
@@ -234,12 +239,14 @@ def _play_joint(env: Any, frontier: list[_Node], acting: list[int], options: Joi
             r[2] = state
             r[3] += float(res.team_reward)
             r[4][a] += float(res.local_reward)
+            r[5][a] = numeric_info(res.info)
     for node in frontier:
-        node.outcomes = []
-    for node, _, state, team, local in runs:
+        node.outcomes, node.step_info = [], []
+    for node, _, state, team, local, info in runs:
         if not env.done(state):
             state = env.end_turn(state)
         node.outcomes.append((state, team, local))
+        node.step_info.append(info)
 
 
 def _expand(
@@ -316,10 +323,17 @@ def _records(
                         info={
                             "node": node_id,
                             "immediate_reward": float(agg(node.rewards[rows, a])),
+                            "env_info": _mean_info([node.step_info[j].get(a, {}) for j in rows]),
                         },
                     )
                 )
     return records
+
+
+def _mean_info(infos: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over the step infos (of a completion's joint actions) that report it."""
+    keys = dict.fromkeys(k for info in infos for k in info)
+    return {k: float(np.mean([info[k] for info in infos if k in info])) for k in keys}
 
 
 def _leaf_stats(env: Any, nodes: list[_Node]) -> list[EpisodeStats]:

@@ -25,7 +25,9 @@ the variance of their rewards (population variance; all groups have G members, s
 ranks the same) and only the top `top_k` (default 2; ties: the earlier node) produce records:
 per task (`top_k_scope="task"`, default) or over the whole batch ("batch"). Every group,
 dropped ones included, is reported in `stats.node_groups` (`NodeGroup`: rewards, variance,
-selected, which downstream nodes were reused or re-run, retrieved memory ids).
+selected, which downstream nodes were reused or re-run, retrieved memory ids). A record's
+`info`: its `node`, the group's `variance`, its `reruns`, the alternative's own `local_reward`,
+`team_reward` and `env_info` (the numeric entries of that step's env info).
 
 Memory. With `options.memory` (a `jmarl.workflows.memory.Memory`) every decision point's
 agent gets the top-m entries retrieved for its query (by default its prompt observed with an
@@ -68,7 +70,7 @@ from jmarl.workflows.base import (
     split_key,
 )
 from jmarl.workflows.bounds import BoundsContext, PlanBounds
-from jmarl.workflows.stepping import step_all
+from jmarl.workflows.stepping import numeric_info, step_all
 from jmarl.workflows.memory import Memory, format_entry, retrieve, with_memory_context
 
 # (env, state, agent name) -> the text memory entries are matched against
@@ -183,6 +185,7 @@ class _Played:
     kind: str
     local_reward: float
     team_reward: float
+    env_info: dict[str, float]
 
 
 @dataclass
@@ -382,6 +385,7 @@ class _Player:
                 kind=kind,
                 local_reward=float(res.local_reward),
                 team_reward=float(res.team_reward),
+                env_info=numeric_info(res.info),
             )
         )
         b.pos += 1
@@ -493,6 +497,7 @@ def _records(
                         "reruns": sum(kind == "rerun" for *_, kind in group.downstream[k]),
                         "local_reward": alt.local_reward,
                         "team_reward": alt.team_reward,
+                        "env_info": alt.env_info,
                     },
                 )
             )

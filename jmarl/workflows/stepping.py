@@ -40,7 +40,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -229,3 +229,15 @@ def step_all(env: Any, items: Sequence[StepItem], *, workers: int | None = None)
     if clock is not None:
         clock.add(time.perf_counter() - t0, len(items))
     return out
+
+
+def numeric_info(info: Any) -> dict[str, float]:
+    """The numeric entries of an env step's `info` (e.g. Writing's reward components), as floats;
+    strings, flags and nested values are left out."""
+    if not isinstance(info, Mapping):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in info.items()
+        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    }

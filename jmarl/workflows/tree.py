@@ -51,7 +51,8 @@ from jmarl.workflows.episodes import (
     choose_sampled,
     run_episodes,
 )
-from jmarl.workflows.independent import episode_stats, numeric_info
+from jmarl.workflows.independent import episode_stats
+from jmarl.workflows.stepping import numeric_info
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,10 @@ from jmarl.train.evaluate import step_info_means, step_info_metrics
 from jmarl.train.metrics import before_summary
 from jmarl.workflows.base import Completion
 from jmarl.workflows import memory as memory_store
-from jmarl.workflows.independent import IndependentOptions, numeric_info, sample_independent
+from jmarl.workflows.independent import IndependentOptions, sample_independent
+from jmarl.workflows.joint import JointOptions, sample_joint
+from jmarl.workflows.node_wise import NodeWiseOptions, sample_node_wise
+from jmarl.workflows.stepping import numeric_info
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +84,58 @@ def test_independent_records_carry_writing_components_and_means_match_env_score(
         want = np.mean([r.info["env_info"][name] != 0 for r in res.records if name in r.info["env_info"]])
         assert logged[f"rollout/info_nonzero/{name}"] == pytest.approx(want)
     assert logged["rollout/info_nonzero/transitions"] == 1.0 and logged["rollout/info_nonzero/words"] == 1.0
+
+
+class PerIndexSampler:
+    """Completion g of a request from agent a (told apart by its prompt) is `texts[a][g]`."""
+
+    def __init__(self, texts: dict[str, list[str]]):
+        self.texts = texts
+
+    def sample(self, requests, n, rng):
+        out = []
+        for _, prompt in requests:
+            agent = "concise" if "CONCISE part" in prompt else "detailed"
+            row = []
+            for text in self.texts[agent][:n]:
+                toks = np.array([ord(c) for c in text], np.int32)
+                row.append(Completion(text, np.zeros(3, np.int32), toks, np.zeros(toks.size, np.float32)))
+            out.append(row)
+        return out
+
+
+def test_joint_records_carry_the_mean_step_info_of_their_joint_actions():
+    env = envs.make("writing", concise_words=(3, 10), detailed_words=(10, 30))
+    texts = {
+        "concise": ["The mill opened in 1824.", "A flood came."],
+        "detailed": ["First, the mill opened. Moreover, a flood damaged it. Finally, volunteers rebuilt the walls nearby.",
+                     "The mill opened and a flood damaged it and people rebuilt it later on that year."],
+    }
+    seed = envs.eval_seed(0)
+    res = sample_joint(env, [seed], (0, 1), PerIndexSampler(texts), jax.random.key(0),
+                       JointOptions(group_size=2, joint_mode="cross", max_turns=1))
+    source = env.reset(seed).source
+    detailed = [r for r in res.records if r.agent == 1]
+    assert len(detailed) == 2
+    for g, r in enumerate(detailed):  # the pair is scored on the detailed writer's step: mean over both concise texts
+        scores = [env.score(source, c, texts["detailed"][g]) for c in texts["concise"]]
+        for name in ("structure", "ratio", "diversity", "transitions", "overlap"):
+            assert r.info["env_info"][name] == pytest.approx(np.mean([s[name] for s in scores]))
+    assert [r.info["env_info"] for r in res.records if r.agent == 0] == [{"words": 5.0}, {"words": 3.0}]
+    logged = step_info_metrics(res.records)
+    assert logged["rollout/info/words"] == pytest.approx(np.mean([5, 3, 15, 16]))
+
+
+def test_node_wise_records_carry_their_own_step_info():
+    env = envs.make("router")
+    text = "ANSWER: 42 because"
+    res = sample_node_wise(env, [envs.eval_seed(0), envs.eval_seed(1)], tuple(range(len(env.agents))),
+                           FixedTextSampler({"concise": text, "detailed": text}), jax.random.key(0),
+                           NodeWiseOptions(group_size=2, top_k=2))
+    assert res.records
+    for r in res.records:  # the master's answer step reports the cost of its words (flags are left out)
+        assert r.info["env_info"] == {"cost": pytest.approx(env.token_cost * 3)}
+    assert step_info_metrics(res.records)["rollout/info_nonzero/cost"] == 1.0
 
 
 def test_before_summary_renames_eval_keys():

@@ -100,6 +100,32 @@ def test_rows_are_full_but_the_last_and_a_long_segment_widens_them():
     assert out["packed_tokens"].shape == (2, token_budget(1600))  # 1600 | 3 x 80
 
 
+def test_first_fit_places_each_segment_as_first_fit_decreasing_does():
+    """The vectorised first-fit equals the textbook loop (longest first, stable among equal
+    sizes, the first row with room) on ragged sizes, and the fullest row is the rows' largest sum."""
+    from jmarl.train.packing import _first_fit, _fullest_row
+
+    def reference(sizes, width):
+        load, where = [], [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+            r = next((j for j, used in enumerate(load) if used + sizes[i] <= width), len(load))
+            if r == len(load):
+                load.append(0)
+            where[i], load[r] = r, load[r] + sizes[i]
+        return where
+
+    rng = np.random.default_rng(0)
+    for width in (64, 1024):
+        for n in (0, 1, 7, 200):
+            sizes = [int(x) for x in rng.integers(1, width + 1, n)]
+            where = _first_fit(sizes, width)
+            assert where == reference(sizes, width)
+            sums = [sum(x for x, r in zip(sizes, where) if r == row) for row in set(where)]
+            assert _fullest_row(sizes, where) == max(sums, default=0)
+            assert max(sums, default=0) <= width
+    assert _first_fit([3, 5, 2, 5], 8) == [0, 0, 1, 1]  # the first 5 and the 3 fill row 0; the other 5 and the 2 row 1
+
+
 def test_row_shape_takes_the_fewest_slots_never_more_than_full_width_rows():
     """(R, L) over the candidate widths: fewest slots, ties to the wider; a known shape only when
     it holds the segments, costs within the slack and no more than the full-width baseline;

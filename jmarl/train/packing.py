@@ -161,16 +161,26 @@ def _segments(samples: Samples, start: int, stop: int) -> list[tuple[np.ndarray,
 
 def _first_fit(sizes: Sequence[int], width: int) -> list[int]:
     """Segments of `sizes` tokens (each <= width) -> the row each goes to: longest first into
-    the first row with room (first-fit decreasing), a new row when none has."""
-    load: list[int] = []
+    the first row with room (first-fit decreasing), a new row when none has. The search for a
+    row is one vectorised scan of the open rows' loads, so thousands of segments (a
+    long-prompt batch: one row each) cost milliseconds, not an O(n * rows) Python loop."""
+    load = np.zeros(len(sizes) + 1, np.int64)  # at most one row per segment
+    rows = 0
     where = [0] * len(sizes)
     for s in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        r = next((j for j, used in enumerate(load) if used + sizes[s] <= width), len(load))
-        if r == len(load):
-            load.append(0)
+        room = np.flatnonzero(load[:rows] <= width - sizes[s])
+        r = int(room[0]) if room.size else rows
+        rows = max(rows, r + 1)
         where[s] = r
         load[r] += sizes[s]
     return where
+
+
+def _fullest_row(sizes: Sequence[int], where: Sequence[int]) -> int:
+    """Tokens in the fullest row of segments `sizes` placed in rows `where` (0 when empty)."""
+    if not len(sizes):
+        return 0
+    return int(np.bincount(np.asarray(where), weights=np.asarray(sizes, np.float64)).max())
 
 
 # a known shape is taken over the cheapest one when it costs at most this much more
@@ -208,7 +218,7 @@ def row_shape(sizes: Sequence[Sequence[int]], width: int, rows_per_part: int = 1
     baseline's slots: the memory plan, made for `width`-wide rows, bounds every one."""
     rows = _rows_at(sizes, width, 1)
     where = [(_first_fit(s, width), s) for s in sizes]
-    fullest = max([1] + [sum(n for n, r in zip(s, w) if r == row) for w, s in where for row in set(w)])
+    fullest = max([1] + [_fullest_row(s, w) for w, s in where])
     base_width = min(width, max(MIN_BUDGET, row_bucket(fullest)))
     base = (-(-rows // rows_per_part) * rows_per_part, base_width)
     longest = max([1] + [max(s, default=1) for s in sizes])

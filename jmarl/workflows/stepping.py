@@ -28,6 +28,9 @@ completions, so every host makes the same `step_all` calls in the same order.
 Settings and timing come from the surrounding `host_loop(workers=..., clock=...)` context (the
 trainer wraps `plan.run` in one): `workers` defaults to `default_workers()`; a `StepClock`
 accumulates the seconds spent stepping envs (`time/env`).
+
+`numeric_info(info)` keeps the numeric entries of a step's info (e.g. reward components), which
+every plan stores on its records as `env_info`.
 """
 
 from __future__ import annotations

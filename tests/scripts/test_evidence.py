@@ -728,6 +728,40 @@ def test_the_real_pair_table_compares_each_model_with_gspo_and_its_start():
     assert "<!-- evidence:hacpo_real_add:start -->" in (ROOT / "docs" / "evidence.md").read_text()
 
 
+def test_the_real_pair_at_scale_runs_hacpo_at_both_clip_ranges_and_says_how_many_cross_samples_were_clipped():
+    """hacpo_wide is HACPO with delta 0.8 (the config otherwise equal); the note quotes each
+    variant's mean cross_clip_fraction per model over the runs that logged it, and leaves itself
+    out when none did."""
+    from jmarl.config import load_config
+
+    table = evidence.TABLES["hacpo_real_add"]
+    wide = next(v for v in table.variants if v.name == "hacpo_wide")
+    assert load_config(ROOT / table.config, list(wide.overrides)).algo.options["delta"] == 0.8
+    assert load_config(ROOT / table.config, []).algo.options["delta"] == 0.2
+    compared = {(c.variant, c.baseline) for c in table.comparisons}
+    assert {("hacpo_wide", "gspo_2x"), ("hacpo_wide", "hacpo"), ("hacpo", "gspo_2x")} <= compared
+
+    def run(seed, clip=None):
+        values = {"eval_smollm2/success_rate": 0.5}
+        if clip is not None:
+            values |= {f"mean:train/{m}/cross_clip_fraction": c for m, c in zip(evidence.REAL_PAIR_MODELS, clip)}
+            values |= {f"mean:train/{m}/cross_ratio_mean": 0.5 for m in evidence.REAL_PAIR_MODELS}
+        return {"seed": seed, "commit": "aaa", "dirty": False, "values": values}
+
+    result = {"seeds": [0, 1, 2], "versions": {}, "variants": {
+        "hacpo": {"runs": [run(0), run(1, (1.0, 0.9)), run(2, (0.8, 1.0))]},
+        "hacpo_wide": {"runs": [run(0, (0.25, 0.5))]},
+    }}
+    note = evidence._cross_clip_note(evidence.Facts(table, result))
+    assert "with delta 0.2 (range [0.8, 1] at the first mini-batch), smollm2 90%, gemma3 95%" in note
+    assert "2 runs per model" in note
+    assert "with delta 0.8 (range [0.2, 1] at the first mini-batch), smollm2 25%, gemma3 50%" in note
+    for v in result["variants"].values():
+        v["runs"] = [run(r["seed"]) for r in v["runs"]]
+    with pytest.raises(evidence.Missing):
+        evidence._cross_clip_note(evidence.Facts(table, result))
+
+
 def test_the_real_pair_signal_note_quotes_each_models_rollouts_and_update_size():
     table = evidence.TABLES["hacpo_real"]
     config = yaml.safe_load((ROOT / table.config).read_text())

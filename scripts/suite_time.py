@@ -38,6 +38,7 @@ RESULTS = ROOT / "results" / "suite_time"
 COMMANDS = {"all": ["-m", "pytest", "-n", "2"], "fast": ["-m", "pytest", "-m", "not slow", "-n", "2"]}
 DURATION = re.compile(r"^(?P<seconds>[0-9.]+)s (?P<phase>setup|call|teardown)\s+(?P<test>\S.*)$")
 SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[0-9.]+)s")
+FAILED = re.compile(r"^(?:FAILED|ERROR) (?P<test>\S+)")
 COUNT = re.compile(r"(?P<n>\d+) (?P<what>passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
 
 
@@ -47,15 +48,18 @@ def is_cold(cache: Path) -> bool:
 
 
 def parse(output: str) -> dict[str, Any]:
-    """The outcome counts, pytest's own seconds and the slowest tests of a pytest run's output."""
-    slowest, counts, pytest_seconds = [], {}, None
+    """The outcome counts, pytest's own seconds, the slowest tests and the failed or erroring
+    tests (pytest's short summary) of a pytest run's output."""
+    slowest, counts, pytest_seconds, failed = [], {}, None, []
     for line in output.splitlines():
-        if m := DURATION.match(line.strip()):
+        if m := FAILED.match(line.strip()):
+            failed.append(m["test"])
+        elif m := DURATION.match(line.strip()):
             slowest.append({"seconds": float(m["seconds"]), "phase": m["phase"], "test": m["test"].strip()})
         elif (m := SUMMARY.match(line.strip())) and COUNT.search(m["counts"]):
             counts = {c["what"]: int(c["n"]) for c in COUNT.finditer(m["counts"])}
             pytest_seconds = float(m["seconds"])
-    return {"counts": counts, "pytest_seconds": pytest_seconds, "slowest": slowest}
+    return {"counts": counts, "pytest_seconds": pytest_seconds, "slowest": slowest, "failed": failed}
 
 
 def newest_durations(directory: Path) -> Path | None:

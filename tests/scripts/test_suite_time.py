@@ -21,6 +21,18 @@ def test_the_counts_seconds_and_slowest_tests_of_a_run():
     assert got["pytest_seconds"] == 2972.02
     assert [(s["seconds"], s["phase"]) for s in got["slowest"]] == [(160.24, "setup"), (115.59, "call"), (0.5, "teardown")]
     assert got["slowest"][1]["test"].endswith("[at_grpo/math]")
+    assert got["failed"] == ["tests/scripts/test_readme_figures.py::test_seeds_sentence_quotes_the_evidence_table"]
+
+
+def test_the_suite_times_quoted_come_from_passing_runs():
+    """The README's suite times render from results/suite_time/: each run there passed."""
+    import json
+
+    records = {str(p.relative_to(suite_time.RESULTS)): json.loads(p.read_text()) for p in sorted(suite_time.RESULTS.rglob("*.json"))}
+    assert records, "no suite-time record"
+    failing = {name: (r["exit_code"], r.get("failed"), r["counts"]) for name, r in records.items()
+               if r["exit_code"] != 0 or r["counts"].get("failed") or r.get("failed")}
+    assert not failing, f"suite times recorded from failing runs: {failing}"
 
 
 def test_a_cache_is_cold_until_a_worker_has_written_programs_into_it(tmp_path):

@@ -840,12 +840,13 @@ def _cross_clip_note(f: Facts) -> str:
                      + ", ".join(f"{m} {statistics.fmean(c.values()):.0%}" for m, c in zip(REAL_PAIR_MODELS, clipped))
                      + " (mean cross ratio " + " / ".join(f"{r:.2f}" for r in ratio)
                      + f"; {runs} run{'s' if runs != 1 else ''} per model)")
+    what = ("A cross sample (the other model's rollout, re-tokenised) whose ratio exp(mean log-prob under the learner "
+            "- mean log-prob under its source) falls outside the stepwise clip range carries no gradient. ")
     if not parts:
-        raise Missing("cross clip fractions")
-    return ("A cross sample (the other model's rollout, re-tokenised) whose ratio exp(mean log-prob under the learner "
-            "- mean log-prob under its source) falls outside the stepwise clip range carries no gradient. Share of "
-            "cross samples outside it (train/<model>/cross_clip_fraction, each run's mean over its steps): "
-            + "; ".join(parts) + ". Runs made before these metrics were kept in the table have no value here.")
+        return what + ("No HACPO run here kept the share of cross samples outside it "
+                       "(train/<model>/cross_clip_fraction): each was made before the table kept that metric.")
+    return (what + "Share of cross samples outside it (train/<model>/cross_clip_fraction, each run's mean over its "
+            "steps): " + "; ".join(parts) + ". Runs made before the table kept this metric have no value here.")
 
 
 REAL_PAIR_ADD = dataclasses.replace(

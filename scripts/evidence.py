@@ -824,19 +824,32 @@ REAL_PAIR_ADD_VARIANTS = (HACPO_VARIANTS[0], HACPO_VARIANTS[2], HACPO_VARIANTS[1
 CROSS_KEYS = ("cross_clip_fraction", "cross_ratio_mean")
 
 
+def _hacpo_delta(table: "Table", variant: str) -> float:
+    """The stepwise clip's delta a HACPO variant of `table` runs with: its override, else the config's."""
+    overrides = next(v.overrides for v in table.variants if v.name == variant)
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key == "algo.options.delta":
+            return float(value)
+    import yaml
+
+    return float(yaml.safe_load((ROOT / table.config).read_text())["algo"]["options"]["delta"])
+
+
 def _cross_clip_note(f: Facts) -> str:
     """How many of each model's cross samples (the other model's rollouts) fell outside the
     stepwise clip range, where they carry no gradient, under each HACPO variant: each run's mean of
     train/<model>/cross_clip_fraction over its steps, averaged over the runs that logged it."""
     parts = []
-    for variant, delta in (("hacpo", "0.2"), ("hacpo_wide", "0.8")):
+    for variant in ("hacpo", "hacpo_wide"):
+        delta = _hacpo_delta(f.table, variant)
         try:
             clipped = [f.values(variant, f"mean:train/{m}/cross_clip_fraction") for m in REAL_PAIR_MODELS]
             ratio = [f.mean(variant, f"mean:train/{m}/cross_ratio_mean") for m in REAL_PAIR_MODELS]
         except Missing:
             continue
         runs = min(len(c) for c in clipped)
-        parts.append(f"with delta {delta} (range [{1 - float(delta):.1f}, 1] at the first mini-batch), "
+        parts.append(f"with delta {delta:g} (range [{1 - delta:.1f}, 1] at the first mini-batch), "
                      + ", ".join(f"{m} {statistics.fmean(c.values()):.0%}" for m, c in zip(REAL_PAIR_MODELS, clipped))
                      + " (mean cross ratio " + " / ".join(f"{r:.2f}" for r in ratio)
                      + f"; {runs} run{'s' if runs != 1 else ''} per model)")

@@ -15,7 +15,6 @@ RESULT_DIRS = ("results", "benchmarks/results")
 LEGACY = frozenset({
     'benchmarks/results/gpu.json',
     'benchmarks/results/gpu_attention.json',
-    'results/base_success_smollm2-135m-instruct.json',
     'results/evidence_quickstart.json',
 })
 

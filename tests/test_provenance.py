@@ -15,7 +15,6 @@ RESULT_DIRS = ("results", "benchmarks/results")
 LEGACY = frozenset({
     'benchmarks/results/gpu.json',
     'benchmarks/results/gpu_attention.json',
-    'results/evidence_quickstart.json',
 })
 
 

@@ -825,15 +825,11 @@ CROSS_KEYS = ("cross_clip_fraction", "cross_ratio_mean")
 
 
 def _hacpo_delta(table: "Table", variant: str) -> float:
-    """The stepwise clip's delta a HACPO variant of `table` runs with: its override, else the config's."""
-    overrides = next(v.overrides for v in table.variants if v.name == variant)
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key == "algo.options.delta":
-            return float(value)
-    import yaml
+    """The stepwise clip's delta a HACPO variant of `table` runs with (its config with its overrides)."""
+    from jmarl.config import load_config
 
-    return float(yaml.safe_load((ROOT / table.config).read_text())["algo"]["options"]["delta"])
+    overrides = next(v.overrides for v in table.variants if v.name == variant)
+    return float(load_config(ROOT / table.config, list(overrides)).algo.options["delta"])
 
 
 def _cross_clip_note(f: Facts) -> str:

@@ -3,7 +3,8 @@
     python scripts/evidence.py quickstart              # the quickstart task: single agent, shared, per-agent, independent
     python scripts/evidence.py writing                 # MAGRPO on Writing: components before/after, aligned vs cross
     python scripts/evidence.py hacpo                   # HACPO vs GSPO / GSPO 2x, two tiny models
-    python scripts/evidence.py joyagents               # JoyAgents-R1 on Router: memory on/off, top-K vs all
+    python scripts/evidence.py joyagents               # JoyAgents-R1 on Plan-Path: memory on/off, top-K vs all
+    python scripts/evidence.py joyagents_read          # its memory on a model warm-started with memory lines
     python scripts/evidence.py real                    # SmolLM2-135M-Instruct: AT-GRPO vs GRPO (hours)
     python scripts/evidence.py hacpo_real              # SmolLM2 + Gemma 3 270M: HACPO vs GSPO (hours)
     python scripts/evidence.py real_recipe --seeds 0 1 2 3 4 5   # GRPO on SmolLM2, full vs LoRA (hours)
@@ -77,6 +78,7 @@ from jmarl import provenance  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_PREFIX = "metrics:"  # a key read from the last logged value in metrics.jsonl
 MEAN_PREFIX = "mean:"  # a key read as the mean of every logged value in metrics.jsonl
+STEP_PREFIX = "step:"  # `step:<n>:<m>`: m as logged at training step n in metrics.jsonl
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,10 +309,12 @@ def _writing_note(f: Facts) -> str:
         f"{'reproduced with ' + listing(raised) + ' joint actions' if raised else 'not reproduced'} here."
     )
     if top == "transitions" and change[top] < 0 and not raised:
+        gained = [c for c in rest if change[c] > 0]
         text += (f" A likely reason, not tested: transition words earn reward on few samples per group while the "
                  f"length terms vary on every sample, so {f.rl_steps()} updates on "
                  f"{f.mean('aligned', 'mean:rollout/samples'):.0f} samples per step follow the dense terms and lose "
-                 f"the sparse one (the seed-0 pilot showed that trade).")
+                 f"the sparse one. The runs log no reward component per rollout, so only the held-out components "
+                 f"speak to it" + (f": {listing(gained)} rose while {top} fell." if gained else "."))
     return text
 
 
@@ -466,6 +470,31 @@ def _joyagents_note(f: Facts) -> str:
     )
 
 
+# Step 1's rollouts see an empty memory, so step 1's update is the same with and without it and
+# step 2 samples from equal parameters: its rollouts differ by the memory in the prompt alone.
+MEMORY_PROBE = "step:2:rollout/success_rate"
+
+
+def _joyagents_memory_note(f: Facts) -> str:
+    probe = f.pair("top1_memory", "top1", MEMORY_PROBE)
+    first = {v: f.values(v, "step:1:train/grad_norm") for v in ("top1_memory", "top1")}
+    same = [s for s in first["top1"] if s in first["top1_memory"] and first["top1"][s] == first["top1_memory"][s]]
+    higher = f"higher with it on {probe['wins']} of {probe['n']} seeds"
+    text = (f"Why the memory lowers success here: step 1's rollouts see an empty memory, and its update is the "
+            f"same with and without it (step 1's gradient norm equal in {len(same)} of {len(first['top1'])} seeds), so "
+            f"step 2 samples from the same parameters in both variants and only the prompt differs: the memory "
+            f"lengthens it from {f.mean('top1', 'step:2:rollout/prompt_length_mean'):.0f} to "
+            f"{f.mean('top1_memory', 'step:2:rollout/prompt_length_mean'):.0f} tokens on average. Step 2's rollouts "
+            f"succeed {100 * probe['variant_mean']:.1f}% of the time with the memory against "
+            f"{100 * probe['baseline_mean']:.1f}% without: {_said_points(probe, higher)}.")
+    if probe["verdict"] != "reversed":
+        return text
+    return text + (" So the memory costs success before any update has learned from it: the warm start's expert "
+                   "demonstrations carry no memory lines, and the model it trains fails on prompts that begin with "
+                   "them. Whether a model that has learned to read such prompts gains from the memory is not tested "
+                   "here.")
+
+
 JOYAGENTS_VARIANTS = (
     Variant("top1", "top-1 node group per task, no memory", ("workflow.options.top_k=1", "algo.options.use_memory=false")),
     Variant("all", "all node groups, no memory", ("workflow.options.top_k=1000", "algo.options.use_memory=false")),
@@ -477,7 +506,7 @@ JOYAGENTS = Table(
     "G = 8): held-out greedy success on 128 episodes",
     config="configs/quickstart.yaml",
     base=("algo.name=joyagents", "algo.options={}", "workflow.plan=node_wise", "workflow.group_size=8",
-          "workflow.options={}", "workflow.num_tasks=8", "sampling.max_prompt_len=256", "train.steps=30",
+          "workflow.options={}", "workflow.num_tasks=8", "sampling.max_prompt_len=512", "train.steps=30",
           "checkpoint.every=0", "eval.every=0", "eval.num_episodes=128"),
     variants=JOYAGENTS_VARIANTS,
     rows=tuple(Line(v.label, variant=v.name) for v in JOYAGENTS_VARIANTS),
@@ -491,10 +520,51 @@ JOYAGENTS = Table(
         Comparison("top1", "all", "success_after", "top-1 vs all node groups (no memory)"),
         Comparison("top1_memory", "top1", "success_after", "memory vs no memory (top-1)"),
         Comparison("top1", "top1", "success_after", "top-1, no memory vs its warm start", baseline_key="success_before"),
+        Comparison("top1_memory", "top1", MEMORY_PROBE, "memory vs no memory in the prompt, same parameters (step 2's "
+                   "rollouts)"),
     ),
     digits=3,
-    notes=(_joyagents_note,),
-    fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples"),
+    notes=(_joyagents_note, _joyagents_memory_note),
+    fields=("mean:rollout/success_rate", "mean:rollout/reward_std", "mean:memory/entries", "mean:rollout/samples",
+            "mean:rollout/prompt_length_mean", "mean:rollout/prompt_length_max", "mean:rollout/prompt_truncated_fraction",
+            "step:1:train/grad_norm", "step:1:rollout/prompt_length_mean", MEMORY_PROBE,
+            "step:2:rollout/prompt_length_mean"),
+)
+
+
+def _joyagents_read_note(f: Facts) -> str:
+    memory = f.pair("top1_memory", "top1", "success_after")
+    probe = f.pair("top1_memory", "top1", MEMORY_PROBE)
+    return (
+        f"With a warm start that showed memory lines ahead of "
+        f"{100 * float(f.override('train.warm_start.memory_share')):.0f}% of its demonstrations, the memory against "
+        f"none (top-1): {_said_points(memory)}; the memory holds "
+        f"{f.mean('top1_memory', 'metrics:memory/entries'):.0f} entries at the end on average. At equal parameters "
+        f"(step 2's rollouts) the memory in the prompt moves success from {100 * probe['baseline_mean']:.1f}% to "
+        f"{100 * probe['variant_mean']:.1f}%: {_said_points(probe)}. The paper's claim (the memory helps) is "
+        + ("shown" if memory["verdict"] == "holds" else "not shown") + " at this scale."
+    )
+
+
+JOYAGENTS_READ = Table(
+    name="joyagents_read",
+    title="JoyAgents-R1's memory on a model warm-started to read it (Plan-Path as in the JoyAgents-R1 table; "
+    "half the warm start's demonstrations prompted with memory lines): held-out greedy success on 128 episodes",
+    config="configs/quickstart.yaml",
+    base=JOYAGENTS.base + ("train.warm_start.memory_share=0.5",),
+    variants=(JOYAGENTS_VARIANTS[0], JOYAGENTS_VARIANTS[2]),
+    rows=tuple(Line(v.label, variant=v.name) for v in (JOYAGENTS_VARIANTS[0], JOYAGENTS_VARIANTS[2])),
+    columns=JOYAGENTS.columns,
+    comparisons=(
+        Comparison("top1_memory", "top1", "success_after", "memory vs no memory (top-1)"),
+        Comparison("top1_memory", "top1", MEMORY_PROBE, "memory vs no memory in the prompt, same parameters (step 2's "
+                   "rollouts)"),
+        Comparison("top1_memory", "top1_memory", "success_after", "top-1 with memory vs its warm start",
+                   baseline_key="success_before"),
+    ),
+    digits=3,
+    notes=(_joyagents_read_note,),
+    fields=JOYAGENTS.fields,
 )
 
 
@@ -745,8 +815,49 @@ REAL_PAIR = Table(
 )
 
 # the pair at the recipe's scale, on a task the untrained Gemma answers none of: HACPO against
-# each model learning alone from as many samples as HACPO's update sees (its own and the other's)
-REAL_PAIR_ADD_VARIANTS = (HACPO_VARIANTS[0], HACPO_VARIANTS[2], HACPO_VARIANTS[1])
+# each model learning alone from as many samples as HACPO's update sees (its own and the other's).
+# A cross sample's ratio outside the stepwise clip range [1 - delta + m * delta_step, 1] carries no
+# gradient; the authors' code uses delta 0.2, the paper's table 0.8 for most pairs: both are run.
+HACPO_WIDE = Variant("hacpo_wide", "HACPO, delta 0.8 (cross ratios clipped to [0.2, 1])",
+                     ("workflow.options.share=true", "algo.options.delta=0.8"))
+REAL_PAIR_ADD_VARIANTS = (HACPO_VARIANTS[0], HACPO_VARIANTS[2], HACPO_VARIANTS[1], HACPO_WIDE)
+CROSS_KEYS = ("cross_clip_fraction", "cross_ratio_mean")
+
+
+def _hacpo_delta(table: "Table", variant: str) -> float:
+    """The stepwise clip's delta a HACPO variant of `table` runs with (its config with its overrides)."""
+    from jmarl.config import load_config
+
+    overrides = next(v.overrides for v in table.variants if v.name == variant)
+    return float(load_config(ROOT / table.config, list(overrides)).algo.options["delta"])
+
+
+def _cross_clip_note(f: Facts) -> str:
+    """How many of each model's cross samples (the other model's rollouts) fell outside the
+    stepwise clip range, where they carry no gradient, under each HACPO variant: each run's mean of
+    train/<model>/cross_clip_fraction over its steps, averaged over the runs that logged it."""
+    parts = []
+    for variant in ("hacpo", "hacpo_wide"):
+        delta = _hacpo_delta(f.table, variant)
+        try:
+            clipped = [f.values(variant, f"mean:train/{m}/cross_clip_fraction") for m in REAL_PAIR_MODELS]
+            ratio = [f.mean(variant, f"mean:train/{m}/cross_ratio_mean") for m in REAL_PAIR_MODELS]
+        except Missing:
+            continue
+        runs = min(len(c) for c in clipped)
+        parts.append(f"with delta {delta:g} (range [{1 - delta:.1f}, 1] at the first mini-batch), "
+                     + ", ".join(f"{m} {statistics.fmean(c.values()):.0%}" for m, c in zip(REAL_PAIR_MODELS, clipped))
+                     + " (mean cross ratio " + " / ".join(f"{r:.2f}" for r in ratio)
+                     + f"; {runs} run{'s' if runs != 1 else ''} per model)")
+    what = ("A cross sample (the other model's rollout, re-tokenised) whose ratio exp(mean log-prob under the learner "
+            "- mean log-prob under its source) falls outside the stepwise clip range carries no gradient. ")
+    if not parts:
+        return what + ("No HACPO run here kept the share of cross samples outside it "
+                       "(train/<model>/cross_clip_fraction): each was made before the table kept that metric.")
+    return (what + "Share of cross samples outside it (train/<model>/cross_clip_fraction, each run's mean over its "
+            "steps): " + "; ".join(parts) + ". Runs made before the table kept this metric have no value here.")
+
+
 REAL_PAIR_ADD = dataclasses.replace(
     REAL_PAIR,
     name="hacpo_real_add",
@@ -754,7 +865,8 @@ REAL_PAIR_ADD = dataclasses.replace(
     "two-operand addition (operands 0-49): held-out greedy success per model on 128 distinct problems",
     config="configs/real/hacpo_add.yaml",
     variants=REAL_PAIR_ADD_VARIANTS,
-    notes=(hacpo_note(REAL_PAIR_MODELS, "the untrained model", doubled=True),) + REAL_PAIR.notes[1:],
+    notes=(hacpo_note(REAL_PAIR_MODELS, "the untrained model", doubled=True),) + REAL_PAIR.notes[1:]
+    + (_cross_clip_note,),
     rows=tuple(Line(v.label, variant=v.name) for v in REAL_PAIR_ADD_VARIANTS),
     comparisons=tuple(
         Comparison("hacpo", baseline, f"eval_{m}/success_rate", f"{m}: HACPO vs {label}")
@@ -762,9 +874,14 @@ REAL_PAIR_ADD = dataclasses.replace(
                                 ("gspo", "GSPO alone, as many samples generated"))
         for m in REAL_PAIR_MODELS
     ) + tuple(
+        Comparison("hacpo_wide", baseline, f"eval_{m}/success_rate", f"{m}: HACPO delta 0.8 vs {label}")
+        for baseline, label in (("gspo_2x", "GSPO alone, as many samples seen"), ("hacpo", "HACPO delta 0.2"))
+        for m in REAL_PAIR_MODELS
+    ) + tuple(
         Comparison(v.name, v.name, f"eval_{m}/success_rate", f"{m}: {v.name} vs the untrained model",
                    baseline_key=f"before_eval_{m}/success_rate") for v in REAL_PAIR_ADD_VARIANTS for m in REAL_PAIR_MODELS
     ),
+    fields=REAL_PAIR.fields + tuple(f"mean:train/{m}/{k}" for m in REAL_PAIR_MODELS for k in CROSS_KEYS),
 )
 
 _LORA = ("policies.mode=lora", "policies.lora.rank=16", "policies.lora.alpha=32.0",
@@ -939,7 +1056,7 @@ REAL_METHODS = Table(
     resume=True,
 )
 
-TABLES: dict[str, Table] = {t.name: t for t in (QUICKSTART, WRITING, HACPO, JOYAGENTS, REAL, REAL_PAIR, REAL_PAIR_ADD, REAL_RECIPE, REAL_HARD, REAL_METHODS)}
+TABLES: dict[str, Table] = {t.name: t for t in (QUICKSTART, WRITING, HACPO, JOYAGENTS, JOYAGENTS_READ, REAL, REAL_PAIR, REAL_PAIR_ADD, REAL_RECIPE, REAL_HARD, REAL_METHODS)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -957,21 +1074,29 @@ def run_command(table: Table, variant: Variant, seed: int, out_dir: Path, steps:
 
 
 def logged_metrics(path: Path) -> dict[str, list[float]]:
-    """Every logged value of every metric in a metrics.jsonl file, in order."""
+    """Every logged value of every metric in a metrics.jsonl file, in order; each value of a line
+    that names its training step also under `step:<n>:<metric>`."""
     logged: dict[str, list[float]] = {}
     if not path.exists():
         return logged
     for line in path.read_text().splitlines():
         if line.strip():
-            for k, v in json.loads(line).items():
+            entry = json.loads(line)
+            step = entry.get("step")
+            for k, v in entry.items():
                 if isinstance(v, (int, float)):
                     logged.setdefault(k, []).append(float(v))
+                    if isinstance(step, int) and k != "step":
+                        logged.setdefault(f"{STEP_PREFIX}{step}:{k}", []).append(float(v))
     return logged
 
 
 def read_value(summary: dict[str, Any], metrics: dict[str, list[float]], key: str) -> float | None:
     """A value of one run: summary[key]; `metrics:<m>`: the last logged value of m;
-    `mean:<m>`: the mean of m over the run's log lines."""
+    `mean:<m>`: the mean of m over the run's log lines; `step:<n>:<m>`: m as logged at step n."""
+    if key.startswith(STEP_PREFIX):
+        values = metrics.get(key)
+        return values[-1] if values else None
     if key.startswith(METRICS_PREFIX):
         values = metrics.get(key[len(METRICS_PREFIX):])
         return values[-1] if values else None

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from _tensorboard import tensorboard_events, tensorboard_points
-from jmarl.train.metrics import (MetricsLogger, figure_of, metric_figures, metric_series, read_metrics,
-                                 rewind_metrics, write_summary)
+from jmarl.train.metrics import (MetricsLogger, figure_of, memory_metrics, metric_figures, metric_series,
+                                 read_metrics, rewind_metrics, write_summary)
 from jmarl.train.progress import ProgressBar
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -296,3 +296,25 @@ def test_signal_metrics_count_groups_whose_rewards_differ():
     assert got["rollout/a/samples"] == 4 and got["rollout/b/samples"] == 2
     assert got["rollout/a/signal_group_fraction"] == 0.5 and got["rollout/b/signal_group_fraction"] == 0.0
     assert signal_metrics([-1], [0], [1.0], ["a"]) == {}
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_memory_metrics_report_the_host_peak_and_the_largest_device_peak():
+    """The host's peak resident set grows with a live allocation of ~64 MiB; the device figure
+    is the largest peak over the devices that report one, and absent when none does (CPU)."""
+    before = memory_metrics()["perf/host_peak_rss_gib"]
+    block = np.ones(64 * 2**20 // 8)  # touched pages count towards the resident set
+    after = memory_metrics()["perf/host_peak_rss_gib"]
+    assert block.sum() > 0 and 0 < before and after >= before
+    assert after > 64 / 1024 * 0.9  # at least the block itself
+    got = memory_metrics([_Device({"peak_bytes_in_use": 2**30}), _Device(None), _Device({"peak_bytes_in_use": 3 * 2**29})])
+    assert got["perf/device_peak_gib"] == 1.5
+    assert set(memory_metrics([_Device(None)])) == {"perf/host_peak_rss_gib"}
+    assert figure_of("perf/host_peak_rss_gib") == "time"

@@ -103,10 +103,11 @@ def test_short_run_writes_outputs_and_export_matches_transformers(tmp_path):
         for p in ("a", "b"):
             assert x[f"rollout/{p}/samples"] == 8
             assert 0 <= x[f"train/{p}/logprob_diff_mean"] <= x[f"train/{p}/logprob_diff_max"] < 1e-3
+        assert x["perf/host_peak_rss_gib"] > 0.1  # the process's peak resident set (a CPU device reports no peak)
     assert list((out / "tensorboard").rglob("events.out.tfevents*"))
     assert list((out / "plots").glob("*.png"))
     saved = json.loads((out / "summary.json").read_text())
-    assert {"success_before", "success_after", "steps", "wall_seconds"} <= set(saved)
+    assert {"success_before", "success_after", "steps", "wall_seconds", "host_peak_rss_gib"} <= set(saved)
     assert saved["steps"] == 2 == summary["steps"]
 
     # the exported policy 'b' loads in transformers and gives jmarl's logits

@@ -162,6 +162,23 @@ def rollout_length_metrics(
     return out
 
 
+def memory_metrics(devices: Sequence[Any] = ()) -> dict[str, float]:
+    """This process's peak memory so far, in GiB: "perf/host_peak_rss_gib", its largest resident
+    set (on a CPU backend the arrays live there too), and where the backend reports it (GPU, TPU;
+    a CPU device reports nothing) "perf/device_peak_gib", the largest `peak_bytes_in_use` over
+    `devices`."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out = {"perf/host_peak_rss_gib": rss * (1 if sys.platform == "darwin" else 1024) / 2**30}
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = [p for p in peaks if p is not None]
+    if peaks:
+        out["perf/device_peak_gib"] = max(peaks) / 2**30
+    return out
+
+
 def signal_metrics(groups: Sequence[int], policies: Sequence[int], rewards: Sequence[float],
                    policy_names: Sequence[str]) -> dict[str, float]:
     """How much learning signal a step's samples carry, from its records' (group, policy, reward).
@@ -322,7 +339,7 @@ FIGURES = (
     ("rollout", "rollouts and rewards", ("rollout", "reward", "plan")),
     ("components", "env step-info values per step (e.g. reward components) and the share non-zero", ()),
     ("loss", "loss, ratios and gradients", ("train", "loss", "kl")),
-    ("time", "time, throughput and utilization", ("time", "perf", "learner")),
+    ("time", "time, throughput, utilization and memory", ("time", "perf", "learner")),
 )
 OTHER_FIGURE = ("other", "other metrics")
 _COLUMNS = 4  # panels per row at most
@@ -354,6 +371,8 @@ def _unit(name: str) -> str:
         return "%"
     if "completion_length" in name:
         return "tokens"
+    if name.endswith("_gib"):
+        return "GiB"
     return ""
 
 

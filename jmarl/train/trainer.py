@@ -49,6 +49,7 @@ from jmarl.train.metrics import (
     MetricsLogger,
     before_summary,
     is_main_process,
+    memory_metrics,
     results_table,
     rewind_metrics,
     rollout_length_metrics,
@@ -419,6 +420,7 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 metrics = self.rl_step()
+                metrics.update(memory_metrics(jax.local_devices()))
                 self.step += 1
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                     metrics.update(self.evaluate())
@@ -438,6 +440,7 @@ class Trainer:
         summary = {
             "success_before": before, "success_after": final.get("eval/success_rate", 0.0), "steps": self.step,
             **self.time_spent(), "attempts": self.attempts, "rollouts_generated": self.rollouts_generated,
+            **{k.replace("perf/", ""): v for k, v in memory_metrics(jax.local_devices()).items()},
             **{k.replace("eval/", "eval_"): v for k, v in final.items()}, **before_fields, **sandbox_summary(),
         }
         write_summary(self.out, summary)

@@ -17,9 +17,13 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     _flags = (_flags + " --xla_backend_optimization_level=0").strip()
 # XLA:CPU's MLIR fusion emitters took half of what remained of a tiny program's compile time; the
 # elemental emitters they replace compute the same HLO (test_lora.py and test_sampler.py with a cold
-# cache: 277 s -> 138 s, every test passing). A JAX whose XLA no longer knows the flag would abort
-# on it, so it is added only where a child process accepts it (probed once, by the controller).
-_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+# cache: 277 s -> 138 s, every test passing). XLA:CPU also splits a program's LLVM module into up to
+# 32 parts to generate code on several threads; with both cores already running a test worker the
+# split only adds work: one part per program cut a config test's backend compile time from
+# 15.2-15.7 s to 12.0-12.5 s (cold cache, 2 busy cores), the generated code being the same. A JAX
+# whose XLA no longer knows a flag would abort on it, so each is added only where a child process
+# accepts it (probed once, by the controller).
+_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def _xla_accepts(flags: str) -> bool:
@@ -33,11 +37,15 @@ def _xla_accepts(flags: str) -> bool:
     return probe.returncode == 0
 
 
-if (os.environ["JAX_PLATFORMS"] == "cpu" and "xla_cpu_use_fusion_emitters" not in _flags
-        and os.environ.get("JMARL_TEST_EMITTERS_PROBED") != "1"):
-    os.environ["JMARL_TEST_EMITTERS_PROBED"] = "1"  # the xdist workers inherit the answer
-    if _xla_accepts(f"{_flags} {_EMITTERS}"):
-        _flags = f"{_flags} {_EMITTERS}"
+if os.environ["JAX_PLATFORMS"] == "cpu" and os.environ.get("JMARL_TEST_COMPILE_FLAGS_PROBED") != "1":
+    os.environ["JMARL_TEST_COMPILE_FLAGS_PROBED"] = "1"  # the xdist workers inherit the answer
+    _wanted = [f for f in _COMPILE_FLAGS if f.split("=")[0] not in _flags]
+    if _wanted and _xla_accepts(" ".join([_flags, *_wanted])):
+        _flags = " ".join([_flags, *_wanted])
+    else:  # one of them unknown to this XLA: keep the ones it accepts
+        for _flag in _wanted:
+            if _xla_accepts(f"{_flags} {_flag}"):
+                _flags = f"{_flags} {_flag}"
 os.environ["XLA_FLAGS"] = _flags
 # Under xdist every core already runs a worker: torch's and OpenBLAS's own thread pools (one thread
 # a core by default) then oversubscribe the machine. Each worker gets its share of the cores

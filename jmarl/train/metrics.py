@@ -22,6 +22,8 @@ import json
 import math
 import numbers
 import os
+import resource
+import sys
 import textwrap
 from collections import defaultdict
 from pathlib import Path
@@ -167,9 +169,6 @@ def memory_metrics(devices: Sequence[Any] = ()) -> dict[str, float]:
     set (on a CPU backend the arrays live there too), and where the backend reports it (GPU, TPU;
     a CPU device reports nothing) "perf/device_peak_gib", the largest `peak_bytes_in_use` over
     `devices`."""
-    import resource
-    import sys
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out = {"perf/host_peak_rss_gib": rss * (1 if sys.platform == "darwin" else 1024) / 2**30}
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]

@@ -12,7 +12,9 @@ counts and its 25 slowest tests (pytest's --durations) go into results/suite_tim
 with the provenance record (tests/ counted as code too); the README's suite figures render from
 those files (scripts/figures.py). The record also keeps each test file's total seconds, from the
 durations file tests/conftest.py writes at the end of every run (jmarl-test-durations-<time>.json
-in the temporary directory; any run leaves one, CI's too):
+in the temporary directory; any run leaves one, CI's too), and the CPU time the run used (its
+processes' user + system seconds) against what the machine's cores offered over the wall time:
+near 1 when the cores are the bound, lower when workers waited (on subprocesses, sleeps or I/O):
 
     python scripts/suite_time.py --files /tmp/jmarl-test-durations-<time>.json   # costliest files
 """
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -78,6 +81,18 @@ def file_totals(durations: dict[str, Any], most: int = 25) -> list[dict[str, Any
     return [{"file": name, "seconds": seconds, "tests": counts.get(name, 0)} for name, seconds in ranked]
 
 
+def cpu_use(cpu_seconds: float, wall_seconds: float, cores: int) -> dict[str, float | int]:
+    """The run's CPU seconds and the share of the cores' capacity over its wall time they were."""
+    return {"cpu_seconds": cpu_seconds, "cores": cores,
+            "core_utilization": cpu_seconds / (wall_seconds * cores) if wall_seconds > 0 else 0.0}
+
+
+def children_cpu_seconds() -> float:
+    """User + system seconds of this process's waited-for descendants so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run(tier: str, cache: Path) -> dict[str, Any]:
     """Runs the tier's command with TMPDIR=`cache`, echoing its output; its record."""
     cache.mkdir(parents=True, exist_ok=True)
@@ -88,7 +103,7 @@ def run(tier: str, cache: Path) -> dict[str, Any]:
     record = provenance.record("python " + " ".join(COMMANDS[tier][:2]) + " " + " ".join(
         f'"{a}"' if " " in a else a for a in COMMANDS[tier][2:]))
     record.update(provenance.code_state(ROOT, (*provenance.WATCHED_PATHS, "tests")))
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), children_cpu_seconds()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -96,10 +111,11 @@ def run(tier: str, cache: Path) -> dict[str, Any]:
         lines.append(line)
     proc.wait()
     wall = time.perf_counter() - start
+    cpu = cpu_use(children_cpu_seconds() - cpu_start, wall, os.cpu_count() or 1)
     durations = newest_durations(cache)
     files = file_totals(json.loads(durations.read_text())) if durations else []
     return {"tier": tier, "cache": "cold" if cold else "warm", "exit_code": proc.returncode,
-            "wall_seconds": wall, "wall_minutes": wall / 60, **parse("".join(lines)), "costliest_files": files,
+            "wall_seconds": wall, "wall_minutes": wall / 60, **cpu, **parse("".join(lines)), "costliest_files": files,
             provenance.KEY: record}
 
 
@@ -126,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[suite_time] {result['tier']} tier, {result['cache']} cache: {result['wall_seconds']:.0f} s, "
-          f"{result['counts']}, exit {result['exit_code']} -> {out}")
+          f"{result['core_utilization']:.0%} of {result['cores']} cores, {result['counts']}, exit {result['exit_code']} -> {out}")
     return result["exit_code"]
 
 

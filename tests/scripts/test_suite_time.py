@@ -71,3 +71,17 @@ def test_every_run_leaves_its_durations_in_the_temporary_directory(tmp_path):
     assert record["exit_status"] == 0
     assert set(record["tests"][test]) == {"setup", "call", "teardown"}
     assert record["files"]["tests/scripts/test_suite_time.py"] == round(sum(record["tests"][test].values()), 3)
+
+
+def test_cpu_use_is_the_share_of_the_cores_capacity_over_the_wall_time():
+    assert suite_time.cpu_use(150.0, 100.0, 2) == {"cpu_seconds": 150.0, "cores": 2, "core_utilization": 0.75}
+    assert suite_time.cpu_use(0.0, 0.0, 2)["core_utilization"] == 0.0
+
+
+def test_children_cpu_seconds_counts_a_finished_subprocess():
+    import subprocess
+    import sys
+
+    before = suite_time.children_cpu_seconds()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    assert suite_time.children_cpu_seconds() - before > 0.05

@@ -77,9 +77,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The widest vector extension a CPU offers, by its /proc/cpuinfo flag, widest first. XLA:CPU
+# generates code for the host's extensions, so runs of the same code and seed on CPUs that differ
+# here round differently and drift apart: a CPU model name alone ("AMD EPYC") does not tell them.
+_VECTOR_FLAGS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4.2"),
+                 ("sve", "SVE"), ("asimd", "NEON"))
+
+
+def vector_extension(flags: str | None = None) -> str | None:
+    """The widest vector extension among the CPU's flags (`flags`: a /proc/cpuinfo flags or
+    Features line's words; default this machine's), e.g. "AVX-512"; None when unknown."""
+    if flags is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.partition(":")[2] for line in f if line.startswith(("flags", "Features"))), "")
+        except OSError:
+            return None
+    have = set(flags.split())
+    return next((name for flag, name in _VECTOR_FLAGS if flag in have), None)
+
+
 def machine() -> str:
     """What measured: the accelerator's name and count when JAX (already imported) runs on one,
-    else the CPU model and this process's CPU count."""
+    else the CPU model, its widest vector extension and this process's CPU count."""
     jax = sys.modules.get("jax")
     if jax is not None:
         try:
@@ -92,7 +112,8 @@ def machine() -> str:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 0
-    return f"{cpu_model()}, {cpus} CPUs"
+    vector = vector_extension()
+    return f"{cpu_model()}{f' ({vector})' if vector else ''}, {cpus} CPUs"
 
 
 def library_versions(libraries: Sequence[str] = LIBRARIES) -> dict[str, str]:

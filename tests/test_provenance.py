@@ -79,3 +79,15 @@ def test_a_record_has_every_field_and_missing_names_the_gaps():
     assert record["command"] == "python -m x" and "jax" in record["versions"] and record["machine"]
     assert provenance.missing({}) == list(provenance.FIELDS)
     assert provenance.missing({provenance.KEY: {**record, "command": ""}}) == ["command"]
+
+
+def test_the_machine_names_the_cpus_widest_vector_extension():
+    """XLA:CPU compiles for the host's vector extensions, so two CPUs of one model name that
+    differ in them give different numbers: the machine string tells them apart."""
+    assert provenance.vector_extension("fpu sse4_2 avx avx2 fma") == "AVX2"
+    assert provenance.vector_extension("fpu avx2 avx512f avx512bw") == "AVX-512"
+    assert provenance.vector_extension("fp asimd sve") == "SVE" and provenance.vector_extension("fp asimd") == "NEON"
+    assert provenance.vector_extension("fpu") is None
+    vector = provenance.vector_extension()
+    if vector is not None:  # a CPU backend: the name carries it
+        assert f"({vector}), " in provenance.machine()

@@ -306,6 +306,31 @@ def test_a_run_records_the_code_it_ran_on(tmp_path):
     assert failed["error"] == "exit status 1" and failed["commit"] == "abc1234"
 
 
+def test_a_run_records_the_machine_it_ran_on_and_the_header_names_it(tmp_path):
+    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5}))
+    cmd = evidence.run_command(table, variant, 0, out, None)
+    ran_on = dict(HERE, machine="Some CPU (AVX2), 2 CPUs")
+    usage = types.SimpleNamespace(ru_utime=1.5, ru_stime=0.5)
+    assert evidence.finish_run(table, variant, 0, (None, cmd, out, time.perf_counter(), ran_on), 0, usage)["machine"] \
+        == "Some CPU (AVX2), 2 CPUs"
+    assert evidence.finished_row(table, variant, 0, out, cmd, HERE)["machine"] == "Some CPU (AVX2), 2 CPUs"  # reused
+
+    result = _committed("hacpo")
+    runs = [r for v in result["variants"].values() for r in v["runs"]]
+    for r in runs:
+        r["machine"] = "Some CPU (AVX2), 2 CPUs"
+    header = evidence.markdown(evidence.HACPO, result).splitlines()[0]
+    assert ", Some CPU (AVX2), 2 CPUs, jax " in header and "machines:" not in header
+    runs[0]["machine"] = "Some CPU (AVX-512), 2 CPUs"
+    del runs[1]["machine"]
+    line = evidence.machine_line(result)
+    assert line.startswith("machines: ") and f"Some CPU (AVX2), 2 CPUs ({len(runs) - 2} runs)" in line
+    assert "Some CPU (AVX-512), 2 CPUs (1 run)" in line and "not recorded (1 run; the JSON was written on " in line
+
+
 def test_a_resumable_run_continues_only_its_own_command_on_its_own_code(tmp_path, monkeypatch):
     table, variant = evidence.REAL, evidence.REAL.variants[0]
     out = tmp_path / "run"

@@ -1210,6 +1210,23 @@ def code_line(result: dict[str, Any]) -> str:
     return "code: mixed: " + line
 
 
+def machine_line(result: dict[str, Any]) -> str:
+    """The header's machine: the one every run recorded (`provenance.machine`); else each
+    machine with its number of runs, runs made before rows kept it counted as "not recorded",
+    beside the machine that wrote the JSON. Runs of one code and seed on CPUs with different
+    vector extensions give different numbers, so a table says where its runs ran."""
+    rows = [r for v in result["variants"].values() for r in v["runs"]]
+    counts = collections.Counter(r.get("machine") for r in rows)
+    if len(counts) == 1 and None not in counts:
+        return next(iter(counts))
+    parts = [f"{m} ({n} run{'' if n == 1 else 's'})" for m, n in counts.items() if m is not None]
+    if None in counts:
+        written_on = (result.get(provenance.KEY) or {}).get("machine") or result["versions"]["machine"]
+        parts.append(f"not recorded ({counts[None]} run{'' if counts[None] == 1 else 's'}; the JSON was "
+                     f"written on {written_on})")
+    return "machines: " + ", ".join(parts)
+
+
 def _row_of(table: Table, variant: Variant, seed: int, out_dir: Path, wall: float, cpu: float,
             code: int, ran_on: dict[str, Any] | None = None) -> dict[str, Any]:
     """The result row of one finished run: its cell values (or its error), wall and CPU seconds,
@@ -1243,7 +1260,7 @@ def finished_row(table: Table, variant: Variant, seed: int, out_dir: Path, cmd: 
     saved = json.loads(record.read_text())
     if saved.get("argv") != list(cmd[1:]) or not (out_dir / "summary.json").exists():
         return None
-    ran_on = {k: saved[k] for k in ("commit", "dirty", "diff", "attempts") if k in saved}
+    ran_on = {k: saved[k] for k in ("commit", "dirty", "diff", "attempts", "machine") if k in saved}
     if not other_code and not equivalent_code(ran_on, current or {}):
         if passed is not None:
             passed.append(ran_on)
@@ -1311,11 +1328,11 @@ def prepare_run_dir(out_dir: Path, cmd: Sequence[str], code: dict[str, Any]) -> 
 def start_run(table: Table, variant: Variant, seed: int, runs_root: Path, steps: int | None,
               cpus: Sequence[int] | None = None) -> Started:
     """Starts one (variant, seed) run in its own process (pinned to `cpus` when given), noting
-    the code it starts on (the process imports it as it starts)."""
+    the code it starts on (the process imports it as it starts) and the machine (`machine`)."""
     out_dir = runs_root / table.name / variant.name / f"seed_{seed}"
     cmd = run_command(table, variant, seed, out_dir, steps)
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-    ran_on = code_state()
+    ran_on = {**code_state(), "machine": provenance.machine()}
     if table.resume:
         attempt = prepare_run_dir(out_dir, cmd, ran_on)
         if attempt > 1:
@@ -1640,7 +1657,7 @@ def markdown(table: Table, result: dict[str, Any]) -> str:
     cpu_text = f", {sum(cpus) / 60:.0f} CPU-min" if len(cpus) == len(walls) else ""
     lines = [
         f"**{table.title}.** Mean ± sample std over seeds {', '.join(map(str, seeds))}; {steps_text}; "
-        f"{result['date']}, {result['versions']['machine']}, jax {result['versions']['jax']}; "
+        f"{result['date']}, {machine_line(result)}, jax {result['versions']['jax']}; "
         f"{len(walls)} runs, {sum(walls) / 60:.0f} min of run wall time{cpu_text}; {code_line(result)}.",
         "",
         f"Command: `{result['command']}` (config `{table.config}`, overrides in `results/evidence_{table.name}.json`)",

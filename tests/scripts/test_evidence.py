@@ -285,14 +285,19 @@ def test_finished_runs_are_reused_only_for_the_same_command(tmp_path):
     assert evidence.finished_row(table, variant, 3, out, cmd, HERE) is None
 
 
-def test_a_run_records_the_code_it_ran_on(tmp_path):
+def _writing_run_dir(tmp_path):
+    """(table, variant, output dir, command, usage) of a finished Writing run's directory."""
     table, variant = evidence.WRITING, evidence.WRITING.variants[0]
     out = tmp_path / "run"
     out.mkdir()
     (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5}))
     cmd = evidence.run_command(table, variant, 0, out, None)
+    return table, variant, out, cmd, types.SimpleNamespace(ru_utime=1.5, ru_stime=0.5)
+
+
+def test_a_run_records_the_code_it_ran_on(tmp_path):
+    table, variant, out, cmd, usage = _writing_run_dir(tmp_path)
     dirty = {"commit": "abc1234", "dirty": True, "diff": "0123456789ab"}
-    usage = types.SimpleNamespace(ru_utime=1.5, ru_stime=0.5)
     row = evidence.finish_run(table, variant, 0, (None, cmd, out, time.perf_counter(), dirty), 0, usage)
     assert (row["commit"], row["dirty"], row["diff"], row["cpu_seconds"]) == ("abc1234", True, "0123456789ab", 2.0)
     record = json.loads((out / evidence.RUN_RECORD).read_text())
@@ -307,13 +312,8 @@ def test_a_run_records_the_code_it_ran_on(tmp_path):
 
 
 def test_a_run_records_the_machine_it_ran_on_and_the_header_names_it(tmp_path):
-    table, variant = evidence.WRITING, evidence.WRITING.variants[0]
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "summary.json").write_text(json.dumps({"eval_team_reward": 2.5}))
-    cmd = evidence.run_command(table, variant, 0, out, None)
+    table, variant, out, cmd, usage = _writing_run_dir(tmp_path)
     ran_on = dict(HERE, machine="Some CPU (AVX2), 2 CPUs")
-    usage = types.SimpleNamespace(ru_utime=1.5, ru_stime=0.5)
     assert evidence.finish_run(table, variant, 0, (None, cmd, out, time.perf_counter(), ran_on), 0, usage)["machine"] \
         == "Some CPU (AVX2), 2 CPUs"
     assert evidence.finished_row(table, variant, 0, out, cmd, HERE)["machine"] == "Some CPU (AVX2), 2 CPUs"  # reused

@@ -403,9 +403,13 @@ def test_commits_that_change_no_run_path_are_equivalent_code(tmp_path, monkeypat
     }}
     assert evidence.paired_values(result, comparison) == [(0, 0.5, 0.1)]
     assert evidence.code_summary(result)["mixed"] and "code: mixed:" in evidence.code_line(result)
+    assert evidence._code_short(result).startswith("mixed: ")
     result["variants"]["single"]["runs"][1] = run(1, 0.2, docs)
     assert [s for s, _, _ in evidence.paired_values(result, comparison)] == [0, 1]
     assert not evidence.code_summary(result)["mixed"] and "(the same code)" in evidence.code_line(result)
+    # a README sentence names the commits and says they are one code, without the header's run counts
+    labels = list(evidence.code_summary(result)["runs"])
+    assert evidence._code_short(result) == f"{labels[0]} and {labels[1]}, the same run code"
     evidence.run_tree.cache_clear()
 
 

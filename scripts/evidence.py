@@ -885,6 +885,37 @@ def _hacpo_real_headline(f: Facts) -> str:
             f"for Gemma 3 over {n} paired seeds.")
 
 
+def _real_pair_add_rollout_note(f: Facts) -> str:
+    """Each variant's training rollouts per model (own-sample success and the share cut at
+    max_new_tokens, each run's mean over its steps, then over seeds), and across every run how a
+    model's held-out success follows its rollouts' truncation (Pearson r over runs)."""
+    parts, runs = [], {m: [] for m in REAL_PAIR_MODELS}
+    for v in REAL_PAIR_ADD_VARIANTS:
+        try:
+            per = []
+            for i, m in enumerate(REAL_PAIR_MODELS):
+                cut = f.values(v.name, f"mean:rollout/{m}/truncated_fraction")
+                after = f.values(v.name, f"eval_{m}/success_rate")
+                runs[m] += [(cut[s], after[s]) for s in cut.keys() & after.keys()]
+                per.append(f"{m} {f.mean(v.name, f'mean:hacpo/success_{i}'):.0%} right, "
+                           f"{statistics.fmean(cut.values()):.0%} cut")
+        except Missing:
+            continue
+        parts.append(f"{v.name}: " + ", ".join(per))
+    if not parts:
+        raise Missing("training rollouts")
+    text = ("Training rollouts (temperature 1; each model's own samples, hacpo/success_i and "
+            "rollout/<model>/truncated_fraction, each run's mean over its steps, then over seeds): " + "; ".join(parts)
+            + ".")
+    linked = [f"{m} r = {statistics.correlation(*zip(*pairs)):+.2f} over {len(pairs)} runs"
+              for m, pairs in runs.items() if len(pairs) >= 3 and len({c for c, _ in pairs}) > 1
+              and len({a for _, a in pairs}) > 1]
+    if linked:
+        text += (" Across runs, held-out success against the share of the model's own rollouts cut (Pearson): "
+                 + "; ".join(linked) + ".")
+    return text
+
+
 REAL_PAIR_ADD = dataclasses.replace(
     REAL_PAIR,
     name="hacpo_real_add",
@@ -892,8 +923,8 @@ REAL_PAIR_ADD = dataclasses.replace(
     "two-operand addition (operands 0-49): held-out greedy success per model on 128 distinct problems",
     config="configs/real/hacpo_add.yaml",
     variants=REAL_PAIR_ADD_VARIANTS,
-    notes=(hacpo_note(REAL_PAIR_MODELS, "the untrained model", doubled=True),) + REAL_PAIR.notes[1:]
-    + (_cross_clip_note,),
+    notes=(hacpo_note(REAL_PAIR_MODELS, "the untrained model", doubled=True), _real_pair_add_rollout_note,
+           REAL_PAIR.notes[2], _cross_clip_note),
     rows=tuple(Line(v.label, variant=v.name) for v in REAL_PAIR_ADD_VARIANTS),
     comparisons=tuple(
         Comparison("hacpo", baseline, f"eval_{m}/success_rate", f"{m}: HACPO vs {label}")

@@ -874,6 +874,9 @@ def _hacpo_real_headline(f: Facts) -> str:
             f"reaches **{gemma['variant_mean']:.1%} against {gemma['baseline_mean']:.1%} alone, "
             f"{points(gemma['difference'])} points** over {_paired_tail(f, gemma, 'HACPO higher')}; SmolLM2 reaches "
             f"{smol['variant_mean']:.1%} against {smol['baseline_mean']:.1%}, {_said_points(smol, _ahead_on(smol))}.")
+    said = {"holds": "holds", "reversed": "is reversed", "undecided": "is undecided"}
+    text += (f" So the paper's claim, that each model gains from the other's rollouts, {said[gemma['verdict']]} here "
+             f"for Gemma 3, the weaker model, and {said[smol['verdict']]} for SmolLM2.")
     try:
         narrow = {m: f.pair("hacpo", "gspo_2x", key.format(m)) for m in ("smollm2", "gemma3")}
     except Missing:

@@ -883,8 +883,9 @@ def _hacpo_real_headline(f: Facts) -> str:
     except Missing:
         return text
     n = min(st["n"] for st in narrow.values())
-    return (text + f" At the authors' code's delta {_hacpo_delta(f.table, 'hacpo'):g}, where a cross sample whose "
-            f"ratio leaves [{1 - _hacpo_delta(f.table, 'hacpo'):.1f}, 1] carries no gradient, the difference is "
+    delta = _hacpo_delta(f.table, "hacpo")
+    return (text + f" At the authors' code's delta {delta:g}, where a cross sample whose "
+            f"ratio leaves [{1 - delta:.1f}, 1] carries no gradient, the difference is "
             f"{points(narrow['smollm2']['difference'])} points for SmolLM2 and {points(narrow['gemma3']['difference'])} "
             f"for Gemma 3 over {n} paired seeds.")
 
@@ -1268,16 +1269,22 @@ def code_summary(result: dict[str, Any]) -> dict[str, Any]:
     return {"runs": dict(counts), "mixed": len(counts) > 1 and not same}
 
 
+def _runs(n: int) -> str:
+    """"1 run", "3 runs"."""
+    return f"{n} run{'' if n == 1 else 's'}"
+
+
 def code_line(result: dict[str, Any]) -> str:
     """The header's "code: ..." of a result: its runs' commit(s), "mixed: a (n runs), b (m runs)"
     when they differ."""
-    runs = code_summary(result)["runs"]
+    summary = code_summary(result)
+    runs = summary["runs"]
     if not runs:
         return "code: no runs"
     if len(runs) == 1:
         return f"code: {next(iter(runs))}"
-    line = ", ".join(f"{label} ({n} run{'' if n == 1 else 's'})" for label, n in runs.items())
-    if not code_summary(result)["mixed"]:
+    line = ", ".join(f"{label} ({_runs(n)})" for label, n in runs.items())
+    if not summary["mixed"]:
         return f"code: {line}, commits that differ only outside {', '.join(RUN_PATHS)} (the same code)"
     return "code: mixed: " + line
 
@@ -1291,10 +1298,10 @@ def machine_line(result: dict[str, Any]) -> str:
     counts = collections.Counter(r.get("machine") for r in rows)
     if len(counts) == 1 and None not in counts:
         return next(iter(counts))
-    parts = [f"{m} ({n} run{'' if n == 1 else 's'})" for m, n in counts.items() if m is not None]
+    parts = [f"{m} ({_runs(n)})" for m, n in counts.items() if m is not None]
     if None in counts:
         written_on = (result.get(provenance.KEY) or {}).get("machine") or result["versions"]["machine"]
-        parts.append(f"not recorded ({counts[None]} run{'' if counts[None] == 1 else 's'}; the JSON was "
+        parts.append(f"not recorded ({_runs(counts[None])}; the JSON was "
                      f"written on {written_on})")
     return "machines: " + ", ".join(parts)
 
